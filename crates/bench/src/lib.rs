@@ -1,0 +1,1 @@
+//! mbal-bench (under construction)

@@ -1,0 +1,1 @@
+//! mbal-proto (under construction)

@@ -1,0 +1,1 @@
+//! mbal-server (under construction)

@@ -1,0 +1,1 @@
+//! mbal-store (under construction)

@@ -1,1 +1,216 @@
-//! mbal-store (under construction)
+//! mbal-store: the cachelet store (MBal §2.1–2.4, with segcache-style item memory).
+//!
+//! # Memory hierarchy
+//! * [`GlobalPool`] (one per server, behind an `Arc`) holds the `-m` budget as fixed-size pages
+//!   (default 64 KiB). Page buffers are allocated lazily on first use and recycled; at most
+//!   `mem_limit / page_size` pages exist (pages charged for large items included). It is the only
+//!   lock, a `Mutex` touched once per bulk refill/return, never per operation.
+//! * [`WorkerStore`] (one per worker thread) keeps a local free-page pool. When empty it takes
+//!   `refill_pages` pages at once; when a page is freed and it holds more than `local_high_pages`
+//!   free pages while the global pool has fewer than `global_low_pages` available, it gives the
+//!   excess back in bulk (MBal's THR_MEM_HIGH_THRESH / GLOB_MEM_LOW_THRESH).
+//! * A [`Cachelet`] owns its pages as append-only *segments* (log-structured, like Pelikan's
+//!   segcache) plus its index. So moving a cachelet between workers
+//!   ([`WorkerStore::take_cachelet`] / [`WorkerStore::insert_cachelet`]) moves a `Box` and
+//!   copies no item.
+//!
+//! # Items
+//! An item is written at the end of its cachelet's open segment: a 40-byte header (key hash,
+//! 64-bit CAS, exptime, set time, last access, client flags, value length, key length, bits
+//! dead/fetched/stale/win, slack), then key, then value, padded to 8 bytes. Overwrites and deletes
+//! mark the old copy dead and count its bytes as dead in its segment; a segment with no live item
+//! is freed at once (unless it is the open one), a mostly-dead segment is compacted by
+//! [`WorkerStore::sweep`]. Items larger than a page get a dedicated "large" segment sized to
+//! the item, charged as `ceil(size / page)` pages against the same budget.
+//!
+//! # Index
+//! Per cachelet a `hashbrown::HashTable<Entry>` of 16-byte entries `{hash, segment slot,
+//! offset}`: open addressing with SIMD control groups (one probe usually touches one cache line
+//! of control bytes and one entry), and `HashTable` lets us supply the caller's hash (computed
+//! once per request with `mbal_cluster::key_hash`) instead of rehashing. hashbrown uses the top
+//! 7 bits and low bits of that hash; the VN uses bits 32..46, so they do not correlate badly.
+//! The key is compared in the segment. Index memory is outside the page budget (documented
+//! overhead: ~16–32 bytes per item).
+//!
+//! # Eviction (approximate LRU, per worker)
+//! All segments of the worker's cachelets are ordered by creation sequence. When a worker finds
+//! no free page locally nor globally it evicts its oldest segment (FIFO), removing its live items
+//! from their index. Second chance: once the worker has had to evict, a GET hit on an item whose
+//! segment lies in the oldest quarter of the worker's segments copies the item to its
+//! cachelet's open segment (if room is at hand without evicting) and marks the old copy dead.
+//! With `evict = false` (memcached `-M`) a full store answers `OutOfMemory`.
+//! Known limit: a worker whose cachelets hold no segment and that finds the global pool empty
+//! cannot evict another worker's items; it answers `OutOfMemory`. The server can ask the
+//! hoarding worker to call [`WorkerStore::shed_pages`].
+//!
+//! # Time, expiry, flush
+//! `now` is whole seconds since process start. Stored exptimes are `now`-based (0 = never);
+//! see [`rel_exptime`] for memcached's conversion. Expired items are misses and are reclaimed
+//! when looked up; [`WorkerStore::sweep`] walks segments incrementally to drop expired/flushed
+//! items and to free/compact mostly-dead segments. `flush_all(at)` follows memcached's
+//! `oldest_live`: once `now >= at`, every item set at or before `at` is invalid. An immediate
+//! flush (`at <= last now seen`) also records the CAS counter so that items stored later in the
+//! same second survive. Flush state lives in each cachelet, so it travels with it.
+//!
+//! # CAS
+//! `cas = (per-worker counter << 16) | worker_id`: unique across the workers of a server (and
+//! across a cluster if worker ids are made unique). On `insert_cachelet` the worker's counter is
+//! raised above every CAS the cachelet has seen, so counters stay monotone per cachelet. With
+//! `cas_enabled = false` (memcached `-C`) reported CAS values are 0 and a `cas` operation on an
+//! existing item always matches (memcached behaves the same way).
+//!
+//! # Threads
+//! None. A `WorkerStore` is used by one thread; a `Cachelet` is `Send`.
+
+mod item;
+mod pool;
+mod store;
+
+pub use pool::{GlobalPool, PoolStats};
+pub use store::{Cachelet, CacheletStats, WorkerStats, WorkerStore};
+
+/// Memcached's relative/absolute exptime boundary: 30 days.
+pub const REALTIME_MAXDELTA: i64 = 60 * 60 * 24 * 30;
+
+/// Per-worker store configuration.
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    /// `-m`: total budget in bytes (the GlobalPool's; kept here for `limit_maxbytes`).
+    pub mem_limit: usize,
+    /// Page size in bytes (default 64 KiB).
+    pub page_size: usize,
+    /// `-I`: largest item (header + key + value) accepted.
+    pub max_item_size: usize,
+    /// false = memcached `-M`: return `OutOfMemory` instead of evicting.
+    pub evict: bool,
+    /// false = memcached `-C`: CAS values are 0.
+    pub cas_enabled: bool,
+    /// Pages taken from the global pool per refill.
+    pub refill_pages: usize,
+    /// THR_MEM_HIGH_THRESH: local free pages above which pages may go back.
+    pub local_high_pages: usize,
+    /// GLOB_MEM_LOW_THRESH: global available pages below which workers give pages back.
+    pub global_low_pages: usize,
+    /// Unix time of process start (`now == 0`), to convert absolute exptimes.
+    pub start_unix: u64,
+    /// Embedded in the low 16 bits of every CAS value.
+    pub worker_id: u16,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            mem_limit: 64 << 20,
+            page_size: 64 << 10,
+            max_item_size: 1 << 20,
+            evict: true,
+            cas_enabled: true,
+            refill_pages: 16,
+            local_high_pages: 64,
+            global_low_pages: 32,
+            start_unix: 0,
+            worker_id: 0,
+        }
+    }
+}
+
+/// Store mode of [`WorkerStore::store`]. A `cas: Some(_)` argument adds the CAS check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Set,
+    Add,
+    Replace,
+    Append,
+    Prepend,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreResult {
+    Stored { cas: u64 },
+    NotStored,
+    Exists,
+    NotFound,
+    TooLarge,
+    OutOfMemory,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeleteResult {
+    Deleted,
+    NotFound,
+    Exists,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ArithResult {
+    Value { value: u64, cas: u64 },
+    NotFound,
+    NonNumeric,
+}
+
+/// A borrowed view of a live item.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ItemView<'a> {
+    pub key: &'a [u8],
+    pub value: &'a [u8],
+    pub flags: u32,
+    pub cas: u64,
+    /// 0 = never, else the `now`-based second at which it expires.
+    pub exptime: u32,
+    pub last_access: u32,
+    /// Whether it had been fetched before this access.
+    pub fetched_before: bool,
+    pub stale: bool,
+    pub win: bool,
+}
+
+/// The item bits [`WorkerStore::update`] may change in place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MetaBits {
+    /// 0 = never, else `now`-based expiry second (use [`rel_exptime`]).
+    pub exptime: u32,
+    pub stale: bool,
+    pub win: bool,
+    pub cas: u64,
+}
+
+/// Convert a protocol exptime to a `now`-based one. `None` = already expired; `Some(0)` = never.
+/// 1..=30 days: relative seconds; larger: absolute unix time; negative: expired.
+pub fn rel_exptime(exptime: i64, now: u32, start_unix: u64) -> Option<u32> {
+    if exptime == 0 {
+        return Some(0);
+    }
+    if exptime < 0 {
+        return None;
+    }
+    if exptime <= REALTIME_MAXDELTA {
+        return Some((now as u64 + exptime as u64).min(u32::MAX as u64) as u32);
+    }
+    let abs = exptime as u64;
+    if abs <= start_unix {
+        return None;
+    }
+    let rel = abs - start_unix;
+    if rel <= now as u64 {
+        return None;
+    }
+    Some(rel.min(u32::MAX as u64) as u32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exptime_conversion() {
+        assert_eq!(rel_exptime(0, 100, 1_000_000_000), Some(0));
+        assert_eq!(rel_exptime(-1, 100, 1_000_000_000), None);
+        assert_eq!(rel_exptime(10, 100, 1_000_000_000), Some(110));
+        assert_eq!(rel_exptime(REALTIME_MAXDELTA, 0, 1_000_000_000), Some(2_592_000));
+        // absolute: start + 150 while now = 100 -> expires at 150
+        assert_eq!(rel_exptime(1_000_000_150, 100, 1_000_000_000), Some(150));
+        // absolute in the past
+        assert_eq!(rel_exptime(1_000_000_050, 100, 1_000_000_000), None);
+        assert_eq!(rel_exptime(REALTIME_MAXDELTA + 1, 100, 1_000_000_000), None);
+    }
+}

@@ -1,0 +1,1148 @@
+//! Cachelets (index + segments) and the per-worker store. See the crate docs for the design.
+
+use crate::item::{footprint, It, DEAD, FETCHED, MAX_KEY, STALE, WIN};
+use crate::pool::{GlobalPool, Page};
+use crate::{
+    rel_exptime, ArithResult, DeleteResult, ItemView, MetaBits, Mode, StoreConfig, StoreResult,
+};
+use hashbrown::HashTable;
+use std::collections::BTreeSet;
+use std::ops::Bound;
+use std::sync::Arc;
+
+/// Index entry: the caller's key hash and the item's location.
+#[derive(Clone, Copy, Debug)]
+struct Entry {
+    hash: u64,
+    seg: u32,
+    off: u32,
+}
+
+/// An append-only segment: one page, or one dedicated buffer for a large item.
+struct Segment {
+    buf: Box<[u8]>,
+    used: usize,
+    live_items: u32,
+    live_bytes: usize,
+    dead_bytes: usize,
+    /// Creation sequence (eviction order).
+    seq: u64,
+    /// 0 for a normal page; else the pages charged for this large item.
+    large_pages: usize,
+}
+
+/// Per-cachelet counters (plain integers; the balancer reads them via [`Cachelet::stats`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CacheletStats {
+    pub items: u64,
+    /// Live item bytes (item footprints: header + key + value + padding).
+    pub bytes: u64,
+    /// Pages held (segments, large items counted by their charge).
+    pub pages: u64,
+    pub reads: u64,
+    pub writes: u64,
+    pub hits: u64,
+    pub misses: u64,
+}
+
+/// A partition of the key space: its index, its segments (pages) and its counters.
+pub struct Cachelet {
+    id: u32,
+    index: HashTable<Entry>,
+    segs: Vec<Option<Segment>>,
+    free_slots: Vec<u32>,
+    open: Option<u32>,
+    st: CacheletStats,
+    flush_active: bool,
+    flush_at: u32,
+    /// CAS counter bound of the last flush (u64::MAX for a delayed flush: time only).
+    flush_ctr: u64,
+    /// CAS counter of the worker it was taken from.
+    cas_floor: u64,
+}
+
+impl Cachelet {
+    pub fn new(id: u32) -> Box<Self> {
+        Box::new(Cachelet {
+            id,
+            index: HashTable::new(),
+            segs: Vec::new(),
+            free_slots: Vec::new(),
+            open: None,
+            st: CacheletStats::default(),
+            flush_active: false,
+            flush_at: 0,
+            flush_ctr: 0,
+            cas_floor: 0,
+        })
+    }
+
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    pub fn stats(&self) -> CacheletStats {
+        self.st
+    }
+
+    /// Reset the read/write/hit/miss counters (e.g. at a balancer epoch), keeping gauges.
+    pub fn reset_counters(&mut self) {
+        self.st.reads = 0;
+        self.st.writes = 0;
+        self.st.hits = 0;
+        self.st.misses = 0;
+    }
+
+    #[inline]
+    fn seg(&self, s: u32) -> &Segment {
+        self.segs[s as usize].as_ref().expect("live segment slot")
+    }
+
+    #[inline]
+    fn seg_mut(&mut self, s: u32) -> &mut Segment {
+        self.segs[s as usize].as_mut().expect("live segment slot")
+    }
+
+    #[inline]
+    fn lookup(&self, hash: u64, key: &[u8]) -> Option<(u32, u32)> {
+        let segs = &self.segs;
+        self.index
+            .find(hash, |e| {
+                e.hash == hash && {
+                    let b = &segs[e.seg as usize].as_ref().expect("indexed segment").buf;
+                    It::key(b, e.off as usize) == key
+                }
+            })
+            .map(|e| (e.seg, e.off))
+    }
+
+    fn liveness(&self, s: u32, o: u32, now: u32) -> Live {
+        let b = &self.seg(s).buf;
+        let o = o as usize;
+        let e = It::exptime(b, o);
+        if e != 0 && e <= now {
+            return Live::Expired;
+        }
+        if self.flush_active
+            && now >= self.flush_at
+            && It::set_time(b, o) <= self.flush_at
+            && (It::cas(b, o) >> 16) <= self.flush_ctr
+        {
+            return Live::Flushed;
+        }
+        Live::Live
+    }
+
+    fn remove_index(&mut self, hash: u64, s: u32, o: u32) {
+        if let Ok(e) = self.index.find_entry(hash, |e| e.seg == s && e.off == o) {
+            e.remove();
+        } else {
+            debug_assert!(false, "item not in index");
+        }
+    }
+
+    fn relink_index(&mut self, hash: u64, from: (u32, u32), to: (u32, u32)) {
+        let e = self
+            .index
+            .find_mut(hash, |e| e.seg == from.0 && e.off == from.1)
+            .expect("item in index");
+        e.seg = to.0;
+        e.off = to.1;
+    }
+
+    /// Account a freshly written item.
+    fn commit(&mut self, s: u32, sz: usize) {
+        let seg = self.seg_mut(s);
+        seg.live_items += 1;
+        seg.live_bytes += sz;
+        self.st.items += 1;
+        self.st.bytes += sz as u64;
+    }
+
+    /// Mark an item dead (index untouched). Returns true if its sealed segment is now empty.
+    fn mark_dead(&mut self, s: u32, o: u32) -> bool {
+        let open = self.open;
+        let seg = self.seg_mut(s);
+        let o = o as usize;
+        let bits = It::bits(&seg.buf, o);
+        debug_assert_eq!(bits & DEAD, 0);
+        It::set_bits(&mut seg.buf, o, bits | DEAD);
+        let sz = It::size(&seg.buf, o);
+        seg.live_items -= 1;
+        seg.live_bytes -= sz;
+        seg.dead_bytes += sz;
+        let empty = seg.live_items == 0 && open != Some(s);
+        self.st.items -= 1;
+        self.st.bytes -= sz as u64;
+        empty
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Live {
+    Live,
+    Expired,
+    Flushed,
+}
+
+enum Found {
+    Hit(u32, u32),
+    Miss,
+    Expired,
+    Flushed,
+}
+
+/// Worker-level statistics (memcached names where one exists).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct WorkerStats {
+    pub curr_items: u64,
+    pub total_items: u64,
+    pub bytes: u64,
+    pub limit_maxbytes: u64,
+    pub cmd_get: u64,
+    pub cmd_set: u64,
+    pub cmd_touch: u64,
+    pub get_hits: u64,
+    pub get_misses: u64,
+    pub get_expired: u64,
+    pub get_flushed: u64,
+    pub delete_hits: u64,
+    pub delete_misses: u64,
+    pub incr_hits: u64,
+    pub incr_misses: u64,
+    pub decr_hits: u64,
+    pub decr_misses: u64,
+    pub cas_hits: u64,
+    pub cas_misses: u64,
+    pub cas_badval: u64,
+    pub touch_hits: u64,
+    pub touch_misses: u64,
+    pub evictions: u64,
+    pub evicted_unfetched: u64,
+    pub reclaimed: u64,
+    pub expired_unfetched: u64,
+    pub out_of_memory: u64,
+    /// Items re-appended on a GET hit (second chance).
+    pub items_relocated: u64,
+    /// Items moved by compaction.
+    pub items_compacted: u64,
+    pub segments_compacted: u64,
+    /// Pages held by this worker: local free + normal segment pages + large-item charges.
+    pub pages_held: u64,
+    pub local_free_pages: u64,
+    pub segments: u64,
+    pub owned_cachelets: u64,
+}
+
+/// Memory-side state of a worker (split from the cachelet table for borrowing).
+struct Mem {
+    cfg: StoreConfig,
+    global: Arc<GlobalPool>,
+    local_free: Vec<Page>,
+    /// All segments of owned cachelets: (seq, cachelet, slot).
+    order: BTreeSet<(u64, u32, u32)>,
+    next_seq: u64,
+    /// Segments with seq below this are in the oldest quarter.
+    cutoff: u64,
+    /// Set once the global pool ran low or the worker had to evict: enables second chance.
+    pressure: bool,
+    evict_gen: u64,
+    seg_pages: usize,
+    large_pages: usize,
+    cas_ctr: u64,
+    last_now: u32,
+    sweep_cursor: Option<(u64, u32, u32)>,
+    scratch: Vec<u8>,
+    offs: Vec<u32>,
+    st: WorkerStats,
+}
+
+impl Mem {
+    fn recompute_cutoff(&mut self) {
+        let first = self.order.first().map(|k| k.0).unwrap_or(self.next_seq);
+        self.cutoff = first + (self.next_seq.saturating_sub(first)) / 4;
+    }
+
+    fn get_page(&mut self) -> Option<Page> {
+        if let Some(p) = self.local_free.pop() {
+            return Some(p);
+        }
+        let n = self.cfg.refill_pages.max(1);
+        self.global.take(n, &mut self.local_free);
+        // Memory is about to run out: start giving read items a second chance.
+        if self.global.available_pages() <= self.cfg.global_low_pages.max(n) {
+            self.pressure = true;
+        }
+        self.local_free.pop()
+    }
+
+    fn maybe_return(&mut self) {
+        if self.local_free.len() > self.cfg.local_high_pages
+            && self.global.available_pages() < self.cfg.global_low_pages
+        {
+            let keep = self.cfg.refill_pages.min(self.cfg.local_high_pages);
+            self.global.give(self.local_free.drain(keep..));
+        }
+    }
+
+    #[inline]
+    fn next_cas(&mut self) -> u64 {
+        self.cas_ctr += 1;
+        (self.cas_ctr << 16) | self.cfg.worker_id as u64
+    }
+
+    #[inline]
+    fn shown_cas(&self, cas: u64) -> u64 {
+        if self.cfg.cas_enabled {
+            cas
+        } else {
+            0
+        }
+    }
+
+    fn new_segment(&mut self, c: &mut Cachelet, buf: Box<[u8]>, large_pages: usize) -> u32 {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let slot = match c.free_slots.pop() {
+            Some(s) => s,
+            None => {
+                c.segs.push(None);
+                (c.segs.len() - 1) as u32
+            }
+        };
+        c.segs[slot as usize] = Some(Segment {
+            buf,
+            used: 0,
+            live_items: 0,
+            live_bytes: 0,
+            dead_bytes: 0,
+            seq,
+            large_pages,
+        });
+        self.order.insert((seq, c.id, slot));
+        if large_pages > 0 {
+            self.large_pages += large_pages;
+            c.st.pages += large_pages as u64;
+        } else {
+            self.seg_pages += 1;
+            c.st.pages += 1;
+        }
+        self.recompute_cutoff();
+        slot
+    }
+
+    fn free_seg(&mut self, c: &mut Cachelet, s: u32) {
+        let seg = c.segs[s as usize].take().expect("live segment");
+        c.free_slots.push(s);
+        if c.open == Some(s) {
+            c.open = None;
+        }
+        self.order.remove(&(seg.seq, c.id, s));
+        if seg.large_pages > 0 {
+            self.global.release_large(seg.large_pages);
+            self.large_pages -= seg.large_pages;
+            c.st.pages -= seg.large_pages as u64;
+        } else {
+            self.seg_pages -= 1;
+            c.st.pages -= 1;
+            self.local_free.push(seg.buf);
+            self.maybe_return();
+        }
+        self.recompute_cutoff();
+    }
+
+    /// Remove a live item from index and segment; free its segment if now empty and allowed.
+    fn unlink(&mut self, c: &mut Cachelet, s: u32, o: u32, free_empty: bool) {
+        let hash = It::hash(&c.seg(s).buf, o as usize);
+        c.remove_index(hash, s, o);
+        if c.mark_dead(s, o) && free_empty {
+            self.free_seg(c, s);
+        }
+    }
+
+    fn count_reclaim(&mut self, c: &Cachelet, s: u32, o: u32) {
+        self.st.reclaimed += 1;
+        if It::bits(&c.seg(s).buf, o as usize) & FETCHED == 0 {
+            self.st.expired_unfetched += 1;
+        }
+    }
+
+    fn find_live(&mut self, c: &mut Cachelet, hash: u64, key: &[u8], now: u32) -> Found {
+        match c.lookup(hash, key) {
+            None => Found::Miss,
+            Some((s, o)) => match c.liveness(s, o, now) {
+                Live::Live => Found::Hit(s, o),
+                l => {
+                    self.count_reclaim(c, s, o);
+                    self.unlink(c, s, o, true);
+                    if l == Live::Expired {
+                        Found::Expired
+                    } else {
+                        Found::Flushed
+                    }
+                }
+            },
+        }
+    }
+
+    /// Bump-allocate `size` bytes in `c`'s open segment, opening a new page if one is at hand
+    /// (local pool or a global refill). Never evicts.
+    fn alloc_small(&mut self, c: &mut Cachelet, size: usize) -> Option<(u32, u32)> {
+        if let Some(s) = c.open {
+            let seg = c.seg_mut(s);
+            if seg.used + size <= seg.buf.len() {
+                let off = seg.used;
+                seg.used += size;
+                return Some((s, off as u32));
+            }
+        }
+        let page = self.get_page()?;
+        if let Some(old) = c.open.take() {
+            if c.seg(old).live_items == 0 {
+                self.free_seg(c, old);
+            }
+        }
+        let s = self.new_segment(c, page, 0);
+        c.open = Some(s);
+        let seg = c.seg_mut(s);
+        seg.used = size;
+        Some((s, 0))
+    }
+
+    fn try_large(&mut self, c: &mut Cachelet, size: usize) -> Option<(u32, u32)> {
+        let n = size.div_ceil(self.cfg.page_size);
+        if !self.global.charge_large(n) {
+            if self.local_free.is_empty() {
+                return None;
+            }
+            self.global.give(self.local_free.drain(..));
+            if !self.global.charge_large(n) {
+                return None;
+            }
+        }
+        let s = self.new_segment(c, vec![0u8; size].into_boxed_slice(), n);
+        c.seg_mut(s).used = size;
+        Some((s, 0))
+    }
+}
+
+/// One worker's store: the cachelets it owns and its local page pool. Single-threaded.
+pub struct WorkerStore {
+    cachelets: Vec<Option<Box<Cachelet>>>,
+    m: Mem,
+}
+
+fn view<'a>(b: &'a [u8], o: usize, cas: u64, bits_before: u8) -> ItemView<'a> {
+    let bits = It::bits(b, o);
+    ItemView {
+        key: It::key(b, o),
+        value: It::value(b, o),
+        flags: It::flags(b, o),
+        cas,
+        exptime: It::exptime(b, o),
+        last_access: It::last_access(b, o),
+        fetched_before: bits_before & FETCHED != 0,
+        stale: bits & STALE != 0,
+        win: bits & WIN != 0,
+    }
+}
+
+fn parse_u64(v: &[u8]) -> Option<u64> {
+    let mut end = v.len();
+    while end > 0 && matches!(v[end - 1], b' ' | b'\r' | b'\n' | b'\t') {
+        end -= 1;
+    }
+    let d = &v[..end];
+    if d.is_empty() || d.len() > 20 {
+        return None;
+    }
+    let mut x: u64 = 0;
+    for &ch in d {
+        if !ch.is_ascii_digit() {
+            return None;
+        }
+        x = x.checked_mul(10)?.checked_add((ch - b'0') as u64)?;
+    }
+    Some(x)
+}
+
+fn fmt_u64(mut x: u64, buf: &mut [u8; 20]) -> &[u8] {
+    let mut i = 20;
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (x % 10) as u8;
+        x /= 10;
+        if x == 0 {
+            break;
+        }
+    }
+    &buf[i..]
+}
+
+impl WorkerStore {
+    pub fn new(global: Arc<GlobalPool>, cfg: StoreConfig, cachelet_count: u32) -> Self {
+        assert_eq!(cfg.page_size, global.page_size(), "config page_size != pool page_size");
+        let mut cachelets = Vec::new();
+        cachelets.resize_with(cachelet_count as usize, || None);
+        let st = WorkerStats { limit_maxbytes: cfg.mem_limit as u64, ..Default::default() };
+        WorkerStore {
+            cachelets,
+            m: Mem {
+                cfg,
+                global,
+                local_free: Vec::new(),
+                order: BTreeSet::new(),
+                next_seq: 1,
+                cutoff: 0,
+                pressure: false,
+                evict_gen: 0,
+                seg_pages: 0,
+                large_pages: 0,
+                cas_ctr: 0,
+                last_now: 0,
+                sweep_cursor: None,
+                scratch: Vec::new(),
+                offs: Vec::new(),
+                st,
+            },
+        }
+    }
+
+    pub fn config(&self) -> &StoreConfig {
+        &self.m.cfg
+    }
+
+    /// Adopt a cachelet (pointer move; its pages come with it).
+    pub fn insert_cachelet(&mut self, mut c: Box<Cachelet>) {
+        let id = c.id as usize;
+        assert!(id < self.cachelets.len(), "cachelet id {id} out of range");
+        assert!(self.cachelets[id].is_none(), "cachelet {id} already owned");
+        self.m.cas_ctr = self.m.cas_ctr.max(c.cas_floor);
+        for (slot, seg) in c.segs.iter().enumerate() {
+            if let Some(seg) = seg {
+                self.m.order.insert((seg.seq, c.id, slot as u32));
+                self.m.next_seq = self.m.next_seq.max(seg.seq + 1);
+                if seg.large_pages > 0 {
+                    self.m.large_pages += seg.large_pages;
+                } else {
+                    self.m.seg_pages += 1;
+                }
+            }
+        }
+        c.cas_floor = 0;
+        self.m.recompute_cutoff();
+        self.cachelets[id] = Some(c);
+    }
+
+    /// Give up a cachelet (pointer move; its pages leave with it).
+    pub fn take_cachelet(&mut self, id: u32) -> Option<Box<Cachelet>> {
+        let mut c = self.cachelets.get_mut(id as usize)?.take()?;
+        for (slot, seg) in c.segs.iter().enumerate() {
+            if let Some(seg) = seg {
+                self.m.order.remove(&(seg.seq, c.id, slot as u32));
+                if seg.large_pages > 0 {
+                    self.m.large_pages -= seg.large_pages;
+                } else {
+                    self.m.seg_pages -= 1;
+                }
+            }
+        }
+        c.cas_floor = self.m.cas_ctr;
+        self.m.recompute_cutoff();
+        Some(c)
+    }
+
+    pub fn owns(&self, id: u32) -> bool {
+        matches!(self.cachelets.get(id as usize), Some(Some(_)))
+    }
+
+    pub fn cachelet_ids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.cachelets.iter().enumerate().filter(|(_, c)| c.is_some()).map(|(i, _)| i as u32)
+    }
+
+    /// Read access to an owned cachelet (its stats).
+    pub fn cachelet(&self, id: u32) -> Option<&Cachelet> {
+        self.cachelets.get(id as usize)?.as_deref()
+    }
+
+    /// Mutable access to an owned cachelet (e.g. to reset its counters).
+    pub fn cachelet_mut(&mut self, id: u32) -> Option<&mut Cachelet> {
+        self.cachelets.get_mut(id as usize)?.as_deref_mut()
+    }
+
+    #[inline]
+    fn check_owned(&self, cl: u32) -> bool {
+        let ok = self.owns(cl);
+        debug_assert!(ok, "cachelet {cl} not owned by this worker");
+        ok
+    }
+
+    /// Evict the worker's oldest segment. False if it has none.
+    fn evict_one(&mut self) -> bool {
+        let Some(&(_, cl, s)) = self.m.order.first() else {
+            return false;
+        };
+        let c = self.cachelets[cl as usize].as_deref_mut().expect("segment of owned cachelet");
+        let now = self.m.last_now;
+        let mut offs = std::mem::take(&mut self.m.offs);
+        offs.clear();
+        {
+            let seg = c.seg(s);
+            let mut o = 0;
+            while o < seg.used {
+                if It::bits(&seg.buf, o) & DEAD == 0 {
+                    offs.push(o as u32);
+                }
+                o += It::size(&seg.buf, o);
+            }
+        }
+        for &o in &offs {
+            let (hash, fetched, sz) = {
+                let b = &c.seg(s).buf;
+                let o = o as usize;
+                (It::hash(b, o), It::bits(b, o) & FETCHED != 0, It::size(b, o))
+            };
+            if c.liveness(s, o, now) != Live::Live {
+                self.m.st.reclaimed += 1;
+                if !fetched {
+                    self.m.st.expired_unfetched += 1;
+                }
+            } else {
+                self.m.st.evictions += 1;
+                if !fetched {
+                    self.m.st.evicted_unfetched += 1;
+                }
+            }
+            c.remove_index(hash, s, o);
+            c.st.items -= 1;
+            c.st.bytes -= sz as u64;
+        }
+        self.m.offs = offs;
+        self.m.free_seg(c, s);
+        self.m.pressure = true;
+        self.m.evict_gen += 1;
+        true
+    }
+
+    /// Allocate `size` bytes for an item of cachelet `cl`, evicting if allowed and needed.
+    fn alloc(&mut self, cl: u32, size: usize) -> Result<(u32, u32), StoreResult> {
+        let large = size > self.m.cfg.page_size;
+        if large && size.div_ceil(self.m.cfg.page_size) > self.m.global.total_pages() {
+            return Err(StoreResult::OutOfMemory);
+        }
+        loop {
+            let c = self.cachelets[cl as usize].as_deref_mut().expect("owned");
+            let got = if large { self.m.try_large(c, size) } else { self.m.alloc_small(c, size) };
+            if let Some(l) = got {
+                return Ok(l);
+            }
+            if !self.m.cfg.evict || !self.evict_one() {
+                self.m.st.out_of_memory += 1;
+                return Err(StoreResult::OutOfMemory);
+            }
+        }
+    }
+
+    /// Copy a live item to its cachelet's open segment without evicting. New location or None.
+    fn relocate(&mut self, cl: u32, s: u32, o: u32) -> Option<(u32, u32)> {
+        let c = self.cachelets[cl as usize].as_deref_mut().expect("owned");
+        let (sz, hash) = {
+            let b = &c.seg(s).buf;
+            (It::size(b, o as usize), It::hash(b, o as usize))
+        };
+        let mut tmp = std::mem::take(&mut self.m.scratch);
+        tmp.clear();
+        tmp.extend_from_slice(&c.seg(s).buf[o as usize..o as usize + sz]);
+        let got = self.m.alloc_small(c, sz);
+        let res = got.map(|(ns, no)| {
+            c.seg_mut(ns).buf[no as usize..no as usize + sz].copy_from_slice(&tmp);
+            c.commit(ns, sz);
+            c.relink_index(hash, (s, o), (ns, no));
+            if c.mark_dead(s, o) {
+                self.m.free_seg(c, s);
+            }
+            (ns, no)
+        });
+        self.m.scratch = tmp;
+        res
+    }
+
+    fn get_inner(&mut self, cl: u32, hash: u64, key: &[u8], now: u32, bump: bool) -> Option<ItemView<'_>> {
+        self.m.last_now = now;
+        if !self.check_owned(cl) {
+            return None;
+        }
+        let c = self.cachelets[cl as usize].as_deref_mut().expect("owned");
+        let r = self.m.find_live(c, hash, key, now);
+        if bump {
+            c.st.reads += 1;
+            self.m.st.cmd_get += 1;
+        }
+        let (mut s, mut o) = match r {
+            Found::Hit(s, o) => (s, o),
+            other => {
+                if bump {
+                    c.st.misses += 1;
+                    self.m.st.get_misses += 1;
+                    match other {
+                        Found::Expired => self.m.st.get_expired += 1,
+                        Found::Flushed => self.m.st.get_flushed += 1,
+                        _ => {}
+                    }
+                }
+                return None;
+            }
+        };
+        if bump {
+            c.st.hits += 1;
+            self.m.st.get_hits += 1;
+            if self.m.pressure {
+                let seg = c.seg(s);
+                if seg.large_pages == 0 && seg.seq < self.m.cutoff && c.open != Some(s) {
+                    if let Some((ns, no)) = self.relocate(cl, s, o) {
+                        self.m.st.items_relocated += 1;
+                        s = ns;
+                        o = no;
+                    }
+                }
+            }
+        }
+        let c = self.cachelets[cl as usize].as_deref_mut().expect("owned");
+        let seg = c.seg_mut(s);
+        let o = o as usize;
+        let bits = It::bits(&seg.buf, o);
+        if bump {
+            It::set_bits(&mut seg.buf, o, bits | FETCHED);
+            It::set_last_access(&mut seg.buf, o, now);
+        }
+        let cas = self.m.shown_cas(It::cas(&seg.buf, o));
+        Some(view(&seg.buf, o, cas, bits))
+    }
+
+    /// Lookup; counts a read; marks fetched + last_access; may relocate (second chance).
+    /// None on miss/expired/flushed.
+    pub fn get(&mut self, cl: u32, hash: u64, key: &[u8], now: u32) -> Option<ItemView<'_>> {
+        self.get_inner(cl, hash, key, now, true)
+    }
+
+    /// Lookup without stats, bump or relocation.
+    pub fn peek(&mut self, cl: u32, hash: u64, key: &[u8], now: u32) -> Option<ItemView<'_>> {
+        self.get_inner(cl, hash, key, now, false)
+    }
+
+    /// Write a new item (value = `a ++ b`) and replace `old` (if any) in the index.
+    #[allow(clippy::too_many_arguments)]
+    fn write_new(
+        &mut self,
+        cl: u32,
+        hash: u64,
+        key: &[u8],
+        old: Option<(u32, u32)>,
+        flags: u32,
+        exp: u32,
+        a: &[u8],
+        b: &[u8],
+        now: u32,
+    ) -> Result<u64, StoreResult> {
+        let vlen = a.len() + b.len();
+        let size = footprint(key.len(), vlen);
+        if size > self.m.cfg.max_item_size {
+            return Err(StoreResult::TooLarge);
+        }
+        let gen = self.m.evict_gen;
+        let (s, o) = self.alloc(cl, size)?;
+        let c = self.cachelets[cl as usize].as_deref_mut().expect("owned");
+        // The old copy may have been evicted while making room.
+        let old = if gen != self.m.evict_gen { c.lookup(hash, key) } else { old };
+        let cas = self.m.next_cas();
+        {
+            let seg = c.seg_mut(s);
+            let v = It::write(&mut seg.buf, o as usize, hash, cas, exp, now, flags, key, vlen, 0);
+            v[..a.len()].copy_from_slice(a);
+            v[a.len()..].copy_from_slice(b);
+        }
+        c.commit(s, size);
+        match old {
+            Some((os, oo)) => {
+                c.relink_index(hash, (os, oo), (s, o));
+                if c.mark_dead(os, oo) {
+                    self.m.free_seg(c, os);
+                }
+            }
+            None => {
+                c.index.insert_unique(hash, Entry { hash, seg: s, off: o }, |e| e.hash);
+            }
+        }
+        self.m.st.total_items += 1;
+        Ok(cas)
+    }
+
+    /// set/add/replace/append/prepend, with an optional CAS check (the `cas` command).
+    #[allow(clippy::too_many_arguments)]
+    pub fn store(
+        &mut self,
+        cl: u32,
+        hash: u64,
+        key: &[u8],
+        value: &[u8],
+        flags: u32,
+        exptime: i64,
+        mode: Mode,
+        cas: Option<u64>,
+        now: u32,
+    ) -> StoreResult {
+        self.m.last_now = now;
+        if !self.check_owned(cl) {
+            return StoreResult::NotStored;
+        }
+        if key.len() > MAX_KEY {
+            return StoreResult::TooLarge;
+        }
+        if footprint(key.len(), value.len()) > self.m.cfg.max_item_size {
+            return StoreResult::TooLarge;
+        }
+        self.m.st.cmd_set += 1;
+        let c = self.cachelets[cl as usize].as_deref_mut().expect("owned");
+        c.st.writes += 1;
+        let found = match self.m.find_live(c, hash, key, now) {
+            Found::Hit(s, o) => Some((s, o)),
+            _ => None,
+        };
+        if let Some(want) = cas {
+            match found {
+                None => {
+                    self.m.st.cas_misses += 1;
+                    return StoreResult::NotFound;
+                }
+                Some((s, o)) => {
+                    if self.m.cfg.cas_enabled && It::cas(&c.seg(s).buf, o as usize) != want {
+                        self.m.st.cas_badval += 1;
+                        return StoreResult::Exists;
+                    }
+                    self.m.st.cas_hits += 1;
+                }
+            }
+        }
+        match (mode, found) {
+            (Mode::Add, Some(_)) => return StoreResult::NotStored,
+            (Mode::Replace | Mode::Append | Mode::Prepend, None) => return StoreResult::NotStored,
+            _ => {}
+        }
+        let res = match mode {
+            Mode::Append | Mode::Prepend => {
+                let (s, o) = found.expect("checked");
+                let mut tmp = std::mem::take(&mut self.m.scratch);
+                tmp.clear();
+                let (fl, exp) = {
+                    let b = &c.seg(s).buf;
+                    tmp.extend_from_slice(It::value(b, o as usize));
+                    (It::flags(b, o as usize), It::exptime(b, o as usize))
+                };
+                let r = if mode == Mode::Append {
+                    self.write_new(cl, hash, key, found, fl, exp, &tmp, value, now)
+                } else {
+                    self.write_new(cl, hash, key, found, fl, exp, value, &tmp, now)
+                };
+                self.m.scratch = tmp;
+                r
+            }
+            _ => match rel_exptime(exptime, now, self.m.cfg.start_unix) {
+                Some(exp) => self.write_new(cl, hash, key, found, flags, exp, value, &[], now),
+                None => {
+                    // Stored already expired: equivalent to removing the old copy.
+                    if let Some((s, o)) = found {
+                        self.m.unlink(c, s, o, true);
+                    }
+                    Ok(self.m.next_cas())
+                }
+            },
+        };
+        match res {
+            Ok(cas) => StoreResult::Stored { cas: self.m.shown_cas(cas) },
+            Err(e) => e,
+        }
+    }
+
+    pub fn delete(&mut self, cl: u32, hash: u64, key: &[u8], cas: Option<u64>, now: u32) -> DeleteResult {
+        self.m.last_now = now;
+        if !self.check_owned(cl) {
+            return DeleteResult::NotFound;
+        }
+        let c = self.cachelets[cl as usize].as_deref_mut().expect("owned");
+        c.st.writes += 1;
+        let Found::Hit(s, o) = self.m.find_live(c, hash, key, now) else {
+            self.m.st.delete_misses += 1;
+            return DeleteResult::NotFound;
+        };
+        if let Some(want) = cas {
+            if self.m.cfg.cas_enabled && It::cas(&c.seg(s).buf, o as usize) != want {
+                return DeleteResult::Exists;
+            }
+        }
+        self.m.unlink(c, s, o, true);
+        self.m.st.delete_hits += 1;
+        DeleteResult::Deleted
+    }
+
+    /// incr/decr: incr wraps at 2^64, decr floors at 0; in place when the digits fit.
+    pub fn arith(&mut self, cl: u32, hash: u64, key: &[u8], incr: bool, delta: u64, now: u32) -> ArithResult {
+        self.m.last_now = now;
+        if !self.check_owned(cl) {
+            return ArithResult::NotFound;
+        }
+        let c = self.cachelets[cl as usize].as_deref_mut().expect("owned");
+        c.st.writes += 1;
+        let Found::Hit(s, o) = self.m.find_live(c, hash, key, now) else {
+            if incr {
+                self.m.st.incr_misses += 1;
+            } else {
+                self.m.st.decr_misses += 1;
+            }
+            return ArithResult::NotFound;
+        };
+        let ou = o as usize;
+        let (cur, vlen, slack, fl, exp) = {
+            let b = &c.seg(s).buf;
+            (parse_u64(It::value(b, ou)), It::vlen(b, ou), It::slack(b, ou), It::flags(b, ou), It::exptime(b, ou))
+        };
+        let Some(cur) = cur else {
+            return ArithResult::NonNumeric;
+        };
+        if incr {
+            self.m.st.incr_hits += 1;
+        } else {
+            self.m.st.decr_hits += 1;
+        }
+        let new = if incr { cur.wrapping_add(delta) } else { cur.saturating_sub(delta) };
+        let mut nb = [0u8; 20];
+        let digits = fmt_u64(new, &mut nb);
+        if digits.len() <= vlen && slack + (vlen - digits.len()) <= u16::MAX as usize {
+            let cas = self.m.next_cas();
+            let seg = c.seg_mut(s);
+            It::value_mut(&mut seg.buf, ou)[..digits.len()].copy_from_slice(digits);
+            It::shrink_value(&mut seg.buf, ou, digits.len());
+            It::set_cas(&mut seg.buf, ou, cas);
+            return ArithResult::Value { value: new, cas: self.m.shown_cas(cas) };
+        }
+        let digits = digits.to_vec();
+        match self.write_new(cl, hash, key, Some((s, o)), fl, exp, &digits, &[], now) {
+            Ok(cas) => ArithResult::Value { value: new, cas: self.m.shown_cas(cas) },
+            // Could not reallocate: memcached answers an error; the item is unchanged.
+            Err(_) => ArithResult::NotFound,
+        }
+    }
+
+    /// Set a new exptime; returns the item. A negative/past exptime expires it (the view is
+    /// still returned, the item is gone afterwards).
+    pub fn touch(&mut self, cl: u32, hash: u64, key: &[u8], exptime: i64, now: u32) -> Option<ItemView<'_>> {
+        self.m.last_now = now;
+        if !self.check_owned(cl) {
+            return None;
+        }
+        self.m.st.cmd_touch += 1;
+        let c = self.cachelets[cl as usize].as_deref_mut().expect("owned");
+        c.st.reads += 1;
+        let Found::Hit(s, o) = self.m.find_live(c, hash, key, now) else {
+            self.m.st.touch_misses += 1;
+            c.st.misses += 1;
+            return None;
+        };
+        self.m.st.touch_hits += 1;
+        c.st.hits += 1;
+        let ou = o as usize;
+        let exp = rel_exptime(exptime, now, self.m.cfg.start_unix);
+        let bits = It::bits(&c.seg(s).buf, ou);
+        {
+            let seg = c.seg_mut(s);
+            It::set_exptime(&mut seg.buf, ou, exp.unwrap_or(now));
+            It::set_last_access(&mut seg.buf, ou, now);
+            It::set_bits(&mut seg.buf, ou, bits | FETCHED);
+        }
+        if exp.is_none() {
+            // Remove now but keep the segment (it is freed by sweep or eviction) for the view.
+            self.m.unlink(c, s, o, false);
+        }
+        let seg = c.seg(s);
+        let cas = self.m.shown_cas(It::cas(&seg.buf, ou));
+        let mut v = view(&seg.buf, ou, cas, bits);
+        v.stale = bits & STALE != 0;
+        Some(v)
+    }
+
+    /// Change item bits in place (meta protocol: invalidate/stale, win token, ttl).
+    /// Returns false if the item is missing.
+    pub fn update(&mut self, cl: u32, hash: u64, key: &[u8], now: u32, f: impl FnOnce(&mut MetaBits)) -> bool {
+        self.m.last_now = now;
+        if !self.check_owned(cl) {
+            return false;
+        }
+        let c = self.cachelets[cl as usize].as_deref_mut().expect("owned");
+        let Found::Hit(s, o) = self.m.find_live(c, hash, key, now) else {
+            return false;
+        };
+        let ou = o as usize;
+        let seg = c.seg_mut(s);
+        let b = &mut seg.buf;
+        let bits = It::bits(b, ou);
+        let shown = if self.m.cfg.cas_enabled { It::cas(b, ou) } else { 0 };
+        let mut mb = MetaBits { exptime: It::exptime(b, ou), stale: bits & STALE != 0, win: bits & WIN != 0, cas: shown };
+        f(&mut mb);
+        It::set_exptime(b, ou, mb.exptime);
+        let mut nbits = bits & !(STALE | WIN);
+        if mb.stale {
+            nbits |= STALE;
+        }
+        if mb.win {
+            nbits |= WIN;
+        }
+        It::set_bits(b, ou, nbits);
+        if mb.cas != shown {
+            It::set_cas(b, ou, mb.cas);
+        }
+        true
+    }
+
+    /// memcached flush_all: once `now >= at`, every item set at or before `at` is invalid.
+    pub fn flush_all(&mut self, at: u32) {
+        let ctr = if at <= self.m.last_now { self.m.cas_ctr } else { u64::MAX };
+        for c in self.cachelets.iter_mut().flatten() {
+            c.flush_active = true;
+            c.flush_at = at;
+            c.flush_ctr = ctr;
+        }
+    }
+
+    /// Incremental maintenance: walk up to ~`budget` segments+items from a cursor, drop
+    /// expired/flushed items, free empty segments and compact mostly-dead ones.
+    /// Returns the number of segments and items examined.
+    pub fn sweep(&mut self, now: u32, budget: usize) -> usize {
+        self.m.last_now = now;
+        let mut examined = 0;
+        let mut wrapped = false;
+        while examined < budget {
+            let next = match self.m.sweep_cursor {
+                Some(k) => self.m.order.range((Bound::Excluded(k), Bound::Unbounded)).next().copied(),
+                None => self.m.order.first().copied(),
+            };
+            let Some(key) = next else {
+                if wrapped || self.m.order.is_empty() {
+                    break;
+                }
+                wrapped = true;
+                self.m.sweep_cursor = None;
+                continue;
+            };
+            self.m.sweep_cursor = Some(key);
+            examined += 1;
+            let (_, cl, s) = key;
+            let c = self.cachelets[cl as usize].as_deref_mut().expect("owned");
+            let mut offs = std::mem::take(&mut self.m.offs);
+            offs.clear();
+            {
+                let seg = c.seg(s);
+                let mut o = 0;
+                while o < seg.used {
+                    if It::bits(&seg.buf, o) & DEAD == 0 {
+                        examined += 1;
+                        if c.liveness(s, o as u32, now) != Live::Live {
+                            offs.push(o as u32);
+                        }
+                    }
+                    o += It::size(&seg.buf, o);
+                }
+            }
+            for &o in &offs {
+                self.m.count_reclaim(c, s, o);
+                self.m.unlink(c, s, o, false);
+            }
+            self.m.offs = offs;
+            if c.open == Some(s) {
+                continue;
+            }
+            let (live, dead, used, large) = {
+                let seg = c.seg(s);
+                (seg.live_items, seg.dead_bytes, seg.used, seg.large_pages)
+            };
+            if live == 0 {
+                self.m.free_seg(c, s);
+            } else if large == 0 && dead * 4 >= used * 3 {
+                examined += self.compact(cl, s);
+            }
+        }
+        examined
+    }
+
+    /// Move the live items of a mostly-dead segment to the open segment; frees it if done.
+    fn compact(&mut self, cl: u32, s: u32) -> usize {
+        let c = self.cachelets[cl as usize].as_deref_mut().expect("owned");
+        let mut offs = std::mem::take(&mut self.m.offs);
+        offs.clear();
+        {
+            let seg = c.seg(s);
+            let mut o = 0;
+            while o < seg.used {
+                if It::bits(&seg.buf, o) & DEAD == 0 {
+                    offs.push(o as u32);
+                }
+                o += It::size(&seg.buf, o);
+            }
+        }
+        let n = offs.len();
+        let mut moved = 0;
+        for &o in &offs {
+            if self.relocate(cl, s, o).is_none() {
+                break;
+            }
+            moved += 1;
+        }
+        self.m.offs = offs;
+        self.m.st.items_compacted += moved as u64;
+        if moved == n {
+            self.m.st.segments_compacted += 1;
+        }
+        moved
+    }
+
+    /// Give at least `n` pages back to the global pool: local free pages first, then by
+    /// evicting the oldest segments. Returns pages given back.
+    pub fn shed_pages(&mut self, n: usize) -> usize {
+        let mut given = 0;
+        while given < n {
+            if !self.m.local_free.is_empty() {
+                let k = self.m.local_free.len().min(n - given);
+                let at = self.m.local_free.len() - k;
+                self.m.global.give(self.m.local_free.drain(at..));
+                given += k;
+                continue;
+            }
+            if !self.evict_one() {
+                break;
+            }
+        }
+        given
+    }
+
+    pub fn stats(&self) -> WorkerStats {
+        let mut st = self.m.st;
+        st.curr_items = 0;
+        st.bytes = 0;
+        st.owned_cachelets = 0;
+        for c in self.cachelets.iter().flatten() {
+            st.curr_items += c.st.items;
+            st.bytes += c.st.bytes;
+            st.owned_cachelets += 1;
+        }
+        st.local_free_pages = self.m.local_free.len() as u64;
+        st.pages_held = (self.m.local_free.len() + self.m.seg_pages + self.m.large_pages) as u64;
+        st.segments = self.m.order.len() as u64;
+        st
+    }
+
+    /// The shared global pool.
+    pub fn global(&self) -> &Arc<GlobalPool> {
+        &self.m.global
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,1 +1,823 @@
-//! mbal-bench (under construction)
+//! mbal-bench: the `mbal bench` load generator (DESIGN.md §8).
+//!
+//! # Design
+//!
+//! * [`workload`]: what to send. MBal Table 4 mixes (A = 100% read Zipfian, B = 95/5 hotspot,
+//!   C = 50/50 Zipfian), uniform and custom mixes, a phase timeline (`--phases a:10,b:10`).
+//!   Zipfian ranks come from `rand_distr::Zipf` and are mapped to keys through a fixed seeded
+//!   permutation (YCSB's "scrambled zipfian"), so hot keys are spread over the key space and
+//!   over servers. Keys are `k` + zero-padded index, exactly `--key-size` bytes.
+//! * [`engine`]: when to send. One OS thread per `--threads`, each running one event loop over
+//!   its share of the `--conns` logical clients. Closed loop keeps `--pipeline` ops in flight per
+//!   logical client; open loop (`--rate`) sends at intended times and measures latency from the
+//!   intended time (no coordinated omission). Every run is bounded by `--duration` and
+//!   `--max-ops`, and in-flight replies are drained for at most `--drain` seconds.
+//! * [`driver`]: where and how. The [`driver::Driver`] trait is "a set of connections that
+//!   can send ops and receive their results"; [`driver::PlainDriver`] speaks the memcached text
+//!   protocol over mio non-blocking sockets, one connection per (logical client, server), keys
+//!   spread with `mbal_cluster::key_hash(key) % servers` (a multiget is split per server). The
+//!   routed mode will be a second `Driver`.
+//! * [`reply`]: an incremental, allocation-free reply parser (VALUE/END, STORED, errors).
+//! * Results: HdrHistograms per op type (ns) and per second (µs), per-target request counts with
+//!   max/avg and NetKV's imbalance factor (Eq. 6), client CPU per op (the generator's own cost),
+//!   all in a serde [`BenchReport`] (`--json`) and an SVG plot ([`plot()`], `--plot`,
+//!   `--plot-only a.json b.json -o x.svg`).
+//! * [`stub`]: a tiny in-process memcached-text server for `--null-server` (measures the
+//!   generator's ceiling) and for tests.
+//!
+//! Load is only sent to loopback addresses unless `--allow-non-loopback` is given.
+
+pub mod driver;
+pub mod engine;
+mod plot;
+pub mod reply;
+pub mod stub;
+pub mod workload;
+
+use std::collections::BTreeMap;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use anyhow::{bail, Context, Result};
+use hdrhistogram::Histogram;
+use serde::{Deserialize, Serialize};
+
+use driver::PlainDriver;
+use engine::{OpSource, SecAcc, ThreadPlan, ThreadResult};
+pub use plot::plot;
+use workload::{DistKind, KeyGen, Phase, WorkloadKind, WorkloadParams};
+
+/// `mbal bench`: drive a memcached-protocol server (or several) with a YCSB-style workload.
+#[derive(clap::Args, Clone, Debug, Serialize, Deserialize)]
+pub struct BenchArgs {
+    /// Target HOST:PORT (repeatable). Keys go to server `key_hash(key) % n` (mbal's xxh3 key
+    /// hash; no ketama). Only loopback (127.0.0.0/8, ::1) unless --allow-non-loopback.
+    #[arg(long = "server", default_value = "127.0.0.1:11211")]
+    pub server: Vec<String>,
+    /// Allow targets outside 127.0.0.0/8.
+    #[arg(long)]
+    pub allow_non_loopback: bool,
+    /// Ignore --server and run against an in-process stub server (measures the generator's own
+    /// ceiling; see also `client_cpu` in the report).
+    #[arg(long)]
+    pub null_server: bool,
+
+    /// Workload: a = 100% read Zipfian, b = 95/5 read/update hotspot, c = 50/50 Zipfian,
+    /// uniform = uniform keys with --read-ratio, custom = --dist keys with --read-ratio.
+    #[arg(long, value_enum, default_value = "a")]
+    pub workload: WorkloadKind,
+    /// Fraction of ops that are reads (uniform and custom workloads).
+    #[arg(long, default_value_t = 0.95)]
+    pub read_ratio: f64,
+    /// Key distribution of the custom workload.
+    #[arg(long, value_enum, default_value = "zipf")]
+    pub dist: DistKind,
+    /// Zipfian constant.
+    #[arg(long, default_value_t = 0.99)]
+    pub zipf: f64,
+    /// Number of distinct keys.
+    #[arg(long, default_value_t = 100_000)]
+    pub keys: u32,
+    /// Key length in bytes (`k` + zero-padded index).
+    #[arg(long, default_value_t = 10)]
+    pub key_size: usize,
+    /// Value length in bytes for SETs.
+    #[arg(long, default_value_t = 20)]
+    pub value_size: usize,
+    /// Hotspot: fraction of keys that are hot.
+    #[arg(long, default_value_t = 0.05)]
+    pub hot_fraction: f64,
+    /// Hotspot: fraction of ops that go to hot keys.
+    #[arg(long, default_value_t = 0.95)]
+    pub hot_ops: f64,
+
+    /// SET every key once (pipelined, closed loop) before the run.
+    #[arg(long)]
+    pub load: bool,
+    /// Only do the load phase.
+    #[arg(long)]
+    pub load_only: bool,
+    /// Upper bound on the load phase, seconds.
+    #[arg(long, default_value_t = 300.0)]
+    pub load_timeout: f64,
+
+    /// Timeline of workloads, e.g. "a:10,b:10,c:10" (NAME:SECONDS,...). Sets the default duration
+    /// to the sum of the phases.
+    #[arg(long)]
+    pub phases: Option<String>,
+
+    /// Logical clients (connections per server), divided among threads.
+    #[arg(long, default_value_t = 8)]
+    pub conns: usize,
+    /// Requests in flight per logical client.
+    #[arg(long, default_value_t = 16)]
+    pub pipeline: usize,
+    /// Client threads.
+    #[arg(long, default_value_t = 1)]
+    pub threads: usize,
+    /// Open loop: total target ops/s (latency measured from the intended send time).
+    /// Without it: closed loop.
+    #[arg(long)]
+    pub rate: Option<f64>,
+    /// Keys per GET (multiget) for reads.
+    #[arg(long, default_value_t = 1)]
+    pub multiget: usize,
+
+    /// Run time in seconds (default 10, or the sum of --phases).
+    #[arg(long)]
+    pub duration: Option<f64>,
+    /// Stop after this many ops (whichever of --duration and --max-ops comes first).
+    #[arg(long)]
+    pub max_ops: Option<u64>,
+    /// Seconds to wait for in-flight replies at the end.
+    #[arg(long, default_value_t = 5.0)]
+    pub drain: f64,
+    /// Random seed (key choice, op mix). The key permutation is fixed.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+
+    /// Write the report as JSON.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Write an SVG plot (throughput and p90/p99 latency per second).
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+    /// Do not run: plot these JSON reports (one line per run) into -o/--output.
+    #[arg(long, num_args = 1..)]
+    pub plot_only: Vec<PathBuf>,
+    /// Output file for --plot-only.
+    #[arg(short = 'o', long)]
+    pub output: Option<PathBuf>,
+    /// Do not print the summary.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+impl Default for BenchArgs {
+    fn default() -> Self {
+        #[derive(clap::Parser)]
+        struct P {
+            #[command(flatten)]
+            a: BenchArgs,
+        }
+        <P as clap::Parser>::parse_from(["bench"]).a
+    }
+}
+
+/// Latency percentiles of one op type, in microseconds.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct LatencySummary {
+    pub count: u64,
+    pub mean_us: f64,
+    pub p50_us: f64,
+    pub p90_us: f64,
+    pub p99_us: f64,
+    pub p999_us: f64,
+    pub max_us: f64,
+}
+
+/// Totals of one phase (the load phase or the run).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Totals {
+    pub elapsed_s: f64,
+    /// Ops completed (a multiget is one op).
+    pub ops: u64,
+    pub gets: u64,
+    pub sets: u64,
+    /// Keys asked for by gets.
+    pub get_keys: u64,
+    pub hits: u64,
+    pub misses: u64,
+    /// Error replies (ERROR, CLIENT_ERROR, SERVER_ERROR, NOT_STORED).
+    pub errors: u64,
+    /// Ops sent but not answered within --drain.
+    pub unfinished: u64,
+    /// Protocol requests on the wire (a multiget split over servers counts once per server).
+    pub requests: u64,
+    pub ops_per_sec: f64,
+    pub requests_per_sec: f64,
+    /// Keys per second: get keys + set keys.
+    pub keys_per_sec: f64,
+    pub hit_ratio: f64,
+    /// --rate, if open loop.
+    pub target_rate: Option<f64>,
+}
+
+/// One second of the run.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct SecondStats {
+    /// Seconds since the start of the run.
+    pub t: u32,
+    pub phase: String,
+    pub ops: u64,
+    pub gets: u64,
+    pub sets: u64,
+    pub keys: u64,
+    pub hits: u64,
+    pub errors: u64,
+    pub ops_per_sec: f64,
+    pub keys_per_sec: f64,
+    pub p50_us: f64,
+    pub p90_us: f64,
+    pub p99_us: f64,
+    pub max_us: f64,
+}
+
+/// Requests received by one target (a server in plain mode; a worker in routed mode later).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct TargetStats {
+    pub name: String,
+    pub requests: u64,
+}
+
+/// Load balance over targets.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Balance {
+    pub targets: Vec<TargetStats>,
+    pub max_requests: u64,
+    pub avg_requests: f64,
+    /// max / avg (1.0 = perfectly even).
+    pub max_over_avg: f64,
+    /// NetKV Eq. 6: sum |r_i - avg| / (avg * n) (0 = perfectly even).
+    pub imbalance_factor: f64,
+}
+
+/// The generator's own cost: CPU time of the client threads.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct ClientCost {
+    pub threads: usize,
+    pub cpu_secs: f64,
+    /// Ops per client-CPU-second: the generator's ceiling per core for this workload.
+    pub ops_per_cpu_sec: f64,
+}
+
+/// Everything a run measured, with every setting (`--json`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct BenchReport {
+    pub tool: String,
+    pub driver: String,
+    pub settings: BenchArgs,
+    pub phases: Vec<Phase>,
+    pub started_unix_ms: u64,
+    pub load: Option<Totals>,
+    pub totals: Totals,
+    /// Keyed by op type: "get", "set", "all".
+    pub latency: BTreeMap<String, LatencySummary>,
+    pub timeline: Vec<SecondStats>,
+    pub balance: Balance,
+    pub client: ClientCost,
+}
+
+/// NetKV's imbalance factor (Eq. 6) of per-target rates: `sum |r_i - avg| / (avg * n)`.
+pub fn imbalance_factor(rates: &[f64]) -> f64 {
+    let n = rates.len() as f64;
+    if rates.is_empty() {
+        return 0.0;
+    }
+    let avg = rates.iter().sum::<f64>() / n;
+    if avg <= 0.0 {
+        return 0.0;
+    }
+    rates.iter().map(|r| (r - avg).abs()).sum::<f64>() / (avg * n)
+}
+
+fn summarize(h: &Histogram<u64>, unit_ns: f64) -> LatencySummary {
+    if h.is_empty() {
+        return LatencySummary::default();
+    }
+    let us = |v: u64| v as f64 * unit_ns / 1000.0;
+    LatencySummary {
+        count: h.len(),
+        mean_us: h.mean() * unit_ns / 1000.0,
+        p50_us: us(h.value_at_quantile(0.50)),
+        p90_us: us(h.value_at_quantile(0.90)),
+        p99_us: us(h.value_at_quantile(0.99)),
+        p999_us: us(h.value_at_quantile(0.999)),
+        max_us: us(h.max()),
+    }
+}
+
+fn resolve_targets(args: &BenchArgs) -> Result<Vec<SocketAddr>> {
+    let mut out = Vec::new();
+    for s in &args.server {
+        let addr = s
+            .to_socket_addrs()
+            .with_context(|| format!("bad --server {s:?} (expected HOST:PORT)"))?
+            .next()
+            .with_context(|| format!("--server {s:?} resolves to nothing"))?;
+        if !addr.ip().is_loopback() && !args.allow_non_loopback {
+            bail!(
+                "refusing to send load to {s} ({addr}): not a loopback address (127.0.0.0/8 or ::1); \
+                 pass --allow-non-loopback if you really mean it"
+            );
+        }
+        out.push(addr);
+    }
+    if out.is_empty() {
+        bail!("no --server given");
+    }
+    Ok(out)
+}
+
+fn validate(args: &BenchArgs) -> Result<()> {
+    if args.threads == 0 || args.conns == 0 || args.pipeline == 0 {
+        bail!("--threads, --conns and --pipeline must be >= 1");
+    }
+    if args.conns < args.threads {
+        bail!(
+            "--conns ({}) must be >= --threads ({})",
+            args.conns,
+            args.threads
+        );
+    }
+    if args.keys == 0 {
+        bail!("--keys must be >= 1");
+    }
+    let min = workload::min_key_size(args.keys);
+    if args.key_size < min || args.key_size > 250 {
+        bail!("--key-size must be in {min}..=250 for {} keys", args.keys);
+    }
+    if args.multiget == 0 || args.multiget > 10_000 {
+        bail!("--multiget must be in 1..=10000");
+    }
+    if !(0.0..=1.0).contains(&args.read_ratio) {
+        bail!("--read-ratio must be in [0, 1]");
+    }
+    if let Some(r) = args.rate {
+        if !(r.is_finite() && r > 0.0) {
+            bail!("--rate must be > 0");
+        }
+    }
+    if let Some(d) = args.duration {
+        if !(d.is_finite() && d > 0.0) {
+            bail!("--duration must be > 0");
+        }
+    }
+    let ok = args.drain.is_finite()
+        && args.drain >= 0.0
+        && args.load_timeout.is_finite()
+        && args.load_timeout > 0.0;
+    if !ok {
+        bail!("--drain and --load-timeout must be >= 0");
+    }
+    Ok(())
+}
+
+fn split(total: u64, parts: usize, i: usize) -> u64 {
+    total / parts as u64 + u64::from((i as u64) < total % parts as u64)
+}
+
+struct PhaseOutcome {
+    results: Vec<ThreadResult>,
+    target_names: Vec<String>,
+}
+
+/// Run `sources` (one per thread) against `addrs` and gather thread results.
+#[allow(clippy::too_many_arguments)]
+fn run_threads(
+    args: &BenchArgs,
+    addrs: &[SocketAddr],
+    sources: Vec<OpSource>,
+    duration: Duration,
+    quota: Option<u64>,
+    rate: Option<f64>,
+    label: &str,
+    show_progress: bool,
+) -> Result<PhaseOutcome> {
+    let threads = sources.len();
+    let start = Instant::now();
+    let abort = Arc::new(AtomicBool::new(false));
+    let progress: Vec<Arc<AtomicU64>> = (0..threads).map(|_| Arc::default()).collect();
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let bar = if show_progress {
+        let b = indicatif::ProgressBar::with_draw_target(
+            Some(duration.as_millis() as u64),
+            indicatif::ProgressDrawTarget::stdout(),
+        );
+        b.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{prefix} [{bar:40}] {elapsed}/{duration} {msg}",
+            )
+            .expect("template")
+            .progress_chars("=> "),
+        );
+        b.set_prefix(label.to_string());
+        b
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    let outcome = std::thread::scope(|scope| -> Result<PhaseOutcome> {
+        let mut handles = Vec::new();
+        for (t, source) in sources.into_iter().enumerate() {
+            let plan = ThreadPlan {
+                slots: split(args.conns as u64, threads, t) as usize,
+                pipeline: args.pipeline,
+                multiget: args.multiget,
+                quota: quota.map(|q| split(q, threads, t)).unwrap_or(u64::MAX),
+                rate: rate.map(|r| r / threads as f64),
+                start,
+                duration,
+                drain: Duration::from_secs_f64(args.drain),
+                source,
+                seed: args
+                    .seed
+                    .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                    .wrapping_add(t as u64 * 7919 + 1),
+                phase_offset_ns: rate.map(|r| (1e9 / r * t as f64) as u64).unwrap_or(0),
+                progress: progress[t].clone(),
+                abort: abort.clone(),
+            };
+            let (tx, abort) = (tx.clone(), abort.clone());
+            let addrs = addrs.to_vec();
+            let h = std::thread::Builder::new()
+                .name(format!("bench-{t}"))
+                .spawn_scoped(scope, move || -> Result<(ThreadResult, Vec<String>)> {
+                    let r = (|| {
+                        let mut d = PlainDriver::connect(
+                            &addrs,
+                            plan.slots,
+                            plan.slots * plan.pipeline,
+                            args.key_size,
+                            args.value_size,
+                        )?;
+                        let names = driver::Driver::target_names(&d);
+                        let res = engine::run_thread(&mut d, plan)?;
+                        Ok((res, names))
+                    })();
+                    if r.is_err() {
+                        abort.store(true, Ordering::Relaxed);
+                    }
+                    let _ = tx.send(());
+                    r
+                })
+                .context("spawn client thread")?;
+            handles.push(h);
+        }
+        drop(tx);
+        let mut finished = 0;
+        while finished < threads {
+            match rx.recv_timeout(Duration::from_millis(200)) {
+                Ok(()) => finished += 1,
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+            }
+            let el = start.elapsed();
+            let ops: u64 = progress.iter().map(|p| p.load(Ordering::Relaxed)).sum();
+            bar.set_position(el.as_millis() as u64);
+            bar.set_message(format!(
+                "{ops} ops, {:.0} ops/s",
+                ops as f64 / el.as_secs_f64().max(1e-9)
+            ));
+        }
+        bar.finish_and_clear();
+        let mut results = Vec::new();
+        let mut target_names = Vec::new();
+        for h in handles {
+            let (r, names) = h
+                .join()
+                .map_err(|_| anyhow::anyhow!("client thread panicked"))??;
+            results.push(r);
+            target_names = names;
+        }
+        Ok(PhaseOutcome {
+            results,
+            target_names,
+        })
+    })?;
+    Ok(outcome)
+}
+
+fn totals_of(results: &[ThreadResult], rate: Option<f64>) -> Totals {
+    let mut t = Totals {
+        target_rate: rate,
+        ..Default::default()
+    };
+    let mut elapsed = Duration::ZERO;
+    for r in results {
+        t.ops += r.ops;
+        t.gets += r.gets;
+        t.sets += r.sets;
+        t.get_keys += r.get_keys;
+        t.hits += r.hits;
+        t.errors += r.errors;
+        t.unfinished += r.unfinished;
+        t.requests += r.target_requests.iter().sum::<u64>();
+        elapsed = elapsed.max(r.elapsed);
+    }
+    t.misses = t.get_keys.saturating_sub(t.hits);
+    let secs = elapsed.as_secs_f64().max(1e-9);
+    t.elapsed_s = elapsed.as_secs_f64();
+    t.ops_per_sec = t.ops as f64 / secs;
+    t.requests_per_sec = t.requests as f64 / secs;
+    t.keys_per_sec = (t.get_keys + t.sets) as f64 / secs;
+    t.hit_ratio = if t.get_keys > 0 {
+        t.hits as f64 / t.get_keys as f64
+    } else {
+        0.0
+    };
+    t
+}
+
+fn fmt_lat(name: &str, l: &LatencySummary) -> String {
+    format!(
+        "  {name:<4} n={:<10} p50={:.1}us p90={:.1}us p99={:.1}us p99.9={:.1}us max={:.1}us",
+        l.count, l.p50_us, l.p90_us, l.p99_us, l.p999_us, l.max_us
+    )
+}
+
+/// Run the benchmark described by `args`: optional load phase, the run, the summary on stdout,
+/// `--json` and `--plot` files. With `--plot-only`, only plots the given reports and returns the
+/// first of them.
+pub fn run(args: BenchArgs) -> Result<BenchReport> {
+    if !args.plot_only.is_empty() {
+        let out = args
+            .output
+            .clone()
+            .context("--plot-only needs -o/--output FILE.svg")?;
+        let mut reports = Vec::new();
+        for p in &args.plot_only {
+            reports.push((label_of(p), load_report(p)?));
+        }
+        plot(&reports, &out)?;
+        if !args.quiet {
+            println!("wrote {}", out.display());
+        }
+        return Ok(reports.swap_remove(0).1);
+    }
+    validate(&args)?;
+    let stub = if args.null_server {
+        Some(stub::StubServer::start().context("start stub server")?)
+    } else {
+        None
+    };
+    let addrs = match &stub {
+        Some(s) => vec![s.addr],
+        None => resolve_targets(&args)?,
+    };
+    let show = !args.quiet;
+    let started_unix_ms = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0);
+    let params = WorkloadParams {
+        keys: args.keys,
+        zipf: args.zipf,
+        hot_fraction: args.hot_fraction,
+        hot_ops: args.hot_ops,
+        read_ratio: args.read_ratio,
+        dist: args.dist,
+    };
+    let phases = match &args.phases {
+        Some(p) => workload::parse_phases(p)?,
+        None => vec![Phase {
+            workload: args.workload,
+            secs: args.duration.unwrap_or(10.0),
+        }],
+    };
+    let duration = args
+        .duration
+        .unwrap_or_else(|| phases.iter().map(|p| p.secs).sum());
+
+    // load phase
+    let mut load = None;
+    if args.load || args.load_only {
+        let threads = args.threads as u32;
+        let sources = (0..threads)
+            .map(|t| OpSource::Load {
+                next: t,
+                step: threads,
+                end: args.keys,
+            })
+            .collect();
+        let o = run_threads(
+            &args,
+            &addrs,
+            sources,
+            Duration::from_secs_f64(args.load_timeout),
+            None,
+            None,
+            "load",
+            show,
+        )?;
+        let t = totals_of(&o.results, None);
+        if show {
+            println!(
+                "load: {} keys in {:.2}s ({:.0} sets/s), errors {}, unfinished {}",
+                t.sets, t.elapsed_s, t.ops_per_sec, t.errors, t.unfinished
+            );
+        }
+        if t.sets < args.keys as u64 {
+            eprintln!(
+                "warning: load phase stored only {} of {} keys (--load-timeout)",
+                t.sets, args.keys
+            );
+        }
+        load = Some(t);
+    }
+
+    let mut report = BenchReport {
+        tool: format!("mbal-bench {}", env!("CARGO_PKG_VERSION")),
+        driver: "plain".into(),
+        settings: args.clone(),
+        phases: phases.clone(),
+        started_unix_ms,
+        load,
+        totals: Totals::default(),
+        latency: BTreeMap::new(),
+        timeline: Vec::new(),
+        balance: Balance::default(),
+        client: ClientCost {
+            threads: args.threads,
+            ..Default::default()
+        },
+    };
+
+    if !args.load_only {
+        let perm = Arc::new(workload::scramble_permutation(args.keys, 0x6d62_616c));
+        let mut sources = Vec::new();
+        for _ in 0..args.threads {
+            let mut ph = Vec::new();
+            let mut end = 0.0;
+            for p in &phases {
+                end += p.secs;
+                let mix = workload::mix_of(p.workload, &params);
+                ph.push((
+                    end,
+                    mix.read_ratio,
+                    KeyGen::new(mix.dist, &params, perm.clone())?,
+                ));
+            }
+            sources.push(OpSource::Mix { phases: ph });
+        }
+        let o = run_threads(
+            &args,
+            &addrs,
+            sources,
+            Duration::from_secs_f64(duration),
+            args.max_ops,
+            args.rate,
+            "run",
+            show,
+        )?;
+        fill_report(&mut report, &o, &phases);
+    }
+    if show {
+        print_summary(&report);
+    }
+    if let Some(p) = &args.json {
+        std::fs::write(p, serde_json::to_vec_pretty(&report)?)
+            .with_context(|| format!("write {}", p.display()))?;
+    }
+    if let Some(p) = &args.plot {
+        plot(
+            &[(
+                label_of(args.json.as_deref().unwrap_or(Path::new("run"))),
+                report.clone(),
+            )],
+            p,
+        )?;
+    }
+    drop(stub);
+    Ok(report)
+}
+
+fn fill_report(report: &mut BenchReport, o: &PhaseOutcome, phases: &[Phase]) {
+    let rs = &o.results;
+    report.totals = totals_of(rs, report.settings.rate);
+    let mut get = engine::ns_histogram();
+    let mut set = engine::ns_histogram();
+    let mut secs: Vec<SecAcc> = Vec::new();
+    let mut targets = vec![0u64; o.target_names.len()];
+    let mut cpu = 0.0;
+    for r in rs {
+        get.add(&r.get_hist).expect("same bounds");
+        set.add(&r.set_hist).expect("same bounds");
+        if secs.len() < r.seconds.len() {
+            secs.resize_with(r.seconds.len(), SecAcc::new);
+        }
+        for (a, b) in secs.iter_mut().zip(&r.seconds) {
+            a.merge(b);
+        }
+        for (a, b) in targets.iter_mut().zip(&r.target_requests) {
+            *a += b;
+        }
+        cpu += r.cpu_secs;
+    }
+    let mut all = get.clone();
+    all.add(&set).expect("same bounds");
+    for (name, h) in [("get", &get), ("set", &set), ("all", &all)] {
+        if !h.is_empty() {
+            report.latency.insert(name.into(), summarize(h, 1.0));
+        }
+    }
+    let elapsed = report.totals.elapsed_s;
+    report.timeline = secs
+        .iter()
+        .enumerate()
+        .map(|(t, s)| {
+            let span = (elapsed - t as f64).clamp(1e-3, 1.0);
+            let l = summarize(&s.hist, 1000.0);
+            SecondStats {
+                t: t as u32,
+                phase: phases[workload::phase_at(phases, t as f64 + 0.5)]
+                    .workload
+                    .name()
+                    .into(),
+                ops: s.ops,
+                gets: s.gets,
+                sets: s.sets,
+                keys: s.keys,
+                hits: s.hits,
+                errors: s.errors,
+                ops_per_sec: s.ops as f64 / span,
+                keys_per_sec: s.keys as f64 / span,
+                p50_us: l.p50_us,
+                p90_us: l.p90_us,
+                p99_us: l.p99_us,
+                max_us: l.max_us,
+            }
+        })
+        .collect();
+    let n = targets.len().max(1) as f64;
+    let avg = targets.iter().sum::<u64>() as f64 / n;
+    let max = targets.iter().copied().max().unwrap_or(0);
+    report.balance = Balance {
+        targets: o
+            .target_names
+            .iter()
+            .zip(&targets)
+            .map(|(name, &requests)| TargetStats {
+                name: name.clone(),
+                requests,
+            })
+            .collect(),
+        max_requests: max,
+        avg_requests: avg,
+        max_over_avg: if avg > 0.0 { max as f64 / avg } else { 0.0 },
+        imbalance_factor: imbalance_factor(&targets.iter().map(|&x| x as f64).collect::<Vec<_>>()),
+    };
+    report.client = ClientCost {
+        threads: rs.len(),
+        cpu_secs: cpu,
+        ops_per_cpu_sec: if cpu > 0.0 {
+            report.totals.ops as f64 / cpu
+        } else {
+            0.0
+        },
+    };
+}
+
+fn print_summary(r: &BenchReport) {
+    if r.settings.load_only {
+        return;
+    }
+    let t = &r.totals;
+    let mut line = format!(
+        "run: {:.2}s ops={} {:.0} ops/s, {:.0} req/s",
+        t.elapsed_s, t.ops, t.ops_per_sec, t.requests_per_sec
+    );
+    if r.settings.multiget > 1 {
+        line += &format!(", {:.0} keys/s", t.keys_per_sec);
+    }
+    if let Some(rate) = t.target_rate {
+        line += &format!(" (target {rate:.0} ops/s)");
+    }
+    line += &format!(", hit ratio {:.4}, errors {}", t.hit_ratio, t.errors);
+    if t.unfinished > 0 {
+        line += &format!(", UNFINISHED {}", t.unfinished);
+    }
+    println!("{line}");
+    for (name, l) in &r.latency {
+        if name != "all" {
+            println!("{}", fmt_lat(name, l));
+        }
+    }
+    if r.balance.targets.len() > 1 {
+        println!(
+            "  targets: max/avg {:.3}, imbalance factor {:.4}",
+            r.balance.max_over_avg, r.balance.imbalance_factor
+        );
+    }
+    println!(
+        "  client: {} thread(s), {:.2} CPU-s, {:.0} ops per client-CPU-second",
+        r.client.threads, r.client.cpu_secs, r.client.ops_per_cpu_sec
+    );
+}
+
+fn label_of(p: &Path) -> String {
+    p.file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "run".into())
+}
+
+/// Read a `--json` report.
+pub fn load_report(p: &Path) -> Result<BenchReport> {
+    let b = std::fs::read(p).with_context(|| format!("read {}", p.display()))?;
+    serde_json::from_slice(&b).with_context(|| format!("parse {}", p.display()))
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,361 @@
+//! Drivers: how ops reach servers. The load loop ([`crate::engine`]) decides *when* to send and
+//! measures; a [`Driver`] decides *where* and does the I/O. [`PlainDriver`] is a plain memcached
+//! text-protocol client; the routed mode (through the routing client crate) will be a second
+//! implementation of the same trait.
+
+use std::io::{self, Read, Write};
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use mio::net::TcpStream;
+use mio::{Events, Interest, Poll, Token};
+
+use crate::reply::{Expect, Reply, ReplyParser};
+use crate::workload::write_key;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OpKind {
+    /// `get k1 [k2 ...]` (a multiget when it has several keys).
+    Get,
+    /// `set k 0 0 <value-size>`.
+    Set,
+}
+
+/// One op handed to a driver. `token` is unique among the ops in flight on this driver
+/// (it is below the `max_in_flight` given to the driver's constructor).
+pub struct Request<'a> {
+    pub kind: OpKind,
+    pub keys: &'a [u32],
+    pub token: u32,
+}
+
+/// A finished op.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Completion {
+    pub token: u32,
+    /// Keys found (gets only).
+    pub hits: u32,
+    /// Error replies (`ERROR`, `CLIENT_ERROR`, `SERVER_ERROR`, `NOT_STORED`).
+    pub errors: u32,
+}
+
+/// A set of connections owned by one load thread, able to send ops and receive their results.
+///
+/// The load loop calls `submit` for each op (on a logical client `slot`), `flush` once per batch,
+/// then `poll` to wait for results. Results of one slot need not arrive in submit order across
+/// targets, but each op completes exactly once.
+pub trait Driver {
+    /// Names of the targets this driver counts requests for (servers, or workers later).
+    fn target_names(&self) -> Vec<String>;
+    /// Buffer one op on logical client `slot`.
+    fn submit(&mut self, slot: usize, req: &Request<'_>) -> Result<()>;
+    /// Start writing everything buffered (non-blocking; the rest goes out during `poll`).
+    fn flush(&mut self) -> Result<()>;
+    /// Wait up to `timeout` for replies, appending finished ops to `out`.
+    fn poll(&mut self, timeout: Duration, out: &mut Vec<Completion>) -> Result<()>;
+    /// Requests sent to each target so far (same order as `target_names`).
+    fn target_requests(&self) -> Vec<u64>;
+}
+
+/// Which server a key goes to in plain mode: `mbal_cluster::key_hash(key) % servers`.
+pub fn server_of(key: &[u8], servers: usize) -> usize {
+    if servers <= 1 {
+        0
+    } else {
+        (mbal_cluster::key_hash(key) % servers as u64) as usize
+    }
+}
+
+struct Conn {
+    stream: TcpStream,
+    target: usize,
+    wbuf: Vec<u8>,
+    wpos: usize,
+    rbuf: Vec<u8>,
+    rstart: usize,
+    rend: usize,
+    parser: ReplyParser,
+    /// In-flight requests on this connection, in order: (op token, reply kind).
+    pending: std::collections::VecDeque<(u32, Expect)>,
+}
+
+#[derive(Clone, Copy, Default)]
+struct OpState {
+    parts: u32,
+    hits: u32,
+    errors: u32,
+}
+
+/// Plain memcached text-protocol driver: for each logical client slot, one connection to each
+/// server; a key goes to server `key_hash(key) % n` ([`server_of`]); a multiget is split per
+/// server and completes when every part has answered.
+pub struct PlainDriver {
+    poll: Poll,
+    events: Events,
+    conns: Vec<Conn>,
+    servers: Vec<SocketAddr>,
+    key_size: usize,
+    value: Vec<u8>,
+    set_header_tail: Vec<u8>,
+    ops: Vec<OpState>,
+    target_reqs: Vec<u64>,
+    // scratch
+    key_buf: Vec<u8>,
+    key_server: Vec<u16>,
+    ready: Vec<(usize, bool, bool)>,
+}
+
+impl PlainDriver {
+    pub fn connect(
+        servers: &[SocketAddr],
+        slots: usize,
+        max_in_flight: usize,
+        key_size: usize,
+        value_size: usize,
+    ) -> Result<PlainDriver> {
+        if servers.is_empty() || servers.len() > u16::MAX as usize {
+            bail!("need 1..65535 servers");
+        }
+        let poll = Poll::new()?;
+        let mut conns = Vec::with_capacity(slots * servers.len());
+        for _slot in 0..slots {
+            for (si, addr) in servers.iter().enumerate() {
+                let std = std::net::TcpStream::connect_timeout(addr, Duration::from_secs(5))
+                    .with_context(|| format!("connect to {addr}"))?;
+                std.set_nodelay(true)?;
+                std.set_nonblocking(true)?;
+                let mut stream = TcpStream::from_std(std);
+                let id = conns.len();
+                poll.registry().register(
+                    &mut stream,
+                    Token(id),
+                    Interest::READABLE | Interest::WRITABLE,
+                )?;
+                conns.push(Conn {
+                    stream,
+                    target: si,
+                    wbuf: Vec::with_capacity(64 * 1024),
+                    wpos: 0,
+                    rbuf: vec![0; 256 * 1024],
+                    rstart: 0,
+                    rend: 0,
+                    parser: ReplyParser::new(),
+                    pending: Default::default(),
+                });
+            }
+        }
+        let set_header_tail = format!(" 0 0 {value_size}\r\n").into_bytes();
+        let mut value = vec![b'x'; value_size];
+        value.extend_from_slice(b"\r\n");
+        Ok(PlainDriver {
+            poll,
+            events: Events::with_capacity(1024),
+            conns,
+            servers: servers.to_vec(),
+            key_size,
+            value,
+            set_header_tail,
+            ops: vec![OpState::default(); max_in_flight],
+            target_reqs: vec![0; servers.len()],
+            key_buf: Vec::with_capacity(256),
+            key_server: Vec::new(),
+            ready: Vec::new(),
+        })
+    }
+
+    fn read_conn(&mut self, ci: usize, out: &mut Vec<Completion>) -> Result<()> {
+        loop {
+            let c = &mut self.conns[ci];
+            if c.rend == c.rbuf.len() {
+                if c.rstart > 0 {
+                    c.rbuf.copy_within(c.rstart..c.rend, 0);
+                    c.rend -= c.rstart;
+                    c.rstart = 0;
+                } else {
+                    let n = c.rbuf.len() * 2;
+                    c.rbuf.resize(n, 0);
+                }
+            }
+            let n = match c.stream.read(&mut c.rbuf[c.rend..]) {
+                Ok(0) => bail!("server {} closed the connection", self.servers[c.target]),
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e).context("read"),
+            };
+            c.rend += n;
+            // parse all complete replies
+            loop {
+                let Some(&(token, expect)) = c.pending.front() else {
+                    if c.rstart < c.rend {
+                        bail!(
+                            "server {} sent data with no request pending",
+                            self.servers[c.target]
+                        );
+                    }
+                    break;
+                };
+                let (used, reply) = c
+                    .parser
+                    .parse(&c.rbuf[c.rstart..c.rend], expect)
+                    .map_err(|e| anyhow::anyhow!("{}: {e}", self.servers[c.target]))?;
+                c.rstart += used;
+                let Some(reply) = reply else { break };
+                c.pending.pop_front();
+                let op = &mut self.ops[token as usize];
+                match reply {
+                    Reply::Get { hits } => op.hits += hits,
+                    Reply::Stored | Reply::Exists | Reply::NotFound => {}
+                    Reply::NotStored | Reply::Error => op.errors += 1,
+                }
+                op.parts -= 1;
+                if op.parts == 0 {
+                    out.push(Completion {
+                        token,
+                        hits: op.hits,
+                        errors: op.errors,
+                    });
+                }
+            }
+            if c.rstart == c.rend {
+                c.rstart = 0;
+                c.rend = 0;
+            }
+        }
+    }
+
+    fn write_conn(&mut self, ci: usize) -> Result<()> {
+        let c = &mut self.conns[ci];
+        while c.wpos < c.wbuf.len() {
+            match c.stream.write(&c.wbuf[c.wpos..]) {
+                Ok(0) => bail!("write returned 0"),
+                Ok(n) => c.wpos += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    return Err(e).with_context(|| format!("write to {}", self.servers[c.target]))
+                }
+            }
+        }
+        c.wbuf.clear();
+        c.wpos = 0;
+        Ok(())
+    }
+}
+
+impl Driver for PlainDriver {
+    fn target_names(&self) -> Vec<String> {
+        self.servers.iter().map(|s| s.to_string()).collect()
+    }
+
+    fn submit(&mut self, slot: usize, req: &Request<'_>) -> Result<()> {
+        let n = self.servers.len();
+        let op = &mut self.ops[req.token as usize];
+        *op = OpState::default();
+        match req.kind {
+            OpKind::Set => {
+                let &[key] = req.keys else {
+                    bail!("set takes one key")
+                };
+                self.key_buf.clear();
+                write_key(&mut self.key_buf, key, self.key_size);
+                let s = server_of(&self.key_buf, n);
+                let ci = slot * n + s;
+                let c = &mut self.conns[ci];
+                c.wbuf.extend_from_slice(b"set ");
+                c.wbuf.extend_from_slice(&self.key_buf);
+                c.wbuf.extend_from_slice(&self.set_header_tail);
+                c.wbuf.extend_from_slice(&self.value);
+                c.pending.push_back((req.token, Expect::Store));
+                op.parts = 1;
+                self.target_reqs[s] += 1;
+            }
+            OpKind::Get => {
+                if req.keys.is_empty() {
+                    bail!("get needs a key");
+                }
+                if n == 1 {
+                    let c = &mut self.conns[slot];
+                    c.wbuf.extend_from_slice(b"get");
+                    for &k in req.keys {
+                        c.wbuf.push(b' ');
+                        write_key(&mut c.wbuf, k, self.key_size);
+                    }
+                    c.wbuf.extend_from_slice(b"\r\n");
+                    c.pending.push_back((req.token, Expect::Get));
+                    op.parts = 1;
+                    self.target_reqs[0] += 1;
+                } else {
+                    self.key_server.clear();
+                    for &k in req.keys {
+                        self.key_buf.clear();
+                        write_key(&mut self.key_buf, k, self.key_size);
+                        self.key_server.push(server_of(&self.key_buf, n) as u16);
+                    }
+                    let mut parts = 0;
+                    for s in 0..n {
+                        if !self.key_server.contains(&(s as u16)) {
+                            continue;
+                        }
+                        let ci = slot * n + s;
+                        let c = &mut self.conns[ci];
+                        c.wbuf.extend_from_slice(b"get");
+                        for (i, &k) in req.keys.iter().enumerate() {
+                            if self.key_server[i] as usize == s {
+                                c.wbuf.push(b' ');
+                                write_key(&mut c.wbuf, k, self.key_size);
+                            }
+                        }
+                        c.wbuf.extend_from_slice(b"\r\n");
+                        c.pending.push_back((req.token, Expect::Get));
+                        parts += 1;
+                        self.target_reqs[s] += 1;
+                    }
+                    self.ops[req.token as usize].parts = parts;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        for ci in 0..self.conns.len() {
+            if self.conns[ci].wpos < self.conns[ci].wbuf.len() {
+                self.write_conn(ci)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn poll(&mut self, timeout: Duration, out: &mut Vec<Completion>) -> Result<()> {
+        match self.poll.poll(&mut self.events, Some(timeout)) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => return Ok(()),
+            Err(e) => return Err(e.into()),
+        }
+        let mut ready = std::mem::take(&mut self.ready);
+        ready.clear();
+        ready.extend(self.events.iter().map(|e| {
+            (
+                e.token().0,
+                e.is_readable() || e.is_read_closed(),
+                e.is_writable(),
+            )
+        }));
+        for &(ci, r, w) in &ready {
+            if w && self.conns[ci].wpos < self.conns[ci].wbuf.len() {
+                self.write_conn(ci)?;
+            }
+            if r {
+                self.read_conn(ci, out)?;
+            }
+        }
+        self.ready = ready;
+        Ok(())
+    }
+
+    fn target_requests(&self) -> Vec<u64> {
+        self.target_reqs.clone()
+    }
+}

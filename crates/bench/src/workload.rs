@@ -1,0 +1,378 @@
+//! Workloads: key distributions (scrambled Zipfian, hotspot, uniform), read/update mixes
+//! (MBal Table 4) and the phase timeline (`--phases "a:10,b:10"`).
+
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use rand_distr::{Distribution, Zipf};
+use serde::{Deserialize, Serialize};
+
+/// A named workload (the `--workload` flag and the names in `--phases`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum WorkloadKind {
+    /// MBal A: 100% read, Zipfian keys.
+    A,
+    /// MBal B: 95% read / 5% update, hotspot keys (`--hot-ops` of ops on `--hot-fraction` of keys).
+    B,
+    /// MBal C: 50% read / 50% update, Zipfian keys.
+    C,
+    /// Uniform keys, `--read-ratio` reads.
+    Uniform,
+    /// `--dist` keys, `--read-ratio` reads.
+    Custom,
+}
+
+impl WorkloadKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            WorkloadKind::A => "a",
+            WorkloadKind::B => "b",
+            WorkloadKind::C => "c",
+            WorkloadKind::Uniform => "uniform",
+            WorkloadKind::Custom => "custom",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<WorkloadKind> {
+        Ok(match s.trim().to_ascii_lowercase().as_str() {
+            "a" => WorkloadKind::A,
+            "b" => WorkloadKind::B,
+            "c" => WorkloadKind::C,
+            "uniform" | "u" => WorkloadKind::Uniform,
+            "custom" => WorkloadKind::Custom,
+            other => bail!("unknown workload {other:?} (expected a, b, c, uniform or custom)"),
+        })
+    }
+}
+
+/// Key distribution (`--dist`, used by `--workload custom`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum DistKind {
+    Zipf,
+    Hotspot,
+    Uniform,
+}
+
+/// The parameters every workload needs, taken from the flags.
+#[derive(Clone, Debug)]
+pub struct WorkloadParams {
+    pub keys: u32,
+    pub zipf: f64,
+    pub hot_fraction: f64,
+    pub hot_ops: f64,
+    pub read_ratio: f64,
+    pub dist: DistKind,
+}
+
+/// A concrete mix: read ratio and key distribution.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Mix {
+    pub read_ratio: f64,
+    pub dist: DistKind,
+}
+
+pub fn mix_of(kind: WorkloadKind, p: &WorkloadParams) -> Mix {
+    match kind {
+        WorkloadKind::A => Mix {
+            read_ratio: 1.0,
+            dist: DistKind::Zipf,
+        },
+        WorkloadKind::B => Mix {
+            read_ratio: 0.95,
+            dist: DistKind::Hotspot,
+        },
+        WorkloadKind::C => Mix {
+            read_ratio: 0.5,
+            dist: DistKind::Zipf,
+        },
+        WorkloadKind::Uniform => Mix {
+            read_ratio: p.read_ratio,
+            dist: DistKind::Uniform,
+        },
+        WorkloadKind::Custom => Mix {
+            read_ratio: p.read_ratio,
+            dist: p.dist,
+        },
+    }
+}
+
+/// One phase of a timeline.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Phase {
+    pub workload: WorkloadKind,
+    pub secs: f64,
+}
+
+/// Parse `"a:10,b:10,c:5.5"` into phases. Every phase needs a positive duration.
+pub fn parse_phases(s: &str) -> Result<Vec<Phase>> {
+    let mut out = Vec::new();
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (name, secs) = part
+            .split_once(':')
+            .with_context(|| format!("phase {part:?} must look like NAME:SECONDS"))?;
+        let workload = WorkloadKind::parse(name)?;
+        let secs: f64 = secs
+            .trim()
+            .parse()
+            .with_context(|| format!("phase {part:?}: bad seconds {secs:?}"))?;
+        if !(secs.is_finite() && secs > 0.0) {
+            bail!("phase {part:?}: seconds must be > 0");
+        }
+        out.push(Phase { workload, secs });
+    }
+    if out.is_empty() {
+        bail!("--phases is empty");
+    }
+    Ok(out)
+}
+
+/// Index of the phase active at `t` seconds (the last one stays active past the end).
+pub fn phase_at(phases: &[Phase], t: f64) -> usize {
+    let mut acc = 0.0;
+    for (i, p) in phases.iter().enumerate() {
+        acc += p.secs;
+        if t < acc {
+            return i;
+        }
+    }
+    phases.len().saturating_sub(1)
+}
+
+/// A fixed pseudo-random permutation of `0..n` (seeded, identical for every run and thread):
+/// rank r of a skewed distribution maps to key `perm[r]`, so hot keys are scattered over the
+/// key space instead of being lexicographically adjacent (YCSB's "scrambled zipfian").
+pub fn scramble_permutation(n: u32, seed: u64) -> Vec<u32> {
+    let mut perm: Vec<u32> = (0..n).collect();
+    let mut rng = SmallRng::seed_from_u64(seed);
+    // Fisher-Yates
+    for i in (1..perm.len()).rev() {
+        let j = rng.gen_range(0..=i);
+        perm.swap(i, j);
+    }
+    perm
+}
+
+/// Draws key indices from one distribution.
+pub enum KeyGen {
+    Zipf {
+        zipf: Zipf<f64>,
+        perm: Arc<Vec<u32>>,
+    },
+    Hotspot {
+        hot_n: u32,
+        n: u32,
+        hot_ops: f64,
+        perm: Arc<Vec<u32>>,
+    },
+    Uniform {
+        n: u32,
+    },
+}
+
+impl KeyGen {
+    pub fn new(dist: DistKind, p: &WorkloadParams, perm: Arc<Vec<u32>>) -> Result<KeyGen> {
+        let n = p.keys;
+        if n == 0 {
+            bail!("--keys must be > 0");
+        }
+        Ok(match dist {
+            DistKind::Zipf => {
+                let zipf = Zipf::new(n as u64, p.zipf)
+                    .map_err(|e| anyhow::anyhow!("bad --zipf {}: {e:?}", p.zipf))?;
+                KeyGen::Zipf { zipf, perm }
+            }
+            DistKind::Hotspot => {
+                if !(0.0..=1.0).contains(&p.hot_fraction) || !(0.0..=1.0).contains(&p.hot_ops) {
+                    bail!("--hot-fraction and --hot-ops must be in [0, 1]");
+                }
+                let hot_n = ((n as f64 * p.hot_fraction).round() as u32).clamp(1, n);
+                KeyGen::Hotspot {
+                    hot_n,
+                    n,
+                    hot_ops: p.hot_ops,
+                    perm,
+                }
+            }
+            DistKind::Uniform => KeyGen::Uniform { n },
+        })
+    }
+
+    #[inline]
+    pub fn next<R: Rng>(&self, rng: &mut R) -> u32 {
+        match self {
+            KeyGen::Zipf { zipf, perm } => {
+                let rank = zipf.sample(rng) as usize; // 1..=n
+                perm[(rank.max(1) - 1).min(perm.len() - 1)]
+            }
+            KeyGen::Hotspot {
+                hot_n,
+                n,
+                hot_ops,
+                perm,
+            } => {
+                let i = if *hot_n >= *n || rng.gen::<f64>() < *hot_ops {
+                    rng.gen_range(0..*hot_n)
+                } else {
+                    rng.gen_range(*hot_n..*n)
+                };
+                perm[i as usize]
+            }
+            KeyGen::Uniform { n } => rng.gen_range(0..*n),
+        }
+    }
+}
+
+/// Format key `idx` into `out` as `k` + zero-padded decimal, exactly `key_size` bytes.
+#[inline]
+pub fn write_key(out: &mut Vec<u8>, idx: u32, key_size: usize) {
+    let mut b = itoa::Buffer::new();
+    let d = b.format(idx).as_bytes();
+    out.push(b'k');
+    let pad = key_size.saturating_sub(1 + d.len());
+    out.extend(std::iter::repeat_n(b'0', pad));
+    out.extend_from_slice(d);
+}
+
+/// Smallest key size that can hold `keys` distinct keys.
+pub fn min_key_size(keys: u32) -> usize {
+    1 + itoa::Buffer::new().format(keys.saturating_sub(1)).len()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(n: u32) -> WorkloadParams {
+        WorkloadParams {
+            keys: n,
+            zipf: 0.99,
+            hot_fraction: 0.05,
+            hot_ops: 0.95,
+            read_ratio: 0.95,
+            dist: DistKind::Zipf,
+        }
+    }
+
+    #[test]
+    fn zipf_rank_frequencies_match_theory() {
+        let n = 1000u32;
+        let s = 0.99;
+        let ident: Arc<Vec<u32>> = Arc::new((0..n).collect());
+        let g = KeyGen::new(DistKind::Zipf, &params(n), ident).unwrap();
+        let mut rng = SmallRng::seed_from_u64(7);
+        let samples = 1_000_000;
+        let mut counts = vec![0u64; n as usize];
+        for _ in 0..samples {
+            counts[g.next(&mut rng) as usize] += 1;
+        }
+        let h: f64 = (1..=n).map(|k| 1.0 / (k as f64).powf(s)).sum();
+        for k in 1..=10u32 {
+            let expect = (1.0 / (k as f64).powf(s)) / h;
+            let got = counts[(k - 1) as usize] as f64 / samples as f64;
+            let rel = (got - expect).abs() / expect;
+            assert!(
+                rel < 0.04,
+                "rank {k}: got {got:.5}, expected {expect:.5} (rel err {rel:.3})"
+            );
+        }
+    }
+
+    #[test]
+    fn scrambled_zipf_hot_keys_are_spread() {
+        let n = 100_000;
+        let perm = Arc::new(scramble_permutation(n, 42));
+        // a permutation
+        let mut seen = vec![false; n as usize];
+        for &k in perm.iter() {
+            assert!(!seen[k as usize]);
+            seen[k as usize] = true;
+        }
+        // the 10 hottest ranks are not adjacent keys
+        let mut hot: Vec<u32> = perm[..10].to_vec();
+        hot.sort();
+        let adjacent = hot.windows(2).filter(|w| w[1] - w[0] == 1).count();
+        assert!(adjacent <= 1, "hot keys adjacent: {hot:?}");
+        // and the hottest key really is perm[0]
+        let g = KeyGen::new(DistKind::Zipf, &params(n), perm.clone()).unwrap();
+        let mut rng = SmallRng::seed_from_u64(1);
+        let hits = (0..100_000).filter(|_| g.next(&mut rng) == perm[0]).count();
+        assert!(hits > 5_000, "hottest key drawn {hits} times");
+    }
+
+    #[test]
+    fn hotspot_distribution() {
+        let n = 100_000;
+        let perm = Arc::new(scramble_permutation(n, 3));
+        let p = params(n);
+        let g = KeyGen::new(DistKind::Hotspot, &p, perm.clone()).unwrap();
+        let hot: std::collections::HashSet<u32> = perm[..5_000].iter().copied().collect();
+        let mut rng = SmallRng::seed_from_u64(9);
+        let samples = 200_000;
+        let in_hot = (0..samples)
+            .filter(|_| hot.contains(&g.next(&mut rng)))
+            .count();
+        let frac = in_hot as f64 / samples as f64;
+        assert!((frac - 0.95).abs() < 0.005, "hot fraction of ops {frac}");
+        // cold keys are drawn too, and never out of range
+        for _ in 0..10_000 {
+            assert!(g.next(&mut rng) < n);
+        }
+    }
+
+    #[test]
+    fn uniform_covers_range() {
+        let p = params(10);
+        let g = KeyGen::new(DistKind::Uniform, &p, Arc::new(vec![])).unwrap();
+        let mut rng = SmallRng::seed_from_u64(5);
+        let mut c = [0u32; 10];
+        for _ in 0..10_000 {
+            c[g.next(&mut rng) as usize] += 1;
+        }
+        assert!(c.iter().all(|&x| (800..1200).contains(&x)), "{c:?}");
+    }
+
+    #[test]
+    fn phase_parser() {
+        let p = parse_phases("a:10, b:2.5,C:1").unwrap();
+        assert_eq!(
+            p,
+            vec![
+                Phase {
+                    workload: WorkloadKind::A,
+                    secs: 10.0
+                },
+                Phase {
+                    workload: WorkloadKind::B,
+                    secs: 2.5
+                },
+                Phase {
+                    workload: WorkloadKind::C,
+                    secs: 1.0
+                },
+            ]
+        );
+        assert_eq!(phase_at(&p, 0.0), 0);
+        assert_eq!(phase_at(&p, 9.99), 0);
+        assert_eq!(phase_at(&p, 10.0), 1);
+        assert_eq!(phase_at(&p, 12.6), 2);
+        assert_eq!(phase_at(&p, 100.0), 2);
+        assert!(parse_phases("a").is_err());
+        assert!(parse_phases("x:1").is_err());
+        assert!(parse_phases("a:0").is_err());
+        assert!(parse_phases("a:-1").is_err());
+        assert!(parse_phases("").is_err());
+    }
+
+    #[test]
+    fn key_format() {
+        let mut v = Vec::new();
+        write_key(&mut v, 123, 10);
+        assert_eq!(v, b"k000000123");
+        assert_eq!(min_key_size(100_000), 6);
+        assert_eq!(min_key_size(1), 2);
+    }
+}

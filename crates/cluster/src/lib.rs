@@ -10,6 +10,9 @@
 //! * VNs map to cachelets and cachelets to (server, worker) through a
 //!   [`Layout`]; the initial assignment is deterministic and even.
 
+mod map;
+
+pub use map::{ClusterMap, ClusterSpec, MapDiff, ServerInfo, ServerSpec};
 use serde::{Deserialize, Serialize};
 
 /// Default number of virtual nodes for a cluster's life (DESIGN.md §2).

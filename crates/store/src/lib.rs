@@ -48,9 +48,10 @@
 //! see [`rel_exptime`] for memcached's conversion. Expired items are misses and are reclaimed
 //! when looked up; [`WorkerStore::sweep`] walks segments incrementally to drop expired/flushed
 //! items and to free/compact mostly-dead segments. `flush_all(at)` follows memcached's
-//! `oldest_live`: once `now >= at`, every item set at or before `at` is invalid. An immediate
-//! flush (`at <= last now seen`) also records the CAS counter so that items stored later in the
-//! same second survive. Flush state lives in each cachelet, so it travels with it.
+//! `oldest_live`: once `now >= at`, every item set before second `at` is invalid, and so is
+//! every item set in second `at` *before the flush call* (the CAS counter at the call is
+//! recorded, like memcached's `oldest_cas`), so an immediate `flush_all(now)` spares items
+//! stored after it in the same second. Flush state lives in each cachelet and travels with it.
 //!
 //! # CAS
 //! `cas = (per-worker counter << 16) | worker_id`: unique across the workers of a server (and

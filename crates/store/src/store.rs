@@ -10,6 +10,9 @@ use std::collections::BTreeSet;
 use std::ops::Bound;
 use std::sync::Arc;
 
+/// Pending flush_all calls remembered per cachelet (see `Cachelet::flushes`).
+const MAX_FLUSHES: usize = 8;
+
 /// Index entry: the caller's key hash and the item's location.
 #[derive(Clone, Copy, Debug)]
 struct Entry {
@@ -53,10 +56,10 @@ pub struct Cachelet {
     free_slots: Vec<u32>,
     open: Option<u32>,
     st: CacheletStats,
-    flush_active: bool,
-    flush_at: u32,
-    /// CAS counter bound of the last flush (u64::MAX for a delayed flush: time only).
-    flush_ctr: u64,
+    /// Pending/active flush_all calls `(at, CAS counter at the call)`, oldest first. An item is
+    /// flushed if any of them applies (a later delayed flush never resurrects items); a flush
+    /// is dropped once a later one that covers it is in effect. At most `MAX_FLUSHES`.
+    flushes: Vec<(u32, u64)>,
     /// CAS counter of the worker it was taken from.
     cas_floor: u64,
 }
@@ -70,9 +73,7 @@ impl Cachelet {
             free_slots: Vec::new(),
             open: None,
             st: CacheletStats::default(),
-            flush_active: false,
-            flush_at: 0,
-            flush_ctr: 0,
+            flushes: Vec::new(),
             cas_floor: 0,
         })
     }
@@ -123,12 +124,13 @@ impl Cachelet {
         if e != 0 && e <= now {
             return Live::Expired;
         }
-        if self.flush_active
-            && now >= self.flush_at
-            && It::set_time(b, o) <= self.flush_at
-            && (It::cas(b, o) >> 16) <= self.flush_ctr
-        {
-            return Live::Flushed;
+        for &(at, ctr) in &self.flushes {
+            if now >= at && {
+                let t = It::set_time(b, o);
+                t < at || (t == at && (It::cas(b, o) >> 16) <= ctr)
+            } {
+                return Live::Flushed;
+            }
         }
         Live::Live
     }
@@ -1002,13 +1004,25 @@ impl WorkerStore {
         true
     }
 
-    /// memcached flush_all: once `now >= at`, every item set at or before `at` is invalid.
+    /// memcached flush_all: once `now >= at`, every item set before second `at`, or in second
+    /// `at` before this call, is invalid (so an immediate `flush_all(now)` spares items stored
+    /// after it in the same second, like memcached's oldest_cas).
     pub fn flush_all(&mut self, at: u32) {
-        let ctr = if at <= self.m.last_now { self.m.cas_ctr } else { u64::MAX };
+        let ctr = self.m.cas_ctr;
+        let now = self.m.last_now;
         for c in self.cachelets.iter_mut().flatten() {
-            c.flush_active = true;
-            c.flush_at = at;
-            c.flush_ctr = ctr;
+            c.flushes.push((at, ctr));
+            let f = std::mem::take(&mut c.flushes);
+            // X is covered by a later Y with X.at <= Y.at once Y is in effect (Y.at <= now).
+            c.flushes = f
+                .iter()
+                .enumerate()
+                .filter(|&(i, x)| !f[i + 1..].iter().any(|y| x.0 <= y.0 && y.0 <= now))
+                .map(|(_, x)| *x)
+                .collect();
+            if c.flushes.len() > MAX_FLUSHES {
+                c.flushes.remove(0);
+            }
         }
     }
 

@@ -45,7 +45,7 @@ use anyhow::{bail, Context, Result};
 use hdrhistogram::Histogram;
 use serde::{Deserialize, Serialize};
 
-use driver::PlainDriver;
+use driver::{Driver, PlainDriver};
 use engine::{OpSource, SecAcc, ThreadPlan, ThreadResult};
 pub use plot::plot;
 use workload::{DistKind, KeyGen, Phase, WorkloadKind, WorkloadParams};
@@ -379,7 +379,7 @@ struct PhaseOutcome {
 #[allow(clippy::too_many_arguments)]
 fn run_threads(
     args: &BenchArgs,
-    addrs: &[SocketAddr],
+    factory: &dyn DriverFactory,
     sources: Vec<OpSource>,
     duration: Duration,
     quota: Option<u64>,
@@ -431,20 +431,19 @@ fn run_threads(
                 abort: abort.clone(),
             };
             let (tx, abort) = (tx.clone(), abort.clone());
-            let addrs = addrs.to_vec();
             let h = std::thread::Builder::new()
                 .name(format!("bench-{t}"))
                 .spawn_scoped(scope, move || -> Result<(ThreadResult, Vec<String>)> {
                     let r = (|| {
-                        let mut d = PlainDriver::connect(
-                            &addrs,
-                            plan.slots,
-                            plan.slots * plan.pipeline,
-                            args.key_size,
-                            args.value_size,
-                        )?;
-                        let names = driver::Driver::target_names(&d);
-                        let res = engine::run_thread(&mut d, plan)?;
+                        let spec = DriverSpec {
+                            thread: t,
+                            slots: plan.slots,
+                            max_in_flight: plan.slots * plan.pipeline,
+                            args,
+                        };
+                        let mut d = factory.make(&spec)?;
+                        let names = d.target_names();
+                        let res = engine::run_thread(d.as_mut(), plan)?;
                         Ok((res, names))
                     })();
                     if r.is_err() {
@@ -553,10 +552,58 @@ pub fn run(args: BenchArgs) -> Result<BenchReport> {
     } else {
         None
     };
-    let addrs = match &stub {
+    let servers = match &stub {
         Some(s) => vec![s.addr],
         None => resolve_targets(&args)?,
     };
+    let report = run_with(args, &PlainFactory { servers })?;
+    drop(stub);
+    Ok(report)
+}
+
+/// What a [`DriverFactory`] is asked for: the driver of one client thread.
+pub struct DriverSpec<'a> {
+    /// Client thread index (0..threads).
+    pub thread: usize,
+    /// Logical clients this thread drives (submit's `slot` is below this).
+    pub slots: usize,
+    /// Op tokens are below this.
+    pub max_in_flight: usize,
+    pub args: &'a BenchArgs,
+}
+
+/// Makes one [`Driver`] per client thread (inside that thread). The plain mode uses
+/// [`PlainFactory`]; the routed mode supplies its own and calls [`run_with`].
+pub trait DriverFactory: Sync {
+    /// Name recorded in the report (`"plain"`, `"routed"`).
+    fn name(&self) -> String;
+    fn make(&self, spec: &DriverSpec<'_>) -> Result<Box<dyn Driver>>;
+}
+
+/// Plain memcached text protocol to these servers (keys spread by `key_hash % n`).
+pub struct PlainFactory {
+    pub servers: Vec<SocketAddr>,
+}
+
+impl DriverFactory for PlainFactory {
+    fn name(&self) -> String {
+        "plain".into()
+    }
+    fn make(&self, spec: &DriverSpec<'_>) -> Result<Box<dyn Driver>> {
+        Ok(Box::new(PlainDriver::connect(
+            &self.servers,
+            spec.slots,
+            spec.max_in_flight,
+            spec.args.key_size,
+            spec.args.value_size,
+        )?))
+    }
+}
+
+/// Like [`run`] (without `--plot-only` and `--null-server` handling, and without resolving or
+/// checking `--server`: that is the factory's business) with drivers from `factory`.
+pub fn run_with(args: BenchArgs, factory: &dyn DriverFactory) -> Result<BenchReport> {
+    validate(&args)?;
     let show = !args.quiet;
     let started_unix_ms = SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
@@ -594,7 +641,7 @@ pub fn run(args: BenchArgs) -> Result<BenchReport> {
             .collect();
         let o = run_threads(
             &args,
-            &addrs,
+            factory,
             sources,
             Duration::from_secs_f64(args.load_timeout),
             None,
@@ -620,7 +667,7 @@ pub fn run(args: BenchArgs) -> Result<BenchReport> {
 
     let mut report = BenchReport {
         tool: format!("mbal-bench {}", env!("CARGO_PKG_VERSION")),
-        driver: "plain".into(),
+        driver: factory.name(),
         settings: args.clone(),
         phases: phases.clone(),
         started_unix_ms,
@@ -654,7 +701,7 @@ pub fn run(args: BenchArgs) -> Result<BenchReport> {
         }
         let o = run_threads(
             &args,
-            &addrs,
+            factory,
             sources,
             Duration::from_secs_f64(duration),
             args.max_ops,
@@ -680,7 +727,6 @@ pub fn run(args: BenchArgs) -> Result<BenchReport> {
             p,
         )?;
     }
-    drop(stub);
     Ok(report)
 }
 

@@ -243,3 +243,129 @@ fn json_round_trip_and_plot_only() {
     assert!(svg.contains("<svg") && svg.contains("throughput"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn silent_server_run_is_bounded_by_duration_and_drain() {
+    // accepts connections and never answers
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let holder = std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for _ in 0..2 {
+            held.push(l.accept().unwrap().0);
+        }
+        let _ = rx.recv();
+    });
+    let a = BenchArgs {
+        server: vec![addr.to_string()],
+        quiet: true,
+        duration: Some(0.2),
+        drain: 0.1,
+        conns: 2,
+        pipeline: 3,
+        ..BenchArgs::default()
+    };
+    let r = run(a).unwrap();
+    assert_eq!(r.totals.ops, 0);
+    assert_eq!(
+        r.totals.unfinished, 6,
+        "2 conns x 3 in flight never answered"
+    );
+    tx.send(()).unwrap();
+    holder.join().unwrap();
+}
+
+/// A driver with no I/O: every op completes on the next poll; checks the engine's contract.
+struct FakeDriver {
+    slots: usize,
+    pipeline: usize,
+    in_flight: Vec<usize>,
+    tokens: std::collections::HashSet<u32>,
+    queued: Vec<Completion>,
+    submitted: u64,
+}
+
+use crate::driver::{Completion, Request};
+
+impl Driver for FakeDriver {
+    fn target_names(&self) -> Vec<String> {
+        vec!["fake".into()]
+    }
+    fn submit(&mut self, slot: usize, req: &Request<'_>) -> Result<()> {
+        assert!(slot < self.slots);
+        self.in_flight[slot] += 1;
+        assert!(
+            self.in_flight[slot] <= self.pipeline,
+            "pipeline depth exceeded"
+        );
+        assert!(
+            self.tokens.insert(req.token),
+            "token {} reused while in flight",
+            req.token
+        );
+        self.queued.push(Completion {
+            token: req.token,
+            hits: req.keys.len() as u32,
+            errors: 0,
+        });
+        self.submitted += 1;
+        Ok(())
+    }
+    fn flush(&mut self) -> Result<()> {
+        Ok(())
+    }
+    fn poll(&mut self, _t: Duration, out: &mut Vec<Completion>) -> Result<()> {
+        for c in self.queued.drain(..) {
+            self.tokens.remove(&c.token);
+            out.push(c);
+        }
+        self.in_flight.iter_mut().for_each(|x| *x = 0);
+        Ok(())
+    }
+    fn target_requests(&self) -> Vec<u64> {
+        vec![self.submitted]
+    }
+}
+
+struct FakeFactory;
+impl DriverFactory for FakeFactory {
+    fn name(&self) -> String {
+        "fake".into()
+    }
+    fn make(&self, spec: &DriverSpec<'_>) -> Result<Box<dyn Driver>> {
+        Ok(Box::new(FakeDriver {
+            slots: spec.slots,
+            pipeline: spec.args.pipeline,
+            in_flight: vec![0; spec.slots],
+            tokens: Default::default(),
+            queued: Vec::new(),
+            submitted: 0,
+        }))
+    }
+}
+
+#[test]
+fn engine_respects_quota_pipeline_and_tokens_with_any_driver() {
+    let a = BenchArgs {
+        quiet: true,
+        duration: Some(60.0),
+        max_ops: Some(10_007),
+        threads: 3,
+        conns: 5,
+        pipeline: 7,
+        multiget: 3,
+        workload: WorkloadKind::B,
+        ..BenchArgs::default()
+    };
+    let r = run_with(a, &FakeFactory).unwrap();
+    assert_eq!(r.driver, "fake");
+    assert_eq!(r.totals.ops, 10_007);
+    assert_eq!(r.totals.requests, 10_007);
+    assert_eq!(r.totals.get_keys, 3 * r.totals.gets);
+    assert_eq!(r.totals.hits, r.totals.get_keys);
+    // workload B: about 5% updates
+    let upd = r.totals.sets as f64 / r.totals.ops as f64;
+    assert!((0.03..0.07).contains(&upd), "update share {upd}");
+    assert_eq!(r.client.threads, 3);
+}

@@ -106,6 +106,8 @@ pub struct ThreadResult {
     /// Ops still in flight when the drain time ran out.
     pub unfinished: u64,
     pub sent: u64,
+    /// Open loop: ops sent more than 1 ms after their intended time (the client fell behind).
+    pub late: u64,
     pub target_requests: Vec<u64>,
     /// CPU time this thread used (user + system).
     pub cpu_secs: f64,
@@ -164,6 +166,7 @@ pub fn run_thread(driver: &mut dyn Driver, mut plan: ThreadPlan) -> Result<Threa
         errors: 0,
         unfinished: 0,
         sent: 0,
+        late: 0,
         target_requests: Vec::new(),
         cpu_secs: 0.0,
         elapsed: Duration::ZERO,
@@ -273,6 +276,9 @@ pub fn run_thread(driver: &mut dyn Driver, mut plan: ThreadPlan) -> Result<Threa
                 let start_ns = if plan.rate.is_some() {
                     let t = next_intended;
                     next_intended += interval_ns;
+                    if now > t + 1_000_000 {
+                        res.late += 1;
+                    }
                     t
                 } else {
                     now

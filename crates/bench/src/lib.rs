@@ -61,7 +61,7 @@ pub struct BenchArgs {
     #[arg(long)]
     pub allow_non_loopback: bool,
     /// Ignore --server and run against an in-process stub server (measures the generator's own
-    /// ceiling; see also `client_cpu` in the report).
+    /// ceiling; see also `client.ops_per_cpu_sec` in every report).
     #[arg(long)]
     pub null_server: bool,
 
@@ -169,6 +169,7 @@ impl Default for BenchArgs {
 
 /// Latency percentiles of one op type, in microseconds.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
 pub struct LatencySummary {
     pub count: u64,
     pub mean_us: f64,
@@ -181,6 +182,7 @@ pub struct LatencySummary {
 
 /// Totals of one phase (the load phase or the run).
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
 pub struct Totals {
     pub elapsed_s: f64,
     /// Ops completed (a multiget is one op).
@@ -204,10 +206,14 @@ pub struct Totals {
     pub hit_ratio: f64,
     /// --rate, if open loop.
     pub target_rate: Option<f64>,
+    /// Open loop: ops sent more than 1 ms after their intended time (all slots were full or the
+    /// client was busy). Their latency still counts from the intended time.
+    pub late_ops: u64,
 }
 
 /// One second of the run.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
 pub struct SecondStats {
     /// Seconds since the start of the run.
     pub t: u32,
@@ -228,6 +234,7 @@ pub struct SecondStats {
 
 /// Requests received by one target (a server in plain mode; a worker in routed mode later).
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
 pub struct TargetStats {
     pub name: String,
     pub requests: u64,
@@ -235,6 +242,7 @@ pub struct TargetStats {
 
 /// Load balance over targets.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
 pub struct Balance {
     pub targets: Vec<TargetStats>,
     pub max_requests: u64,
@@ -247,6 +255,7 @@ pub struct Balance {
 
 /// The generator's own cost: CPU time of the client threads.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
 pub struct ClientCost {
     pub threads: usize,
     pub cpu_secs: f64,
@@ -503,6 +512,7 @@ fn totals_of(results: &[ThreadResult], rate: Option<f64>) -> Totals {
         t.hits += r.hits;
         t.errors += r.errors;
         t.unfinished += r.unfinished;
+        t.late_ops += r.late;
         t.requests += r.target_requests.iter().sum::<u64>();
         elapsed = elapsed.max(r.elapsed);
     }
@@ -829,7 +839,7 @@ fn print_summary(r: &BenchReport) {
         line += &format!(", {:.0} keys/s", t.keys_per_sec);
     }
     if let Some(rate) = t.target_rate {
-        line += &format!(" (target {rate:.0} ops/s)");
+        line += &format!(" (target {rate:.0} ops/s, {} sent late)", t.late_ops);
     }
     line += &format!(", hit ratio {:.4}, errors {}", t.hit_ratio, t.errors);
     if t.unfinished > 0 {

@@ -17,6 +17,7 @@ taskset -c "$SERVER_CPU" memcached "${user[@]}" -l 127.0.0.1 -p "$PORT" -U 0 -t 
 MC=$!
 trap 'kill $MC 2>/dev/null || true' EXIT
 for _ in $(seq 50); do (exec 3<>/dev/tcp/127.0.0.1/$PORT) 2>/dev/null && break; sleep 0.1; done
+kill -0 $MC 2>/dev/null || { echo "memcached did not start (port $PORT busy?)" >&2; exit 1; }
 cpu() { awk '{print $14+$15}' /proc/$MC/stat; }   # utime+stime in clock ticks
 HZ=$(getconf CLK_TCK)
 run() {

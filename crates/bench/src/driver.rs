@@ -177,6 +177,7 @@ impl PlainDriver {
                     c.rbuf.resize(n, 0);
                 }
             }
+            let space = c.rbuf.len() - c.rend;
             let n = match c.stream.read(&mut c.rbuf[c.rend..]) {
                 Ok(0) => bail!("server {} closed the connection", self.servers[c.target]),
                 Ok(n) => n,
@@ -221,6 +222,11 @@ impl PlainDriver {
             if c.rstart == c.rend {
                 c.rstart = 0;
                 c.rend = 0;
+            }
+            // A short read drained the socket: on Linux epoll (edge-triggered, as mio uses it)
+            // any later arrival raises a new event, so skip the read that would return EAGAIN.
+            if n < space {
+                return Ok(());
             }
         }
     }

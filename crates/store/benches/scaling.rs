@@ -1,1 +1,395 @@
-fn main() {}
+//! MBal Figure 5 without the network: per-thread stores vs one global lock vs striped locks.
+//!
+//! 10-byte keys, 20-byte values, uniform keys, 2M preloaded keys, 1M ops per thread per run
+//! (SCALING_OPS), GET-only then SET-only, 1 and 2 threads pinned to cores 0 and 1, 3 runs
+//! each, medians. The budget is the preload plus ~10%, so SET runs measure a 100%-full store
+//! that evicts (MBal's write-heavy steady state); GET runs come first, on the preloaded store.
+//! Every design sees the same key streams: thread t of 2 touches the keys of cachelets
+//! `c % 2 == t` (what client-side routing gives mbal); only the synchronization differs.
+//!   mbal     : each thread owns its WorkerStore (no lock on the data path)
+//!   one-lock : one WorkerStore behind one Mutex (memcached's global cache lock)
+//!   striped  : 64 WorkerStores, one per cachelet, each behind its own Mutex (bucket locks)
+//!
+//! Run: `cargo bench -p mbal-store --bench scaling` (env SCALING_OPS / SCALING_KEYS to change).
+
+use mbal_cluster::{key_hash, vn_of};
+use mbal_store::{Cachelet, GlobalPool, Mode, StoreConfig, StoreResult, WorkerStats, WorkerStore};
+use std::sync::{Arc, Barrier, Mutex};
+use std::time::{Duration, Instant};
+
+const CACHELETS: u32 = 64;
+const VN: u32 = 16_384;
+const VAL: [u8; 20] = *b"vvvvvvvvvvvvvvvvvvvv";
+const REPEATS: usize = 3;
+
+fn env_usize(name: &str, d: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(d)
+}
+
+fn make_key(i: u32) -> [u8; 10] {
+    let mut k = *b"k000000000";
+    let mut x = i;
+    for j in (1..10).rev() {
+        k[j] = b'0' + (x % 10) as u8;
+        x /= 10;
+    }
+    k
+}
+
+#[inline]
+fn cachelet_of(h: u64) -> u32 {
+    vn_of(h, VN) % CACHELETS
+}
+
+fn pin(core: usize) {
+    // SAFETY: plain libc call on a zeroed cpu_set_t owned by this frame.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(core, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    }
+}
+
+struct Rng(u64);
+impl Rng {
+    #[inline]
+    fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        ((self.0 as u128 * n as u128) >> 64) as usize
+    }
+}
+
+/// Run `body` on one pinned thread per state; returns Mops/s (total ops / slowest thread).
+fn par<S: Send>(
+    states: Vec<S>,
+    ops: usize,
+    body: impl Fn(S, &mut Rng, usize) -> u64 + Sync,
+) -> f64 {
+    let n = states.len();
+    let barrier = Barrier::new(n);
+    let (body, barrier) = (&body, &barrier);
+    let results: Vec<(Duration, u64)> = std::thread::scope(|sc| {
+        let hs: Vec<_> = states
+            .into_iter()
+            .enumerate()
+            .map(|(t, s)| {
+                sc.spawn(move || {
+                    pin(t);
+                    let mut rng =
+                        Rng(0x9E37_79B9_7F4A_7C15 ^ ((t as u64 + 1) * 0x1234_5678_9abc_def1));
+                    barrier.wait();
+                    let t0 = Instant::now();
+                    let hits = body(s, &mut rng, ops);
+                    (t0.elapsed(), hits)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let max = results.iter().map(|r| r.0).max().unwrap();
+    let hits: u64 = results.iter().map(|r| r.1).sum();
+    assert!(hits > 0);
+    (n * ops) as f64 / max.as_secs_f64() / 1e6
+}
+
+#[inline]
+fn do_get(w: &mut WorkerStore, k: &[u8; 10]) -> u64 {
+    let h = key_hash(k);
+    w.get(cachelet_of(h), h, k, 0).is_some() as u64
+}
+
+#[inline]
+fn do_set(w: &mut WorkerStore, k: &[u8; 10]) -> u64 {
+    let h = key_hash(k);
+    matches!(
+        w.store(cachelet_of(h), h, k, &VAL, 0, 0, Mode::Set, None, 0),
+        StoreResult::Stored { .. }
+    ) as u64
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Op {
+    Get,
+    Set,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+struct Keys {
+    keys: Vec<[u8; 10]>,
+    all: Vec<u32>,
+    /// thread t of 2: indices of keys in cachelets with c % 2 == t
+    half: [Vec<u32>; 2],
+}
+
+/// Results of one design: [GET 1t, GET 2t, SET 1t, SET 2t] in Mops/s (medians).
+type Row = [f64; 4];
+type Design = fn(&Keys, usize) -> Row;
+
+const PHASES: [(Op, usize); 4] = [(Op::Get, 1), (Op::Get, 2), (Op::Set, 1), (Op::Set, 2)];
+
+/// Budget: the preloaded items plus ~10%, so SET runs measure the 100%-full, evicting store.
+fn mem_for(nkeys: usize) -> usize {
+    let page = StoreConfig::default().page_size;
+    (nkeys * 72 * 11 / 10 + 2 * CACHELETS as usize * page).max(64 * page)
+}
+
+fn cfg(k: &Keys, worker_id: u16) -> StoreConfig {
+    StoreConfig {
+        mem_limit: mem_for(k.keys.len()),
+        worker_id,
+        ..Default::default()
+    }
+}
+
+fn pool(k: &Keys) -> Arc<GlobalPool> {
+    GlobalPool::new(mem_for(k.keys.len()), StoreConfig::default().page_size)
+}
+
+fn report_store(name: &str, g: &GlobalPool, stats: impl Iterator<Item = WorkerStats>) {
+    let (mut items, mut ev, mut hits, mut misses) = (0, 0, 0, 0);
+    for s in stats {
+        items += s.curr_items;
+        ev += s.evictions;
+        hits += s.get_hits;
+        misses += s.get_misses;
+    }
+    let p = g.stats();
+    println!(
+        "  [{name}] items {items}, evictions {ev}, get hit ratio {:.3}, pages {}/{}",
+        hits as f64 / (hits + misses).max(1) as f64,
+        p.created_pages + p.large_pages,
+        p.total_pages
+    );
+}
+
+fn mbal(k: &Keys, ops: usize) -> Row {
+    let g = pool(k);
+    let mut ws: Vec<Box<WorkerStore>> = (0..2)
+        .map(|t| Box::new(WorkerStore::new(g.clone(), cfg(k, t as u16), CACHELETS)))
+        .collect();
+    for c in 0..CACHELETS {
+        ws[(c % 2) as usize].insert_cachelet(Cachelet::new(c));
+    }
+    for (t, w) in ws.iter_mut().enumerate() {
+        for &i in &k.half[t] {
+            do_set(w, &k.keys[i as usize]);
+        }
+    }
+    let mut row = [0.0; 4];
+    for (slot, &(op, threads)) in PHASES.iter().enumerate() {
+        if threads == 1 {
+            // one worker owns everything: move worker 1's cachelets over (pointer moves)
+            for c in (1..CACHELETS).step_by(2) {
+                let cl = ws[1].take_cachelet(c).unwrap();
+                ws[0].insert_cachelet(cl);
+            }
+        }
+        let body = |(w, list): (&mut WorkerStore, &Vec<u32>), rng: &mut Rng, ops: usize| {
+            let mut hits = 0;
+            for _ in 0..ops {
+                let key = &k.keys[list[rng.below(list.len())] as usize];
+                hits += if op == Op::Get {
+                    do_get(w, key)
+                } else {
+                    do_set(w, key)
+                };
+            }
+            hits
+        };
+        let mut runs = Vec::new();
+        for _ in 0..REPEATS {
+            let states: Vec<(&mut WorkerStore, &Vec<u32>)> = if threads == 1 {
+                vec![(&mut *ws[0], &k.all)]
+            } else {
+                ws.iter_mut().map(|w| &mut **w).zip(k.half.iter()).collect()
+            };
+            runs.push(par(states, ops, body));
+        }
+        row[slot] = median(runs);
+        if threads == 1 {
+            for c in (1..CACHELETS).step_by(2) {
+                let cl = ws[0].take_cachelet(c).unwrap();
+                ws[1].insert_cachelet(cl);
+            }
+        }
+    }
+    report_store("mbal", &g, ws.iter().map(|w| w.stats()));
+    row
+}
+
+fn one_lock(k: &Keys, ops: usize) -> Row {
+    let g = pool(k);
+    let mut w = WorkerStore::new(g.clone(), cfg(k, 0), CACHELETS);
+    for c in 0..CACHELETS {
+        w.insert_cachelet(Cachelet::new(c));
+    }
+    for key in &k.keys {
+        do_set(&mut w, key);
+    }
+    let m = Mutex::new(w);
+    let mut row = [0.0; 4];
+    for (slot, &(op, threads)) in PHASES.iter().enumerate() {
+        let body = |(m, list): (&Mutex<WorkerStore>, &Vec<u32>), rng: &mut Rng, ops: usize| {
+            let mut hits = 0;
+            for _ in 0..ops {
+                let key = &k.keys[list[rng.below(list.len())] as usize];
+                let mut w = m.lock().unwrap();
+                hits += if op == Op::Get {
+                    do_get(&mut w, key)
+                } else {
+                    do_set(&mut w, key)
+                };
+            }
+            hits
+        };
+        let runs = (0..REPEATS)
+            .map(|_| {
+                let states: Vec<(&Mutex<WorkerStore>, &Vec<u32>)> = if threads == 1 {
+                    vec![(&m, &k.all)]
+                } else {
+                    k.half.iter().map(|l| (&m, l)).collect()
+                };
+                par(states, ops, body)
+            })
+            .collect();
+        row[slot] = median(runs);
+    }
+    report_store("one-lock", &g, std::iter::once(m.lock().unwrap().stats()));
+    row
+}
+
+fn striped(k: &Keys, ops: usize) -> Row {
+    let g = pool(k);
+    let stripes: Vec<Mutex<WorkerStore>> = (0..CACHELETS)
+        .map(|c| {
+            // 64 small stores share the budget: refill one page at a time so no stripe
+            // hoards pages another stripe needs.
+            let sc = StoreConfig {
+                refill_pages: 1,
+                local_high_pages: 2,
+                global_low_pages: 1,
+                ..cfg(k, c as u16)
+            };
+            let mut w = WorkerStore::new(g.clone(), sc, CACHELETS);
+            w.insert_cachelet(Cachelet::new(c));
+            Mutex::new(w)
+        })
+        .collect();
+    for key in &k.keys {
+        let h = key_hash(key);
+        do_set(&mut stripes[cachelet_of(h) as usize].lock().unwrap(), key);
+    }
+    let mut row = [0.0; 4];
+    for (slot, &(op, threads)) in PHASES.iter().enumerate() {
+        let body = |(s, list): (&Vec<Mutex<WorkerStore>>, &Vec<u32>), rng: &mut Rng, ops: usize| {
+            let mut hits = 0;
+            for _ in 0..ops {
+                let key = &k.keys[list[rng.below(list.len())] as usize];
+                let h = key_hash(key);
+                let cl = cachelet_of(h);
+                let mut w = s[cl as usize].lock().unwrap();
+                hits += if op == Op::Get {
+                    w.get(cl, h, key, 0).is_some() as u64
+                } else {
+                    matches!(
+                        w.store(cl, h, key, &VAL, 0, 0, Mode::Set, None, 0),
+                        StoreResult::Stored { .. }
+                    ) as u64
+                };
+            }
+            hits
+        };
+        let runs = (0..REPEATS)
+            .map(|_| {
+                let states: Vec<(&Vec<Mutex<WorkerStore>>, &Vec<u32>)> = if threads == 1 {
+                    vec![(&stripes, &k.all)]
+                } else {
+                    k.half.iter().map(|l| (&stripes, l)).collect()
+                };
+                par(states, ops, body)
+            })
+            .collect();
+        row[slot] = median(runs);
+    }
+    report_store(
+        "striped",
+        &g,
+        stripes.iter().map(|w| w.lock().unwrap().stats()),
+    );
+    row
+}
+
+fn main() {
+    let nkeys = env_usize("SCALING_KEYS", 2_000_000);
+    let ops = env_usize("SCALING_OPS", 1_000_000);
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    let t0 = Instant::now();
+    let keys: Vec<[u8; 10]> = (0..nkeys as u32).map(make_key).collect();
+    let mut half = [Vec::new(), Vec::new()];
+    for (i, key) in keys.iter().enumerate() {
+        half[(cachelet_of(key_hash(key)) % 2) as usize].push(i as u32);
+    }
+    let k = Keys {
+        all: (0..nkeys as u32).collect(),
+        keys,
+        half,
+    };
+    println!(
+        "mbal-store scaling: {nkeys} keys (10 B), 20 B values, uniform, {ops} ops/thread/run, median of {REPEATS}, {cores} cores visible, budget {} MiB",
+        mem_for(nkeys) >> 20
+    );
+    let designs: [(&str, Design); 3] =
+        [("mbal", mbal), ("one-lock", one_lock), ("striped", striped)];
+    let rows: Vec<(&str, Row)> = designs
+        .iter()
+        .map(|(n, f)| {
+            let t = Instant::now();
+            let r = f(&k, ops);
+            println!("  [{n}] done in {:.1}s", t.elapsed().as_secs_f64());
+            (*n, r)
+        })
+        .collect();
+    println!(
+        "{:<6} {:<9} {:>10} {:>10} {:>8}",
+        "op", "design", "1t Mops/s", "2t Mops/s", "scaling"
+    );
+    let mut verdicts = Vec::new();
+    for (i, name) in ["GET", "SET"].iter().enumerate() {
+        for (design, r) in &rows {
+            let (one, two) = (r[2 * i], r[2 * i + 1]);
+            println!(
+                "{name:<6} {design:<9} {one:>10.2} {two:>10.2} {:>7.2}x",
+                two / one
+            );
+        }
+        let (m, l, s) = (rows[0].1, rows[1].1, rows[2].1);
+        let (m1, m2, l2, s2) = (m[2 * i], m[2 * i + 1], l[2 * i + 1], s[2 * i + 1]);
+        println!(
+            "{name:<6} at 2 threads: mbal/one-lock = {:.2}x, mbal/striped = {:.2}x",
+            m2 / l2,
+            m2 / s2
+        );
+        verdicts.push(format!(
+            "{name}: mbal 1->2 scaling {:.2}x (target >=1.9x: {}), mbal/one-lock at 2t {:.2}x (target >=2x: {})",
+            m2 / m1,
+            if m2 / m1 >= 1.9 { "met" } else { "NOT met" },
+            m2 / l2,
+            if m2 / l2 >= 2.0 { "met" } else { "NOT met" }
+        ));
+    }
+    for v in verdicts {
+        println!("{v}");
+    }
+    println!("total bench time {:.1}s", t0.elapsed().as_secs_f64());
+}

@@ -1,0 +1,432 @@
+//! The classic memcached text protocol (and line framing shared with meta).
+//!
+//! A request is a command line ending in `\n` (an optional `\r` before it is
+//! stripped), tokens separated by one or more spaces; storage commands are
+//! followed by a data block of the declared length plus `\r\n`.
+
+use crate::reply::ErrReply;
+use crate::{meta, valid_key, Limits, Parsed, Request};
+use std::str::FromStr;
+
+pub use crate::reply::{
+    write_number, write_stat, write_value, write_version, DELETED, END, ERROR, EXISTS, NOT_FOUND,
+    NOT_STORED, OK, STORED, TOUCHED,
+};
+
+pub(crate) const E_ERROR: &str = "ERROR";
+pub(crate) const E_FORMAT: &str = "CLIENT_ERROR bad command line format";
+pub(crate) const E_CHUNK: &str = "CLIENT_ERROR bad data chunk";
+pub(crate) const E_TOO_LARGE: &str = "SERVER_ERROR object too large for cache";
+pub(crate) const E_LINE_TOO_LONG: &str = "CLIENT_ERROR line too long";
+const E_DELTA: &str = "CLIENT_ERROR invalid numeric delta argument";
+const E_EXPTIME: &str = "CLIENT_ERROR invalid exptime argument";
+const E_DELETE_USAGE: &str = "CLIENT_ERROR bad command line format.  Usage: delete <key> [noreply]";
+
+/// Storage command of a text `set`-family request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StoreMode {
+    Set,
+    Add,
+    Replace,
+    Append,
+    Prepend,
+    Cas,
+}
+
+/// One text-protocol command.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TextCmd<'a> {
+    /// `get`/`gets`/`gat`/`gats`; `cas` for the `s` forms, `touch` = exptime for gat/gats.
+    Get {
+        keys: Keys<'a>,
+        cas: bool,
+        touch: Option<i64>,
+    },
+    /// `set`/`add`/`replace`/`append`/`prepend`/`cas`; `data` is without its `\r\n`;
+    /// `cas_unique` is 0 unless `mode == Cas`.
+    Store {
+        mode: StoreMode,
+        key: &'a [u8],
+        flags: u32,
+        exptime: i64,
+        data: &'a [u8],
+        cas_unique: u64,
+        noreply: bool,
+    },
+    /// `delete <key> [0] [noreply]`
+    Delete {
+        key: &'a [u8],
+        noreply: bool,
+    },
+    /// `incr`/`decr <key> <delta> [noreply]`
+    Arith {
+        incr: bool,
+        key: &'a [u8],
+        delta: u64,
+        noreply: bool,
+    },
+    /// `touch <key> <exptime> [noreply]`
+    Touch {
+        key: &'a [u8],
+        exptime: i64,
+        noreply: bool,
+    },
+    /// `flush_all [delay] [noreply]`
+    FlushAll {
+        delay: i64,
+        noreply: bool,
+    },
+    Version,
+    /// `verbosity <level> [noreply]` (the level is ignored)
+    Verbosity {
+        noreply: bool,
+    },
+    /// `stats [args]`; `args` is the rest of the line, trimmed (empty for plain `stats`).
+    Stats {
+        args: &'a [u8],
+    },
+    Quit,
+    /// `shutdown [graceful]` (whether it is allowed is the server's business).
+    Shutdown,
+}
+
+/// The keys of a get line (validated, at least one except for gat/gats).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Keys<'a> {
+    raw: &'a [u8],
+    count: usize,
+}
+
+impl<'a> Keys<'a> {
+    /// The keys in request order.
+    pub fn iter(&self) -> impl Iterator<Item = &'a [u8]> + Clone + 'a {
+        split_spaces(self.raw)
+    }
+    /// Number of keys.
+    pub fn len(&self) -> usize {
+        self.count
+    }
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+    /// The raw space-separated key list as sent.
+    pub fn raw(&self) -> &'a [u8] {
+        self.raw
+    }
+}
+
+pub(crate) fn split_spaces(s: &[u8]) -> impl Iterator<Item = &[u8]> + Clone {
+    s.split(|&b| b == b' ').filter(|t| !t.is_empty())
+}
+
+/// Strip leading and trailing spaces.
+pub(crate) fn trim(mut s: &[u8]) -> &[u8] {
+    while let [b' ', rest @ ..] = s {
+        s = rest;
+    }
+    while let [rest @ .., b' '] = s {
+        s = rest;
+    }
+    s
+}
+
+pub(crate) fn num<T: FromStr>(tok: &[u8]) -> Option<T> {
+    std::str::from_utf8(tok).ok()?.parse().ok()
+}
+
+pub(crate) fn fail<'a>(msg: &'static str, skip: usize) -> Parsed<'a> {
+    Parsed::Err {
+        reply: ErrReply::Text(msg),
+        skip,
+        close: false,
+    }
+}
+
+fn fail_nr<'a>(noreply: bool, msg: &'static str, skip: usize) -> Parsed<'a> {
+    let reply = if noreply {
+        ErrReply::Silent
+    } else {
+        ErrReply::Text(msg)
+    };
+    Parsed::Err {
+        reply,
+        skip,
+        close: false,
+    }
+}
+
+/// Split off the first token; returns (token, rest-after-token).
+pub(crate) fn next_token(s: &[u8]) -> Option<(&[u8], &[u8])> {
+    let start = s.iter().position(|&b| b != b' ')?;
+    let s = &s[start..];
+    let end = memchr::memchr(b' ', s).unwrap_or(s.len());
+    Some((&s[..end], &s[end..]))
+}
+
+/// Up to N tokens; the count is N+1 when there are more.
+fn take<const N: usize>(rest: &[u8]) -> ([&[u8]; N], usize) {
+    let mut out: [&[u8]; N] = [&[]; N];
+    let mut n = 0;
+    for t in split_spaces(rest) {
+        if n == N {
+            return (out, N + 1);
+        }
+        out[n] = t;
+        n += 1;
+    }
+    (out, n)
+}
+
+/// Check and slice the data block following a command line of `line_len` bytes.
+pub(crate) fn data_block<'a>(
+    buf: &'a [u8],
+    line_len: usize,
+    vlen: usize,
+    silent: bool,
+) -> Result<&'a [u8], Parsed<'a>> {
+    let need = line_len + vlen + 2;
+    if buf.len() < need {
+        return Err(Parsed::NeedMore);
+    }
+    if &buf[line_len + vlen..need] != b"\r\n" {
+        return Err(fail_nr(silent, E_CHUNK, need));
+    }
+    Ok(&buf[line_len..line_len + vlen])
+}
+
+/// Frame one line: returns (line without line end, bytes including line end).
+pub(crate) fn frame<'a>(buf: &'a [u8], limits: &Limits) -> Result<(&'a [u8], usize), Parsed<'a>> {
+    let max = limits.max_line.max(1);
+    let scan = &buf[..buf.len().min(max)];
+    match memchr::memchr(b'\n', scan) {
+        Some(i) => {
+            let line = &buf[..i];
+            let line = line.strip_suffix(b"\r").unwrap_or(line);
+            Ok((line, i + 1))
+        }
+        None if buf.len() >= max => Err(Parsed::Err {
+            reply: ErrReply::Text(E_LINE_TOO_LONG),
+            skip: max,
+            close: true,
+        }),
+        None => Err(Parsed::NeedMore),
+    }
+}
+
+/// Parse one text or meta request from the front of `buf`.
+pub fn parse<'a>(buf: &'a [u8], limits: &Limits) -> Parsed<'a> {
+    let (line, line_len) = match frame(buf, limits) {
+        Ok(x) => x,
+        Err(p) => return p,
+    };
+    let Some((cmd, rest)) = next_token(line) else {
+        return fail(E_ERROR, line_len);
+    };
+    if cmd.len() == 2 && cmd[0] == b'm' {
+        return meta::parse_line(cmd[1], rest, buf, line_len, limits);
+    }
+    let req = |c: TextCmd<'a>| Parsed::Req {
+        req: Request::Text(c),
+        consumed: line_len,
+    };
+    match cmd {
+        b"get" | b"gets" => {
+            let cas = cmd.len() == 4;
+            match keys(rest) {
+                Ok(k) if k.count == 0 => fail(E_ERROR, line_len),
+                Ok(keys) => req(TextCmd::Get {
+                    keys,
+                    cas,
+                    touch: None,
+                }),
+                Err(()) => fail(E_FORMAT, line_len),
+            }
+        }
+        b"gat" | b"gats" => {
+            let cas = cmd.len() == 4;
+            let Some((exp, rest)) = next_token(rest) else {
+                return fail(E_ERROR, line_len);
+            };
+            let Some(exptime) = num::<i64>(exp) else {
+                return fail(E_EXPTIME, line_len);
+            };
+            match keys(rest) {
+                Ok(keys) => req(TextCmd::Get {
+                    keys,
+                    cas,
+                    touch: Some(exptime),
+                }),
+                Err(()) => fail(E_FORMAT, line_len),
+            }
+        }
+        b"set" | b"add" | b"replace" | b"append" | b"prepend" | b"cas" => {
+            let mode = match cmd {
+                b"set" => StoreMode::Set,
+                b"add" => StoreMode::Add,
+                b"replace" => StoreMode::Replace,
+                b"append" => StoreMode::Append,
+                b"prepend" => StoreMode::Prepend,
+                _ => StoreMode::Cas,
+            };
+            store(mode, rest, buf, line_len, limits)
+        }
+        b"delete" => {
+            let (t, n) = take::<3>(rest);
+            if n == 0 || n > 3 {
+                return fail(E_ERROR, line_len);
+            }
+            let noreply = n > 1 && t[n - 1] == b"noreply";
+            if !valid_key(t[0]) {
+                return fail_nr(noreply, E_FORMAT, line_len);
+            }
+            if n > 1 {
+                let hold_zero = t[1] == b"0";
+                let ok = (n == 2 && (hold_zero || noreply)) || (n == 3 && hold_zero && noreply);
+                if !ok {
+                    return fail_nr(noreply, E_DELETE_USAGE, line_len);
+                }
+            }
+            req(TextCmd::Delete { key: t[0], noreply })
+        }
+        b"incr" | b"decr" => {
+            let (t, n) = take::<3>(rest);
+            if !(2..=3).contains(&n) {
+                return fail(E_ERROR, line_len);
+            }
+            let noreply = n == 3 && t[2] == b"noreply";
+            if !valid_key(t[0]) {
+                return fail_nr(noreply, E_FORMAT, line_len);
+            }
+            let Some(delta) = num::<u64>(t[1]) else {
+                return fail_nr(noreply, E_DELTA, line_len);
+            };
+            req(TextCmd::Arith {
+                incr: cmd == b"incr",
+                key: t[0],
+                delta,
+                noreply,
+            })
+        }
+        b"touch" => {
+            let (t, n) = take::<3>(rest);
+            if !(2..=3).contains(&n) {
+                return fail(E_ERROR, line_len);
+            }
+            let noreply = n == 3 && t[2] == b"noreply";
+            if !valid_key(t[0]) {
+                return fail_nr(noreply, E_FORMAT, line_len);
+            }
+            let Some(exptime) = num::<i64>(t[1]) else {
+                return fail_nr(noreply, E_EXPTIME, line_len);
+            };
+            req(TextCmd::Touch {
+                key: t[0],
+                exptime,
+                noreply,
+            })
+        }
+        b"flush_all" => {
+            let (t, n) = take::<2>(rest);
+            if n > 2 {
+                return fail(E_ERROR, line_len);
+            }
+            let noreply = n > 0 && t[n - 1] == b"noreply";
+            let delay_tok = if n == 2 || (n == 1 && !noreply) {
+                Some(t[0])
+            } else {
+                None
+            };
+            let delay = match delay_tok {
+                None => 0,
+                Some(d) => match num::<i64>(d) {
+                    Some(d) => d,
+                    None => return fail_nr(noreply, E_EXPTIME, line_len),
+                },
+            };
+            req(TextCmd::FlushAll { delay, noreply })
+        }
+        b"version" => req(TextCmd::Version),
+        b"verbosity" => {
+            let (t, n) = take::<2>(rest);
+            if n == 0 || n > 2 {
+                return fail(E_ERROR, line_len);
+            }
+            let noreply = t[n - 1] == b"noreply";
+            if num::<u32>(t[0]).is_none() {
+                return fail_nr(noreply, E_FORMAT, line_len);
+            }
+            req(TextCmd::Verbosity { noreply })
+        }
+        b"stats" => req(TextCmd::Stats { args: trim(rest) }),
+        b"quit" => req(TextCmd::Quit),
+        b"shutdown" => req(TextCmd::Shutdown),
+        _ => fail(E_ERROR, line_len),
+    }
+}
+
+fn keys(rest: &[u8]) -> Result<Keys<'_>, ()> {
+    let raw = trim(rest);
+    let mut count = 0;
+    for k in split_spaces(raw) {
+        if !valid_key(k) {
+            return Err(());
+        }
+        count += 1;
+    }
+    Ok(Keys { raw, count })
+}
+
+fn store<'a>(
+    mode: StoreMode,
+    rest: &'a [u8],
+    buf: &'a [u8],
+    line_len: usize,
+    limits: &Limits,
+) -> Parsed<'a> {
+    let (t, n) = take::<6>(rest);
+    let base = if mode == StoreMode::Cas { 5 } else { 4 };
+    if n != base && n != base + 1 {
+        return fail(E_ERROR, line_len);
+    }
+    let noreply = n == base + 1 && t[base] == b"noreply";
+    let key = t[0];
+    if !valid_key(key) {
+        return fail_nr(noreply, E_FORMAT, line_len);
+    }
+    // memcached parses flags as an unsigned long and keeps the low 32 bits.
+    let (Some(flags), Some(exptime), Some(vlen)) =
+        (num::<u64>(t[1]), num::<i64>(t[2]), num::<i64>(t[3]))
+    else {
+        return fail_nr(noreply, E_FORMAT, line_len);
+    };
+    let cas_unique = if mode == StoreMode::Cas {
+        match num::<u64>(t[4]) {
+            Some(c) => c,
+            None => return fail_nr(noreply, E_FORMAT, line_len),
+        }
+    } else {
+        0
+    };
+    if vlen < 0 || vlen > (i32::MAX - 2) as i64 {
+        return fail_nr(noreply, E_FORMAT, line_len);
+    }
+    let vlen = vlen as usize;
+    if vlen > limits.max_item_size {
+        return fail_nr(noreply, E_TOO_LARGE, line_len + vlen + 2);
+    }
+    match data_block(buf, line_len, vlen, noreply) {
+        Ok(data) => Parsed::Req {
+            req: Request::Text(TextCmd::Store {
+                mode,
+                key,
+                flags: flags as u32,
+                exptime,
+                data,
+                cas_unique,
+                noreply,
+            }),
+            consumed: line_len + vlen + 2,
+        },
+        Err(p) => p,
+    }
+}

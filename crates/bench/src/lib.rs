@@ -762,6 +762,11 @@ fn fill_report(report: &mut BenchReport, o: &PhaseOutcome, phases: &[Phase]) {
         }
         cpu += r.cpu_secs;
     }
+    // a trailing sliver (< 0.25 s: replies drained after the end) joins the previous second
+    if secs.len() >= 2 && report.totals.elapsed_s - ((secs.len() - 1) as f64) < 0.25 {
+        let last = secs.pop().expect("len >= 2");
+        secs.last_mut().expect("len >= 1").merge(&last);
+    }
     let mut all = get.clone();
     all.add(&set).expect("same bounds");
     for (name, h) in [("get", &get), ("set", &set), ("all", &all)] {
@@ -770,11 +775,16 @@ fn fill_report(report: &mut BenchReport, o: &PhaseOutcome, phases: &[Phase]) {
         }
     }
     let elapsed = report.totals.elapsed_s;
+    let n_secs = secs.len();
     report.timeline = secs
         .iter()
         .enumerate()
         .map(|(t, s)| {
-            let span = (elapsed - t as f64).clamp(1e-3, 1.0);
+            let span = if t + 1 == n_secs {
+                (elapsed - t as f64).clamp(0.25, 1.25)
+            } else {
+                1.0
+            };
             let l = summarize(&s.hist, 1000.0);
             SecondStats {
                 t: t as u32,

@@ -26,10 +26,17 @@ pub fn plot(reports: &[(String, BenchReport)], out: &Path) -> Result<()> {
         .iter()
         .flat_map(|(_, r)| r.timeline.iter().map(|s| s.ops_per_sec))
         .fold(1.0f64, f64::max);
+    let min_lat = reports
+        .iter()
+        .flat_map(|(_, r)| r.timeline.iter().map(|s| s.p90_us))
+        .filter(|v| *v > 0.0)
+        .fold(f64::MAX, f64::min)
+        .clamp(1.0, 1e9);
     let max_lat = reports
         .iter()
         .flat_map(|(_, r)| r.timeline.iter().map(|s| s.p99_us))
-        .fold(1.0f64, f64::max);
+        .fold(1.0f64, f64::max)
+        .max(min_lat * 2.0);
 
     let mut c = ChartBuilder::on(&top)
         .caption("throughput", ("sans-serif", 18))
@@ -41,8 +48,31 @@ pub fn plot(reports: &[(String, BenchReport)], out: &Path) -> Result<()> {
     c.configure_mesh()
         .x_desc("seconds")
         .y_desc("ops/s")
+        .y_label_formatter(&|v| format!("{v:.0}"))
+        .x_label_formatter(&|v| format!("{v:.0}"))
         .draw()
         .map_err(|e| anyhow!("{e:?}"))?;
+    // phase boundaries of the first run, labelled
+    let phases = &reports[0].1.phases;
+    if phases.len() > 1 {
+        let mut at = 0.0;
+        for p in phases {
+            c.draw_series(std::iter::once(Text::new(
+                p.workload.name().to_string(),
+                (at + 0.1, max_ops * 1.05),
+                ("sans-serif", 14).into_font().color(&BLACK.mix(0.7)),
+            )))
+            .map_err(|e| anyhow!("{e:?}"))?;
+            if at > 0.0 {
+                c.draw_series(LineSeries::new(
+                    vec![(at, 0.0), (at, max_ops * 1.1)],
+                    BLACK.mix(0.4).stroke_width(1),
+                ))
+                .map_err(|e| anyhow!("{e:?}"))?;
+            }
+            at += p.secs;
+        }
+    }
     for (i, (label, r)) in reports.iter().enumerate() {
         let color = Palette99::pick(i).to_rgba();
         c.draw_series(LineSeries::new(
@@ -60,15 +90,20 @@ pub fn plot(reports: &[(String, BenchReport)], out: &Path) -> Result<()> {
         .map_err(|e| anyhow!("{e:?}"))?;
 
     let mut c = ChartBuilder::on(&bottom)
-        .caption("latency p99 (thick) / p90 (thin)", ("sans-serif", 18))
+        .caption(
+            "latency p99 (thick) / p90 (thin), log scale",
+            ("sans-serif", 18),
+        )
         .margin(10)
         .x_label_area_size(30)
         .y_label_area_size(70)
-        .build_cartesian_2d(0f64..max_t, 0f64..max_lat * 1.1)
+        .build_cartesian_2d(0f64..max_t, (min_lat * 0.8..max_lat * 1.25).log_scale())
         .map_err(|e| anyhow!("{e:?}"))?;
     c.configure_mesh()
         .x_desc("seconds")
         .y_desc("µs")
+        .y_label_formatter(&|v| format!("{v:.0}"))
+        .x_label_formatter(&|v| format!("{v:.0}"))
         .draw()
         .map_err(|e| anyhow!("{e:?}"))?;
     for (i, (label, r)) in reports.iter().enumerate() {

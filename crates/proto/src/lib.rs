@@ -126,3 +126,220 @@ pub fn parse<'a>(proto: Protocol, buf: &'a [u8], limits: &Limits) -> Parsed<'a> 
 pub fn valid_key(key: &[u8]) -> bool {
     !key.is_empty() && key.len() <= MAX_KEY_LEN && key.iter().all(|&b| b > b' ' && b != 0x7f)
 }
+
+#[cfg(test)]
+pub(crate) mod testutil {
+    use super::*;
+
+    pub fn lim() -> Limits {
+        Limits::default()
+    }
+
+    pub fn p(proto: Protocol, buf: &[u8]) -> Parsed<'_> {
+        parse(proto, buf, &lim())
+    }
+
+    /// A complete request: every strict prefix is NeedMore, the whole parses
+    /// and consumes everything; returns the request.
+    pub fn whole(proto: Protocol, buf: &[u8]) -> Request<'_> {
+        for i in 0..buf.len() {
+            assert_eq!(
+                p(proto, &buf[..i]),
+                Parsed::NeedMore,
+                "prefix {i} of {:?}",
+                String::from_utf8_lossy(buf)
+            );
+        }
+        match p(proto, buf) {
+            Parsed::Req { req, consumed } => {
+                assert_eq!(consumed, buf.len(), "{:?}", String::from_utf8_lossy(buf));
+                req
+            }
+            other => panic!("{:?} -> {other:?}", String::from_utf8_lossy(buf)),
+        }
+    }
+
+    /// Text error: (line, skip, close).
+    pub fn terr(buf: &[u8]) -> (&'static str, usize, bool) {
+        match p(Protocol::Text, buf) {
+            Parsed::Err {
+                reply: ErrReply::Text(t),
+                skip,
+                close,
+            } => (t, skip, close),
+            other => panic!("{:?} -> {other:?}", String::from_utf8_lossy(buf)),
+        }
+    }
+
+    /// Text error that noreply silenced: (skip).
+    pub fn silent(buf: &[u8]) -> usize {
+        match p(Protocol::Text, buf) {
+            Parsed::Err {
+                reply: ErrReply::Silent,
+                skip,
+                close: false,
+            } => skip,
+            other => panic!("{:?} -> {other:?}", String::from_utf8_lossy(buf)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testutil::*;
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn detect_by_first_byte() {
+        assert_eq!(detect(0x80), Protocol::Binary);
+        assert_eq!(detect(b'g'), Protocol::Text);
+        assert_eq!(detect(b'm'), Protocol::Text);
+        assert_eq!(detect(0x81), Protocol::Text);
+    }
+
+    #[test]
+    fn pipelined_mixed_text_and_meta() {
+        let buf = b"set a 0 0 1\r\nx\r\nmg a v\r\nget a b\r\nmn\r\n";
+        let mut off = 0;
+        let mut kinds = Vec::new();
+        while off < buf.len() {
+            match p(Protocol::Text, &buf[off..]) {
+                Parsed::Req { req, consumed } => {
+                    kinds.push(match req {
+                        Request::Text(text::TextCmd::Store { .. }) => "store",
+                        Request::Text(text::TextCmd::Get { .. }) => "get",
+                        Request::Meta(m) if m.kind == meta::MetaKind::Get => "mg",
+                        Request::Meta(m) if m.kind == meta::MetaKind::Noop => "mn",
+                        _ => "other",
+                    });
+                    off += consumed;
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(kinds, ["store", "mg", "get", "mn"]);
+    }
+
+    #[test]
+    fn valid_key_rules() {
+        assert!(valid_key(b"a"));
+        assert!(valid_key(&[b'k'; 250]));
+        assert!(!valid_key(&[b'k'; 251]));
+        assert!(!valid_key(b""));
+        assert!(!valid_key(b"a\tb"));
+        assert!(!valid_key(b"a b"));
+        assert!(!valid_key(b"a\x7f"));
+    }
+
+    fn check_any(proto: Protocol, buf: &[u8], limits: &Limits) {
+        match parse(proto, buf, limits) {
+            Parsed::Req { consumed, req } => {
+                assert!(consumed <= buf.len() && consumed > 0);
+                if let Request::Meta(cmd) = &req {
+                    let mut s = [0u8; 256];
+                    let _ = meta::meta_key(cmd, &mut s);
+                }
+                if let Request::Bin(b) = &req {
+                    let _ = (
+                        b.store_extras(),
+                        b.arith_extras(),
+                        b.exptime_extra(),
+                        b.flush_delay(),
+                    );
+                }
+            }
+            Parsed::Err { skip, .. } => assert!(skip > 0),
+            Parsed::NeedMore => {
+                assert!(buf.len() < limits.max_line.max(1) || proto == Protocol::Binary)
+            }
+        }
+    }
+
+    /// Bytes that look a bit like requests, so the interesting paths are hit.
+    fn texty() -> impl Strategy<Value = Vec<u8>> {
+        let tok = prop::sample::select(vec![
+            "get ",
+            "gets ",
+            "gat ",
+            "set ",
+            "cas ",
+            "add ",
+            "append ",
+            "delete ",
+            "incr ",
+            "touch ",
+            "flush_all ",
+            "verbosity ",
+            "stats ",
+            "mg ",
+            "ms ",
+            "md ",
+            "ma ",
+            "mn",
+            "me ",
+            "k ",
+            "0 ",
+            "1 ",
+            "2 ",
+            "-1 ",
+            "noreply",
+            "v ",
+            "T1 ",
+            "b ",
+            "YQ== ",
+            "\r\n",
+            "\n",
+            "xy",
+            "99999999999 ",
+            "Oabc ",
+        ]);
+        prop::collection::vec(tok, 0..12).prop_map(|v| v.concat().into_bytes())
+    }
+
+    proptest! {
+        #[test]
+        fn random_bytes_never_panic(buf in prop::collection::vec(any::<u8>(), 0..600), max_line in 1usize..300) {
+            let limits = Limits { max_item_size: 64, max_line };
+            check_any(Protocol::Text, &buf, &limits);
+            check_any(Protocol::Binary, &buf, &limits);
+            let mut b = buf.clone();
+            if !b.is_empty() { b[0] = 0x80; }
+            check_any(Protocol::Binary, &b, &limits);
+        }
+
+        #[test]
+        fn text_prefix_is_needmore_or_same_err(buf in texty(), max_line in 8usize..200) {
+            let limits = Limits { max_item_size: 16, max_line };
+            check_any(Protocol::Text, &buf, &limits);
+            let full = parse(Protocol::Text, &buf, &limits);
+            for i in 0..buf.len() {
+                let pre = parse(Protocol::Text, &buf[..i], &limits);
+                match (&pre, &full) {
+                    (Parsed::NeedMore, _) => {}
+                    (Parsed::Err { .. }, Parsed::Err { .. }) => prop_assert_eq!(&pre, &full),
+                    // A complete request in a prefix must be the same request.
+                    (Parsed::Req { .. }, Parsed::Req { .. }) => prop_assert_eq!(&pre, &full),
+                    _ => prop_assert!(false, "prefix {} gave {:?}, full gave {:?}", i, pre, full),
+                }
+            }
+        }
+
+        #[test]
+        fn binary_prefix_is_needmore_or_same(op in 0u8..0x30, kl in 0u16..6, el in prop::sample::select(vec![0u8, 4, 8, 20]), vl in 0u32..6, opaque in any::<u32>()) {
+            let mut buf = Vec::new();
+            let body = el as u32 + kl as u32 + vl;
+            binary::BinHeader { magic: 0x80, opcode: op, key_len: kl, extras_len: el, data_type: 0, vbucket: 0, body_len: body, opaque, cas: 0 }.encode(&mut buf);
+            buf.resize(24 + body as usize, b'x');
+            let full = p(Protocol::Binary, &buf);
+            for i in 0..buf.len() {
+                let pre = p(Protocol::Binary, &buf[..i]);
+                if pre != Parsed::NeedMore {
+                    prop_assert_eq!(&pre, &full);
+                    prop_assert!(i >= 24, "header incomplete but decided");
+                }
+            }
+            if let Parsed::Req { consumed, .. } = full { prop_assert_eq!(consumed, buf.len()); }
+        }
+    }
+}

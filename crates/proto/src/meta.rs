@@ -219,3 +219,161 @@ pub(crate) fn parse_line<'a>(
         consumed,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testutil::*;
+    use crate::text::E_CHUNK;
+    use crate::Protocol::Text as T;
+
+    fn cmd(buf: &[u8]) -> MetaCmd<'_> {
+        match whole(T, buf) {
+            Request::Meta(c) => c,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn mg_flags_in_order() {
+        let c = cmd(b"mg foo v c T30 Oab k\r\n");
+        assert_eq!(c.kind, MetaKind::Get);
+        assert_eq!(c.key, b"foo");
+        assert!(c.data.is_empty());
+        let f: Vec<(u8, &[u8])> = c.flags.iter().collect();
+        assert_eq!(
+            f,
+            [
+                (b'v', &b""[..]),
+                (b'c', b""),
+                (b'T', b"30"),
+                (b'O', b"ab"),
+                (b'k', b"")
+            ]
+        );
+        assert!(c.flags.has(b'v') && c.flags.has(b'T') && !c.flags.has(b'q') && !c.flags.has(b'1'));
+        assert_eq!(c.flags.token(b'O'), Some(&b"ab"[..]));
+        assert_eq!(c.flags.token(b'x'), None);
+        assert_eq!(c.flags.num::<i64>(b'T'), Ok(Some(30)));
+        assert_eq!(c.flags.num::<i64>(b'N'), Ok(None));
+        assert_eq!(c.flags.num::<i64>(b'O'), Err(()));
+        assert_eq!(c.flags.num::<u32>(b'v'), Err(()));
+        assert_eq!(c.flags.len(), 5);
+        assert_eq!(cmd(b"mg foo\n").flags.len(), 0);
+    }
+
+    #[test]
+    fn ms_md_ma_me_mn() {
+        let c = cmd(b"ms k 5 T10 F3 MS I\r\nhello\r\n");
+        assert_eq!(
+            (c.kind, c.key, c.data),
+            (MetaKind::Set, &b"k"[..], &b"hello"[..])
+        );
+        assert_eq!(c.flags.token(b'M'), Some(&b"S"[..]));
+        assert!(c.flags.has(b'I'));
+        let c = cmd(b"ms k 0\r\n\r\n");
+        assert_eq!(c.data, b"");
+        assert_eq!(cmd(b"md k q C5\r\n").kind, MetaKind::Delete);
+        let c = cmd(b"ma k D10 MD N0 J5\r\n");
+        assert_eq!(
+            (c.kind, c.flags.num::<u64>(b'D')),
+            (MetaKind::Arith, Ok(Some(10)))
+        );
+        assert_eq!(cmd(b"me k\r\n").kind, MetaKind::Debug);
+        let c = cmd(b"mn\r\n");
+        assert_eq!(
+            (c.kind, c.key, c.flags.len()),
+            (MetaKind::Noop, &b""[..], 0)
+        );
+        assert_eq!(cmd(b"mn ignored\r\n").kind, MetaKind::Noop);
+    }
+
+    #[test]
+    fn meta_errors() {
+        assert_eq!(terr(b"mg\r\n"), ("ERROR", 4, false));
+        assert_eq!(terr(b"me\r\n").0, E_FORMAT);
+        assert_eq!(terr(b"md\r\n").0, E_FORMAT);
+        assert_eq!(terr(b"mz a\r\n").0, "ERROR");
+        assert_eq!(terr(b"mg a v v\r\n").0, "CLIENT_ERROR duplicate flag");
+        assert_eq!(terr(b"mg a !\r\n").0, "CLIENT_ERROR invalid flag");
+        assert_eq!(
+            terr(b"md a 1\r\n").0,
+            "CLIENT_ERROR invalid or duplicate flag"
+        );
+        assert_eq!(
+            terr(b"ma a q q\r\n").0,
+            "CLIENT_ERROR invalid or duplicate flag"
+        );
+        assert_eq!(terr(b"ms a\r\n").0, E_FORMAT);
+        assert_eq!(terr(b"ms a x\r\n").0, E_FORMAT);
+        assert_eq!(terr(b"ms a -1\r\n").0, E_FORMAT);
+        let long = [b"mg ".as_slice(), &[b'k'; 251], b" v\r\n"].concat();
+        assert_eq!(terr(&long).0, E_FORMAT);
+        let many: String = (b'A'..=b'Z').map(|c| format!(" {}", c as char)).collect();
+        assert_eq!(
+            terr(format!("mg a{many}\r\n").as_bytes()).0,
+            "CLIENT_ERROR options flags are too long"
+        );
+        let o33 = format!("mg a O{}\r\n", "x".repeat(33));
+        assert_eq!(terr(o33.as_bytes()).0, "CLIENT_ERROR opaque token too long");
+        let o32 = format!("mg a O{}\r\n", "x".repeat(32));
+        assert!(matches!(p(T, o32.as_bytes()), Parsed::Req { .. }));
+        // data chunk errors and too large (never silenced in meta, even with q)
+        assert_eq!(terr(b"ms a 2 T1\r\nxyz\r\n"), (E_CHUNK, 15, false));
+        assert_eq!(
+            terr(b"ms a 2000000 q\r\n"),
+            (E_TOO_LARGE, 16 + 2_000_002, false)
+        );
+    }
+
+    #[test]
+    fn base64_keys() {
+        let c = cmd(b"mg YWJj b v\r\n");
+        let mut s = [0u8; 256];
+        assert_eq!(meta_key(&c, &mut s), Ok(&b"abc"[..]));
+        let c = cmd(b"mg *** b v\r\n");
+        let mut s = [0u8; 256];
+        assert_eq!(
+            meta_key(&c, &mut s),
+            Err(ErrReply::Text("CLIENT_ERROR error decoding key"))
+        );
+        let c = cmd(b"mg abc v\r\n");
+        let mut s = [0u8; 256];
+        assert_eq!(meta_key(&c, &mut s), Ok(&b"abc"[..]));
+        // 250 raw bytes encode to 336 chars: accepted with b, decoded back
+        let raw = [0xabu8; 250];
+        let mut enc = Vec::new();
+        write_b64(&mut enc, &raw);
+        assert_eq!(enc.len(), MAX_B64_KEY_LEN);
+        let line = [b"mg ".as_slice(), &enc, b" b\r\n"].concat();
+        let c = cmd(&line);
+        let mut s = [0u8; 256];
+        assert_eq!(meta_key(&c, &mut s), Ok(&raw[..]));
+        // 251 raw bytes: too long after decoding
+        let mut enc = Vec::new();
+        write_b64(&mut enc, &[1u8; 251]);
+        let line = [b"mg ".as_slice(), &enc, b" b\r\n"].concat();
+        match p(T, &line) {
+            Parsed::Req {
+                req: Request::Meta(c),
+                ..
+            } => {
+                let mut s = [0u8; 256];
+                assert_eq!(meta_key(&c, &mut s), Err(ErrReply::Text(E_FORMAT)));
+            }
+            Parsed::Err { reply, .. } => assert_eq!(reply, ErrReply::Text(E_FORMAT)),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn ms_pipelined_and_incremental() {
+        let buf = b"ms a 3 T0\r\nabc\r\nmn\r\n";
+        whole(T, &buf[..16]);
+        match p(T, buf) {
+            Parsed::Req { consumed: 16, .. } => {}
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(p(T, &buf[16..]), Parsed::Req { consumed: 4, .. }));
+    }
+}

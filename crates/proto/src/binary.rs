@@ -347,3 +347,317 @@ pub fn parse<'a>(buf: &'a [u8], limits: &Limits) -> Parsed<'a> {
         consumed: total,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testutil::*;
+    use crate::Protocol::Binary as B;
+
+    fn req(opcode: u8, extras: &[u8], key: &[u8], value: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        write_request(&mut out, opcode, 7, 0x01020304, 99, extras, key, value);
+        out
+    }
+
+    fn bin(buf: &[u8]) -> BinReq<'_> {
+        match whole(B, buf) {
+            Request::Bin(r) => r,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn berr(buf: &[u8]) -> (u8, u16, u32, usize, bool) {
+        match p(B, buf) {
+            Parsed::Err {
+                reply:
+                    ErrReply::Bin {
+                        opcode,
+                        status,
+                        opaque,
+                    },
+                skip,
+                close,
+            } => (opcode, status, opaque, skip, close),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn header_roundtrip() {
+        let h = BinHeader {
+            magic: 0x80,
+            opcode: 1,
+            key_len: 3,
+            extras_len: 8,
+            data_type: 0,
+            vbucket: 0xbeef,
+            body_len: 16,
+            opaque: 42,
+            cas: u64::MAX - 1,
+        };
+        let mut out = Vec::new();
+        h.encode(&mut out);
+        assert_eq!(out.len(), 24);
+        assert_eq!(BinHeader::decode(&out), h);
+    }
+
+    #[test]
+    fn set_roundtrip_and_extras() {
+        let mut ex = Vec::new();
+        ex.extend_from_slice(&0xdeadbeefu32.to_be_bytes());
+        ex.extend_from_slice(&300u32.to_be_bytes());
+        let buf = req(opcode::SET, &ex, b"key", b"value");
+        let r = bin(&buf);
+        assert_eq!(
+            (r.key, r.value, r.extras),
+            (&b"key"[..], &b"value"[..], &ex[..])
+        );
+        assert_eq!(r.header.vbucket, 7);
+        assert_eq!(r.header.opaque, 0x01020304);
+        assert_eq!(r.header.cas, 99);
+        assert_eq!(r.store_extras(), Ok((0xdeadbeef, 300)));
+        assert!(!r.is_quiet());
+        assert_eq!(
+            r.arith_extras(),
+            Err(ErrReply::Bin {
+                opcode: opcode::SET,
+                status: status::EINVAL,
+                opaque: 0x01020304
+            })
+        );
+        let buf = req(opcode::SETQ, &ex, b"k", b"");
+        assert!(bin(&buf).is_quiet());
+    }
+
+    #[test]
+    fn arith_touch_flush_extras() {
+        let mut ex = Vec::new();
+        ex.extend_from_slice(&5u64.to_be_bytes());
+        ex.extend_from_slice(&10u64.to_be_bytes());
+        ex.extend_from_slice(&0xffffffffu32.to_be_bytes());
+        let buf = req(opcode::DECREMENTQ, &ex, b"c", b"");
+        let r = bin(&buf);
+        assert_eq!(r.arith_extras(), Ok((5, 10, 0xffffffff)));
+        assert!(r.is_quiet());
+        let buf = req(opcode::GAT, &9u32.to_be_bytes(), b"k", b"");
+        assert_eq!(bin(&buf).exptime_extra(), Ok(9));
+        let buf = req(opcode::FLUSH, &[], b"", b"");
+        assert_eq!(bin(&buf).flush_delay(), Ok(0));
+        let buf = req(opcode::FLUSHQ, &60u32.to_be_bytes(), b"", b"");
+        let r = bin(&buf);
+        assert_eq!((r.flush_delay(), r.is_quiet()), (Ok(60), true));
+    }
+
+    #[test]
+    fn every_known_opcode_with_valid_lengths() {
+        let cases: &[(u8, usize, &[u8], &[u8])] = &[
+            (opcode::GET, 0, b"k", b""),
+            (opcode::GETQ, 0, b"k", b""),
+            (opcode::GETK, 0, b"k", b""),
+            (opcode::GETKQ, 0, b"k", b""),
+            (opcode::ADD, 8, b"k", b"v"),
+            (opcode::REPLACEQ, 8, b"k", b""),
+            (opcode::APPEND, 0, b"k", b"v"),
+            (opcode::PREPENDQ, 0, b"k", b"v"),
+            (opcode::DELETE, 0, b"k", b""),
+            (opcode::INCREMENT, 20, b"k", b""),
+            (opcode::QUIT, 0, b"", b""),
+            (opcode::QUITQ, 0, b"", b""),
+            (opcode::NOOP, 0, b"", b""),
+            (opcode::VERSION, 0, b"", b""),
+            (opcode::VERBOSITY, 4, b"", b""),
+            (opcode::STAT, 0, b"", b""),
+            (opcode::STAT, 0, b"items", b""),
+            (opcode::TOUCH, 4, b"k", b""),
+            (opcode::GATKQ, 4, b"k", b""),
+        ];
+        for &(op, el, k, v) in cases {
+            let buf = req(op, &vec![0; el], k, v);
+            let r = bin(&buf);
+            assert_eq!(r.header.opcode, op);
+            assert_eq!((r.extras.len(), r.key, r.value), (el, k, v));
+        }
+    }
+
+    #[test]
+    fn invalid_lengths_are_einval_and_close() {
+        let bad: &[(u8, usize, &[u8], &[u8])] = &[
+            (opcode::GET, 0, b"", b""),      // key required
+            (opcode::GET, 0, b"k", b"v"),    // value forbidden
+            (opcode::GET, 4, b"k", b""),     // extras forbidden
+            (opcode::SET, 4, b"k", b"v"),    // extras must be 8
+            (opcode::SET, 8, b"", b"v"),     // key required
+            (opcode::DELETE, 0, b"k", b"v"), // value forbidden
+            (opcode::INCREMENT, 8, b"k", b""),
+            (opcode::NOOP, 0, b"k", b""),
+            (opcode::VERSION, 0, b"", b"v"),
+            (opcode::FLUSH, 8, b"", b""),
+            (opcode::TOUCH, 0, b"k", b""),
+            (opcode::STAT, 4, b"", b""),
+        ];
+        for &(op, el, k, v) in bad {
+            let buf = req(op, &vec![0; el], k, v);
+            assert_eq!(
+                berr(&buf),
+                (op, status::EINVAL, 0x01020304, buf.len(), true),
+                "op {op:#x}"
+            );
+            // decided from the header alone
+            assert_eq!(berr(&buf[..24]).1, status::EINVAL);
+        }
+        // key longer than 250
+        let buf = req(opcode::GET, &[], &[b'k'; 251], b"");
+        assert_eq!(berr(&buf).1, status::EINVAL);
+        // extras + key larger than body
+        let mut buf = req(opcode::GET, &[], b"key", b"");
+        buf[8..12].copy_from_slice(&2u32.to_be_bytes());
+        assert_eq!(
+            berr(&buf[..24]),
+            (opcode::GET, status::EINVAL, 0x01020304, 26, true)
+        );
+    }
+
+    #[test]
+    fn verbosity_bad_and_unknown_opcode_skip_without_close() {
+        let buf = req(opcode::VERBOSITY, &[], b"", b"");
+        assert_eq!(
+            berr(&buf),
+            (
+                opcode::VERBOSITY,
+                status::UNKNOWN_COMMAND,
+                0x01020304,
+                24,
+                false
+            )
+        );
+        let buf = req(0x40, &[], b"a", b"xyz");
+        assert_eq!(
+            berr(&buf[..24]),
+            (0x40, status::UNKNOWN_COMMAND, 0x01020304, 28, false)
+        );
+        let mut out = Vec::new();
+        ErrReply::Bin {
+            opcode: 0x40,
+            status: status::UNKNOWN_COMMAND,
+            opaque: 5,
+        }
+        .write(&mut out);
+        assert_eq!(&out[24..], b"Unknown command");
+    }
+
+    #[test]
+    fn oversized_bodies() {
+        let limits = Limits {
+            max_item_size: 100,
+            ..Limits::default()
+        };
+        // value just over max_item_size: E2BIG, skip the request, keep the connection
+        let buf = req(opcode::SET, &[0; 8], b"k", &[0; 101]);
+        assert_eq!(
+            crate::parse(crate::Protocol::Binary, &buf[..24], &limits),
+            Parsed::Err {
+                reply: ErrReply::Bin {
+                    opcode: opcode::SET,
+                    status: status::E2BIG,
+                    opaque: 0x01020304
+                },
+                skip: buf.len(),
+                close: false
+            }
+        );
+        let buf = req(opcode::SET, &[0; 8], b"k", &[0; 100]);
+        assert!(matches!(
+            crate::parse(crate::Protocol::Binary, &buf, &limits),
+            Parsed::Req { .. }
+        ));
+        // absurd body length: E2BIG and close, decided from the header
+        let mut h = req(opcode::GET, &[], b"k", b"");
+        h[8..12].copy_from_slice(&u32::MAX.to_be_bytes());
+        assert!(matches!(
+            crate::parse(crate::Protocol::Binary, &h[..24], &limits),
+            Parsed::Err {
+                reply: ErrReply::Bin {
+                    status: status::E2BIG,
+                    ..
+                },
+                close: true,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn bad_magic_closes_silently() {
+        let mut buf = req(opcode::NOOP, &[], b"", b"");
+        buf[0] = 0x81;
+        assert!(matches!(
+            p(B, &buf),
+            Parsed::Err {
+                reply: ErrReply::Silent,
+                close: true,
+                ..
+            }
+        ));
+        assert!(matches!(p(B, b"g"), Parsed::Err { close: true, .. }));
+        assert_eq!(p(B, b""), Parsed::NeedMore);
+    }
+
+    #[test]
+    fn pipelined_quiet_gets_then_noop() {
+        let mut buf = req(opcode::GETKQ, &[], b"a", b"");
+        buf.extend(req(opcode::GETKQ, &[], b"bb", b""));
+        buf.extend(req(opcode::NOOP, &[], b"", b""));
+        let mut off = 0;
+        let mut seen = Vec::new();
+        while off < buf.len() {
+            match p(B, &buf[off..]) {
+                Parsed::Req {
+                    req: Request::Bin(r),
+                    consumed,
+                } => {
+                    seen.push((r.header.opcode, r.key.to_vec()));
+                    off += consumed;
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(
+            seen,
+            [
+                (opcode::GETKQ, b"a".to_vec()),
+                (opcode::GETKQ, b"bb".to_vec()),
+                (opcode::NOOP, vec![])
+            ]
+        );
+    }
+
+    #[test]
+    fn response_roundtrip_through_header_decode() {
+        let mut out = Vec::new();
+        write_response(
+            &mut out,
+            opcode::GETK,
+            status::NO_ERROR,
+            77,
+            5,
+            &1u32.to_be_bytes(),
+            b"key",
+            b"val",
+        );
+        let h = BinHeader::decode(&out);
+        assert_eq!(h.magic, MAGIC_RESPONSE);
+        assert_eq!(
+            (
+                h.opcode,
+                h.key_len,
+                h.extras_len,
+                h.body_len,
+                h.opaque,
+                h.cas
+            ),
+            (opcode::GETK, 3, 4, 10, 77, 5)
+        );
+        assert_eq!(&out[24..], b"\x00\x00\x00\x01keyval");
+    }
+}

@@ -90,6 +90,8 @@ pub fn detect(first: u8) -> Protocol {
 }
 
 /// Result of parsing one request from the front of a buffer.
+// Large because a meta request carries its flags inline (no allocation).
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Parsed<'a> {
     /// A complete request; `consumed` bytes (command line + data block) can be dropped.
@@ -107,6 +109,7 @@ pub enum Parsed<'a> {
 }
 
 /// One parsed request.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Request<'a> {
     Text(text::TextCmd<'a>),

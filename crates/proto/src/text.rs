@@ -177,6 +177,7 @@ fn take<const N: usize>(rest: &[u8]) -> ([&[u8]; N], usize) {
     (out, n)
 }
 
+#[allow(clippy::result_large_err)]
 /// Check and slice the data block following a command line of `line_len` bytes.
 pub(crate) fn data_block<'a>(
     buf: &'a [u8],
@@ -194,6 +195,7 @@ pub(crate) fn data_block<'a>(
     Ok(&buf[line_len..line_len + vlen])
 }
 
+#[allow(clippy::result_large_err)]
 /// Frame one line: returns (line without line end, bytes including line end).
 pub(crate) fn frame<'a>(buf: &'a [u8], limits: &Limits) -> Result<(&'a [u8], usize), Parsed<'a>> {
     let max = limits.max_line.max(1);

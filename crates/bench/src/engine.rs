@@ -322,7 +322,14 @@ pub fn run_thread(driver: &mut dyn Driver, mut plan: ThreadPlan) -> Result<Threa
         } else {
             timeout = timeout.min(Duration::from_nanos(deadline_ns.saturating_sub(now)));
             if plan.rate.is_some() && inflight.iter().any(|&i| i < plan.pipeline) {
-                timeout = timeout.min(Duration::from_nanos(next_intended.saturating_sub(now)));
+                // epoll's timeout has millisecond granularity (mio rounds up): block until about
+                // 1 ms before the next intended send, then busy-poll so sends are on time.
+                let wait = next_intended.saturating_sub(now);
+                timeout = if wait < 1_200_000 {
+                    Duration::ZERO
+                } else {
+                    timeout.min(Duration::from_nanos(wait - 1_000_000))
+                };
             }
         }
         driver.poll(timeout, &mut done)?;

@@ -16,7 +16,10 @@
 //!   can send ops and receive their results"; [`driver::PlainDriver`] speaks the memcached text
 //!   protocol over mio non-blocking sockets, one connection per (logical client, server), keys
 //!   spread with `mbal_cluster::key_hash(key) % servers` (a multiget is split per server). The
-//!   routed mode will be a second `Driver`.
+//!   routed mode will be a second `Driver`, made per client thread by a [`DriverFactory`] and
+//!   run with [`run_with`]; everything else (workloads, pacing, statistics, reports) is shared.
+//!   Per-target request counts come from `Driver::target_requests`, so a routed driver can
+//!   report per worker under its own target names.
 //! * [`reply`]: an incremental, allocation-free reply parser (VALUE/END, STORED, errors).
 //! * Results: HdrHistograms per op type (ns) and per second (µs), per-target request counts with
 //!   max/avg and NetKV's imbalance factor (Eq. 6), client CPU per op (the generator's own cost),
@@ -118,7 +121,8 @@ pub struct BenchArgs {
     /// Client threads.
     #[arg(long, default_value_t = 1)]
     pub threads: usize,
-    /// Open loop: total target ops/s (latency measured from the intended send time).
+    /// Open loop: total target ops/s (latency measured from the intended send time). The
+    /// client busy-polls for the last millisecond before each send, so it uses its whole core.
     /// Without it: closed loop.
     #[arg(long)]
     pub rate: Option<f64>,

@@ -10,7 +10,8 @@
 //!   one-lock : one WorkerStore behind one Mutex (memcached's global cache lock)
 //!   striped  : 64 WorkerStores, one per cachelet, each behind its own Mutex (bucket locks)
 //!
-//! Run: `cargo bench -p mbal-store --bench scaling` (env SCALING_OPS / SCALING_KEYS to change).
+//! Run: `cargo bench -p mbal-store --bench scaling` (env SCALING_OPS / SCALING_KEYS /
+//! SCALING_MEM_MB to change; a large SCALING_MEM_MB measures SET without eviction).
 
 use mbal_cluster::{key_hash, vn_of};
 use mbal_store::{Cachelet, GlobalPool, Mode, StoreConfig, StoreResult, WorkerStats, WorkerStore};
@@ -131,14 +132,18 @@ struct Keys {
 }
 
 /// Results of one design: [GET 1t, GET 2t, SET 1t, SET 2t] in Mops/s (medians).
-type Row = [f64; 4];
-type Design = fn(&Keys, usize) -> Row;
 
 const PHASES: [(Op, usize); 4] = [(Op::Get, 1), (Op::Get, 2), (Op::Set, 1), (Op::Set, 2)];
 
 /// Budget: the preloaded items plus ~10%, so SET runs measure the 100%-full, evicting store.
 fn mem_for(nkeys: usize) -> usize {
     let page = StoreConfig::default().page_size;
+    if let Some(mb) = std::env::var("SCALING_MEM_MB")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        return mb << 20;
+    }
     (nkeys * 72 * 11 / 10 + 2 * CACHELETS as usize * page).max(64 * page)
 }
 
@@ -171,105 +176,46 @@ fn report_store(name: &str, g: &GlobalPool, stats: impl Iterator<Item = WorkerSt
     );
 }
 
-fn mbal(k: &Keys, ops: usize) -> Row {
-    let g = pool(k);
-    let mut ws: Vec<Box<WorkerStore>> = (0..2)
-        .map(|t| Box::new(WorkerStore::new(g.clone(), cfg(k, t as u16), CACHELETS)))
+/// The three designs, each preloaded once with every key.
+struct Designs {
+    mbal_pool: Arc<GlobalPool>,
+    /// two workers; for 1-thread runs worker 1's cachelets are moved to worker 0
+    mbal: Vec<Box<WorkerStore>>,
+    one_pool: Arc<GlobalPool>,
+    one: Mutex<WorkerStore>,
+    striped_pool: Arc<GlobalPool>,
+    striped: Vec<Mutex<WorkerStore>>,
+}
+
+fn build(k: &Keys) -> Designs {
+    let mbal_pool = pool(k);
+    let mut mbal: Vec<Box<WorkerStore>> = (0..2)
+        .map(|t| {
+            Box::new(WorkerStore::new(
+                mbal_pool.clone(),
+                cfg(k, t as u16),
+                CACHELETS,
+            ))
+        })
         .collect();
     for c in 0..CACHELETS {
-        ws[(c % 2) as usize].insert_cachelet(Cachelet::new(c));
+        mbal[(c % 2) as usize].insert_cachelet(Cachelet::new(c));
     }
-    for (t, w) in ws.iter_mut().enumerate() {
+    for (t, w) in mbal.iter_mut().enumerate() {
         for &i in &k.half[t] {
             do_set(w, &k.keys[i as usize]);
         }
     }
-    let mut row = [0.0; 4];
-    for (slot, &(op, threads)) in PHASES.iter().enumerate() {
-        if threads == 1 {
-            // one worker owns everything: move worker 1's cachelets over (pointer moves)
-            for c in (1..CACHELETS).step_by(2) {
-                let cl = ws[1].take_cachelet(c).unwrap();
-                ws[0].insert_cachelet(cl);
-            }
-        }
-        let body = |(w, list): (&mut WorkerStore, &Vec<u32>), rng: &mut Rng, ops: usize| {
-            let mut hits = 0;
-            for _ in 0..ops {
-                let key = &k.keys[list[rng.below(list.len())] as usize];
-                hits += if op == Op::Get {
-                    do_get(w, key)
-                } else {
-                    do_set(w, key)
-                };
-            }
-            hits
-        };
-        let mut runs = Vec::new();
-        for _ in 0..REPEATS {
-            let states: Vec<(&mut WorkerStore, &Vec<u32>)> = if threads == 1 {
-                vec![(&mut *ws[0], &k.all)]
-            } else {
-                ws.iter_mut().map(|w| &mut **w).zip(k.half.iter()).collect()
-            };
-            runs.push(par(states, ops, body));
-        }
-        row[slot] = median(runs);
-        if threads == 1 {
-            for c in (1..CACHELETS).step_by(2) {
-                let cl = ws[0].take_cachelet(c).unwrap();
-                ws[1].insert_cachelet(cl);
-            }
-        }
-    }
-    report_store("mbal", &g, ws.iter().map(|w| w.stats()));
-    row
-}
-
-fn one_lock(k: &Keys, ops: usize) -> Row {
-    let g = pool(k);
-    let mut w = WorkerStore::new(g.clone(), cfg(k, 0), CACHELETS);
+    let one_pool = pool(k);
+    let mut one = WorkerStore::new(one_pool.clone(), cfg(k, 0), CACHELETS);
     for c in 0..CACHELETS {
-        w.insert_cachelet(Cachelet::new(c));
+        one.insert_cachelet(Cachelet::new(c));
     }
     for key in &k.keys {
-        do_set(&mut w, key);
+        do_set(&mut one, key);
     }
-    let m = Mutex::new(w);
-    let mut row = [0.0; 4];
-    for (slot, &(op, threads)) in PHASES.iter().enumerate() {
-        let body = |(m, list): (&Mutex<WorkerStore>, &Vec<u32>), rng: &mut Rng, ops: usize| {
-            let mut hits = 0;
-            for _ in 0..ops {
-                let key = &k.keys[list[rng.below(list.len())] as usize];
-                let mut w = m.lock().unwrap();
-                hits += if op == Op::Get {
-                    do_get(&mut w, key)
-                } else {
-                    do_set(&mut w, key)
-                };
-            }
-            hits
-        };
-        let runs = (0..REPEATS)
-            .map(|_| {
-                let states: Vec<(&Mutex<WorkerStore>, &Vec<u32>)> = if threads == 1 {
-                    vec![(&m, &k.all)]
-                } else {
-                    k.half.iter().map(|l| (&m, l)).collect()
-                };
-                par(states, ops, body)
-            })
-            .collect();
-        row[slot] = median(runs);
-    }
-    report_store("one-lock", &g, std::iter::once(m.lock().unwrap().stats()));
-    row
-}
-
-fn striped(k: &Keys, ops: usize) -> Row {
-    let g = pool(k);
-    let stripes: Vec<Mutex<WorkerStore>> = (0..CACHELETS)
+    let striped_pool = pool(k);
+    let striped: Vec<Mutex<WorkerStore>> = (0..CACHELETS)
         .map(|c| {
             // 64 small stores share the budget: refill one page at a time so no stripe
             // hoards pages another stripe needs.
@@ -279,54 +225,113 @@ fn striped(k: &Keys, ops: usize) -> Row {
                 global_low_pages: 1,
                 ..cfg(k, c as u16)
             };
-            let mut w = WorkerStore::new(g.clone(), sc, CACHELETS);
+            let mut w = WorkerStore::new(striped_pool.clone(), sc, CACHELETS);
             w.insert_cachelet(Cachelet::new(c));
             Mutex::new(w)
         })
         .collect();
     for key in &k.keys {
         let h = key_hash(key);
-        do_set(&mut stripes[cachelet_of(h) as usize].lock().unwrap(), key);
+        do_set(&mut striped[cachelet_of(h) as usize].lock().unwrap(), key);
     }
-    let mut row = [0.0; 4];
-    for (slot, &(op, threads)) in PHASES.iter().enumerate() {
-        let body = |(s, list): (&Vec<Mutex<WorkerStore>>, &Vec<u32>), rng: &mut Rng, ops: usize| {
-            let mut hits = 0;
-            for _ in 0..ops {
-                let key = &k.keys[list[rng.below(list.len())] as usize];
-                let h = key_hash(key);
-                let cl = cachelet_of(h);
-                let mut w = s[cl as usize].lock().unwrap();
-                hits += if op == Op::Get {
-                    w.get(cl, h, key, 0).is_some() as u64
-                } else {
-                    matches!(
-                        w.store(cl, h, key, &VAL, 0, 0, Mode::Set, None, 0),
-                        StoreResult::Stored { .. }
-                    ) as u64
-                };
-            }
-            hits
-        };
-        let runs = (0..REPEATS)
-            .map(|_| {
-                let states: Vec<(&Vec<Mutex<WorkerStore>>, &Vec<u32>)> = if threads == 1 {
-                    vec![(&stripes, &k.all)]
-                } else {
-                    k.half.iter().map(|l| (&stripes, l)).collect()
-                };
-                par(states, ops, body)
-            })
-            .collect();
-        row[slot] = median(runs);
+    Designs {
+        mbal_pool,
+        mbal,
+        one_pool,
+        one: Mutex::new(one),
+        striped_pool,
+        striped,
     }
-    report_store(
-        "striped",
-        &g,
-        stripes.iter().map(|w| w.lock().unwrap().stats()),
-    );
-    row
 }
+
+fn run_mbal(d: &mut Designs, k: &Keys, op: Op, threads: usize, ops: usize) -> f64 {
+    let ws = &mut d.mbal;
+    if threads == 1 {
+        // one worker owns everything: move worker 1's cachelets over (pointer moves)
+        for c in (1..CACHELETS).step_by(2) {
+            let cl = ws[1].take_cachelet(c).unwrap();
+            ws[0].insert_cachelet(cl);
+        }
+    }
+    let body = |(w, list): (&mut WorkerStore, &Vec<u32>), rng: &mut Rng, ops: usize| {
+        let mut hits = 0;
+        for _ in 0..ops {
+            let key = &k.keys[list[rng.below(list.len())] as usize];
+            hits += if op == Op::Get {
+                do_get(w, key)
+            } else {
+                do_set(w, key)
+            };
+        }
+        hits
+    };
+    let states: Vec<(&mut WorkerStore, &Vec<u32>)> = if threads == 1 {
+        vec![(&mut *ws[0], &k.all)]
+    } else {
+        ws.iter_mut().map(|w| &mut **w).zip(k.half.iter()).collect()
+    };
+    let r = par(states, ops, body);
+    if threads == 1 {
+        for c in (1..CACHELETS).step_by(2) {
+            let cl = ws[0].take_cachelet(c).unwrap();
+            ws[1].insert_cachelet(cl);
+        }
+    }
+    r
+}
+
+fn run_one(d: &mut Designs, k: &Keys, op: Op, threads: usize, ops: usize) -> f64 {
+    let m = &d.one;
+    let body = |(m, list): (&Mutex<WorkerStore>, &Vec<u32>), rng: &mut Rng, ops: usize| {
+        let mut hits = 0;
+        for _ in 0..ops {
+            let key = &k.keys[list[rng.below(list.len())] as usize];
+            let mut w = m.lock().unwrap();
+            hits += if op == Op::Get {
+                do_get(&mut w, key)
+            } else {
+                do_set(&mut w, key)
+            };
+        }
+        hits
+    };
+    let states: Vec<(&Mutex<WorkerStore>, &Vec<u32>)> = if threads == 1 {
+        vec![(m, &k.all)]
+    } else {
+        k.half.iter().map(|l| (m, l)).collect()
+    };
+    par(states, ops, body)
+}
+
+fn run_striped(d: &mut Designs, k: &Keys, op: Op, threads: usize, ops: usize) -> f64 {
+    let s = &d.striped;
+    let body = |(s, list): (&Vec<Mutex<WorkerStore>>, &Vec<u32>), rng: &mut Rng, ops: usize| {
+        let mut hits = 0;
+        for _ in 0..ops {
+            let key = &k.keys[list[rng.below(list.len())] as usize];
+            let h = key_hash(key);
+            let cl = cachelet_of(h);
+            let mut w = s[cl as usize].lock().unwrap();
+            hits += if op == Op::Get {
+                w.get(cl, h, key, 0).is_some() as u64
+            } else {
+                matches!(
+                    w.store(cl, h, key, &VAL, 0, 0, Mode::Set, None, 0),
+                    StoreResult::Stored { .. }
+                ) as u64
+            };
+        }
+        hits
+    };
+    let states: Vec<(&Vec<Mutex<WorkerStore>>, &Vec<u32>)> = if threads == 1 {
+        vec![(s, &k.all)]
+    } else {
+        k.half.iter().map(|l| (s, l)).collect()
+    };
+    par(states, ops, body)
+}
+
+type Runner = fn(&mut Designs, &Keys, Op, usize, usize) -> f64;
 
 fn main() {
     let nkeys = env_usize("SCALING_KEYS", 2_000_000);
@@ -346,35 +351,73 @@ fn main() {
         half,
     };
     println!(
-        "mbal-store scaling: {nkeys} keys (10 B), 20 B values, uniform, {ops} ops/thread/run, median of {REPEATS}, {cores} cores visible, budget {} MiB",
+        "mbal-store scaling: {nkeys} keys (10 B), 20 B values, uniform, {ops} ops/thread/run, median of {REPEATS} (designs interleaved), {cores} cores visible, budget {} MiB per design",
         mem_for(nkeys) >> 20
     );
-    let designs: [(&str, Design); 3] =
-        [("mbal", mbal), ("one-lock", one_lock), ("striped", striped)];
-    let rows: Vec<(&str, Row)> = designs
-        .iter()
-        .map(|(n, f)| {
-            let t = Instant::now();
-            let r = f(&k, ops);
-            println!("  [{n}] done in {:.1}s", t.elapsed().as_secs_f64());
-            (*n, r)
-        })
-        .collect();
+    // Calibration: how much 2-thread parallelism does the machine give right now? (a pure
+    // register loop; on a shared machine this is the ceiling for every design's scaling)
+    let spin = |_: (), rng: &mut Rng, ops: usize| {
+        let mut x = 1u64;
+        for _ in 0..ops * 20 {
+            x = x.wrapping_add(rng.below(1000) as u64);
+        }
+        x | 1
+    };
+    let c1 = median((0..REPEATS).map(|_| par(vec![()], ops, spin)).collect());
+    let c2 = median((0..REPEATS).map(|_| par(vec![(), ()], ops, spin)).collect());
+    println!(
+        "calibration (pure CPU loop): 1->2 thread scaling {:.2}x",
+        c2 / c1
+    );
+    let t = Instant::now();
+    let mut d = build(&k);
+    println!("preloaded 3 designs in {:.1}s", t.elapsed().as_secs_f64());
+    let names = ["mbal", "one-lock", "striped"];
+    let runners: [Runner; 3] = [run_mbal, run_one, run_striped];
+    // res[design][phase]; phases GET 1t, GET 2t, SET 1t, SET 2t. Repeats are interleaved
+    // across designs so that load from other processes hits every design alike.
+    let mut res = [[0.0f64; 4]; 3];
+    for (p, &(op, threads)) in PHASES.iter().enumerate() {
+        let mut runs = [Vec::new(), Vec::new(), Vec::new()];
+        for _ in 0..REPEATS {
+            for (i, r) in runners.iter().enumerate() {
+                runs[i].push(r(&mut d, &k, op, threads, ops));
+            }
+        }
+        for i in 0..3 {
+            res[i][p] = median(std::mem::take(&mut runs[i]));
+        }
+    }
+    report_store("mbal", &d.mbal_pool, d.mbal.iter().map(|w| w.stats()));
+    report_store(
+        "one-lock",
+        &d.one_pool,
+        std::iter::once(d.one.lock().unwrap().stats()),
+    );
+    report_store(
+        "striped",
+        &d.striped_pool,
+        d.striped.iter().map(|w| w.lock().unwrap().stats()),
+    );
     println!(
         "{:<6} {:<9} {:>10} {:>10} {:>8}",
         "op", "design", "1t Mops/s", "2t Mops/s", "scaling"
     );
     let mut verdicts = Vec::new();
     for (i, name) in ["GET", "SET"].iter().enumerate() {
-        for (design, r) in &rows {
+        for (design, r) in names.iter().zip(res.iter()) {
             let (one, two) = (r[2 * i], r[2 * i + 1]);
             println!(
                 "{name:<6} {design:<9} {one:>10.2} {two:>10.2} {:>7.2}x",
                 two / one
             );
         }
-        let (m, l, s) = (rows[0].1, rows[1].1, rows[2].1);
-        let (m1, m2, l2, s2) = (m[2 * i], m[2 * i + 1], l[2 * i + 1], s[2 * i + 1]);
+        let (m1, m2, l2, s2) = (
+            res[0][2 * i],
+            res[0][2 * i + 1],
+            res[1][2 * i + 1],
+            res[2][2 * i + 1],
+        );
         println!(
             "{name:<6} at 2 threads: mbal/one-lock = {:.2}x, mbal/striped = {:.2}x",
             m2 / l2,

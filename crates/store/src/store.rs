@@ -1273,6 +1273,38 @@ impl WorkerStore {
     pub fn global(&self) -> &Arc<GlobalPool> {
         &self.m.global
     }
+
+    /// Drop an owned cachelet and all its items, returning its pages to this worker's pool
+    /// (e.g. after its items were migrated to another server). False if not owned.
+    pub fn discard_cachelet(&mut self, id: u32) -> bool {
+        let Some(mut c) = self.cachelets.get_mut(id as usize).and_then(|c| c.take()) else {
+            return false;
+        };
+        for s in 0..c.segs.len() as u32 {
+            if c.segs[s as usize].is_some() {
+                self.m.free_seg(&mut c, s);
+            }
+        }
+        self.m.recompute_cutoff();
+        true
+    }
+}
+
+impl Drop for WorkerStore {
+    /// Give every page (local free, segments, large-item charges) back to the global pool so
+    /// that its accounting stays exact when a worker goes away.
+    fn drop(&mut self) {
+        for c in self.cachelets.iter_mut().flatten() {
+            for seg in c.segs.iter_mut().filter_map(|s| s.take()) {
+                if seg.large_pages > 0 {
+                    self.m.global.release_large(seg.large_pages);
+                } else {
+                    self.m.local_free.push(seg.buf);
+                }
+            }
+        }
+        self.m.global.give(self.m.local_free.drain(..));
+    }
 }
 
 #[cfg(test)]

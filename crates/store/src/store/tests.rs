@@ -582,3 +582,82 @@ fn sweep_compacts_mostly_dead_segments() {
         assert_eq!(get(&mut w, &format!("k{i}"), 0).unwrap(), val.as_bytes());
     }
 }
+
+#[test]
+fn cachelet_and_store_are_send() {
+    fn is_send<T: Send>() {}
+    is_send::<Box<Cachelet>>();
+    is_send::<WorkerStore>();
+}
+
+#[test]
+fn single_item_larger_than_budget_is_out_of_memory() {
+    let mut w = mk(8 * PAGE, |c| c.max_item_size = 1 << 20);
+    let v = "x".repeat(9 * PAGE);
+    assert_eq!(set(&mut w, "k", &v, 0, 0), StoreResult::OutOfMemory);
+    // a large item that fits the budget evicts small ones to make room
+    for i in 0..50 {
+        set(&mut w, &format!("s{i}"), &"v".repeat(400), 0, 0);
+    }
+    let v = "x".repeat(6 * PAGE);
+    assert!(matches!(
+        set(&mut w, "k", &v, 0, 0),
+        StoreResult::Stored { .. }
+    ));
+    assert_eq!(get(&mut w, "k", 0).unwrap().len(), 6 * PAGE);
+    assert!(w.stats().evictions > 0);
+    let ps = w.global().stats();
+    assert!(ps.created_pages + ps.large_pages <= ps.total_pages);
+}
+
+#[test]
+fn drop_and_discard_return_pages_to_the_pool() {
+    let g = GlobalPool::new(64 * PAGE, PAGE);
+    let cfg = StoreConfig {
+        mem_limit: 64 * PAGE,
+        page_size: PAGE,
+        ..Default::default()
+    };
+    let mut w = WorkerStore::new(g.clone(), cfg.clone(), 2);
+    w.insert_cachelet(Cachelet::new(0));
+    w.insert_cachelet(Cachelet::new(1));
+    for i in 0..200u32 {
+        let k = format!("k{i}");
+        w.store(
+            i % 2,
+            key_hash(k.as_bytes()),
+            k.as_bytes(),
+            &[b'v'; 300],
+            0,
+            0,
+            Mode::Set,
+            None,
+            0,
+        );
+    }
+    w.store(
+        1,
+        key_hash(b"big"),
+        b"big",
+        &[b'b'; 3 * PAGE],
+        0,
+        0,
+        Mode::Set,
+        None,
+        0,
+    );
+    assert!(g.stats().large_pages == 4);
+    let held = w.stats().pages_held;
+    assert!(w.discard_cachelet(1));
+    assert!(!w.owns(1));
+    assert_eq!(g.stats().large_pages, 0);
+    assert_eq!(
+        w.stats().pages_held + 4,
+        held,
+        "pages of cachelet 1 now local free"
+    );
+    drop(w);
+    let ps = g.stats();
+    assert_eq!(ps.outstanding_pages, 0);
+    assert_eq!(ps.available_pages, ps.total_pages);
+}

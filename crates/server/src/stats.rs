@@ -1,0 +1,344 @@
+//! Statistics: per-worker counters (plain integers owned by the worker, so
+//! they cost one add on the data path), per-worker snapshots gathered by
+//! message when a client asks, and rendering with memcached's names.
+
+use crate::config::Settings;
+use mbal_store::{CacheletStats, WorkerStats};
+use std::fmt::Display;
+
+/// Command counters of one worker. Only that worker writes them.
+#[derive(Clone, Default, Debug)]
+pub struct Counters {
+    pub cmd_get: u64,
+    pub cmd_set: u64,
+    pub cmd_touch: u64,
+    pub cmd_flush: u64,
+    pub cmd_meta: u64,
+    pub get_hits: u64,
+    pub get_misses: u64,
+    pub delete_hits: u64,
+    pub delete_misses: u64,
+    pub incr_hits: u64,
+    pub incr_misses: u64,
+    pub decr_hits: u64,
+    pub decr_misses: u64,
+    pub cas_hits: u64,
+    pub cas_misses: u64,
+    pub cas_badval: u64,
+    pub touch_hits: u64,
+    pub touch_misses: u64,
+    pub bytes_read: u64,
+    pub bytes_written: u64,
+    pub conn_yields: u64,
+    /// Requests this worker passed to another worker (main-port clients
+    /// asking for a cachelet it does not own).
+    pub forwarded_out: u64,
+    /// Requests this worker executed for another worker.
+    pub forwarded_in: u64,
+    pub total_connections: u64,
+    pub rejected_connections: u64,
+}
+
+impl Counters {
+    pub fn arith(&mut self, incr: bool, hit: bool) {
+        match (incr, hit) {
+            (true, true) => self.incr_hits += 1,
+            (true, false) => self.incr_misses += 1,
+            (false, true) => self.decr_hits += 1,
+            (false, false) => self.decr_misses += 1,
+        }
+    }
+
+    fn add(&mut self, o: &Counters) {
+        macro_rules! sum { ($($f:ident),*) => { $( self.$f += o.$f; )* } }
+        sum!(
+            cmd_get,
+            cmd_set,
+            cmd_touch,
+            cmd_flush,
+            cmd_meta,
+            get_hits,
+            get_misses,
+            delete_hits,
+            delete_misses,
+            incr_hits,
+            incr_misses,
+            decr_hits,
+            decr_misses,
+            cas_hits,
+            cas_misses,
+            cas_badval,
+            touch_hits,
+            touch_misses,
+            bytes_read,
+            bytes_written,
+            conn_yields,
+            forwarded_out,
+            forwarded_in,
+            total_connections,
+            rejected_connections
+        );
+    }
+}
+
+/// One open connection, for `stats conns`.
+#[derive(Clone, Debug)]
+pub struct ConnInfo {
+    pub id: u64,
+    pub addr: String,
+    pub listen_addr: String,
+    pub state: &'static str,
+    pub idle_secs: u32,
+}
+
+/// Per-cachelet figures for `stats cachelets` and the load balancer.
+#[derive(Clone, Debug)]
+pub struct CacheletInfo {
+    pub id: u32,
+    pub owner: usize,
+    pub stats: CacheletStats,
+    pub reads_per_sec: u64,
+    pub writes_per_sec: u64,
+}
+
+/// Everything one worker reports when stats are gathered.
+#[derive(Clone, Debug)]
+pub struct WorkerSnapshot {
+    pub worker: usize,
+    pub counters: Counters,
+    pub store: WorkerStats,
+    pub curr_connections: u64,
+    pub conns: Vec<ConnInfo>,
+    pub cachelets: Vec<CacheletInfo>,
+}
+
+/// Process-wide facts for the `stats` header.
+pub struct ProcessInfo<'a> {
+    pub settings: &'a Settings,
+    pub uptime: u32,
+    pub now_unix: u64,
+    pub main_port: u16,
+    pub worker_ports: &'a [u16],
+}
+
+fn rusage() -> (f64, f64) {
+    // SAFETY: getrusage writes into the zeroed struct we pass and nothing else.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    let t = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6;
+    (t(ru.ru_utime), t(ru.ru_stime))
+}
+
+/// Renders `STAT name value` lines through a sink so the text and binary
+/// protocols share one list of names.
+pub trait StatSink {
+    fn stat(&mut self, name: &str, value: &dyn Display);
+}
+
+/// Render a `stats [group]` request. Returns false for an unknown group.
+pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: &mut dyn StatSink) -> bool {
+    snaps.sort_by_key(|s| s.worker);
+    let s = p.settings;
+    match group {
+        "" => {
+            let mut c = Counters::default();
+            let mut curr_items = 0u64;
+            let mut total_items = 0;
+            let mut bytes = 0;
+            let mut evictions = 0;
+            let mut reclaimed = 0;
+            let mut expired_unfetched = 0;
+            let mut evicted_unfetched = 0;
+            let mut get_expired = 0;
+            let mut get_flushed = 0;
+            let mut curr_conns = 0;
+            for w in snaps.iter() {
+                c.add(&w.counters);
+                curr_items += w.store.curr_items;
+                total_items += w.store.total_items;
+                bytes += w.store.bytes;
+                evictions += w.store.evictions;
+                reclaimed += w.store.reclaimed;
+                expired_unfetched += w.store.expired_unfetched;
+                evicted_unfetched += w.store.evicted_unfetched;
+                get_expired += w.store.get_expired;
+                get_flushed += w.store.get_flushed;
+                curr_conns += w.curr_connections;
+            }
+            let (utime, stime) = rusage();
+            sink.stat("pid", &std::process::id());
+            sink.stat("uptime", &p.uptime);
+            sink.stat("time", &p.now_unix);
+            sink.stat("version", &crate::VERSION);
+            sink.stat("pointer_size", &(std::mem::size_of::<usize>() * 8));
+            sink.stat("rusage_user", &format!("{utime:.6}"));
+            sink.stat("rusage_system", &format!("{stime:.6}"));
+            sink.stat("max_connections", &s.max_conns);
+            sink.stat("curr_connections", &curr_conns);
+            sink.stat("total_connections", &c.total_connections);
+            sink.stat("rejected_connections", &c.rejected_connections);
+            sink.stat("connection_structures", &curr_conns);
+            sink.stat("cmd_get", &c.cmd_get);
+            sink.stat("cmd_set", &c.cmd_set);
+            sink.stat("cmd_flush", &c.cmd_flush);
+            sink.stat("cmd_touch", &c.cmd_touch);
+            sink.stat("cmd_meta", &c.cmd_meta);
+            sink.stat("get_hits", &c.get_hits);
+            sink.stat("get_misses", &c.get_misses);
+            sink.stat("get_expired", &get_expired);
+            sink.stat("get_flushed", &get_flushed);
+            sink.stat("delete_misses", &c.delete_misses);
+            sink.stat("delete_hits", &c.delete_hits);
+            sink.stat("incr_misses", &c.incr_misses);
+            sink.stat("incr_hits", &c.incr_hits);
+            sink.stat("decr_misses", &c.decr_misses);
+            sink.stat("decr_hits", &c.decr_hits);
+            sink.stat("cas_misses", &c.cas_misses);
+            sink.stat("cas_hits", &c.cas_hits);
+            sink.stat("cas_badval", &c.cas_badval);
+            sink.stat("touch_hits", &c.touch_hits);
+            sink.stat("touch_misses", &c.touch_misses);
+            sink.stat("auth_cmds", &0);
+            sink.stat("auth_errors", &0);
+            sink.stat("bytes_read", &c.bytes_read);
+            sink.stat("bytes_written", &c.bytes_written);
+            sink.stat("limit_maxbytes", &s.memory_limit);
+            sink.stat("accepting_conns", &1);
+            sink.stat("threads", &s.threads);
+            sink.stat("conn_yields", &c.conn_yields);
+            sink.stat("bytes", &bytes);
+            sink.stat("curr_items", &curr_items);
+            sink.stat("total_items", &total_items);
+            sink.stat("evictions", &evictions);
+            sink.stat("reclaimed", &reclaimed);
+            sink.stat("expired_unfetched", &expired_unfetched);
+            sink.stat("evicted_unfetched", &evicted_unfetched);
+            sink.stat("cross_worker_requests", &c.forwarded_out);
+            sink.stat("cachelets", &snaps.iter().map(|w| w.cachelets.len()).sum::<usize>());
+        }
+        "settings" => {
+            sink.stat("maxbytes", &s.memory_limit);
+            sink.stat("maxconns", &s.max_conns);
+            sink.stat("tcpport", &p.main_port);
+            sink.stat("udpport", &0);
+            sink.stat("interface", &s.listen);
+            sink.stat("verbosity", &s.verbosity);
+            sink.stat("evictions", &if s.evictions { "on" } else { "off" });
+            sink.stat("num_threads", &s.threads);
+            sink.stat("reqs_per_event", &s.reqs_per_event);
+            sink.stat("cas_enabled", &if s.cas_enabled { "yes" } else { "no" });
+            sink.stat("tcp_backlog", &s.backlog);
+            sink.stat("binding_protocol", &s.binding.name());
+            sink.stat("item_size_max", &s.max_item_size);
+            sink.stat("idle_timeout", &s.idle_timeout);
+            sink.stat("flush_enabled", &if s.flush_enabled { "yes" } else { "no" });
+            sink.stat("shutdown_command", &if s.shutdown_enabled { "yes" } else { "no" });
+            sink.stat("cachelets_per_worker", &s.cachelets_per_worker);
+            sink.stat("vn_count", &s.vn_count);
+            sink.stat("page_size", &s.page_size);
+            let ports: Vec<String> = p.worker_ports.iter().map(|x| x.to_string()).collect();
+            sink.stat("worker_ports", &ports.join(","));
+        }
+        // mbal has no slab classes; each worker is reported as one "class"
+        // (numbered worker+1) so exporters that walk items:N:field work.
+        "items" => {
+            for w in snaps.iter() {
+                let n = w.worker + 1;
+                sink.stat(&format!("items:{n}:number"), &w.store.curr_items);
+                sink.stat(&format!("items:{n}:evicted"), &w.store.evictions);
+                sink.stat(&format!("items:{n}:evicted_unfetched"), &w.store.evicted_unfetched);
+                sink.stat(&format!("items:{n}:expired_unfetched"), &w.store.expired_unfetched);
+                sink.stat(&format!("items:{n}:reclaimed"), &w.store.reclaimed);
+                sink.stat(&format!("items:{n}:outofmemory"), &w.store.out_of_memory);
+            }
+        }
+        "slabs" => {
+            let mut total_pages = 0;
+            for w in snaps.iter() {
+                let n = w.worker + 1;
+                sink.stat(&format!("{n}:chunk_size"), &s.page_size);
+                sink.stat(&format!("{n}:total_pages"), &w.store.pages_held);
+                sink.stat(&format!("{n}:used_chunks"), &w.store.curr_items);
+                sink.stat(&format!("{n}:mem_requested"), &w.store.bytes);
+                total_pages += w.store.pages_held;
+            }
+            sink.stat("active_slabs", &snaps.len());
+            sink.stat("total_malloced", &(total_pages * s.page_size as u64));
+        }
+        "conns" => {
+            for w in snaps.iter() {
+                for c in &w.conns {
+                    sink.stat(&format!("{}:addr", c.id), &c.addr);
+                    sink.stat(&format!("{}:listen_addr", c.id), &c.listen_addr);
+                    sink.stat(&format!("{}:state", c.id), &c.state);
+                    sink.stat(&format!("{}:secs_since_last_cmd", c.id), &c.idle_secs);
+                    sink.stat(&format!("{}:worker", c.id), &w.worker);
+                }
+            }
+        }
+        "cachelets" => {
+            let mut all: Vec<&CacheletInfo> = snaps.iter().flat_map(|w| w.cachelets.iter()).collect();
+            all.sort_by_key(|c| c.id);
+            for c in all {
+                let id = c.id;
+                sink.stat(&format!("cachelet:{id}:owner"), &c.owner);
+                sink.stat(&format!("cachelet:{id}:items"), &c.stats.items);
+                sink.stat(&format!("cachelet:{id}:bytes"), &c.stats.bytes);
+                sink.stat(&format!("cachelet:{id}:reads"), &c.stats.reads);
+                sink.stat(&format!("cachelet:{id}:writes"), &c.stats.writes);
+                sink.stat(&format!("cachelet:{id}:reads_per_sec"), &c.reads_per_sec);
+                sink.stat(&format!("cachelet:{id}:writes_per_sec"), &c.writes_per_sec);
+            }
+        }
+        "workers" => {
+            for w in snaps.iter() {
+                let n = w.worker;
+                let port = p.worker_ports.get(n).copied().unwrap_or(0);
+                sink.stat(&format!("worker:{n}:port"), &port);
+                sink.stat(&format!("worker:{n}:cmd_get"), &w.counters.cmd_get);
+                sink.stat(&format!("worker:{n}:cmd_set"), &w.counters.cmd_set);
+                sink.stat(&format!("worker:{n}:get_hits"), &w.counters.get_hits);
+                sink.stat(&format!("worker:{n}:curr_items"), &w.store.curr_items);
+                sink.stat(&format!("worker:{n}:bytes"), &w.store.bytes);
+                sink.stat(&format!("worker:{n}:cachelets"), &w.cachelets.len());
+                sink.stat(&format!("worker:{n}:curr_connections"), &w.curr_connections);
+                sink.stat(&format!("worker:{n}:forwarded_out"), &w.counters.forwarded_out);
+                sink.stat(&format!("worker:{n}:forwarded_in"), &w.counters.forwarded_in);
+            }
+        }
+        _ => return false,
+    }
+    true
+}
+
+/// Text-protocol sink: `STAT name value\r\n`.
+pub struct TextSink<'a>(pub &'a mut Vec<u8>);
+
+impl StatSink for TextSink<'_> {
+    fn stat(&mut self, name: &str, value: &dyn Display) {
+        use std::io::Write;
+        let _ = write!(self.0, "STAT {name} {value}\r\n");
+    }
+}
+
+/// Binary-protocol sink: one STAT response packet per statistic.
+pub struct BinSink<'a> {
+    pub out: &'a mut Vec<u8>,
+    pub opaque: u32,
+}
+
+impl StatSink for BinSink<'_> {
+    fn stat(&mut self, name: &str, value: &dyn Display) {
+        let v = value.to_string();
+        mbal_proto::binary::write_response(
+            self.out,
+            mbal_proto::binary::opcode::STAT,
+            mbal_proto::binary::status::NO_ERROR,
+            self.opaque,
+            0,
+            &[],
+            name.as_bytes(),
+            v.as_bytes(),
+        );
+    }
+}

@@ -1,0 +1,216 @@
+//! Text and meta protocol over real sockets, against 1- and 2-worker servers
+//! (with two workers about half of all keys belong to the worker the
+//! connection does not live on, so forwarding and reply ordering are
+//! exercised on every test).
+
+mod common;
+use common::*;
+
+#[test]
+fn basic_commands_on_one_and_two_workers() {
+    for threads in [1, 2] {
+        let srv = start(settings(threads));
+        let mut c = Conn::open(srv.main_addr);
+        assert_eq!(c.set("foo", b"bar"), "STORED\r\n");
+        assert_eq!(c.get("foo").as_deref(), Some(&b"bar"[..]));
+        assert_eq!(c.cmd("add foo 0 0 1\r\nx\r\n"), "NOT_STORED\r\n");
+        assert_eq!(c.cmd("add new 5 0 1\r\nx\r\n"), "STORED\r\n");
+        assert_eq!(c.cmd("replace nope 0 0 1\r\nx\r\n"), "NOT_STORED\r\n");
+        assert_eq!(c.cmd("append foo 0 0 1\r\n!\r\n"), "STORED\r\n");
+        assert_eq!(c.cmd("prepend foo 0 0 1\r\n<\r\n"), "STORED\r\n");
+        assert_eq!(c.get("foo").as_deref(), Some(&b"<bar!"[..]));
+        c.send(b"gets foo\r\n");
+        let l = c.line();
+        let cas: u64 = l.split_whitespace().nth(4).unwrap().parse().unwrap();
+        assert_eq!(c.exact(7), b"<bar!\r\n");
+        assert_eq!(c.line(), "END\r\n");
+        assert_eq!(c.cmd(&format!("cas foo 0 0 1 {}\r\nz\r\n", cas + 1)), "EXISTS\r\n");
+        assert_eq!(c.cmd(&format!("cas foo 0 0 1 {cas}\r\nz\r\n")), "STORED\r\n");
+        assert_eq!(c.cmd("cas nothere 0 0 1 1\r\nz\r\n"), "NOT_FOUND\r\n");
+        assert_eq!(c.set("n", b"18446744073709551615"), "STORED\r\n");
+        assert_eq!(c.cmd("incr n 2\r\n"), "1\r\n", "incr wraps at 2^64");
+        assert_eq!(c.cmd("decr n 5\r\n"), "0\r\n", "decr floors at 0");
+        assert_eq!(c.cmd("incr foo 1\r\n"), "CLIENT_ERROR cannot increment or decrement non-numeric value\r\n");
+        assert_eq!(c.cmd("incr missing 1\r\n"), "NOT_FOUND\r\n");
+        assert_eq!(c.cmd("touch foo 100\r\n"), "TOUCHED\r\n");
+        assert_eq!(c.cmd("touch missing 100\r\n"), "NOT_FOUND\r\n");
+        assert_eq!(c.cmd("delete foo\r\n"), "DELETED\r\n");
+        assert_eq!(c.cmd("delete foo\r\n"), "NOT_FOUND\r\n");
+        assert!(c.cmd("version\r\n").starts_with("VERSION 1.6"));
+        assert_eq!(c.cmd("verbosity 1\r\n"), "OK\r\n");
+        // noreply: nothing comes back, the next reply is the version.
+        c.send(b"set q 0 0 1 noreply\r\na\r\ndelete nothere noreply\r\nincr q 1 noreply\r\n");
+        assert!(c.cmd("version\r\n").starts_with("VERSION"));
+        assert_eq!(c.get("q").as_deref(), Some(&b"a"[..]));
+        // gat touches and returns.
+        c.send(b"gat 100 new\r\n");
+        assert_eq!(c.line(), "VALUE new 5 1\r\n");
+        assert_eq!(c.exact(3), b"x\r\n");
+        assert_eq!(c.line(), "END\r\n");
+        srv.shutdown();
+    }
+}
+
+#[test]
+fn pipelined_mixed_requests_reply_in_order() {
+    let srv = start(settings(2));
+    let mut c = Conn::open(srv.main_addr);
+    let mut req = Vec::new();
+    let n = 500;
+    for i in 0..n {
+        req.extend_from_slice(format!("set key{i} {i} 0 {}\r\nval{i}\r\n", format!("val{i}").len()).as_bytes());
+        req.extend_from_slice(format!("get key{i} key{} nokey{i}\r\n", (i + 7) % n).as_bytes());
+        req.extend_from_slice(b"mn\r\n");
+    }
+    c.send(&req);
+    for i in 0..n {
+        assert_eq!(c.line(), "STORED\r\n", "reply {i}");
+        let l = c.line();
+        let v = format!("val{i}");
+        assert_eq!(l, format!("VALUE key{i} {i} {}\r\n", v.len()));
+        assert_eq!(c.exact(v.len() + 2), format!("{v}\r\n").into_bytes());
+        let other = (i + 7) % n;
+        let l = c.line();
+        if other < i {
+            let v = format!("val{other}");
+            assert_eq!(l, format!("VALUE key{other} {other} {}\r\n", v.len()));
+            c.exact(v.len() + 2);
+            assert_eq!(c.line(), "END\r\n");
+        } else {
+            assert_eq!(l, "END\r\n");
+        }
+        assert_eq!(c.line(), "MN\r\n");
+    }
+    srv.shutdown();
+}
+
+#[test]
+fn multiget_across_workers_keeps_request_order() {
+    let srv = start(settings(2));
+    let mut c = Conn::open(srv.main_addr);
+    let keys: Vec<String> = (0..100).map(|i| format!("mk{i}")).collect();
+    for k in &keys {
+        assert_eq!(c.set(k, k.as_bytes()), "STORED\r\n");
+    }
+    c.send(format!("get {}\r\n", keys.join(" ")).as_bytes());
+    let lines = c.until_end();
+    let got: Vec<&str> =
+        lines.iter().filter(|l| l.starts_with("VALUE")).map(|l| l.split_whitespace().nth(1).unwrap()).collect();
+    assert_eq!(got, keys.iter().map(|s| s.as_str()).collect::<Vec<_>>());
+    // Some requests crossed workers (two workers, 100 keys).
+    assert!(stat(&mut c, "cross_worker_requests") > 0);
+    srv.shutdown();
+}
+
+#[test]
+fn flush_all_reaches_every_worker() {
+    let srv = start(settings(2));
+    let mut c = Conn::open(srv.main_addr);
+    for i in 0..50 {
+        c.set(&format!("f{i}"), b"v");
+    }
+    assert_eq!(c.cmd("flush_all\r\n"), "OK\r\n");
+    for i in 0..50 {
+        assert_eq!(c.get(&format!("f{i}")), None, "f{i} survived flush_all");
+    }
+    assert_eq!(c.set("after", b"v"), "STORED\r\n");
+    assert_eq!(c.get("after").as_deref(), Some(&b"v"[..]));
+    srv.shutdown();
+}
+
+#[test]
+fn flush_all_disabled_with_f() {
+    let srv = start(mbal_server::config::Settings { flush_enabled: false, ..settings(1) });
+    let mut c = Conn::open(srv.main_addr);
+    assert_eq!(c.cmd("flush_all\r\n"), "CLIENT_ERROR flush_all not allowed\r\n");
+    srv.shutdown();
+}
+
+#[test]
+fn cas_disabled_with_c() {
+    let srv = start(mbal_server::config::Settings { cas_enabled: false, ..settings(1) });
+    let mut c = Conn::open(srv.main_addr);
+    c.set("a", b"1");
+    c.send(b"gets a\r\n");
+    assert_eq!(c.line(), "VALUE a 0 1 0\r\n");
+    c.exact(3);
+    c.line();
+    assert_eq!(c.cmd("cas a 0 0 1 0\r\nz\r\n"), "EXISTS\r\n");
+    srv.shutdown();
+}
+
+#[test]
+fn stats_groups_have_memcached_names() {
+    let srv = start(settings(2));
+    let mut c = Conn::open(srv.main_addr);
+    c.set("s1", b"v");
+    c.get("s1");
+    c.get("nope");
+    let s = stats(&mut c, "");
+    for name in [
+        "pid",
+        "uptime",
+        "time",
+        "version",
+        "curr_connections",
+        "total_connections",
+        "cmd_get",
+        "cmd_set",
+        "get_hits",
+        "get_misses",
+        "bytes_read",
+        "bytes_written",
+        "limit_maxbytes",
+        "threads",
+        "curr_items",
+        "total_items",
+        "evictions",
+        "bytes",
+    ] {
+        assert!(s.iter().any(|(k, _)| k == name), "stats lacks {name}");
+    }
+    assert!(stat(&mut c, "get_hits") >= 1);
+    assert!(stat(&mut c, "get_misses") >= 1);
+    assert_eq!(stat(&mut c, "threads"), 2);
+    let settings = stats(&mut c, "settings");
+    assert!(settings.iter().any(|(k, v)| k == "maxbytes" && v == &(32u64 << 20).to_string()));
+    assert!(settings.iter().any(|(k, v)| k == "item_size_max" && v == "1048576"));
+    let cl = stats(&mut c, "cachelets");
+    let owners = cl.iter().filter(|(k, _)| k.ends_with(":owner")).count();
+    assert_eq!(owners, 32, "2 workers x 16 cachelets");
+    let items: u64 = cl.iter().filter(|(k, _)| k.ends_with(":items")).map(|(_, v)| v.parse::<u64>().unwrap()).sum();
+    assert_eq!(items, 1);
+    assert!(!stats(&mut c, "items").is_empty());
+    assert!(!stats(&mut c, "slabs").is_empty());
+    assert!(stats(&mut c, "conns").iter().any(|(k, _)| k.ends_with(":addr")));
+    assert_eq!(c.cmd("stats bogus\r\n"), "ERROR\r\n");
+    assert_eq!(c.cmd("stats reset\r\n"), "RESET\r\n");
+    srv.shutdown();
+}
+
+#[test]
+fn meta_commands() {
+    for threads in [1, 2] {
+        let srv = start(settings(threads));
+        let mut c = Conn::open(srv.main_addr);
+        assert_eq!(c.cmd("ms mk 2 T0 F5\r\nhi\r\n"), "HD\r\n");
+        c.send(b"mg mk v f s k O123\r\n");
+        assert_eq!(c.line(), "VA 2 f5 s2 kmk O123\r\n");
+        assert_eq!(c.exact(4), b"hi\r\n");
+        assert_eq!(c.cmd("mg nothere v\r\n"), "EN\r\n");
+        // quiet miss says nothing; mn terminates the pipeline.
+        assert_eq!(c.cmd("mg nothere v q\r\nmn\r\n"), "MN\r\n");
+        assert_eq!(c.cmd("ms mk 1 ME\r\nx\r\n"), "NS\r\n", "add mode on existing key");
+        assert_eq!(c.cmd("ma cnt N0 J10\r\n"), "HD\r\n");
+        c.send(b"ma cnt v D5\r\n");
+        assert_eq!(c.line(), "VA 2\r\n");
+        assert_eq!(c.exact(4), b"15\r\n");
+        assert_eq!(c.cmd("md mk\r\n"), "HD\r\n");
+        assert_eq!(c.cmd("md mk\r\n"), "NF\r\n");
+        assert_eq!(c.cmd("md mk q\r\nmn\r\n"), "MN\r\n");
+        // base64 key: "Zm9v" = "foo"; the text get sees the decoded key.
+        assert_eq!(c.cmd("ms Zm9v 3 b\r\nbar\r\n"), "HD\r\n");
+        assert_eq!(c.get("foo").as_deref(), Some(&b"bar"[..]));
+        srv.shutdown();
+    }
+}

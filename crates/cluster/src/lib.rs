@@ -57,10 +57,7 @@ impl Layout {
     pub fn even(servers: u16, workers: u16, cachelets_per_worker: u32, vn_count: u32) -> Layout {
         assert!(servers > 0 && workers > 0 && cachelets_per_worker > 0);
         let cachelets = servers as u32 * workers as u32 * cachelets_per_worker;
-        assert!(
-            vn_count >= cachelets,
-            "vn_count ({vn_count}) must be at least the number of cachelets ({cachelets})"
-        );
+        assert!(vn_count >= cachelets, "vn_count ({vn_count}) must be at least the number of cachelets ({cachelets})");
         let vn_to_cachelet = (0..vn_count).map(|v| v % cachelets).collect();
         let cachelet_owner = (0..cachelets)
             .map(|c| {
@@ -105,9 +102,7 @@ impl Layout {
 
     /// Cachelets owned by one (server, worker), in id order.
     pub fn cachelets_of(&self, server: u16, worker: u16) -> Vec<CacheletId> {
-        (0..self.cachelet_count())
-            .filter(|&c| self.cachelet_owner[c as usize] == (server, worker))
-            .collect()
+        (0..self.cachelet_count()).filter(|&c| self.cachelet_owner[c as usize] == (server, worker)).collect()
     }
 
     /// VNs served by a cachelet.

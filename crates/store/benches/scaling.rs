@@ -24,10 +24,7 @@ const VAL: [u8; 20] = *b"vvvvvvvvvvvvvvvvvvvv";
 const REPEATS: usize = 3;
 
 fn env_usize(name: &str, d: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(d)
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(d)
 }
 
 fn make_key(i: u32) -> [u8; 10] {
@@ -66,11 +63,7 @@ impl Rng {
 }
 
 /// Run `body` on one pinned thread per state; returns Mops/s (total ops / slowest thread).
-fn par<S: Send>(
-    states: Vec<S>,
-    ops: usize,
-    body: impl Fn(S, &mut Rng, usize) -> u64 + Sync,
-) -> f64 {
+fn par<S: Send>(states: Vec<S>, ops: usize, body: impl Fn(S, &mut Rng, usize) -> u64 + Sync) -> f64 {
     let n = states.len();
     let barrier = Barrier::new(n);
     let (body, barrier) = (&body, &barrier);
@@ -81,8 +74,7 @@ fn par<S: Send>(
             .map(|(t, s)| {
                 sc.spawn(move || {
                     pin(t);
-                    let mut rng =
-                        Rng(0x9E37_79B9_7F4A_7C15 ^ ((t as u64 + 1) * 0x1234_5678_9abc_def1));
+                    let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ ((t as u64 + 1) * 0x1234_5678_9abc_def1));
                     barrier.wait();
                     let t0 = Instant::now();
                     let hits = body(s, &mut rng, ops);
@@ -107,10 +99,7 @@ fn do_get(w: &mut WorkerStore, k: &[u8; 10]) -> u64 {
 #[inline]
 fn do_set(w: &mut WorkerStore, k: &[u8; 10]) -> u64 {
     let h = key_hash(k);
-    matches!(
-        w.store(cachelet_of(h), h, k, &VAL, 0, 0, Mode::Set, None, 0),
-        StoreResult::Stored { .. }
-    ) as u64
+    matches!(w.store(cachelet_of(h), h, k, &VAL, 0, 0, Mode::Set, None, 0), StoreResult::Stored { .. }) as u64
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -131,28 +120,20 @@ struct Keys {
     half: [Vec<u32>; 2],
 }
 
-/// Results of one design: [GET 1t, GET 2t, SET 1t, SET 2t] in Mops/s (medians).
-
+/// Phases measured per design: GET 1t, GET 2t, SET 1t, SET 2t.
 const PHASES: [(Op, usize); 4] = [(Op::Get, 1), (Op::Get, 2), (Op::Set, 1), (Op::Set, 2)];
 
 /// Budget: the preloaded items plus ~10%, so SET runs measure the 100%-full, evicting store.
 fn mem_for(nkeys: usize) -> usize {
     let page = StoreConfig::default().page_size;
-    if let Some(mb) = std::env::var("SCALING_MEM_MB")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-    {
+    if let Some(mb) = std::env::var("SCALING_MEM_MB").ok().and_then(|v| v.parse::<usize>().ok()) {
         return mb << 20;
     }
     (nkeys * 72 * 11 / 10 + 2 * CACHELETS as usize * page).max(64 * page)
 }
 
 fn cfg(k: &Keys, worker_id: u16) -> StoreConfig {
-    StoreConfig {
-        mem_limit: mem_for(k.keys.len()),
-        worker_id,
-        ..Default::default()
-    }
+    StoreConfig { mem_limit: mem_for(k.keys.len()), worker_id, ..Default::default() }
 }
 
 fn pool(k: &Keys) -> Arc<GlobalPool> {
@@ -180,7 +161,7 @@ fn report_store(name: &str, g: &GlobalPool, stats: impl Iterator<Item = WorkerSt
 struct Designs {
     mbal_pool: Arc<GlobalPool>,
     /// two workers; for 1-thread runs worker 1's cachelets are moved to worker 0
-    mbal: Vec<Box<WorkerStore>>,
+    mbal: Vec<WorkerStore>,
     one_pool: Arc<GlobalPool>,
     one: Mutex<WorkerStore>,
     striped_pool: Arc<GlobalPool>,
@@ -189,15 +170,8 @@ struct Designs {
 
 fn build(k: &Keys) -> Designs {
     let mbal_pool = pool(k);
-    let mut mbal: Vec<Box<WorkerStore>> = (0..2)
-        .map(|t| {
-            Box::new(WorkerStore::new(
-                mbal_pool.clone(),
-                cfg(k, t as u16),
-                CACHELETS,
-            ))
-        })
-        .collect();
+    let mut mbal: Vec<WorkerStore> =
+        (0..2).map(|t| WorkerStore::new(mbal_pool.clone(), cfg(k, t as u16), CACHELETS)).collect();
     for c in 0..CACHELETS {
         mbal[(c % 2) as usize].insert_cachelet(Cachelet::new(c));
     }
@@ -219,12 +193,7 @@ fn build(k: &Keys) -> Designs {
         .map(|c| {
             // 64 small stores share the budget: refill one page at a time so no stripe
             // hoards pages another stripe needs.
-            let sc = StoreConfig {
-                refill_pages: 1,
-                local_high_pages: 2,
-                global_low_pages: 1,
-                ..cfg(k, c as u16)
-            };
+            let sc = StoreConfig { refill_pages: 1, local_high_pages: 2, global_low_pages: 1, ..cfg(k, c as u16) };
             let mut w = WorkerStore::new(striped_pool.clone(), sc, CACHELETS);
             w.insert_cachelet(Cachelet::new(c));
             Mutex::new(w)
@@ -234,14 +203,7 @@ fn build(k: &Keys) -> Designs {
         let h = key_hash(key);
         do_set(&mut striped[cachelet_of(h) as usize].lock().unwrap(), key);
     }
-    Designs {
-        mbal_pool,
-        mbal,
-        one_pool,
-        one: Mutex::new(one),
-        striped_pool,
-        striped,
-    }
+    Designs { mbal_pool, mbal, one_pool, one: Mutex::new(one), striped_pool, striped }
 }
 
 fn run_mbal(d: &mut Designs, k: &Keys, op: Op, threads: usize, ops: usize) -> f64 {
@@ -257,19 +219,12 @@ fn run_mbal(d: &mut Designs, k: &Keys, op: Op, threads: usize, ops: usize) -> f6
         let mut hits = 0;
         for _ in 0..ops {
             let key = &k.keys[list[rng.below(list.len())] as usize];
-            hits += if op == Op::Get {
-                do_get(w, key)
-            } else {
-                do_set(w, key)
-            };
+            hits += if op == Op::Get { do_get(w, key) } else { do_set(w, key) };
         }
         hits
     };
-    let states: Vec<(&mut WorkerStore, &Vec<u32>)> = if threads == 1 {
-        vec![(&mut *ws[0], &k.all)]
-    } else {
-        ws.iter_mut().map(|w| &mut **w).zip(k.half.iter()).collect()
-    };
+    let states: Vec<(&mut WorkerStore, &Vec<u32>)> =
+        if threads == 1 { vec![(&mut ws[0], &k.all)] } else { ws.iter_mut().zip(k.half.iter()).collect() };
     let r = par(states, ops, body);
     if threads == 1 {
         for c in (1..CACHELETS).step_by(2) {
@@ -287,19 +242,12 @@ fn run_one(d: &mut Designs, k: &Keys, op: Op, threads: usize, ops: usize) -> f64
         for _ in 0..ops {
             let key = &k.keys[list[rng.below(list.len())] as usize];
             let mut w = m.lock().unwrap();
-            hits += if op == Op::Get {
-                do_get(&mut w, key)
-            } else {
-                do_set(&mut w, key)
-            };
+            hits += if op == Op::Get { do_get(&mut w, key) } else { do_set(&mut w, key) };
         }
         hits
     };
-    let states: Vec<(&Mutex<WorkerStore>, &Vec<u32>)> = if threads == 1 {
-        vec![(m, &k.all)]
-    } else {
-        k.half.iter().map(|l| (m, l)).collect()
-    };
+    let states: Vec<(&Mutex<WorkerStore>, &Vec<u32>)> =
+        if threads == 1 { vec![(m, &k.all)] } else { k.half.iter().map(|l| (m, l)).collect() };
     par(states, ops, body)
 }
 
@@ -315,19 +263,13 @@ fn run_striped(d: &mut Designs, k: &Keys, op: Op, threads: usize, ops: usize) ->
             hits += if op == Op::Get {
                 w.get(cl, h, key, 0).is_some() as u64
             } else {
-                matches!(
-                    w.store(cl, h, key, &VAL, 0, 0, Mode::Set, None, 0),
-                    StoreResult::Stored { .. }
-                ) as u64
+                matches!(w.store(cl, h, key, &VAL, 0, 0, Mode::Set, None, 0), StoreResult::Stored { .. }) as u64
             };
         }
         hits
     };
-    let states: Vec<(&Vec<Mutex<WorkerStore>>, &Vec<u32>)> = if threads == 1 {
-        vec![(s, &k.all)]
-    } else {
-        k.half.iter().map(|l| (s, l)).collect()
-    };
+    let states: Vec<(&Vec<Mutex<WorkerStore>>, &Vec<u32>)> =
+        if threads == 1 { vec![(s, &k.all)] } else { k.half.iter().map(|l| (s, l)).collect() };
     par(states, ops, body)
 }
 
@@ -336,20 +278,14 @@ type Runner = fn(&mut Designs, &Keys, Op, usize, usize) -> f64;
 fn main() {
     let nkeys = env_usize("SCALING_KEYS", 2_000_000);
     let ops = env_usize("SCALING_OPS", 1_000_000);
-    let cores = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1);
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let t0 = Instant::now();
     let keys: Vec<[u8; 10]> = (0..nkeys as u32).map(make_key).collect();
     let mut half = [Vec::new(), Vec::new()];
     for (i, key) in keys.iter().enumerate() {
         half[(cachelet_of(key_hash(key)) % 2) as usize].push(i as u32);
     }
-    let k = Keys {
-        all: (0..nkeys as u32).collect(),
-        keys,
-        half,
-    };
+    let k = Keys { all: (0..nkeys as u32).collect(), keys, half };
     println!(
         "mbal-store scaling: {nkeys} keys (10 B), 20 B values, uniform, {ops} ops/thread/run, median of {REPEATS} (designs interleaved), {cores} cores visible, budget {} MiB per design",
         mem_for(nkeys) >> 20
@@ -365,10 +301,7 @@ fn main() {
     };
     let c1 = median((0..REPEATS).map(|_| par(vec![()], ops, spin)).collect());
     let c2 = median((0..REPEATS).map(|_| par(vec![(), ()], ops, spin)).collect());
-    println!(
-        "calibration (pure CPU loop): 1->2 thread scaling {:.2}x",
-        c2 / c1
-    );
+    println!("calibration (pure CPU loop): 1->2 thread scaling {:.2}x", c2 / c1);
     let t = Instant::now();
     let mut d = build(&k);
     println!("preloaded 3 designs in {:.1}s", t.elapsed().as_secs_f64());
@@ -389,40 +322,17 @@ fn main() {
         }
     }
     report_store("mbal", &d.mbal_pool, d.mbal.iter().map(|w| w.stats()));
-    report_store(
-        "one-lock",
-        &d.one_pool,
-        std::iter::once(d.one.lock().unwrap().stats()),
-    );
-    report_store(
-        "striped",
-        &d.striped_pool,
-        d.striped.iter().map(|w| w.lock().unwrap().stats()),
-    );
-    println!(
-        "{:<6} {:<9} {:>10} {:>10} {:>8}",
-        "op", "design", "1t Mops/s", "2t Mops/s", "scaling"
-    );
+    report_store("one-lock", &d.one_pool, std::iter::once(d.one.lock().unwrap().stats()));
+    report_store("striped", &d.striped_pool, d.striped.iter().map(|w| w.lock().unwrap().stats()));
+    println!("{:<6} {:<9} {:>10} {:>10} {:>8}", "op", "design", "1t Mops/s", "2t Mops/s", "scaling");
     let mut verdicts = Vec::new();
     for (i, name) in ["GET", "SET"].iter().enumerate() {
         for (design, r) in names.iter().zip(res.iter()) {
             let (one, two) = (r[2 * i], r[2 * i + 1]);
-            println!(
-                "{name:<6} {design:<9} {one:>10.2} {two:>10.2} {:>7.2}x",
-                two / one
-            );
+            println!("{name:<6} {design:<9} {one:>10.2} {two:>10.2} {:>7.2}x", two / one);
         }
-        let (m1, m2, l2, s2) = (
-            res[0][2 * i],
-            res[0][2 * i + 1],
-            res[1][2 * i + 1],
-            res[2][2 * i + 1],
-        );
-        println!(
-            "{name:<6} at 2 threads: mbal/one-lock = {:.2}x, mbal/striped = {:.2}x",
-            m2 / l2,
-            m2 / s2
-        );
+        let (m1, m2, l2, s2) = (res[0][2 * i], res[0][2 * i + 1], res[1][2 * i + 1], res[2][2 * i + 1]);
+        println!("{name:<6} at 2 threads: mbal/one-lock = {:.2}x, mbal/striped = {:.2}x", m2 / l2, m2 / s2);
         verdicts.push(format!(
             "{name}: mbal 1->2 scaling {:.2}x (target >=1.9x: {}), mbal/one-lock at 2t {:.2}x (target >=2x: {})",
             m2 / m1,

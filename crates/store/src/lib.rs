@@ -207,10 +207,7 @@ mod tests {
         assert_eq!(rel_exptime(0, 100, 1_000_000_000), Some(0));
         assert_eq!(rel_exptime(-1, 100, 1_000_000_000), None);
         assert_eq!(rel_exptime(10, 100, 1_000_000_000), Some(110));
-        assert_eq!(
-            rel_exptime(REALTIME_MAXDELTA, 0, 1_000_000_000),
-            Some(2_592_000)
-        );
+        assert_eq!(rel_exptime(REALTIME_MAXDELTA, 0, 1_000_000_000), Some(2_592_000));
         // absolute: start + 150 while now = 100 -> expires at 150
         assert_eq!(rel_exptime(1_000_000_150, 100, 1_000_000_000), Some(150));
         // absolute in the past

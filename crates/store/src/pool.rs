@@ -53,12 +53,7 @@ impl GlobalPool {
         Arc::new(GlobalPool {
             page_size,
             total_pages,
-            inner: Mutex::new(Inner {
-                free: Vec::new(),
-                created: 0,
-                large: 0,
-                outstanding: 0,
-            }),
+            inner: Mutex::new(Inner { free: Vec::new(), created: 0, large: 0, outstanding: 0 }),
             available: AtomicUsize::new(total_pages),
         })
     }

@@ -2,9 +2,7 @@
 
 use crate::item::{footprint, It, DEAD, FETCHED, MAX_KEY, STALE, WIN};
 use crate::pool::{GlobalPool, Page};
-use crate::{
-    rel_exptime, ArithResult, DeleteResult, ItemView, MetaBits, Mode, StoreConfig, StoreResult,
-};
+use crate::{rel_exptime, ArithResult, DeleteResult, ItemView, MetaBits, Mode, StoreConfig, StoreResult};
 use hashbrown::HashTable;
 use std::collections::BTreeSet;
 use std::ops::Bound;
@@ -146,10 +144,7 @@ impl Cachelet {
     }
 
     fn relink_index(&mut self, hash: u64, from: (u32, u32), to: (u32, u32)) {
-        let e = self
-            .index
-            .find_mut(hash, |e| e.seg == from.0 && e.off == from.1)
-            .expect("item in index");
+        let e = self.index.find_mut(hash, |e| e.seg == from.0 && e.off == from.1).expect("item in index");
         e.seg = to.0;
         e.off = to.1;
     }
@@ -314,15 +309,8 @@ impl Mem {
                 (c.segs.len() - 1) as u32
             }
         };
-        c.segs[slot as usize] = Some(Segment {
-            buf,
-            used: 0,
-            live_items: 0,
-            live_bytes: 0,
-            dead_bytes: 0,
-            seq,
-            large_pages,
-        });
+        c.segs[slot as usize] =
+            Some(Segment { buf, used: 0, live_items: 0, live_bytes: 0, dead_bytes: 0, seq, large_pages });
         self.order.insert((seq, c.id, slot));
         if large_pages > 0 {
             self.large_pages += large_pages;
@@ -488,17 +476,10 @@ fn fmt_u64(mut x: u64, buf: &mut [u8; 20]) -> &[u8] {
 
 impl WorkerStore {
     pub fn new(global: Arc<GlobalPool>, cfg: StoreConfig, cachelet_count: u32) -> Self {
-        assert_eq!(
-            cfg.page_size,
-            global.page_size(),
-            "config page_size != pool page_size"
-        );
+        assert_eq!(cfg.page_size, global.page_size(), "config page_size != pool page_size");
         let mut cachelets = Vec::new();
         cachelets.resize_with(cachelet_count as usize, || None);
-        let st = WorkerStats {
-            limit_maxbytes: cfg.mem_limit as u64,
-            ..Default::default()
-        };
+        let st = WorkerStats { limit_maxbytes: cfg.mem_limit as u64, ..Default::default() };
         WorkerStore {
             cachelets,
             m: Mem {
@@ -571,11 +552,7 @@ impl WorkerStore {
     }
 
     pub fn cachelet_ids(&self) -> impl Iterator<Item = u32> + '_ {
-        self.cachelets
-            .iter()
-            .enumerate()
-            .filter(|(_, c)| c.is_some())
-            .map(|(i, _)| i as u32)
+        self.cachelets.iter().enumerate().filter(|(_, c)| c.is_some()).map(|(i, _)| i as u32)
     }
 
     /// Read access to an owned cachelet (its stats).
@@ -600,9 +577,7 @@ impl WorkerStore {
         let Some(&(_, cl, s)) = self.m.order.first() else {
             return false;
         };
-        let c = self.cachelets[cl as usize]
-            .as_deref_mut()
-            .expect("segment of owned cachelet");
+        let c = self.cachelets[cl as usize].as_deref_mut().expect("segment of owned cachelet");
         let now = self.m.last_now;
         let mut offs = std::mem::take(&mut self.m.offs);
         offs.clear();
@@ -620,11 +595,7 @@ impl WorkerStore {
             let (hash, fetched, sz) = {
                 let b = &c.seg(s).buf;
                 let o = o as usize;
-                (
-                    It::hash(b, o),
-                    It::bits(b, o) & FETCHED != 0,
-                    It::size(b, o),
-                )
+                (It::hash(b, o), It::bits(b, o) & FETCHED != 0, It::size(b, o))
             };
             if c.liveness(s, o, now) != Liveness::Live {
                 self.m.st.reclaimed += 1;
@@ -656,11 +627,7 @@ impl WorkerStore {
         }
         loop {
             let c = self.cachelets[cl as usize].as_deref_mut().expect("owned");
-            let got = if large {
-                self.m.try_large(c, size)
-            } else {
-                self.m.alloc_small(c, size)
-            };
+            let got = if large { self.m.try_large(c, size) } else { self.m.alloc_small(c, size) };
             if let Some(l) = got {
                 return Ok(l);
             }
@@ -695,14 +662,7 @@ impl WorkerStore {
         res
     }
 
-    fn get_inner(
-        &mut self,
-        cl: u32,
-        hash: u64,
-        key: &[u8],
-        now: u32,
-        bump: bool,
-    ) -> Option<ItemView<'_>> {
+    fn get_inner(&mut self, cl: u32, hash: u64, key: &[u8], now: u32, bump: bool) -> Option<ItemView<'_>> {
         self.m.last_now = now;
         if !self.check_owned(cl) {
             return None;
@@ -788,26 +748,11 @@ impl WorkerStore {
         let (s, o) = self.alloc(cl, size)?;
         let c = self.cachelets[cl as usize].as_deref_mut().expect("owned");
         // The old copy may have been evicted while making room.
-        let old = if gen != self.m.evict_gen {
-            c.lookup(hash, key)
-        } else {
-            old
-        };
+        let old = if gen != self.m.evict_gen { c.lookup(hash, key) } else { old };
         let cas = self.m.next_cas();
         {
             let seg = c.seg_mut(s);
-            let v = It::write(
-                &mut seg.buf,
-                o as usize,
-                hash,
-                cas,
-                exp,
-                now,
-                flags,
-                key,
-                vlen,
-                0,
-            );
+            let v = It::write(&mut seg.buf, o as usize, hash, cas, exp, now, flags, key, vlen, 0);
             v[..a.len()].copy_from_slice(a);
             v[a.len()..].copy_from_slice(b);
         }
@@ -820,15 +765,7 @@ impl WorkerStore {
                 }
             }
             None => {
-                c.index.insert_unique(
-                    hash,
-                    Entry {
-                        hash,
-                        seg: s,
-                        off: o,
-                    },
-                    |e| e.hash,
-                );
+                c.index.insert_unique(hash, Entry { hash, seg: s, off: o }, |e| e.hash);
             }
         }
         self.m.st.total_items += 1;
@@ -916,21 +853,12 @@ impl WorkerStore {
             },
         };
         match res {
-            Ok(cas) => StoreResult::Stored {
-                cas: self.m.shown_cas(cas),
-            },
+            Ok(cas) => StoreResult::Stored { cas: self.m.shown_cas(cas) },
             Err(e) => e,
         }
     }
 
-    pub fn delete(
-        &mut self,
-        cl: u32,
-        hash: u64,
-        key: &[u8],
-        cas: Option<u64>,
-        now: u32,
-    ) -> DeleteResult {
+    pub fn delete(&mut self, cl: u32, hash: u64, key: &[u8], cas: Option<u64>, now: u32) -> DeleteResult {
         self.m.last_now = now;
         if !self.check_owned(cl) {
             return DeleteResult::NotFound;
@@ -952,15 +880,7 @@ impl WorkerStore {
     }
 
     /// incr/decr: incr wraps at 2^64, decr floors at 0; in place when the digits fit.
-    pub fn arith(
-        &mut self,
-        cl: u32,
-        hash: u64,
-        key: &[u8],
-        incr: bool,
-        delta: u64,
-        now: u32,
-    ) -> ArithResult {
+    pub fn arith(&mut self, cl: u32, hash: u64, key: &[u8], incr: bool, delta: u64, now: u32) -> ArithResult {
         self.m.last_now = now;
         if !self.check_owned(cl) {
             return ArithResult::NotFound;
@@ -978,13 +898,7 @@ impl WorkerStore {
         let ou = o as usize;
         let (cur, vlen, slack, fl, exp) = {
             let b = &c.seg(s).buf;
-            (
-                parse_u64(It::value(b, ou)),
-                It::vlen(b, ou),
-                It::slack(b, ou),
-                It::flags(b, ou),
-                It::exptime(b, ou),
-            )
+            (parse_u64(It::value(b, ou)), It::vlen(b, ou), It::slack(b, ou), It::flags(b, ou), It::exptime(b, ou))
         };
         let Some(cur) = cur else {
             return ArithResult::NonNumeric;
@@ -994,11 +908,7 @@ impl WorkerStore {
         } else {
             self.m.st.decr_hits += 1;
         }
-        let new = if incr {
-            cur.wrapping_add(delta)
-        } else {
-            cur.saturating_sub(delta)
-        };
+        let new = if incr { cur.wrapping_add(delta) } else { cur.saturating_sub(delta) };
         let mut nb = [0u8; 20];
         let digits = fmt_u64(new, &mut nb);
         if digits.len() <= vlen && slack + (vlen - digits.len()) <= u16::MAX as usize {
@@ -1007,17 +917,11 @@ impl WorkerStore {
             It::value_mut(&mut seg.buf, ou)[..digits.len()].copy_from_slice(digits);
             It::shrink_value(&mut seg.buf, ou, digits.len());
             It::set_cas(&mut seg.buf, ou, cas);
-            return ArithResult::Value {
-                value: new,
-                cas: self.m.shown_cas(cas),
-            };
+            return ArithResult::Value { value: new, cas: self.m.shown_cas(cas) };
         }
         let digits = digits.to_vec();
         match self.write_new(cl, hash, key, Some((s, o)), fl, exp, &digits, &[], now) {
-            Ok(cas) => ArithResult::Value {
-                value: new,
-                cas: self.m.shown_cas(cas),
-            },
+            Ok(cas) => ArithResult::Value { value: new, cas: self.m.shown_cas(cas) },
             // Could not reallocate: memcached answers an error; the item is unchanged.
             Err(_) => ArithResult::NotFound,
         }
@@ -1025,14 +929,7 @@ impl WorkerStore {
 
     /// Set a new exptime; returns the item. A negative/past exptime expires it (the view is
     /// still returned, the item is gone afterwards).
-    pub fn touch(
-        &mut self,
-        cl: u32,
-        hash: u64,
-        key: &[u8],
-        exptime: i64,
-        now: u32,
-    ) -> Option<ItemView<'_>> {
+    pub fn touch(&mut self, cl: u32, hash: u64, key: &[u8], exptime: i64, now: u32) -> Option<ItemView<'_>> {
         self.m.last_now = now;
         if !self.check_owned(cl) {
             return None;
@@ -1069,14 +966,7 @@ impl WorkerStore {
 
     /// Change item bits in place (meta protocol: invalidate/stale, win token, ttl).
     /// Returns false if the item is missing.
-    pub fn update(
-        &mut self,
-        cl: u32,
-        hash: u64,
-        key: &[u8],
-        now: u32,
-        f: impl FnOnce(&mut MetaBits),
-    ) -> bool {
+    pub fn update(&mut self, cl: u32, hash: u64, key: &[u8], now: u32, f: impl FnOnce(&mut MetaBits)) -> bool {
         self.m.last_now = now;
         if !self.check_owned(cl) {
             return false;
@@ -1089,17 +979,9 @@ impl WorkerStore {
         let seg = c.seg_mut(s);
         let b = &mut seg.buf;
         let bits = It::bits(b, ou);
-        let shown = if self.m.cfg.cas_enabled {
-            It::cas(b, ou)
-        } else {
-            0
-        };
-        let mut mb = MetaBits {
-            exptime: It::exptime(b, ou),
-            stale: bits & STALE != 0,
-            win: bits & WIN != 0,
-            cas: shown,
-        };
+        let shown = if self.m.cfg.cas_enabled { It::cas(b, ou) } else { 0 };
+        let mut mb =
+            MetaBits { exptime: It::exptime(b, ou), stale: bits & STALE != 0, win: bits & WIN != 0, cas: shown };
         f(&mut mb);
         It::set_exptime(b, ou, mb.exptime);
         let mut nbits = bits & !(STALE | WIN);
@@ -1147,12 +1029,7 @@ impl WorkerStore {
         let mut wrapped = false;
         while examined < budget {
             let next = match self.m.sweep_cursor {
-                Some(k) => self
-                    .m
-                    .order
-                    .range((Bound::Excluded(k), Bound::Unbounded))
-                    .next()
-                    .copied(),
+                Some(k) => self.m.order.range((Bound::Excluded(k), Bound::Unbounded)).next().copied(),
                 None => self.m.order.first().copied(),
             };
             let Some(key) = next else {

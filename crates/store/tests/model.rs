@@ -58,13 +58,8 @@ fn exp_strategy() -> BoxedStrategy<i64> {
 
 fn op_strategy(big: bool) -> BoxedStrategy<Op> {
     let k = 0..NKEYS;
-    let mode = prop_oneof![
-        Just(Mode::Set),
-        Just(Mode::Add),
-        Just(Mode::Replace),
-        Just(Mode::Append),
-        Just(Mode::Prepend)
-    ];
+    let mode =
+        prop_oneof![Just(Mode::Set), Just(Mode::Add), Just(Mode::Replace), Just(Mode::Append), Just(Mode::Prepend)];
     prop_oneof![
         8 => (k.clone(), value_strategy(big), any::<u32>(), exp_strategy(), mode).prop_map(|(k, v, f, e, m)| Op::Store(k, v, f, e, m)),
         2 => (k.clone(), value_strategy(big), any::<bool>()).prop_map(|(k, v, r)| Op::Cas(k, v, r)),
@@ -134,20 +129,13 @@ fn run(ops: Vec<Op>, mem: usize, exact: bool) -> Result<(), TestCaseError> {
     let mut w = WorkerStore::new(g.clone(), cfg, 2);
     w.insert_cachelet(Cachelet::new(0));
     w.insert_cachelet(Cachelet::new(1));
-    let mut m = Model {
-        items: HashMap::new(),
-        flushes: Vec::new(),
-        seq: 0,
-    };
+    let mut m = Model { items: HashMap::new(), flushes: Vec::new(), seq: 0 };
     let mut now = 0u32;
     for op in ops {
         let kk = match &op {
-            Op::Store(k, ..)
-            | Op::Cas(k, ..)
-            | Op::Delete(k)
-            | Op::Arith(k, ..)
-            | Op::Touch(k, _)
-            | Op::Get(k) => Some(key(*k)),
+            Op::Store(k, ..) | Op::Cas(k, ..) | Op::Delete(k) | Op::Arith(k, ..) | Op::Touch(k, _) | Op::Get(k) => {
+                Some(key(*k))
+            }
             _ => None,
         };
         let (h, cl) = match &kk {
@@ -165,11 +153,7 @@ fn run(ops: Vec<Op>, mem: usize, exact: bool) -> Result<(), TestCaseError> {
             } else if !present {
                 m.items.remove(k); // evicted
             } else {
-                prop_assert!(
-                    m.items.contains_key(k),
-                    "store has a key the model lacks: {:?}",
-                    op
-                );
+                prop_assert!(m.items.contains_key(k), "store has a key the model lacks: {:?}", op);
             }
         }
         match op {
@@ -196,19 +180,8 @@ fn run(ops: Vec<Op>, mem: usize, exact: bool) -> Result<(), TestCaseError> {
                 let new = match mode {
                     Mode::Append | Mode::Prepend => {
                         let c = cur.unwrap();
-                        let value = if mode == Mode::Append {
-                            [c.value, v].concat()
-                        } else {
-                            [v, c.value].concat()
-                        };
-                        Some(MItem {
-                            value,
-                            flags: c.flags,
-                            exp: c.exp,
-                            set_time: now,
-                            seq: m.seq,
-                            cas,
-                        })
+                        let value = if mode == Mode::Append { [c.value, v].concat() } else { [v, c.value].concat() };
+                        Some(MItem { value, flags: c.flags, exp: c.exp, set_time: now, seq: m.seq, cas })
                     }
                     _ => rel_exptime(exp, now, START).map(|e| MItem {
                         value: v,
@@ -242,17 +215,7 @@ fn run(ops: Vec<Op>, mem: usize, exact: bool) -> Result<(), TestCaseError> {
                             continue;
                         };
                         m.seq += 1;
-                        m.items.insert(
-                            k,
-                            MItem {
-                                value: v,
-                                flags: 9,
-                                exp: 0,
-                                set_time: now,
-                                seq: m.seq,
-                                cas,
-                            },
-                        );
+                        m.items.insert(k, MItem { value: v, flags: 9, exp: 0, set_time: now, seq: m.seq, cas });
                     }
                 }
             }
@@ -260,14 +223,7 @@ fn run(ops: Vec<Op>, mem: usize, exact: bool) -> Result<(), TestCaseError> {
                 let k = kk.unwrap();
                 let r = w.delete(cl, h, &k, None, now);
                 let had = m.items.remove(&k).is_some();
-                prop_assert_eq!(
-                    r,
-                    if had {
-                        DeleteResult::Deleted
-                    } else {
-                        DeleteResult::NotFound
-                    }
-                );
+                prop_assert_eq!(r, if had { DeleteResult::Deleted } else { DeleteResult::NotFound });
             }
             Op::Arith(_, incr, d) => {
                 let k = kk.unwrap();
@@ -277,11 +233,7 @@ fn run(ops: Vec<Op>, mem: usize, exact: bool) -> Result<(), TestCaseError> {
                     Some(it) => match parse(&it.value) {
                         None => prop_assert_eq!(r, ArithResult::NonNumeric),
                         Some(n) => {
-                            let new = if incr {
-                                n.wrapping_add(d)
-                            } else {
-                                n.saturating_sub(d)
-                            };
+                            let new = if incr { n.wrapping_add(d) } else { n.saturating_sub(d) };
                             let ArithResult::Value { value, cas } = r else {
                                 prop_assert!(!exact, "{:?}", r);
                                 continue;
@@ -317,13 +269,8 @@ fn run(ops: Vec<Op>, mem: usize, exact: bool) -> Result<(), TestCaseError> {
             }
             Op::Get(_) => {
                 let k = kk.unwrap();
-                let r = w
-                    .get(cl, h, &k, now)
-                    .map(|v| (v.value.to_vec(), v.flags, v.cas, v.exptime));
-                let e = m
-                    .items
-                    .get(&k)
-                    .map(|it| (it.value.clone(), it.flags, it.cas, it.exp));
+                let r = w.get(cl, h, &k, now).map(|v| (v.value.to_vec(), v.flags, v.cas, v.exptime));
+                let e = m.items.get(&k).map(|it| (it.value.clone(), it.flags, it.cas, it.exp));
                 prop_assert_eq!(r, e);
             }
             Op::Advance(d) => now += d,
@@ -336,16 +283,9 @@ fn run(ops: Vec<Op>, mem: usize, exact: bool) -> Result<(), TestCaseError> {
             }
         }
         let ps = g.stats();
-        prop_assert!(
-            ps.created_pages + ps.large_pages <= ps.total_pages,
-            "{:?}",
-            ps
-        );
+        prop_assert!(ps.created_pages + ps.large_pages <= ps.total_pages, "{:?}", ps);
         let st = w.stats();
-        prop_assert_eq!(
-            ps.outstanding_pages as u64 + ps.large_pages as u64,
-            st.pages_held
-        );
+        prop_assert_eq!(ps.outstanding_pages as u64 + ps.large_pages as u64, st.pages_held);
         prop_assert!(st.pages_held as usize <= ps.total_pages);
         let items: u64 = (0..2).map(|c| w.cachelet(c).unwrap().stats().items).sum();
         prop_assert_eq!(items, st.curr_items);

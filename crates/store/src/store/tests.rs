@@ -26,41 +26,13 @@ fn mk(mem: usize, f: impl FnOnce(&mut StoreConfig)) -> WorkerStore {
 }
 
 fn set(w: &mut WorkerStore, k: &str, v: &str, exp: i64, now: u32) -> StoreResult {
-    w.store(
-        0,
-        key_hash(k.as_bytes()),
-        k.as_bytes(),
-        v.as_bytes(),
-        7,
-        exp,
-        Mode::Set,
-        None,
-        now,
-    )
+    w.store(0, key_hash(k.as_bytes()), k.as_bytes(), v.as_bytes(), 7, exp, Mode::Set, None, now)
 }
-fn st(
-    w: &mut WorkerStore,
-    k: &str,
-    v: &str,
-    mode: Mode,
-    cas: Option<u64>,
-    now: u32,
-) -> StoreResult {
-    w.store(
-        0,
-        key_hash(k.as_bytes()),
-        k.as_bytes(),
-        v.as_bytes(),
-        7,
-        0,
-        mode,
-        cas,
-        now,
-    )
+fn st(w: &mut WorkerStore, k: &str, v: &str, mode: Mode, cas: Option<u64>, now: u32) -> StoreResult {
+    w.store(0, key_hash(k.as_bytes()), k.as_bytes(), v.as_bytes(), 7, 0, mode, cas, now)
 }
 fn get(w: &mut WorkerStore, k: &str, now: u32) -> Option<Vec<u8>> {
-    w.get(0, key_hash(k.as_bytes()), k.as_bytes(), now)
-        .map(|v| v.value.to_vec())
+    w.get(0, key_hash(k.as_bytes()), k.as_bytes(), now).map(|v| v.value.to_vec())
 }
 fn cas_of(r: StoreResult) -> u64 {
     match r {
@@ -82,20 +54,11 @@ fn set_get_overwrite_delete() {
     assert!(!v.fetched_before);
     assert!(w.get(0, key_hash(b"a"), b"a", 0).unwrap().fetched_before);
     assert_eq!(w.stats().curr_items, 1);
-    assert_eq!(
-        w.delete(0, key_hash(b"a"), b"a", None, 0),
-        DeleteResult::Deleted
-    );
-    assert_eq!(
-        w.delete(0, key_hash(b"a"), b"a", None, 0),
-        DeleteResult::NotFound
-    );
+    assert_eq!(w.delete(0, key_hash(b"a"), b"a", None, 0), DeleteResult::Deleted);
+    assert_eq!(w.delete(0, key_hash(b"a"), b"a", None, 0), DeleteResult::NotFound);
     assert!(get(&mut w, "a", 0).is_none());
     let s = w.stats();
-    assert_eq!(
-        (s.curr_items, s.bytes, s.get_hits, s.get_misses),
-        (0, 0, 3, 2)
-    );
+    assert_eq!((s.curr_items, s.bytes, s.get_hits, s.get_misses), (0, 0, 3, 2));
     let cs = w.cachelet(0).unwrap().stats();
     assert_eq!((cs.reads, cs.hits, cs.misses), (5, 3, 2));
 }
@@ -103,39 +66,18 @@ fn set_get_overwrite_delete() {
 #[test]
 fn modes_and_cas() {
     let mut w = mk(1 << 20, |_| {});
-    assert_eq!(
-        st(&mut w, "k", "v", Mode::Replace, None, 0),
-        StoreResult::NotStored
-    );
-    assert_eq!(
-        st(&mut w, "k", "v", Mode::Append, None, 0),
-        StoreResult::NotStored
-    );
+    assert_eq!(st(&mut w, "k", "v", Mode::Replace, None, 0), StoreResult::NotStored);
+    assert_eq!(st(&mut w, "k", "v", Mode::Append, None, 0), StoreResult::NotStored);
     let c1 = cas_of(st(&mut w, "k", "v", Mode::Add, None, 0));
     assert_eq!(c1 & 0xffff, 3, "worker id in low bits");
-    assert_eq!(
-        st(&mut w, "k", "x", Mode::Add, None, 0),
-        StoreResult::NotStored
-    );
-    assert_eq!(
-        st(&mut w, "k", "x", Mode::Set, Some(c1 + 1), 0),
-        StoreResult::Exists
-    );
-    assert_eq!(
-        st(&mut w, "nope", "x", Mode::Set, Some(c1), 0),
-        StoreResult::NotFound
-    );
+    assert_eq!(st(&mut w, "k", "x", Mode::Add, None, 0), StoreResult::NotStored);
+    assert_eq!(st(&mut w, "k", "x", Mode::Set, Some(c1 + 1), 0), StoreResult::Exists);
+    assert_eq!(st(&mut w, "nope", "x", Mode::Set, Some(c1), 0), StoreResult::NotFound);
     let c2 = cas_of(st(&mut w, "k", "w", Mode::Set, Some(c1), 0));
     assert!(c2 > c1);
     assert_eq!(get(&mut w, "k", 0).unwrap(), b"w");
-    assert_eq!(
-        w.delete(0, key_hash(b"k"), b"k", Some(c1), 0),
-        DeleteResult::Exists
-    );
-    assert_eq!(
-        w.delete(0, key_hash(b"k"), b"k", Some(c2), 0),
-        DeleteResult::Deleted
-    );
+    assert_eq!(w.delete(0, key_hash(b"k"), b"k", Some(c1), 0), DeleteResult::Exists);
+    assert_eq!(w.delete(0, key_hash(b"k"), b"k", Some(c2), 0), DeleteResult::Deleted);
 }
 
 #[test]
@@ -172,16 +114,10 @@ fn expiry_relative_absolute_negative() {
     assert!(get(&mut w, "a", 50).is_none());
     // absolute in the past and negative: stored as already expired, old copy gone
     set(&mut w, "p", "v", 0, 5);
-    assert!(matches!(
-        set(&mut w, "p", "v2", 1_000_000_001, 5),
-        StoreResult::Stored { .. }
-    ));
+    assert!(matches!(set(&mut w, "p", "v2", 1_000_000_001, 5), StoreResult::Stored { .. }));
     assert!(get(&mut w, "p", 5).is_none());
     set(&mut w, "n", "v", 0, 5);
-    assert!(matches!(
-        set(&mut w, "n", "v2", -1, 5),
-        StoreResult::Stored { .. }
-    ));
+    assert!(matches!(set(&mut w, "n", "v2", -1, 5), StoreResult::Stored { .. }));
     assert!(get(&mut w, "n", 5).is_none());
     assert_eq!(w.stats().curr_items, 0);
 }
@@ -217,30 +153,16 @@ fn incr_decr() {
     set(&mut w, "n", "abc", 0, 0);
     assert_eq!(w.arith(0, h, b"n", true, 1, 0), ArithResult::NonNumeric);
     set(&mut w, "n", "18446744073709551615", 0, 0);
-    assert!(matches!(
-        w.arith(0, h, b"n", true, 2, 0),
-        ArithResult::Value { value: 1, .. }
-    ));
+    assert!(matches!(w.arith(0, h, b"n", true, 2, 0), ArithResult::Value { value: 1, .. }));
     assert_eq!(get(&mut w, "n", 0).unwrap(), b"1", "shrunk in place");
-    assert!(matches!(
-        w.arith(0, h, b"n", false, 5, 0),
-        ArithResult::Value { value: 0, .. }
-    ));
-    assert!(matches!(
-        w.arith(0, h, b"n", true, 99, 0),
-        ArithResult::Value { value: 99, .. }
-    ));
+    assert!(matches!(w.arith(0, h, b"n", false, 5, 0), ArithResult::Value { value: 0, .. }));
+    assert!(matches!(w.arith(0, h, b"n", true, 99, 0), ArithResult::Value { value: 99, .. }));
     assert_eq!(get(&mut w, "n", 0).unwrap(), b"99", "grew by reallocation");
     set(&mut w, "m", "100", 0, 0);
     let hm = key_hash(b"m");
-    assert!(matches!(
-        w.arith(0, hm, b"m", false, 1, 0),
-        ArithResult::Value { value: 99, .. }
-    ));
+    assert!(matches!(w.arith(0, hm, b"m", false, 1, 0), ArithResult::Value { value: 99, .. }));
     assert_eq!(get(&mut w, "m", 0).unwrap(), b"99");
-    let ArithResult::Value { cas, .. } = w.arith(0, hm, b"m", true, 1, 0) else {
-        panic!()
-    };
+    let ArithResult::Value { cas, .. } = w.arith(0, hm, b"m", true, 1, 0) else { panic!() };
     let v = w.get(0, hm, b"m", 0).unwrap();
     assert_eq!((v.value, v.cas, v.flags), (&b"100"[..], cas, 7));
     assert_eq!(w.stats().curr_items, 2);
@@ -281,10 +203,7 @@ fn large_items_and_too_large() {
     assert_eq!(w.cachelet(0).unwrap().stats().pages, 4);
     let huge = "x".repeat(70 * 1024);
     assert_eq!(set(&mut w, "huge", &huge, 0, 0), StoreResult::TooLarge);
-    assert_eq!(
-        w.delete(0, key_hash(b"big"), b"big", None, 0),
-        DeleteResult::Deleted
-    );
+    assert_eq!(w.delete(0, key_hash(b"big"), b"big", None, 0), DeleteResult::Deleted);
     assert_eq!(w.global().stats().large_pages, 0);
     assert_eq!(w.cachelet(0).unwrap().stats().pages, 0);
     // append growing past a page moves the item to a large segment
@@ -303,17 +222,7 @@ fn eviction_at_full_under_writes() {
     for i in 0..20_000u32 {
         let k = format!("key{i}");
         let cl = i % 4;
-        let r = w.store(
-            cl,
-            key_hash(k.as_bytes()),
-            k.as_bytes(),
-            val.as_bytes(),
-            0,
-            0,
-            Mode::Set,
-            None,
-            i / 100,
-        );
+        let r = w.store(cl, key_hash(k.as_bytes()), k.as_bytes(), val.as_bytes(), 0, 0, Mode::Set, None, i / 100);
         assert!(matches!(r, StoreResult::Stored { .. }), "{i}: {r:?}");
         if i % 7 == 0 {
             let k2 = format!("key{}", i / 2);
@@ -329,9 +238,7 @@ fn eviction_at_full_under_writes() {
     // newest keys are present
     for i in 19_990..20_000u32 {
         let k = format!("key{i}");
-        assert!(w
-            .get(i % 4, key_hash(k.as_bytes()), k.as_bytes(), 200)
-            .is_some());
+        assert!(w.get(i % 4, key_hash(k.as_bytes()), k.as_bytes(), 200).is_some());
     }
     // bytes accounting matches a full recount
     let mut items = 0;
@@ -376,60 +283,25 @@ fn no_evict_gives_out_of_memory() {
     assert!(get(&mut w, "k0", 0).is_some());
     // deleting makes room again
     for i in 0..20 {
-        w.delete(
-            0,
-            key_hash(format!("k{i}").as_bytes()),
-            format!("k{i}").as_bytes(),
-            None,
-            0,
-        );
+        w.delete(0, key_hash(format!("k{i}").as_bytes()), format!("k{i}").as_bytes(), None, 0);
     }
-    assert!(matches!(
-        set(&mut w, "again", &val, 0, 0),
-        StoreResult::Stored { .. }
-    ));
+    assert!(matches!(set(&mut w, "again", &val, 0, 0), StoreResult::Stored { .. }));
 }
 
 #[test]
 fn moving_cachelet_keeps_items_and_pages() {
     let g = GlobalPool::new(256 * PAGE, PAGE);
-    let cfg = StoreConfig {
-        mem_limit: 256 * PAGE,
-        page_size: PAGE,
-        ..Default::default()
-    };
-    let mut a = WorkerStore::new(
-        g.clone(),
-        StoreConfig {
-            worker_id: 1,
-            ..cfg.clone()
-        },
-        2,
-    );
-    let mut b = WorkerStore::new(
-        g.clone(),
-        StoreConfig {
-            worker_id: 2,
-            ..cfg
-        },
-        2,
-    );
+    let cfg = StoreConfig { mem_limit: 256 * PAGE, page_size: PAGE, ..Default::default() };
+    let mut a = WorkerStore::new(g.clone(), StoreConfig { worker_id: 1, ..cfg.clone() }, 2);
+    let mut b = WorkerStore::new(g.clone(), StoreConfig { worker_id: 2, ..cfg }, 2);
     a.insert_cachelet(Cachelet::new(0));
     b.insert_cachelet(Cachelet::new(1));
     let mut last_cas = 0;
     for i in 0..3000 {
         let k = format!("k{i}");
-        if let StoreResult::Stored { cas } = a.store(
-            0,
-            key_hash(k.as_bytes()),
-            k.as_bytes(),
-            k.as_bytes(),
-            i,
-            0,
-            Mode::Set,
-            None,
-            0,
-        ) {
+        if let StoreResult::Stored { cas } =
+            a.store(0, key_hash(k.as_bytes()), k.as_bytes(), k.as_bytes(), i, 0, Mode::Set, None, 0)
+        {
             last_cas = cas;
         }
     }
@@ -451,14 +323,9 @@ fn moving_cachelet_keeps_items_and_pages() {
         let v = b.get(0, key_hash(k.as_bytes()), k.as_bytes(), 0).unwrap();
         assert_eq!((v.value, v.flags), (k.as_bytes(), i));
     }
-    assert_eq!(
-        b.get(0, key_hash(b"big"), b"big", 0).unwrap().value,
-        &big[..]
-    );
+    assert_eq!(b.get(0, key_hash(b"big"), b"big", 0).unwrap().value, &big[..]);
     // CAS stays monotone and unique after the move
-    let StoreResult::Stored { cas } =
-        b.store(0, key_hash(b"n"), b"n", b"v", 0, 0, Mode::Set, None, 0)
-    else {
+    let StoreResult::Stored { cas } = b.store(0, key_hash(b"n"), b"n", b"v", 0, 0, Mode::Set, None, 0) else {
         panic!()
     };
     assert!(cas >> 16 > last_cas >> 16);
@@ -473,15 +340,9 @@ fn moving_cachelet_keeps_items_and_pages() {
     b.sweep(0, 10_000);
     let s = b.stats();
     assert_eq!(s.curr_items, 0);
-    assert!(
-        s.pages_held - s.local_free_pages <= 2,
-        "only open segments remain"
-    );
+    assert!(s.pages_held - s.local_free_pages <= 2, "only open segments remain");
     let ps = g.stats();
-    assert_eq!(
-        ps.outstanding_pages as u64,
-        a.stats().pages_held + b.stats().pages_held
-    );
+    assert_eq!(ps.outstanding_pages as u64, a.stats().pages_held + b.stats().pages_held);
 }
 
 #[test]
@@ -600,10 +461,7 @@ fn single_item_larger_than_budget_is_out_of_memory() {
         set(&mut w, &format!("s{i}"), &"v".repeat(400), 0, 0);
     }
     let v = "x".repeat(6 * PAGE);
-    assert!(matches!(
-        set(&mut w, "k", &v, 0, 0),
-        StoreResult::Stored { .. }
-    ));
+    assert!(matches!(set(&mut w, "k", &v, 0, 0), StoreResult::Stored { .. }));
     assert_eq!(get(&mut w, "k", 0).unwrap().len(), 6 * PAGE);
     assert!(w.stats().evictions > 0);
     let ps = w.global().stats();
@@ -613,49 +471,21 @@ fn single_item_larger_than_budget_is_out_of_memory() {
 #[test]
 fn drop_and_discard_return_pages_to_the_pool() {
     let g = GlobalPool::new(64 * PAGE, PAGE);
-    let cfg = StoreConfig {
-        mem_limit: 64 * PAGE,
-        page_size: PAGE,
-        ..Default::default()
-    };
+    let cfg = StoreConfig { mem_limit: 64 * PAGE, page_size: PAGE, ..Default::default() };
     let mut w = WorkerStore::new(g.clone(), cfg.clone(), 2);
     w.insert_cachelet(Cachelet::new(0));
     w.insert_cachelet(Cachelet::new(1));
     for i in 0..200u32 {
         let k = format!("k{i}");
-        w.store(
-            i % 2,
-            key_hash(k.as_bytes()),
-            k.as_bytes(),
-            &[b'v'; 300],
-            0,
-            0,
-            Mode::Set,
-            None,
-            0,
-        );
+        w.store(i % 2, key_hash(k.as_bytes()), k.as_bytes(), &[b'v'; 300], 0, 0, Mode::Set, None, 0);
     }
-    w.store(
-        1,
-        key_hash(b"big"),
-        b"big",
-        &[b'b'; 3 * PAGE],
-        0,
-        0,
-        Mode::Set,
-        None,
-        0,
-    );
+    w.store(1, key_hash(b"big"), b"big", &[b'b'; 3 * PAGE], 0, 0, Mode::Set, None, 0);
     assert!(g.stats().large_pages == 4);
     let held = w.stats().pages_held;
     assert!(w.discard_cachelet(1));
     assert!(!w.owns(1));
     assert_eq!(g.stats().large_pages, 0);
-    assert_eq!(
-        w.stats().pages_held + 4,
-        held,
-        "pages of cachelet 1 now local free"
-    );
+    assert_eq!(w.stats().pages_held + 4, held, "pages of cachelet 1 now local free");
     drop(w);
     let ps = g.stats();
     assert_eq!(ps.outstanding_pages, 0);

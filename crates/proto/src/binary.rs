@@ -169,11 +169,7 @@ fn be64(b: &[u8]) -> u64 {
 
 impl<'a> BinReq<'a> {
     fn einval(&self) -> ErrReply {
-        ErrReply::Bin {
-            opcode: self.header.opcode,
-            status: status::EINVAL,
-            opaque: self.header.opaque,
-        }
+        ErrReply::Bin { opcode: self.header.opcode, status: status::EINVAL, opaque: self.header.opaque }
     }
     /// set/add/replace extras: (flags, exptime).
     pub fn store_extras(&self) -> Result<(u32, u32), ErrReply> {
@@ -185,11 +181,7 @@ impl<'a> BinReq<'a> {
     /// incr/decr extras: (delta, initial, exptime).
     pub fn arith_extras(&self) -> Result<(u64, u64, u32), ErrReply> {
         match self.extras.len() {
-            20 => Ok((
-                be64(&self.extras[0..8]),
-                be64(&self.extras[8..16]),
-                be32(&self.extras[16..20]),
-            )),
+            20 => Ok((be64(&self.extras[0..8]), be64(&self.extras[8..16]), be32(&self.extras[16..20]))),
             _ => Err(self.einval()),
         }
     }
@@ -246,14 +238,10 @@ fn rules(opcode: u8) -> Option<(Need, Option<bool>, bool)> {
     use Need::Extras as E;
     Some(match opcode {
         op::GET | op::GETQ | op::GETK | op::GETKQ => (E(&[0]), Some(true), false),
-        op::SET | op::SETQ | op::ADD | op::ADDQ | op::REPLACE | op::REPLACEQ => {
-            (E(&[8]), Some(true), true)
-        }
+        op::SET | op::SETQ | op::ADD | op::ADDQ | op::REPLACE | op::REPLACEQ => (E(&[8]), Some(true), true),
         op::APPEND | op::APPENDQ | op::PREPEND | op::PREPENDQ => (E(&[0]), Some(true), true),
         op::DELETE | op::DELETEQ => (E(&[0]), Some(true), false),
-        op::INCREMENT | op::INCREMENTQ | op::DECREMENT | op::DECREMENTQ => {
-            (E(&[20]), Some(true), false)
-        }
+        op::INCREMENT | op::INCREMENTQ | op::DECREMENT | op::DECREMENTQ => (E(&[20]), Some(true), false),
         op::QUIT | op::QUITQ | op::NOOP | op::VERSION => (E(&[0]), Some(false), false),
         op::FLUSH | op::FLUSHQ => (E(&[0, 4]), Some(false), false),
         op::VERBOSITY => (E(&[4]), Some(false), false),
@@ -284,11 +272,7 @@ pub fn parse<'a>(buf: &'a [u8], limits: &Limits) -> Parsed<'a> {
     if let Some(&m) = buf.first() {
         if m != MAGIC_REQUEST {
             // memcached drops the connection without a reply.
-            return Parsed::Err {
-                reply: ErrReply::Silent,
-                skip: buf.len(),
-                close: true,
-            };
+            return Parsed::Err { reply: ErrReply::Silent, skip: buf.len(), close: true };
         }
     }
     if buf.len() < HEADER_LEN {
@@ -298,11 +282,7 @@ pub fn parse<'a>(buf: &'a [u8], limits: &Limits) -> Parsed<'a> {
     let body = h.body_len as usize;
     let total = HEADER_LEN + body;
     let err = |status: u16, skip: usize, close: bool| Parsed::Err {
-        reply: ErrReply::Bin {
-            opcode: h.opcode,
-            status,
-            opaque: h.opaque,
-        },
+        reply: ErrReply::Bin { opcode: h.opcode, status, opaque: h.opaque },
         skip,
         close,
     };
@@ -336,16 +316,8 @@ pub fn parse<'a>(buf: &'a [u8], limits: &Limits) -> Parsed<'a> {
     }
     let e_end = HEADER_LEN + h.extras_len as usize;
     let k_end = e_end + h.key_len as usize;
-    let req = BinReq {
-        header: h,
-        extras: &buf[HEADER_LEN..e_end],
-        key: &buf[e_end..k_end],
-        value: &buf[k_end..total],
-    };
-    Parsed::Req {
-        req: Request::Bin(req),
-        consumed: total,
-    }
+    let req = BinReq { header: h, extras: &buf[HEADER_LEN..e_end], key: &buf[e_end..k_end], value: &buf[k_end..total] };
+    Parsed::Req { req: Request::Bin(req), consumed: total }
 }
 
 #[cfg(test)]
@@ -369,16 +341,9 @@ mod tests {
 
     fn berr(buf: &[u8]) -> (u8, u16, u32, usize, bool) {
         match p(B, buf) {
-            Parsed::Err {
-                reply:
-                    ErrReply::Bin {
-                        opcode,
-                        status,
-                        opaque,
-                    },
-                skip,
-                close,
-            } => (opcode, status, opaque, skip, close),
+            Parsed::Err { reply: ErrReply::Bin { opcode, status, opaque }, skip, close } => {
+                (opcode, status, opaque, skip, close)
+            }
             other => panic!("{other:?}"),
         }
     }
@@ -409,10 +374,7 @@ mod tests {
         ex.extend_from_slice(&300u32.to_be_bytes());
         let buf = req(opcode::SET, &ex, b"key", b"value");
         let r = bin(&buf);
-        assert_eq!(
-            (r.key, r.value, r.extras),
-            (&b"key"[..], &b"value"[..], &ex[..])
-        );
+        assert_eq!((r.key, r.value, r.extras), (&b"key"[..], &b"value"[..], &ex[..]));
         assert_eq!(r.header.vbucket, 7);
         assert_eq!(r.header.opaque, 0x01020304);
         assert_eq!(r.header.cas, 99);
@@ -420,11 +382,7 @@ mod tests {
         assert!(!r.is_quiet());
         assert_eq!(
             r.arith_extras(),
-            Err(ErrReply::Bin {
-                opcode: opcode::SET,
-                status: status::EINVAL,
-                opaque: 0x01020304
-            })
+            Err(ErrReply::Bin { opcode: opcode::SET, status: status::EINVAL, opaque: 0x01020304 })
         );
         let buf = req(opcode::SETQ, &ex, b"k", b"");
         assert!(bin(&buf).is_quiet());
@@ -498,11 +456,7 @@ mod tests {
         ];
         for &(op, el, k, v) in bad {
             let buf = req(op, &vec![0; el], k, v);
-            assert_eq!(
-                berr(&buf),
-                (op, status::EINVAL, 0x01020304, buf.len(), true),
-                "op {op:#x}"
-            );
+            assert_eq!(berr(&buf), (op, status::EINVAL, 0x01020304, buf.len(), true), "op {op:#x}");
             // decided from the header alone
             assert_eq!(berr(&buf[..24]).1, status::EINVAL);
         }
@@ -512,78 +466,41 @@ mod tests {
         // extras + key larger than body
         let mut buf = req(opcode::GET, &[], b"key", b"");
         buf[8..12].copy_from_slice(&2u32.to_be_bytes());
-        assert_eq!(
-            berr(&buf[..24]),
-            (opcode::GET, status::EINVAL, 0x01020304, 26, true)
-        );
+        assert_eq!(berr(&buf[..24]), (opcode::GET, status::EINVAL, 0x01020304, 26, true));
     }
 
     #[test]
     fn verbosity_bad_and_unknown_opcode_skip_without_close() {
         let buf = req(opcode::VERBOSITY, &[], b"", b"");
-        assert_eq!(
-            berr(&buf),
-            (
-                opcode::VERBOSITY,
-                status::UNKNOWN_COMMAND,
-                0x01020304,
-                24,
-                false
-            )
-        );
+        assert_eq!(berr(&buf), (opcode::VERBOSITY, status::UNKNOWN_COMMAND, 0x01020304, 24, false));
         let buf = req(0x40, &[], b"a", b"xyz");
-        assert_eq!(
-            berr(&buf[..24]),
-            (0x40, status::UNKNOWN_COMMAND, 0x01020304, 28, false)
-        );
+        assert_eq!(berr(&buf[..24]), (0x40, status::UNKNOWN_COMMAND, 0x01020304, 28, false));
         let mut out = Vec::new();
-        ErrReply::Bin {
-            opcode: 0x40,
-            status: status::UNKNOWN_COMMAND,
-            opaque: 5,
-        }
-        .write(&mut out);
+        ErrReply::Bin { opcode: 0x40, status: status::UNKNOWN_COMMAND, opaque: 5 }.write(&mut out);
         assert_eq!(&out[24..], b"Unknown command");
     }
 
     #[test]
     fn oversized_bodies() {
-        let limits = Limits {
-            max_item_size: 100,
-            ..Limits::default()
-        };
+        let limits = Limits { max_item_size: 100, ..Limits::default() };
         // value just over max_item_size: E2BIG, skip the request, keep the connection
         let buf = req(opcode::SET, &[0; 8], b"k", &[0; 101]);
         assert_eq!(
             crate::parse(crate::Protocol::Binary, &buf[..24], &limits),
             Parsed::Err {
-                reply: ErrReply::Bin {
-                    opcode: opcode::SET,
-                    status: status::E2BIG,
-                    opaque: 0x01020304
-                },
+                reply: ErrReply::Bin { opcode: opcode::SET, status: status::E2BIG, opaque: 0x01020304 },
                 skip: buf.len(),
                 close: false
             }
         );
         let buf = req(opcode::SET, &[0; 8], b"k", &[0; 100]);
-        assert!(matches!(
-            crate::parse(crate::Protocol::Binary, &buf, &limits),
-            Parsed::Req { .. }
-        ));
+        assert!(matches!(crate::parse(crate::Protocol::Binary, &buf, &limits), Parsed::Req { .. }));
         // absurd body length: E2BIG and close, decided from the header
         let mut h = req(opcode::GET, &[], b"k", b"");
         h[8..12].copy_from_slice(&u32::MAX.to_be_bytes());
         assert!(matches!(
             crate::parse(crate::Protocol::Binary, &h[..24], &limits),
-            Parsed::Err {
-                reply: ErrReply::Bin {
-                    status: status::E2BIG,
-                    ..
-                },
-                close: true,
-                ..
-            }
+            Parsed::Err { reply: ErrReply::Bin { status: status::E2BIG, .. }, close: true, .. }
         ));
     }
 
@@ -591,14 +508,7 @@ mod tests {
     fn bad_magic_closes_silently() {
         let mut buf = req(opcode::NOOP, &[], b"", b"");
         buf[0] = 0x81;
-        assert!(matches!(
-            p(B, &buf),
-            Parsed::Err {
-                reply: ErrReply::Silent,
-                close: true,
-                ..
-            }
-        ));
+        assert!(matches!(p(B, &buf), Parsed::Err { reply: ErrReply::Silent, close: true, .. }));
         assert!(matches!(p(B, b"g"), Parsed::Err { close: true, .. }));
         assert_eq!(p(B, b""), Parsed::NeedMore);
     }
@@ -612,52 +522,23 @@ mod tests {
         let mut seen = Vec::new();
         while off < buf.len() {
             match p(B, &buf[off..]) {
-                Parsed::Req {
-                    req: Request::Bin(r),
-                    consumed,
-                } => {
+                Parsed::Req { req: Request::Bin(r), consumed } => {
                     seen.push((r.header.opcode, r.key.to_vec()));
                     off += consumed;
                 }
                 other => panic!("{other:?}"),
             }
         }
-        assert_eq!(
-            seen,
-            [
-                (opcode::GETKQ, b"a".to_vec()),
-                (opcode::GETKQ, b"bb".to_vec()),
-                (opcode::NOOP, vec![])
-            ]
-        );
+        assert_eq!(seen, [(opcode::GETKQ, b"a".to_vec()), (opcode::GETKQ, b"bb".to_vec()), (opcode::NOOP, vec![])]);
     }
 
     #[test]
     fn response_roundtrip_through_header_decode() {
         let mut out = Vec::new();
-        write_response(
-            &mut out,
-            opcode::GETK,
-            status::NO_ERROR,
-            77,
-            5,
-            &1u32.to_be_bytes(),
-            b"key",
-            b"val",
-        );
+        write_response(&mut out, opcode::GETK, status::NO_ERROR, 77, 5, &1u32.to_be_bytes(), b"key", b"val");
         let h = BinHeader::decode(&out);
         assert_eq!(h.magic, MAGIC_RESPONSE);
-        assert_eq!(
-            (
-                h.opcode,
-                h.key_len,
-                h.extras_len,
-                h.body_len,
-                h.opaque,
-                h.cas
-            ),
-            (opcode::GETK, 3, 4, 10, 77, 5)
-        );
+        assert_eq!((h.opcode, h.key_len, h.extras_len, h.body_len, h.opaque, h.cas), (opcode::GETK, 3, 4, 10, 77, 5));
         assert_eq!(&out[24..], b"\x00\x00\x00\x01keyval");
     }
 }

@@ -64,10 +64,7 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits {
-            max_item_size: 1024 * 1024,
-            max_line: 64 * 1024,
-        }
+        Limits { max_item_size: 1024 * 1024, max_line: 64 * 1024 }
     }
 }
 
@@ -101,11 +98,7 @@ pub enum Parsed<'a> {
     /// A malformed / oversized request: send `reply`, drop `skip` bytes from the
     /// front of the stream (may exceed the buffer: swallow the rest as it
     /// arrives), then close the connection if `close`.
-    Err {
-        reply: ErrReply,
-        skip: usize,
-        close: bool,
-    },
+    Err { reply: ErrReply, skip: usize, close: bool },
 }
 
 /// One parsed request.
@@ -146,12 +139,7 @@ pub(crate) mod testutil {
     /// and consumes everything; returns the request.
     pub fn whole(proto: Protocol, buf: &[u8]) -> Request<'_> {
         for i in 0..buf.len() {
-            assert_eq!(
-                p(proto, &buf[..i]),
-                Parsed::NeedMore,
-                "prefix {i} of {:?}",
-                String::from_utf8_lossy(buf)
-            );
+            assert_eq!(p(proto, &buf[..i]), Parsed::NeedMore, "prefix {i} of {:?}", String::from_utf8_lossy(buf));
         }
         match p(proto, buf) {
             Parsed::Req { req, consumed } => {
@@ -165,11 +153,7 @@ pub(crate) mod testutil {
     /// Text error: (line, skip, close).
     pub fn terr(buf: &[u8]) -> (&'static str, usize, bool) {
         match p(Protocol::Text, buf) {
-            Parsed::Err {
-                reply: ErrReply::Text(t),
-                skip,
-                close,
-            } => (t, skip, close),
+            Parsed::Err { reply: ErrReply::Text(t), skip, close } => (t, skip, close),
             other => panic!("{:?} -> {other:?}", String::from_utf8_lossy(buf)),
         }
     }
@@ -177,11 +161,7 @@ pub(crate) mod testutil {
     /// Text error that noreply silenced: (skip).
     pub fn silent(buf: &[u8]) -> usize {
         match p(Protocol::Text, buf) {
-            Parsed::Err {
-                reply: ErrReply::Silent,
-                skip,
-                close: false,
-            } => skip,
+            Parsed::Err { reply: ErrReply::Silent, skip, close: false } => skip,
             other => panic!("{:?} -> {other:?}", String::from_utf8_lossy(buf)),
         }
     }
@@ -244,12 +224,7 @@ mod tests {
                     let _ = meta::meta_key(cmd, &mut s);
                 }
                 if let Request::Bin(b) = &req {
-                    let _ = (
-                        b.store_extras(),
-                        b.arith_extras(),
-                        b.exptime_extra(),
-                        b.flush_delay(),
-                    );
+                    let _ = (b.store_extras(), b.arith_extras(), b.exptime_extra(), b.flush_delay());
                 }
             }
             Parsed::Err { skip, .. } => assert!(skip > 0),

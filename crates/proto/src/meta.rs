@@ -7,9 +7,7 @@
 //! up to the server.
 
 use crate::reply::ErrReply;
-use crate::text::{
-    data_block, fail, next_token, num, split_spaces, E_ERROR, E_FORMAT, E_TOO_LARGE,
-};
+use crate::text::{data_block, fail, next_token, num, split_spaces, E_ERROR, E_FORMAT, E_TOO_LARGE};
 use crate::{valid_key, Limits, Parsed, Request, MAX_KEY_LEN};
 use base64::Engine as _;
 use std::str::FromStr;
@@ -111,13 +109,7 @@ pub fn meta_key<'k>(cmd: &MetaCmd<'k>, scratch: &'k mut [u8; 256]) -> Result<&'k
 }
 
 /// Parse a meta command line (`m` + `which`), `rest` = the line after the command token.
-pub(crate) fn parse_line<'a>(
-    which: u8,
-    rest: &'a [u8],
-    buf: &'a [u8],
-    line_len: usize,
-    limits: &Limits,
-) -> Parsed<'a> {
+pub(crate) fn parse_line<'a>(which: u8, rest: &'a [u8], buf: &'a [u8], line_len: usize, limits: &Limits) -> Parsed<'a> {
     let kind = match which {
         b'g' => MetaKind::Get,
         b's' => MetaKind::Set,
@@ -128,27 +120,15 @@ pub(crate) fn parse_line<'a>(
         _ => return fail(E_ERROR, line_len),
     };
     if kind == MetaKind::Noop {
-        let cmd = MetaCmd {
-            kind,
-            key: &[],
-            flags: MetaFlags::default(),
-            data: &[],
-        };
-        return Parsed::Req {
-            req: Request::Meta(cmd),
-            consumed: line_len,
-        };
+        let cmd = MetaCmd { kind, key: &[], flags: MetaFlags::default(), data: &[] };
+        return Parsed::Req { req: Request::Meta(cmd), consumed: line_len };
     }
     let Some((key, mut rest)) = next_token(rest) else {
-        return fail(
-            if kind == MetaKind::Get {
-                E_ERROR
-            } else {
-                E_FORMAT
-            },
-            line_len,
-        );
+        return fail(if kind == MetaKind::Get { E_ERROR } else { E_FORMAT }, line_len);
     };
+    if key.len() > MAX_B64_KEY_LEN {
+        return fail(E_FORMAT, line_len);
+    }
     let mut vlen = 0usize;
     if kind == MetaKind::Set {
         let Some((len_tok, r)) = next_token(rest) else {
@@ -161,36 +141,41 @@ pub(crate) fn parse_line<'a>(
         }
     }
     let (e_invalid, e_dup) = match kind {
-        MetaKind::Delete | MetaKind::Arith => (
-            "CLIENT_ERROR invalid or duplicate flag",
-            "CLIENT_ERROR invalid or duplicate flag",
-        ),
+        MetaKind::Delete | MetaKind::Arith => {
+            ("CLIENT_ERROR invalid or duplicate flag", "CLIENT_ERROR invalid or duplicate flag")
+        }
         _ => ("CLIENT_ERROR invalid flag", "CLIENT_ERROR duplicate flag"),
     };
+    if split_spaces(rest).count() > MAX_META_FLAGS {
+        // memcached's wording differs between ms and the others.
+        let msg = if kind == MetaKind::Set {
+            "CLIENT_ERROR options flags too long"
+        } else {
+            "CLIENT_ERROR options flags are too long"
+        };
+        return fail(msg, line_len);
+    }
+    // Once ms has a valid length, memcached swallows its data block on flag errors.
+    let flag_skip = if kind == MetaKind::Set { line_len + vlen + 2 } else { line_len };
     let mut flags = MetaFlags::default();
     for tok in split_spaces(rest) {
         let f = tok[0];
         let Some(b) = bit(f) else {
-            return fail(e_invalid, line_len);
+            return fail(e_invalid, flag_skip);
         };
         if flags.mask & b != 0 {
-            return fail(e_dup, line_len);
-        }
-        if flags.len as usize == MAX_META_FLAGS {
-            return fail("CLIENT_ERROR options flags are too long", line_len);
+            return fail(e_dup, flag_skip);
         }
         let t = &tok[1..];
         if f == b'O' && t.len() > MAX_OPAQUE_LEN {
-            return fail("CLIENT_ERROR opaque token too long", line_len);
+            return fail("CLIENT_ERROR opaque token too long", flag_skip);
         }
         flags.items[flags.len as usize] = (f, t);
         flags.len += 1;
         flags.mask |= b;
     }
     let key_ok = if flags.has(b'b') {
-        !key.is_empty()
-            && key.len() <= MAX_B64_KEY_LEN
-            && key.iter().all(|&c| c > b' ' && c != 0x7f)
+        !key.is_empty() && key.len() <= MAX_B64_KEY_LEN && key.iter().all(|&c| c > b' ' && c != 0x7f)
     } else {
         valid_key(key)
     };
@@ -209,15 +194,7 @@ pub(crate) fn parse_line<'a>(
         };
         consumed = line_len + vlen + 2;
     }
-    Parsed::Req {
-        req: Request::Meta(MetaCmd {
-            kind,
-            key,
-            flags,
-            data,
-        }),
-        consumed,
-    }
+    Parsed::Req { req: Request::Meta(MetaCmd { kind, key, flags, data }), consumed }
 }
 
 #[cfg(test)]
@@ -241,16 +218,7 @@ mod tests {
         assert_eq!(c.key, b"foo");
         assert!(c.data.is_empty());
         let f: Vec<(u8, &[u8])> = c.flags.iter().collect();
-        assert_eq!(
-            f,
-            [
-                (b'v', &b""[..]),
-                (b'c', b""),
-                (b'T', b"30"),
-                (b'O', b"ab"),
-                (b'k', b"")
-            ]
-        );
+        assert_eq!(f, [(b'v', &b""[..]), (b'c', b""), (b'T', b"30"), (b'O', b"ab"), (b'k', b"")]);
         assert!(c.flags.has(b'v') && c.flags.has(b'T') && !c.flags.has(b'q') && !c.flags.has(b'1'));
         assert_eq!(c.flags.token(b'O'), Some(&b"ab"[..]));
         assert_eq!(c.flags.token(b'x'), None);
@@ -265,26 +233,17 @@ mod tests {
     #[test]
     fn ms_md_ma_me_mn() {
         let c = cmd(b"ms k 5 T10 F3 MS I\r\nhello\r\n");
-        assert_eq!(
-            (c.kind, c.key, c.data),
-            (MetaKind::Set, &b"k"[..], &b"hello"[..])
-        );
+        assert_eq!((c.kind, c.key, c.data), (MetaKind::Set, &b"k"[..], &b"hello"[..]));
         assert_eq!(c.flags.token(b'M'), Some(&b"S"[..]));
         assert!(c.flags.has(b'I'));
         let c = cmd(b"ms k 0\r\n\r\n");
         assert_eq!(c.data, b"");
         assert_eq!(cmd(b"md k q C5\r\n").kind, MetaKind::Delete);
         let c = cmd(b"ma k D10 MD N0 J5\r\n");
-        assert_eq!(
-            (c.kind, c.flags.num::<u64>(b'D')),
-            (MetaKind::Arith, Ok(Some(10)))
-        );
+        assert_eq!((c.kind, c.flags.num::<u64>(b'D')), (MetaKind::Arith, Ok(Some(10))));
         assert_eq!(cmd(b"me k\r\n").kind, MetaKind::Debug);
         let c = cmd(b"mn\r\n");
-        assert_eq!(
-            (c.kind, c.key, c.flags.len()),
-            (MetaKind::Noop, &b""[..], 0)
-        );
+        assert_eq!((c.kind, c.key, c.flags.len()), (MetaKind::Noop, &b""[..], 0));
         assert_eq!(cmd(b"mn ignored\r\n").kind, MetaKind::Noop);
     }
 
@@ -296,34 +255,31 @@ mod tests {
         assert_eq!(terr(b"mz a\r\n").0, "ERROR");
         assert_eq!(terr(b"mg a v v\r\n").0, "CLIENT_ERROR duplicate flag");
         assert_eq!(terr(b"mg a !\r\n").0, "CLIENT_ERROR invalid flag");
-        assert_eq!(
-            terr(b"md a 1\r\n").0,
-            "CLIENT_ERROR invalid or duplicate flag"
-        );
-        assert_eq!(
-            terr(b"ma a q q\r\n").0,
-            "CLIENT_ERROR invalid or duplicate flag"
-        );
+        assert_eq!(terr(b"md a 1\r\n").0, "CLIENT_ERROR invalid or duplicate flag");
+        assert_eq!(terr(b"ma a q q\r\n").0, "CLIENT_ERROR invalid or duplicate flag");
         assert_eq!(terr(b"ms a\r\n").0, E_FORMAT);
         assert_eq!(terr(b"ms a x\r\n").0, E_FORMAT);
         assert_eq!(terr(b"ms a -1\r\n").0, E_FORMAT);
         let long = [b"mg ".as_slice(), &[b'k'; 251], b" v\r\n"].concat();
         assert_eq!(terr(&long).0, E_FORMAT);
         let many: String = (b'A'..=b'Z').map(|c| format!(" {}", c as char)).collect();
-        assert_eq!(
-            terr(format!("mg a{many}\r\n").as_bytes()).0,
-            "CLIENT_ERROR options flags are too long"
-        );
+        assert_eq!(terr(format!("mg a{many}\r\n").as_bytes()).0, "CLIENT_ERROR options flags are too long");
         let o33 = format!("mg a O{}\r\n", "x".repeat(33));
         assert_eq!(terr(o33.as_bytes()).0, "CLIENT_ERROR opaque token too long");
         let o32 = format!("mg a O{}\r\n", "x".repeat(32));
         assert!(matches!(p(T, o32.as_bytes()), Parsed::Req { .. }));
         // data chunk errors and too large (never silenced in meta, even with q)
         assert_eq!(terr(b"ms a 2 T1\r\nxyz\r\n"), (E_CHUNK, 15, false));
-        assert_eq!(
-            terr(b"ms a 2000000 q\r\n"),
-            (E_TOO_LARGE, 16 + 2_000_002, false)
-        );
+        assert_eq!(terr(b"ms a 2000000 q\r\n"), (E_TOO_LARGE, 16 + 2_000_002, false));
+        // ms flag errors swallow the data block; too many flags / long keys do not
+        assert_eq!(terr(b"ms a 1 !\r\nx\r\n"), ("CLIENT_ERROR invalid flag", 13, false));
+        assert_eq!(terr(b"ms a 1 T1 T2\r\nx\r\n"), ("CLIENT_ERROR duplicate flag", 17, false));
+        let o33 = format!("ms a 1 O{}\r\nx\r\n", "x".repeat(33));
+        assert_eq!(terr(o33.as_bytes()), ("CLIENT_ERROR opaque token too long", o33.len(), false));
+        let many = format!("ms a 1{many}\r\nx\r\n");
+        assert_eq!(terr(many.as_bytes()), ("CLIENT_ERROR options flags too long", many.len() - 3, false));
+        let long = [b"ms ".as_slice(), &[b'k'; 251], b" 1\r\nx\r\n"].concat();
+        assert_eq!(terr(&long), (E_FORMAT, long.len() - 3, false));
     }
 
     #[test]
@@ -333,10 +289,7 @@ mod tests {
         assert_eq!(meta_key(&c, &mut s), Ok(&b"abc"[..]));
         let c = cmd(b"mg *** b v\r\n");
         let mut s = [0u8; 256];
-        assert_eq!(
-            meta_key(&c, &mut s),
-            Err(ErrReply::Text("CLIENT_ERROR error decoding key"))
-        );
+        assert_eq!(meta_key(&c, &mut s), Err(ErrReply::Text("CLIENT_ERROR error decoding key")));
         let c = cmd(b"mg abc v\r\n");
         let mut s = [0u8; 256];
         assert_eq!(meta_key(&c, &mut s), Ok(&b"abc"[..]));
@@ -354,10 +307,7 @@ mod tests {
         write_b64(&mut enc, &[1u8; 251]);
         let line = [b"mg ".as_slice(), &enc, b" b\r\n"].concat();
         match p(T, &line) {
-            Parsed::Req {
-                req: Request::Meta(c),
-                ..
-            } => {
+            Parsed::Req { req: Request::Meta(c), .. } => {
                 let mut s = [0u8; 256];
                 assert_eq!(meta_key(&c, &mut s), Err(ErrReply::Text(E_FORMAT)));
             }

@@ -13,11 +13,7 @@ pub enum ErrReply {
     /// A text line without its `\r\n` (e.g. `ERROR`, `CLIENT_ERROR bad data chunk`).
     Text(&'static str),
     /// A binary error response; the body is the memcached message for `status`.
-    Bin {
-        opcode: u8,
-        status: u16,
-        opaque: u32,
-    },
+    Bin { opcode: u8, status: u16, opaque: u32 },
     /// Nothing is sent (memcached suppresses this error because of `noreply`).
     Silent,
 }
@@ -30,20 +26,9 @@ impl ErrReply {
                 out.extend_from_slice(line.as_bytes());
                 out.extend_from_slice(b"\r\n");
             }
-            ErrReply::Bin {
-                opcode,
-                status,
-                opaque,
-            } => write_response(
-                out,
-                opcode,
-                status,
-                opaque,
-                0,
-                &[],
-                &[],
-                status_message(status),
-            ),
+            ErrReply::Bin { opcode, status, opaque } => {
+                write_response(out, opcode, status, opaque, 0, &[], &[], status_message(status))
+            }
             ErrReply::Silent => {}
         }
     }
@@ -132,8 +117,7 @@ impl<'o> MetaReply<'o> {
     /// The value length (VA only); call before any flag.
     pub fn value_len(&mut self, n: usize) {
         self.out.push(b' ');
-        self.out
-            .extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
+        self.out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
     }
     /// A bare flag, e.g. ` W`.
     pub fn flag(&mut self, f: u8) {
@@ -143,14 +127,12 @@ impl<'o> MetaReply<'o> {
     /// A flag with an unsigned number, e.g. ` c123`.
     pub fn flag_num(&mut self, f: u8, n: u64) {
         self.flag(f);
-        self.out
-            .extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
+        self.out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
     }
     /// A flag with a signed number, e.g. ` t-1`.
     pub fn flag_signed(&mut self, f: u8, n: i64) {
         self.flag(f);
-        self.out
-            .extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
+        self.out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
     }
     /// A flag with a raw token, e.g. ` kfoo` or ` Oopaque`.
     pub fn flag_bytes(&mut self, f: u8, tok: &[u8]) {
@@ -177,9 +159,7 @@ pub fn write_b64(out: &mut Vec<u8>, raw: &[u8]) {
     let start = out.len();
     let n = base64::encoded_len(raw.len(), true).unwrap_or(0);
     out.resize(start + n, 0);
-    let w = base64::engine::general_purpose::STANDARD
-        .encode_slice(raw, &mut out[start..])
-        .unwrap_or(0);
+    let w = base64::engine::general_purpose::STANDARD.encode_slice(raw, &mut out[start..]).unwrap_or(0);
     out.truncate(start + w);
 }
 
@@ -246,10 +226,7 @@ mod tests {
         write_number(&mut out, 18446744073709551615);
         write_stat(&mut out, "pid", 12);
         write_version(&mut out, "1.6.18");
-        assert_eq!(
-            out,
-            b"18446744073709551615\r\nSTAT pid 12\r\nVERSION 1.6.18\r\n"
-        );
+        assert_eq!(out, b"18446744073709551615\r\nSTAT pid 12\r\nVERSION 1.6.18\r\n");
     }
 
     #[test]
@@ -293,12 +270,7 @@ mod tests {
         ErrReply::Silent.write(&mut out);
         assert_eq!(out, b"ERROR\r\n");
         out.clear();
-        ErrReply::Bin {
-            opcode: 0x40,
-            status: 0x81,
-            opaque: 1,
-        }
-        .write(&mut out);
+        ErrReply::Bin { opcode: 0x40, status: 0x81, opaque: 1 }.write(&mut out);
         assert_eq!(&out[24..], b"Unknown command");
         assert_eq!(out[1], 0x40);
         assert_eq!(&out[6..8], &[0, 0x81]);

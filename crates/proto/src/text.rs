@@ -9,8 +9,8 @@ use crate::{meta, valid_key, Limits, Parsed, Request};
 use std::str::FromStr;
 
 pub use crate::reply::{
-    write_number, write_stat, write_value, write_version, DELETED, END, ERROR, EXISTS, NOT_FOUND,
-    NOT_STORED, OK, STORED, TOUCHED,
+    write_number, write_stat, write_value, write_version, DELETED, END, ERROR, EXISTS, NOT_FOUND, NOT_STORED, OK,
+    STORED, TOUCHED,
 };
 
 pub(crate) const E_ERROR: &str = "ERROR";
@@ -135,24 +135,12 @@ pub(crate) fn num<T: FromStr>(tok: &[u8]) -> Option<T> {
 }
 
 pub(crate) fn fail<'a>(msg: &'static str, skip: usize) -> Parsed<'a> {
-    Parsed::Err {
-        reply: ErrReply::Text(msg),
-        skip,
-        close: false,
-    }
+    Parsed::Err { reply: ErrReply::Text(msg), skip, close: false }
 }
 
 fn fail_nr<'a>(noreply: bool, msg: &'static str, skip: usize) -> Parsed<'a> {
-    let reply = if noreply {
-        ErrReply::Silent
-    } else {
-        ErrReply::Text(msg)
-    };
-    Parsed::Err {
-        reply,
-        skip,
-        close: false,
-    }
+    let reply = if noreply { ErrReply::Silent } else { ErrReply::Text(msg) };
+    Parsed::Err { reply, skip, close: false }
 }
 
 /// Split off the first token; returns (token, rest-after-token).
@@ -206,11 +194,7 @@ pub(crate) fn frame<'a>(buf: &'a [u8], limits: &Limits) -> Result<(&'a [u8], usi
             let line = line.strip_suffix(b"\r").unwrap_or(line);
             Ok((line, i + 1))
         }
-        None if buf.len() >= max => Err(Parsed::Err {
-            reply: ErrReply::Text(E_LINE_TOO_LONG),
-            skip: max,
-            close: true,
-        }),
+        None if buf.len() >= max => Err(Parsed::Err { reply: ErrReply::Text(E_LINE_TOO_LONG), skip: max, close: true }),
         None => Err(Parsed::NeedMore),
     }
 }
@@ -227,20 +211,13 @@ pub fn parse<'a>(buf: &'a [u8], limits: &Limits) -> Parsed<'a> {
     if cmd.len() == 2 && cmd[0] == b'm' {
         return meta::parse_line(cmd[1], rest, buf, line_len, limits);
     }
-    let req = |c: TextCmd<'a>| Parsed::Req {
-        req: Request::Text(c),
-        consumed: line_len,
-    };
+    let req = |c: TextCmd<'a>| Parsed::Req { req: Request::Text(c), consumed: line_len };
     match cmd {
         b"get" | b"gets" => {
             let cas = cmd.len() == 4;
             match keys(rest) {
                 Ok(k) if k.count == 0 => fail(E_ERROR, line_len),
-                Ok(keys) => req(TextCmd::Get {
-                    keys,
-                    cas,
-                    touch: None,
-                }),
+                Ok(keys) => req(TextCmd::Get { keys, cas, touch: None }),
                 Err(()) => fail(E_FORMAT, line_len),
             }
         }
@@ -253,11 +230,7 @@ pub fn parse<'a>(buf: &'a [u8], limits: &Limits) -> Parsed<'a> {
                 return fail(E_EXPTIME, line_len);
             };
             match keys(rest) {
-                Ok(keys) => req(TextCmd::Get {
-                    keys,
-                    cas,
-                    touch: Some(exptime),
-                }),
+                Ok(keys) => req(TextCmd::Get { keys, cas, touch: Some(exptime) }),
                 Err(()) => fail(E_FORMAT, line_len),
             }
         }
@@ -302,12 +275,7 @@ pub fn parse<'a>(buf: &'a [u8], limits: &Limits) -> Parsed<'a> {
             let Some(delta) = num::<u64>(t[1]) else {
                 return fail_nr(noreply, E_DELTA, line_len);
             };
-            req(TextCmd::Arith {
-                incr: cmd == b"incr",
-                key: t[0],
-                delta,
-                noreply,
-            })
+            req(TextCmd::Arith { incr: cmd == b"incr", key: t[0], delta, noreply })
         }
         b"touch" => {
             let (t, n) = take::<3>(rest);
@@ -321,11 +289,7 @@ pub fn parse<'a>(buf: &'a [u8], limits: &Limits) -> Parsed<'a> {
             let Some(exptime) = num::<i64>(t[1]) else {
                 return fail_nr(noreply, E_EXPTIME, line_len);
             };
-            req(TextCmd::Touch {
-                key: t[0],
-                exptime,
-                noreply,
-            })
+            req(TextCmd::Touch { key: t[0], exptime, noreply })
         }
         b"flush_all" => {
             let (t, n) = take::<2>(rest);
@@ -333,11 +297,7 @@ pub fn parse<'a>(buf: &'a [u8], limits: &Limits) -> Parsed<'a> {
                 return fail(E_ERROR, line_len);
             }
             let noreply = n > 0 && t[n - 1] == b"noreply";
-            let delay_tok = if n == 2 || (n == 1 && !noreply) {
-                Some(t[0])
-            } else {
-                None
-            };
+            let delay_tok = if n == 2 || (n == 1 && !noreply) { Some(t[0]) } else { None };
             let delay = match delay_tok {
                 None => 0,
                 Some(d) => match num::<i64>(d) {
@@ -378,13 +338,7 @@ fn keys(rest: &[u8]) -> Result<Keys<'_>, ()> {
     Ok(Keys { raw, count })
 }
 
-fn store<'a>(
-    mode: StoreMode,
-    rest: &'a [u8],
-    buf: &'a [u8],
-    line_len: usize,
-    limits: &Limits,
-) -> Parsed<'a> {
+fn store<'a>(mode: StoreMode, rest: &'a [u8], buf: &'a [u8], line_len: usize, limits: &Limits) -> Parsed<'a> {
     let (t, n) = take::<6>(rest);
     let base = if mode == StoreMode::Cas { 5 } else { 4 };
     if n != base && n != base + 1 {
@@ -396,9 +350,7 @@ fn store<'a>(
         return fail_nr(noreply, E_FORMAT, line_len);
     }
     // memcached parses flags as an unsigned long and keeps the low 32 bits.
-    let (Some(flags), Some(exptime), Some(vlen)) =
-        (num::<u64>(t[1]), num::<i64>(t[2]), num::<i64>(t[3]))
-    else {
+    let (Some(flags), Some(exptime), Some(vlen)) = (num::<u64>(t[1]), num::<i64>(t[2]), num::<i64>(t[3])) else {
         return fail_nr(noreply, E_FORMAT, line_len);
     };
     let cas_unique = if mode == StoreMode::Cas {
@@ -418,15 +370,7 @@ fn store<'a>(
     }
     match data_block(buf, line_len, vlen, noreply) {
         Ok(data) => Parsed::Req {
-            req: Request::Text(TextCmd::Store {
-                mode,
-                key,
-                flags: flags as u32,
-                exptime,
-                data,
-                cas_unique,
-                noreply,
-            }),
+            req: Request::Text(TextCmd::Store { mode, key, flags: flags as u32, exptime, data, cas_unique, noreply }),
             consumed: line_len + vlen + 2,
         },
         Err(p) => p,
@@ -457,31 +401,14 @@ mod tests {
     fn get_gets_gat_gats() {
         let c = cmd(b"get a\r\n");
         assert_eq!(keys_of(&c), [b"a".to_vec()]);
-        assert!(matches!(
-            c,
-            TextCmd::Get {
-                cas: false,
-                touch: None,
-                ..
-            }
-        ));
+        assert!(matches!(c, TextCmd::Get { cas: false, touch: None, .. }));
         let c = cmd(b"gets a  bb ccc\r\n");
-        assert_eq!(
-            keys_of(&c),
-            [b"a".to_vec(), b"bb".to_vec(), b"ccc".to_vec()]
-        );
+        assert_eq!(keys_of(&c), [b"a".to_vec(), b"bb".to_vec(), b"ccc".to_vec()]);
         assert!(matches!(c, TextCmd::Get { cas: true, touch: None, ref keys } if keys.len() == 3));
         assert!(
             matches!(cmd(b"gat 10 a b\r\n"), TextCmd::Get { cas: false, touch: Some(10), ref keys } if keys.len() == 2)
         );
-        assert!(matches!(
-            cmd(b"gats -1 a\n"),
-            TextCmd::Get {
-                cas: true,
-                touch: Some(-1),
-                ..
-            }
-        ));
+        assert!(matches!(cmd(b"gats -1 a\n"), TextCmd::Get { cas: true, touch: Some(-1), .. }));
         // gat with no keys is accepted (memcached answers END)
         assert!(matches!(cmd(b"gat 1\r\n"), TextCmd::Get { ref keys, .. } if keys.is_empty()));
         // leading/trailing spaces, bare \n
@@ -495,10 +422,7 @@ mod tests {
         let long = [b"get a ".as_slice(), &[b'k'; 251], b" b\r\n"].concat();
         assert_eq!(terr(&long), (E_FORMAT, long.len(), false));
         assert_eq!(terr(b"get a\tb\r\n").0, E_FORMAT);
-        assert_eq!(
-            terr(b"gat x a\r\n"),
-            ("CLIENT_ERROR invalid exptime argument", 9, false)
-        );
+        assert_eq!(terr(b"gat x a\r\n"), ("CLIENT_ERROR invalid exptime argument", 9, false));
         assert_eq!(terr(b"gat\r\n").0, "ERROR");
         assert_eq!(terr(b"GET a\r\n").0, "ERROR");
         assert_eq!(terr(b"\r\n"), ("ERROR", 2, false));
@@ -512,60 +436,34 @@ mod tests {
             line.extend_from_slice(format!(" key{i}").as_bytes());
         }
         line.extend_from_slice(b"\r\n");
-        let limits = Limits {
-            max_line: line.len(),
-            ..Limits::default()
-        };
+        let limits = Limits { max_line: line.len(), ..Limits::default() };
         match crate::parse(crate::Protocol::Text, &line, &limits) {
-            Parsed::Req {
-                req: Request::Text(TextCmd::Get { keys, .. }),
-                consumed,
-            } => {
+            Parsed::Req { req: Request::Text(TextCmd::Get { keys, .. }), consumed } => {
                 assert_eq!(keys.len(), 5000);
                 assert_eq!(keys.iter().last(), Some(b"key4999".as_slice()));
                 assert_eq!(consumed, line.len());
             }
             other => panic!("{other:?}"),
         }
-        let limits = Limits {
-            max_line: line.len() - 1,
-            ..Limits::default()
-        };
+        let limits = Limits { max_line: line.len() - 1, ..Limits::default() };
         assert_eq!(
             crate::parse(crate::Protocol::Text, &line, &limits),
-            Parsed::Err {
-                reply: ErrReply::Text(E_LINE_TOO_LONG),
-                skip: line.len() - 1,
-                close: true
-            }
+            Parsed::Err { reply: ErrReply::Text(E_LINE_TOO_LONG), skip: line.len() - 1, close: true }
         );
     }
 
     #[test]
     fn line_too_long_without_newline() {
-        let limits = Limits {
-            max_line: 100,
-            ..Limits::default()
-        };
+        let limits = Limits { max_line: 100, ..Limits::default() };
         let buf = vec![b'x'; 99];
-        assert_eq!(
-            crate::parse(crate::Protocol::Text, &buf, &limits),
-            Parsed::NeedMore
-        );
+        assert_eq!(crate::parse(crate::Protocol::Text, &buf, &limits), Parsed::NeedMore);
         let buf = vec![b'x'; 100];
         assert!(matches!(
             crate::parse(crate::Protocol::Text, &buf, &limits),
-            Parsed::Err {
-                reply: ErrReply::Text(E_LINE_TOO_LONG),
-                close: true,
-                ..
-            }
+            Parsed::Err { reply: ErrReply::Text(E_LINE_TOO_LONG), close: true, .. }
         ));
         let buf = vec![b'x'; 5000];
-        assert!(matches!(
-            crate::parse(crate::Protocol::Text, &buf, &limits),
-            Parsed::Err { close: true, .. }
-        ));
+        assert!(matches!(crate::parse(crate::Protocol::Text, &buf, &limits), Parsed::Err { close: true, .. }));
     }
 
     #[test]
@@ -591,14 +489,7 @@ mod tests {
         ] {
             let buf = format!("{name} key 0 -1 2 noreply\r\nhi\r\n");
             match cmd(buf.as_bytes()) {
-                TextCmd::Store {
-                    mode: m,
-                    key,
-                    exptime: -1,
-                    data: b"hi",
-                    noreply: true,
-                    ..
-                } => {
+                TextCmd::Store { mode: m, key, exptime: -1, data: b"hi", noreply: true, .. } => {
                     assert_eq!(m, mode);
                     assert_eq!(key, b"key");
                 }
@@ -618,30 +509,12 @@ mod tests {
             other => panic!("{other:?}"),
         }
         // data may contain \r\n and spaces
-        assert!(matches!(
-            cmd(b"set k 0 0 4\r\n\r\n \n\r\n"),
-            TextCmd::Store {
-                data: b"\r\n \n",
-                ..
-            }
-        ));
+        assert!(matches!(cmd(b"set k 0 0 4\r\n\r\n \n\r\n"), TextCmd::Store { data: b"\r\n \n", .. }));
         // flags above u32: memcached keeps the low 32 bits
-        assert!(matches!(
-            cmd(b"set k 4294967297 0 1\r\nx\r\n"),
-            TextCmd::Store { flags: 1, .. }
-        ));
-        assert!(matches!(
-            cmd(b"set k 0 99999999999 1\r\nx\r\n"),
-            TextCmd::Store {
-                exptime: 99999999999,
-                ..
-            }
-        ));
+        assert!(matches!(cmd(b"set k 4294967297 0 1\r\nx\r\n"), TextCmd::Store { flags: 1, .. }));
+        assert!(matches!(cmd(b"set k 0 99999999999 1\r\nx\r\n"), TextCmd::Store { exptime: 99999999999, .. }));
         // a non-"noreply" 6th token is ignored like memcached
-        assert!(matches!(
-            cmd(b"set k 0 0 1 junk\r\nx\r\n"),
-            TextCmd::Store { noreply: false, .. }
-        ));
+        assert!(matches!(cmd(b"set k 0 0 1 junk\r\nx\r\n"), TextCmd::Store { noreply: false, .. }));
     }
 
     #[test]
@@ -667,21 +540,11 @@ mod tests {
         assert_eq!((msg, skip, close), (E_TOO_LARGE, 19 + 2_000_002, false));
         assert_eq!(silent(b"set a 0 0 2000000 noreply\r\n"), 27 + 2_000_002);
         // exactly max_item_size is fine
-        let limits = Limits {
-            max_item_size: 3,
-            ..Limits::default()
-        };
-        assert!(matches!(
-            crate::parse(crate::Protocol::Text, b"set a 0 0 3\r\nabc\r\n", &limits),
-            Parsed::Req { .. }
-        ));
+        let limits = Limits { max_item_size: 3, ..Limits::default() };
+        assert!(matches!(crate::parse(crate::Protocol::Text, b"set a 0 0 3\r\nabc\r\n", &limits), Parsed::Req { .. }));
         assert!(matches!(
             crate::parse(crate::Protocol::Text, b"set a 0 0 4\r\n", &limits),
-            Parsed::Err {
-                reply: ErrReply::Text(E_TOO_LARGE),
-                skip: 19,
-                close: false
-            }
+            Parsed::Err { reply: ErrReply::Text(E_TOO_LARGE), skip: 19, close: false }
         ));
         // noreply silences format errors after it was seen
         assert_eq!(silent(b"set a b 0 1 noreply\r\n"), 21);
@@ -704,34 +567,10 @@ mod tests {
 
     #[test]
     fn delete_forms() {
-        assert_eq!(
-            cmd(b"delete a\r\n"),
-            TextCmd::Delete {
-                key: b"a",
-                noreply: false
-            }
-        );
-        assert_eq!(
-            cmd(b"delete a 0\r\n"),
-            TextCmd::Delete {
-                key: b"a",
-                noreply: false
-            }
-        );
-        assert_eq!(
-            cmd(b"delete a noreply\r\n"),
-            TextCmd::Delete {
-                key: b"a",
-                noreply: true
-            }
-        );
-        assert_eq!(
-            cmd(b"delete a 0 noreply\r\n"),
-            TextCmd::Delete {
-                key: b"a",
-                noreply: true
-            }
-        );
+        assert_eq!(cmd(b"delete a\r\n"), TextCmd::Delete { key: b"a", noreply: false });
+        assert_eq!(cmd(b"delete a 0\r\n"), TextCmd::Delete { key: b"a", noreply: false });
+        assert_eq!(cmd(b"delete a noreply\r\n"), TextCmd::Delete { key: b"a", noreply: true });
+        assert_eq!(cmd(b"delete a 0 noreply\r\n"), TextCmd::Delete { key: b"a", noreply: true });
         assert_eq!(terr(b"delete a 1\r\n").0, E_DELETE_USAGE);
         assert_eq!(terr(b"delete a 1 2\r\n").0, E_DELETE_USAGE);
         assert_eq!(silent(b"delete a 1 noreply\r\n"), 20);
@@ -741,118 +580,40 @@ mod tests {
 
     #[test]
     fn arith_forms() {
-        assert_eq!(
-            cmd(b"incr a 5\r\n"),
-            TextCmd::Arith {
-                incr: true,
-                key: b"a",
-                delta: 5,
-                noreply: false
-            }
-        );
+        assert_eq!(cmd(b"incr a 5\r\n"), TextCmd::Arith { incr: true, key: b"a", delta: 5, noreply: false });
         assert_eq!(
             cmd(b"decr a 18446744073709551615 noreply\r\n"),
-            TextCmd::Arith {
-                incr: false,
-                key: b"a",
-                delta: u64::MAX,
-                noreply: true
-            }
+            TextCmd::Arith { incr: false, key: b"a", delta: u64::MAX, noreply: true }
         );
-        assert_eq!(
-            terr(b"incr a x\r\n").0,
-            "CLIENT_ERROR invalid numeric delta argument"
-        );
-        assert_eq!(
-            terr(b"incr a -1\r\n").0,
-            "CLIENT_ERROR invalid numeric delta argument"
-        );
-        assert_eq!(
-            terr(b"incr a 18446744073709551616\r\n").0,
-            "CLIENT_ERROR invalid numeric delta argument"
-        );
+        assert_eq!(terr(b"incr a x\r\n").0, "CLIENT_ERROR invalid numeric delta argument");
+        assert_eq!(terr(b"incr a -1\r\n").0, "CLIENT_ERROR invalid numeric delta argument");
+        assert_eq!(terr(b"incr a 18446744073709551616\r\n").0, "CLIENT_ERROR invalid numeric delta argument");
         assert_eq!(silent(b"incr a x noreply\r\n"), 18);
         assert_eq!(terr(b"incr a\r\n").0, "ERROR");
     }
 
     #[test]
     fn touch_flush_verbosity_misc() {
-        assert_eq!(
-            cmd(b"touch a 10\r\n"),
-            TextCmd::Touch {
-                key: b"a",
-                exptime: 10,
-                noreply: false
-            }
-        );
-        assert_eq!(
-            cmd(b"touch a 10 noreply\r\n"),
-            TextCmd::Touch {
-                key: b"a",
-                exptime: 10,
-                noreply: true
-            }
-        );
-        assert_eq!(
-            terr(b"touch a x\r\n").0,
-            "CLIENT_ERROR invalid exptime argument"
-        );
+        assert_eq!(cmd(b"touch a 10\r\n"), TextCmd::Touch { key: b"a", exptime: 10, noreply: false });
+        assert_eq!(cmd(b"touch a 10 noreply\r\n"), TextCmd::Touch { key: b"a", exptime: 10, noreply: true });
+        assert_eq!(terr(b"touch a x\r\n").0, "CLIENT_ERROR invalid exptime argument");
         assert_eq!(terr(b"touch a\r\n").0, "ERROR");
-        assert_eq!(
-            cmd(b"flush_all\r\n"),
-            TextCmd::FlushAll {
-                delay: 0,
-                noreply: false
-            }
-        );
-        assert_eq!(
-            cmd(b"flush_all 10\r\n"),
-            TextCmd::FlushAll {
-                delay: 10,
-                noreply: false
-            }
-        );
-        assert_eq!(
-            cmd(b"flush_all noreply\r\n"),
-            TextCmd::FlushAll {
-                delay: 0,
-                noreply: true
-            }
-        );
-        assert_eq!(
-            cmd(b"flush_all 5 noreply\r\n"),
-            TextCmd::FlushAll {
-                delay: 5,
-                noreply: true
-            }
-        );
-        assert_eq!(
-            terr(b"flush_all x\r\n").0,
-            "CLIENT_ERROR invalid exptime argument"
-        );
+        assert_eq!(cmd(b"flush_all\r\n"), TextCmd::FlushAll { delay: 0, noreply: false });
+        assert_eq!(cmd(b"flush_all 10\r\n"), TextCmd::FlushAll { delay: 10, noreply: false });
+        assert_eq!(cmd(b"flush_all noreply\r\n"), TextCmd::FlushAll { delay: 0, noreply: true });
+        assert_eq!(cmd(b"flush_all 5 noreply\r\n"), TextCmd::FlushAll { delay: 5, noreply: true });
+        assert_eq!(terr(b"flush_all x\r\n").0, "CLIENT_ERROR invalid exptime argument");
         assert_eq!(terr(b"flush_all 1 2 3\r\n").0, "ERROR");
-        assert_eq!(
-            cmd(b"verbosity 1\r\n"),
-            TextCmd::Verbosity { noreply: false }
-        );
-        assert_eq!(
-            cmd(b"verbosity 1 noreply\r\n"),
-            TextCmd::Verbosity { noreply: true }
-        );
+        assert_eq!(cmd(b"verbosity 1\r\n"), TextCmd::Verbosity { noreply: false });
+        assert_eq!(cmd(b"verbosity 1 noreply\r\n"), TextCmd::Verbosity { noreply: true });
         assert_eq!(terr(b"verbosity\r\n").0, "ERROR");
         assert_eq!(terr(b"verbosity x\r\n").0, E_FORMAT);
         assert_eq!(cmd(b"version\r\n"), TextCmd::Version);
         assert_eq!(cmd(b"quit\r\n"), TextCmd::Quit);
         assert_eq!(cmd(b"shutdown\r\n"), TextCmd::Shutdown);
         assert_eq!(cmd(b"stats\r\n"), TextCmd::Stats { args: b"" });
-        assert_eq!(
-            cmd(b"stats  slabs  \r\n"),
-            TextCmd::Stats { args: b"slabs" }
-        );
-        assert_eq!(
-            cmd(b"stats detail on\n"),
-            TextCmd::Stats { args: b"detail on" }
-        );
+        assert_eq!(cmd(b"stats  slabs  \r\n"), TextCmd::Stats { args: b"slabs" });
+        assert_eq!(cmd(b"stats detail on\n"), TextCmd::Stats { args: b"detail on" });
     }
 
     #[test]

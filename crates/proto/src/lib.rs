@@ -118,6 +118,36 @@ pub fn parse<'a>(proto: Protocol, buf: &'a [u8], limits: &Limits) -> Parsed<'a> 
     }
 }
 
+/// memcached unlinks the old value when a `set` (or a set-mode `ms`) is
+/// refused as too large, so stale data does not survive a failed overwrite.
+/// Given the buffer [`parse`] just answered with
+/// `SERVER_ERROR object too large for cache`, return the key the server should
+/// delete (None for other commands, add/replace/append/prepend/cas, other
+/// ms modes, or a base64 (`b`) ms key).
+pub fn key_to_unlink_on_too_large(buf: &[u8]) -> Option<&[u8]> {
+    let nl = memchr::memchr(b'\n', buf)?;
+    let line = &buf[..nl];
+    let line = line.strip_suffix(b"\r").unwrap_or(line);
+    let mut toks = line.split(|&b| b == b' ').filter(|t| !t.is_empty());
+    let cmd = toks.next()?;
+    let key = toks.next().filter(|k| valid_key(k))?;
+    match cmd {
+        b"set" => Some(key),
+        b"ms" => {
+            let mut set_mode = true;
+            for f in toks.skip(1) {
+                match f {
+                    [b'b', ..] => return None,
+                    [b'M', m, ..] => set_mode = matches!(m, b'S' | b's'),
+                    _ => {}
+                }
+            }
+            set_mode.then_some(key)
+        }
+        _ => None,
+    }
+}
+
 /// A key is valid when it is 1..=250 bytes with no control characters or spaces.
 pub fn valid_key(key: &[u8]) -> bool {
     !key.is_empty() && key.len() <= MAX_KEY_LEN && key.iter().all(|&b| b > b' ' && b != 0x7f)
@@ -202,6 +232,17 @@ mod tests {
             }
         }
         assert_eq!(kinds, ["store", "mg", "get", "mn"]);
+    }
+
+    #[test]
+    fn unlink_key_after_too_large() {
+        assert_eq!(key_to_unlink_on_too_large(b"set k 0 0 9999999\r\n"), Some(&b"k"[..]));
+        assert_eq!(key_to_unlink_on_too_large(b"add k 0 0 9999999\r\n"), None);
+        assert_eq!(key_to_unlink_on_too_large(b"ms k 9999999 T0\r\n"), Some(&b"k"[..]));
+        assert_eq!(key_to_unlink_on_too_large(b"ms k 9999999 MS\r\n"), Some(&b"k"[..]));
+        assert_eq!(key_to_unlink_on_too_large(b"ms k 9999999 ME\r\n"), None);
+        assert_eq!(key_to_unlink_on_too_large(b"ms aw== 9999999 b\r\n"), None);
+        assert_eq!(key_to_unlink_on_too_large(b"set k 0 0 9999999"), None);
     }
 
     #[test]

@@ -246,6 +246,12 @@ mod tests {
     }
 
     #[test]
+    fn parsed_stays_small_enough_to_return_by_value() {
+        // Meta flags are inline; keep the result from growing unnoticed.
+        assert!(std::mem::size_of::<Parsed>() <= 512, "{}", std::mem::size_of::<Parsed>());
+    }
+
+    #[test]
     fn valid_key_rules() {
         assert!(valid_key(b"a"));
         assert!(valid_key(&[b'k'; 250]));

@@ -48,7 +48,8 @@ pub struct MetaCmd<'a> {
 /// request order plus a presence bitmask. Each letter occurs at most once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct MetaFlags<'a> {
-    items: [(u8, &'a [u8]); MAX_META_FLAGS],
+    toks: [&'a [u8]; MAX_META_FLAGS],
+    letters: [u8; MAX_META_FLAGS],
     len: u8,
     mask: u64,
 }
@@ -79,7 +80,8 @@ impl<'a> MetaFlags<'a> {
     }
     /// (flag, token) pairs in request order.
     pub fn iter(&self) -> impl Iterator<Item = (u8, &'a [u8])> + '_ {
-        self.items[..self.len as usize].iter().copied()
+        let n = self.len as usize;
+        self.letters[..n].iter().copied().zip(self.toks[..n].iter().copied())
     }
     /// Number of flags.
     pub fn len(&self) -> usize {
@@ -170,7 +172,8 @@ pub(crate) fn parse_line<'a>(which: u8, rest: &'a [u8], buf: &'a [u8], line_len:
         if f == b'O' && t.len() > MAX_OPAQUE_LEN {
             return fail("CLIENT_ERROR opaque token too long", flag_skip);
         }
-        flags.items[flags.len as usize] = (f, t);
+        flags.letters[flags.len as usize] = f;
+        flags.toks[flags.len as usize] = t;
         flags.len += 1;
         flags.mask |= b;
     }

@@ -40,6 +40,18 @@
 //!   the server. Meta flags are kept in request order with their tokens.
 //! * **Reply writers** (in [`reply`], re-exported from [`text`], [`meta`] and
 //!   [`binary`]) append to a `Vec<u8>`.
+//! * **Known memcached quirks the server must apply itself:** a `set` refused
+//!   as too large also unlinks the old value ([`key_to_unlink_on_too_large`]);
+//!   a meta key with flag `b` is decoded by [`meta::meta_key`] (decode errors
+//!   are `CLIENT_ERROR error decoding key`).
+//!
+//! ## Testing
+//!
+//! Unit tests beside each module (every command, every error path, every
+//! prefix of a valid request is `NeedMore`, pipelining, noreply), proptests in
+//! this file, `tests/vs_memcached.rs` (compares error replies byte for byte
+//! with a real memcached when `MBAL_MEMCACHED_ADDR` is set) and cargo-fuzz
+//! targets in `fuzz/` (`fuzz/run-all.sh [seconds]`).
 
 pub mod binary;
 pub mod meta;

@@ -61,7 +61,23 @@
 //! existing item always matches (memcached behaves the same way).
 //!
 //! # Threads
-//! None. A `WorkerStore` is used by one thread; a `Cachelet` is `Send`.
+//! None. A `WorkerStore` is used by one thread; a `Cachelet` is `Send`. Both are aligned to
+//! 128 bytes so that the per-op counters of different workers never share a cache line.
+//!
+//! # Notes for callers
+//! * Keys longer than 250 bytes and items whose footprint exceeds `max_item_size` get
+//!   `TooLarge`; an item larger than the whole budget gets `OutOfMemory`.
+//! * `arith` that must grow the value and cannot allocate (only with `evict = false`) answers
+//!   `NotFound` and leaves the item unchanged.
+//! * `touch` with a negative/past exptime returns the item's view and removes it.
+//! * `update` takes `MetaBits::exptime` as a `now`-based second (use [`rel_exptime`]); it does
+//!   not delete on an expired value — the caller deletes.
+//! * A dropped `WorkerStore` returns all its pages to the pool; use
+//!   [`WorkerStore::discard_cachelet`] (not a plain drop) to throw a cachelet away.
+//! * The index grows by doubling (hashbrown rehash): a one-off pause proportional to the
+//!   cachelet's item count, bounded by keeping many cachelets per worker.
+//! * `benches/scaling.rs` compares this design with one global lock and striped locks
+//!   (MBal Fig. 5, no network).
 
 mod item;
 mod pool;

@@ -491,3 +491,49 @@ fn drop_and_discard_return_pages_to_the_pool() {
     assert_eq!(ps.outstanding_pages, 0);
     assert_eq!(ps.available_pages, ps.total_pages);
 }
+
+#[test]
+fn no_relocation_without_memory_pressure() {
+    let mut w = mk(1 << 20, |_| {});
+    for i in 0..500 {
+        set(&mut w, &format!("k{i}"), &"v".repeat(100), 0, 0);
+    }
+    for i in 0..500 {
+        assert!(get(&mut w, &format!("k{i}"), 0).is_some());
+    }
+    assert_eq!(w.stats().items_relocated, 0);
+}
+
+#[test]
+fn shed_pages_evicts_when_no_free_pages() {
+    let mut w = mk(16 * PAGE, |_| {});
+    for i in 0..2000 {
+        set(&mut w, &format!("k{i}"), &"v".repeat(100), 0, 0);
+    }
+    let local = w.stats().local_free_pages as usize;
+    let want = local + 3;
+    assert_eq!(w.shed_pages(want), want);
+    assert!(w.stats().evictions > 0);
+    assert!(w.global().stats().free_pages >= want);
+    // still serves afterwards
+    assert!(matches!(set(&mut w, "after", "v", 0, 0), StoreResult::Stored { .. }));
+    assert!(get(&mut w, "after", 0).is_some());
+}
+
+#[test]
+fn sweep_survives_cachelet_moves() {
+    let mut w = mk(1 << 20, |_| {});
+    for i in 0..300u32 {
+        let k = format!("k{i}");
+        w.store(i % 4, key_hash(k.as_bytes()), k.as_bytes(), &[b'v'; 200], 0, 5, Mode::Set, None, 0);
+    }
+    w.sweep(1, 3);
+    let c = w.take_cachelet(1).unwrap();
+    w.sweep(10, 2);
+    w.insert_cachelet(c);
+    for _ in 0..100 {
+        w.sweep(10, 50);
+    }
+    assert_eq!(w.stats().curr_items, 0);
+    assert_eq!(w.stats().reclaimed, 300);
+}

@@ -178,8 +178,10 @@ struct Conn {
     closing: bool,
     last_active: u32,
     want_write: bool,
-    /// Input is buffered but was not processed this round (fairness, -R).
+    /// Queued in the worker's ready list (input left to process).
     queued: bool,
+    /// Reading paused because too much output is unsent.
+    read_blocked: bool,
 }
 
 pub(crate) struct Worker {
@@ -394,6 +396,7 @@ impl Worker {
                 last_active: self.now,
                 want_write: false,
                 queued: false,
+                read_blocked: false,
             });
             tracing::debug!(worker = self.id, %peer, "accepted");
         }
@@ -410,10 +413,15 @@ impl Worker {
     fn on_readable(&mut self, ci: usize) {
         let conn = &mut self.conns[ci];
         if conn.output.unsent() > MAX_PENDING_OUTPUT {
-            // Back-pressure: do not read more until the client drains replies.
+            // Back-pressure: do not read more until the client drains
+            // replies; `flush` queues the connection again when it has.
+            conn.read_blocked = true;
             return;
         }
+        conn.read_blocked = false;
         let mut eof = false;
+        // Whether the socket may still hold data we chose not to read yet.
+        let mut more = false;
         loop {
             let len = conn.rbuf.len();
             if conn.rbuf.capacity() - len < READ_CHUNK {
@@ -436,6 +444,7 @@ impl Worker {
                     }
                     // Do not buffer more than one big request's worth ahead.
                     if conn.rbuf.len() > self.limits.max_item_size + self.limits.max_line + READ_CHUNK {
+                        more = true;
                         break;
                     }
                 }
@@ -450,16 +459,21 @@ impl Worker {
         conn.last_active = self.now;
         self.process(ci);
         if eof {
-            // Flush what we have, then close (replies to a half-closed
-            // client are still delivered when possible).
+            // Flush what we have, then close.
             self.flush(ci);
             self.close(ci);
             return;
         }
-        // A read that stopped early (buffer bound) leaves data in the
-        // socket: come back to it in the ready queue.
+        if more {
+            self.requeue(ci);
+        }
+    }
+
+    /// Come back to a connection in this loop turn's ready queue (input
+    /// left in the socket or in the buffer after a -R yield).
+    fn requeue(&mut self, ci: usize) {
         if let Some(c) = self.conns.get_mut(ci) {
-            if !c.queued && !c.closing && c.output.unsent() <= MAX_PENDING_OUTPUT {
+            if !c.queued && !c.closing {
                 c.queued = true;
                 self.ready.push_back(ci);
             }
@@ -502,10 +516,7 @@ impl Worker {
             if done >= reqs_per_event {
                 // Fairness (-R): yield to other connections, come back later.
                 self.counters.conn_yields += 1;
-                if !conn.queued {
-                    conn.queued = true;
-                    self.ready.push_back(ci);
-                }
+                self.requeue(ci);
                 break;
             }
             let proto = *conn.proto.get_or_insert_with(|| mbal_proto::detect(conn.rbuf[pos]));
@@ -598,10 +609,9 @@ impl Worker {
             self.close(ci);
             return;
         }
-        // Output drained below the bound: resume reading buffered input.
-        if !need_write && !conn.rbuf.is_empty() && !conn.queued && !conn.closing {
-            conn.queued = true;
-            self.ready.push_back(ci);
+        // Output drained: resume a read that back-pressure paused.
+        if !need_write && conn.read_blocked {
+            self.requeue(ci);
         }
     }
 

@@ -26,7 +26,16 @@ step "cargo clippy --all-targets -- -D warnings"
 cargo clippy --workspace --all-targets -- -D warnings
 
 step "cargo test (unit, property and loopback integration tests)"
-cargo test --workspace
+# A stock memcached for the tests that compare reply bytes with it
+# (crates/proto/tests/vs_memcached.rs).
+MC_PORT=$((30000 + RANDOM % 20000))
+mc_user=(); [ "$(id -u)" -eq 0 ] && mc_user=(-u nobody)
+memcached "${mc_user[@]}" -l 127.0.0.1 -p "$MC_PORT" -U 0 -t 1 -m 64 &
+MC_PID=$!
+trap 'kill $MC_PID 2>/dev/null || true' EXIT
+for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/$MC_PORT) 2>/dev/null && break; sleep 0.05; done
+MBAL_MEMCACHED_ADDR="127.0.0.1:$MC_PORT" MBAL_REQUIRE_MEMCACHED=1 cargo test --workspace
+kill $MC_PID 2>/dev/null || true
 
 step "real client libraries against a real server (pytest)"
 cargo build --release --bin mbal

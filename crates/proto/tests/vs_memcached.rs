@@ -2,7 +2,8 @@
 //! bytes a real memcached sends. Runs only when `MBAL_MEMCACHED_ADDR` points
 //! at a memcached (e.g. `memcached -p 11987 -U 0 -l 127.0.0.1 &` and
 //! `MBAL_MEMCACHED_ADDR=127.0.0.1:11987 cargo test -p mbal-proto --test vs_memcached`);
-//! otherwise it passes without doing anything.
+//! otherwise it is skipped, unless `MBAL_REQUIRE_MEMCACHED` is set (as
+//! `scripts/test.sh` and CI do), in which case a missing memcached fails it.
 
 use mbal_proto::binary::write_request;
 use mbal_proto::meta::MetaKind;
@@ -12,7 +13,11 @@ use std::net::TcpStream;
 use std::time::Duration;
 
 fn addr() -> Option<String> {
-    std::env::var("MBAL_MEMCACHED_ADDR").ok().filter(|s| !s.is_empty())
+    let a = std::env::var("MBAL_MEMCACHED_ADDR").ok().filter(|s| !s.is_empty());
+    if a.is_none() && std::env::var_os("MBAL_REQUIRE_MEMCACHED").is_some() {
+        panic!("MBAL_REQUIRE_MEMCACHED is set but MBAL_MEMCACHED_ADDR is not");
+    }
+    a
 }
 
 fn connect(addr: &str) -> TcpStream {

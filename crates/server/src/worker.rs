@@ -525,6 +525,20 @@ impl Worker {
             match mbal_proto::parse(proto, buf, &self.limits) {
                 Parsed::NeedMore => break,
                 Parsed::Err { reply, skip, close } => {
+                    // memcached drops the old value of a key whose new value
+                    // was refused as too large; so do we.
+                    if let Some(key) = mbal_proto::key_to_unlink_on_too_large(buf) {
+                        let mut rt = Route {
+                            worker,
+                            conn: ci,
+                            gen: conn.gen,
+                            owner: &self.owner,
+                            outbox: &mut self.outbox,
+                            counters: &mut self.counters,
+                            self_stats: &mut self.self_stats,
+                        };
+                        unlink(&self.shared.layout, &mut rt, &mut self.store, self.now, output, key);
+                    }
                     reply.write(output.buf());
                     let avail = buf.len();
                     if skip <= avail {
@@ -1056,6 +1070,20 @@ fn handle_bin(
             }
             Action::None
         }
+    }
+}
+
+/// Delete a key wherever it lives in this server (no reply).
+fn unlink(layout: &Layout, rt: &mut Route, store: &mut WorkerStore, now: u32, output: &mut Output, key: &[u8]) {
+    let at = locate(layout, key);
+    let owner = rt.owner_of(at);
+    if owner == rt.worker {
+        store.delete(at.cachelet, at.hash, key, None, now);
+    } else {
+        let mut req = b"delete ".to_vec();
+        req.extend_from_slice(key);
+        req.extend_from_slice(b" noreply\r\n");
+        rt.forward(output, owner, FwdOp::Raw(Protocol::Text, req));
     }
 }
 

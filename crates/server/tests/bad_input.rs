@@ -222,3 +222,21 @@ fn client_that_never_reads_does_not_grow_memory_without_bound() {
     assert!(d.cmd("version\r\n").starts_with("VERSION"));
     srv.shutdown();
 }
+
+#[test]
+fn too_large_set_drops_the_old_value_like_memcached() {
+    let srv = start(settings(2));
+    let mut c = Conn::open(srv.main_addr);
+    for i in 0..20 {
+        let key = format!("old{i}");
+        assert_eq!(c.set(&key, b"v1"), "STORED\r\n");
+        let n = (1 << 20) + 10;
+        let mut req = format!("set {key} 0 0 {n}\r\n").into_bytes();
+        req.extend(std::iter::repeat_n(b'y', n));
+        req.extend_from_slice(b"\r\n");
+        c.send(&req);
+        assert_eq!(c.line(), "SERVER_ERROR object too large for cache\r\n");
+        assert_eq!(c.get(&key), None, "{key}: the old value is gone, as in memcached");
+    }
+    srv.shutdown();
+}

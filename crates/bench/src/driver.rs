@@ -127,11 +127,7 @@ impl PlainDriver {
                 std.set_nonblocking(true)?;
                 let mut stream = TcpStream::from_std(std);
                 let id = conns.len();
-                poll.registry().register(
-                    &mut stream,
-                    Token(id),
-                    Interest::READABLE | Interest::WRITABLE,
-                )?;
+                poll.registry().register(&mut stream, Token(id), Interest::READABLE | Interest::WRITABLE)?;
                 conns.push(Conn {
                     stream,
                     target: si,
@@ -190,10 +186,7 @@ impl PlainDriver {
             loop {
                 let Some(&(token, expect)) = c.pending.front() else {
                     if c.rstart < c.rend {
-                        bail!(
-                            "server {} sent data with no request pending",
-                            self.servers[c.target]
-                        );
+                        bail!("server {} sent data with no request pending", self.servers[c.target]);
                     }
                     break;
                 };
@@ -212,11 +205,7 @@ impl PlainDriver {
                 }
                 op.parts -= 1;
                 if op.parts == 0 {
-                    out.push(Completion {
-                        token,
-                        hits: op.hits,
-                        errors: op.errors,
-                    });
+                    out.push(Completion { token, hits: op.hits, errors: op.errors });
                 }
             }
             if c.rstart == c.rend {
@@ -239,9 +228,7 @@ impl PlainDriver {
                 Ok(n) => c.wpos += n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => {
-                    return Err(e).with_context(|| format!("write to {}", self.servers[c.target]))
-                }
+                Err(e) => return Err(e).with_context(|| format!("write to {}", self.servers[c.target])),
             }
         }
         c.wbuf.clear();
@@ -261,9 +248,7 @@ impl Driver for PlainDriver {
         *op = OpState::default();
         match req.kind {
             OpKind::Set => {
-                let &[key] = req.keys else {
-                    bail!("set takes one key")
-                };
+                let &[key] = req.keys else { bail!("set takes one key") };
                 self.key_buf.clear();
                 write_key(&mut self.key_buf, key, self.key_size);
                 let s = server_of(&self.key_buf, n);
@@ -342,13 +327,7 @@ impl Driver for PlainDriver {
         }
         let mut ready = std::mem::take(&mut self.ready);
         ready.clear();
-        ready.extend(self.events.iter().map(|e| {
-            (
-                e.token().0,
-                e.is_readable() || e.is_read_closed(),
-                e.is_writable(),
-            )
-        }));
+        ready.extend(self.events.iter().map(|e| (e.token().0, e.is_readable() || e.is_read_closed(), e.is_writable())));
         for &(ci, r, w) in &ready {
             if w && self.conns[ci].wpos < self.conns[ci].wbuf.len() {
                 self.write_conn(ci)?;

@@ -117,10 +117,7 @@ pub struct ThreadResult {
 
 /// CPU time used by the calling thread.
 pub fn thread_cpu_secs() -> f64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: valid pointer to a timespec; CLOCK_THREAD_CPUTIME_ID is supported on Linux.
     let r = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
     if r != 0 {
@@ -141,14 +138,7 @@ pub fn run_thread(driver: &mut dyn Driver, mut plan: ThreadPlan) -> Result<Threa
     let cpu0 = thread_cpu_secs();
     let cap = plan.slots * plan.pipeline;
     let mut free: Vec<u32> = (0..cap as u32).rev().collect();
-    let mut meta: Vec<Slot> = (0..cap)
-        .map(|_| Slot {
-            start_ns: 0,
-            kind: OpKind::Get,
-            slot: 0,
-            nkeys: 0,
-        })
-        .collect();
+    let mut meta: Vec<Slot> = (0..cap).map(|_| Slot { start_ns: 0, kind: OpKind::Get, slot: 0, nkeys: 0 }).collect();
     let mut inflight = vec![0usize; plan.slots];
     let mut total_inflight = 0usize;
     let mut rng = SmallRng::seed_from_u64(plan.seed);
@@ -173,11 +163,7 @@ pub fn run_thread(driver: &mut dyn Driver, mut plan: ThreadPlan) -> Result<Threa
     };
     let start = plan.start;
     let deadline_ns = plan.duration.as_nanos() as u64;
-    let interval_ns = plan
-        .rate
-        .map(|r| (1e9 / r.max(1e-9)) as u64)
-        .unwrap_or(0)
-        .max(1);
+    let interval_ns = plan.rate.map(|r| (1e9 / r.max(1e-9)) as u64).unwrap_or(0).max(1);
     let mut next_intended = plan.phase_offset_ns;
     let mut rr = 0usize;
     let mut stopping = false;
@@ -185,11 +171,10 @@ pub fn run_thread(driver: &mut dyn Driver, mut plan: ThreadPlan) -> Result<Threa
     let mut drain_deadline = 0u64;
     let mut last_end = 0u64;
     let elapsed_ns = || start.elapsed().as_nanos() as u64;
-    let (mut load_state, phases) =
-        match std::mem::replace(&mut plan.source, OpSource::Mix { phases: Vec::new() }) {
-            OpSource::Load { next, step, end } => (Some((next, step.max(1), end)), Vec::new()),
-            OpSource::Mix { phases } => (None, phases),
-        };
+    let (mut load_state, phases) = match std::mem::replace(&mut plan.source, OpSource::Mix { phases: Vec::new() }) {
+        OpSource::Load { next, step, end } => (Some((next, step.max(1), end)), Vec::new()),
+        OpSource::Mix { phases } => (None, phases),
+    };
     if load_state.is_none() && phases.is_empty() {
         anyhow::bail!("no phases");
     }
@@ -197,10 +182,7 @@ pub fn run_thread(driver: &mut dyn Driver, mut plan: ThreadPlan) -> Result<Threa
     loop {
         let now = elapsed_ns();
         if !stopping
-            && (now >= deadline_ns
-                || res.sent >= plan.quota
-                || exhausted
-                || plan.abort.load(Ordering::Relaxed))
+            && (now >= deadline_ns || res.sent >= plan.quota || exhausted || plan.abort.load(Ordering::Relaxed))
         {
             stopping = true;
             drain_deadline = now + plan.drain.as_nanos() as u64;
@@ -210,10 +192,7 @@ pub fn run_thread(driver: &mut dyn Driver, mut plan: ThreadPlan) -> Result<Threa
                 (0.0, None)
             } else {
                 let t = now as f64 * 1e-9;
-                let p = phases
-                    .iter()
-                    .find(|p| t < p.0)
-                    .unwrap_or(&phases[phases.len() - 1]);
+                let p = phases.iter().find(|p| t < p.0).unwrap_or(&phases[phases.len() - 1]);
                 (p.1, Some(&p.2))
             };
             let mut submitted = false;
@@ -283,20 +262,8 @@ pub fn run_thread(driver: &mut dyn Driver, mut plan: ThreadPlan) -> Result<Threa
                 } else {
                     now
                 };
-                meta[token as usize] = Slot {
-                    start_ns,
-                    kind,
-                    slot: slot as u32,
-                    nkeys: keys.len() as u32,
-                };
-                driver.submit(
-                    slot,
-                    &Request {
-                        kind,
-                        keys: &keys,
-                        token,
-                    },
-                )?;
+                meta[token as usize] = Slot { start_ns, kind, slot: slot as u32, nkeys: keys.len() as u32 };
+                driver.submit(slot, &Request { kind, keys: &keys, token })?;
                 inflight[slot] += 1;
                 total_inflight += 1;
                 res.sent += 1;
@@ -325,11 +292,8 @@ pub fn run_thread(driver: &mut dyn Driver, mut plan: ThreadPlan) -> Result<Threa
                 // epoll's timeout has millisecond granularity (mio rounds up): block until about
                 // 1 ms before the next intended send, then busy-poll so sends are on time.
                 let wait = next_intended.saturating_sub(now);
-                timeout = if wait < 1_200_000 {
-                    Duration::ZERO
-                } else {
-                    timeout.min(Duration::from_nanos(wait - 1_000_000))
-                };
+                timeout =
+                    if wait < 1_200_000 { Duration::ZERO } else { timeout.min(Duration::from_nanos(wait - 1_000_000)) };
             }
         }
         driver.poll(timeout, &mut done)?;

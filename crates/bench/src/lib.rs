@@ -340,11 +340,7 @@ fn validate(args: &BenchArgs) -> Result<()> {
         bail!("--threads, --conns and --pipeline must be >= 1");
     }
     if args.conns < args.threads {
-        bail!(
-            "--conns ({}) must be >= --threads ({})",
-            args.conns,
-            args.threads
-        );
+        bail!("--conns ({}) must be >= --threads ({})", args.conns, args.threads);
     }
     if args.keys == 0 {
         bail!("--keys must be >= 1");
@@ -369,10 +365,7 @@ fn validate(args: &BenchArgs) -> Result<()> {
             bail!("--duration must be > 0");
         }
     }
-    let ok = args.drain.is_finite()
-        && args.drain >= 0.0
-        && args.load_timeout.is_finite()
-        && args.load_timeout > 0.0;
+    let ok = args.drain.is_finite() && args.drain >= 0.0 && args.load_timeout.is_finite() && args.load_timeout > 0.0;
     if !ok {
         bail!("--drain and --load-timeout must be >= 0");
     }
@@ -411,11 +404,9 @@ fn run_threads(
             indicatif::ProgressDrawTarget::stdout(),
         );
         b.set_style(
-            indicatif::ProgressStyle::with_template(
-                "{prefix} [{bar:40}] {elapsed}/{duration} {msg}",
-            )
-            .expect("template")
-            .progress_chars("=> "),
+            indicatif::ProgressStyle::with_template("{prefix} [{bar:40}] {elapsed}/{duration} {msg}")
+                .expect("template")
+                .progress_chars("=> "),
         );
         b.set_prefix(label.to_string());
         b
@@ -435,10 +426,7 @@ fn run_threads(
                 duration,
                 drain: Duration::from_secs_f64(args.drain),
                 source,
-                seed: args
-                    .seed
-                    .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-                    .wrapping_add(t as u64 * 7919 + 1),
+                seed: args.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(t as u64 * 7919 + 1),
                 phase_offset_ns: rate.map(|r| (1e9 / r * t as f64) as u64).unwrap_or(0),
                 progress: progress[t].clone(),
                 abort: abort.clone(),
@@ -479,34 +467,23 @@ fn run_threads(
             let el = start.elapsed();
             let ops: u64 = progress.iter().map(|p| p.load(Ordering::Relaxed)).sum();
             bar.set_position(el.as_millis() as u64);
-            bar.set_message(format!(
-                "{ops} ops, {:.0} ops/s",
-                ops as f64 / el.as_secs_f64().max(1e-9)
-            ));
+            bar.set_message(format!("{ops} ops, {:.0} ops/s", ops as f64 / el.as_secs_f64().max(1e-9)));
         }
         bar.finish_and_clear();
         let mut results = Vec::new();
         let mut target_names = Vec::new();
         for h in handles {
-            let (r, names) = h
-                .join()
-                .map_err(|_| anyhow::anyhow!("client thread panicked"))??;
+            let (r, names) = h.join().map_err(|_| anyhow::anyhow!("client thread panicked"))??;
             results.push(r);
             target_names = names;
         }
-        Ok(PhaseOutcome {
-            results,
-            target_names,
-        })
+        Ok(PhaseOutcome { results, target_names })
     })?;
     Ok(outcome)
 }
 
 fn totals_of(results: &[ThreadResult], rate: Option<f64>) -> Totals {
-    let mut t = Totals {
-        target_rate: rate,
-        ..Default::default()
-    };
+    let mut t = Totals { target_rate: rate, ..Default::default() };
     let mut elapsed = Duration::ZERO;
     for r in results {
         t.ops += r.ops;
@@ -526,11 +503,7 @@ fn totals_of(results: &[ThreadResult], rate: Option<f64>) -> Totals {
     t.ops_per_sec = t.ops as f64 / secs;
     t.requests_per_sec = t.requests as f64 / secs;
     t.keys_per_sec = (t.get_keys + t.sets) as f64 / secs;
-    t.hit_ratio = if t.get_keys > 0 {
-        t.hits as f64 / t.get_keys as f64
-    } else {
-        0.0
-    };
+    t.hit_ratio = if t.get_keys > 0 { t.hits as f64 / t.get_keys as f64 } else { 0.0 };
     t
 }
 
@@ -546,10 +519,7 @@ fn fmt_lat(name: &str, l: &LatencySummary) -> String {
 /// first of them.
 pub fn run(args: BenchArgs) -> Result<BenchReport> {
     if !args.plot_only.is_empty() {
-        let out = args
-            .output
-            .clone()
-            .context("--plot-only needs -o/--output FILE.svg")?;
+        let out = args.output.clone().context("--plot-only needs -o/--output FILE.svg")?;
         let mut reports = Vec::new();
         for p in &args.plot_only {
             reports.push((label_of(p), load_report(p)?));
@@ -561,11 +531,7 @@ pub fn run(args: BenchArgs) -> Result<BenchReport> {
         return Ok(reports.swap_remove(0).1);
     }
     validate(&args)?;
-    let stub = if args.null_server {
-        Some(stub::StubServer::start().context("start stub server")?)
-    } else {
-        None
-    };
+    let stub = if args.null_server { Some(stub::StubServer::start().context("start stub server")?) } else { None };
     let servers = match &stub {
         Some(s) => vec![s.addr],
         None => resolve_targets(&args)?,
@@ -619,10 +585,8 @@ impl DriverFactory for PlainFactory {
 pub fn run_with(args: BenchArgs, factory: &dyn DriverFactory) -> Result<BenchReport> {
     validate(&args)?;
     let show = !args.quiet;
-    let started_unix_ms = SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0);
+    let started_unix_ms =
+        SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
     let params = WorkloadParams {
         keys: args.keys,
         zipf: args.zipf,
@@ -633,36 +597,17 @@ pub fn run_with(args: BenchArgs, factory: &dyn DriverFactory) -> Result<BenchRep
     };
     let phases = match &args.phases {
         Some(p) => workload::parse_phases(p)?,
-        None => vec![Phase {
-            workload: args.workload,
-            secs: args.duration.unwrap_or(10.0),
-        }],
+        None => vec![Phase { workload: args.workload, secs: args.duration.unwrap_or(10.0) }],
     };
-    let duration = args
-        .duration
-        .unwrap_or_else(|| phases.iter().map(|p| p.secs).sum());
+    let duration = args.duration.unwrap_or_else(|| phases.iter().map(|p| p.secs).sum());
 
     // load phase
     let mut load = None;
     if args.load || args.load_only {
         let threads = args.threads as u32;
-        let sources = (0..threads)
-            .map(|t| OpSource::Load {
-                next: t,
-                step: threads,
-                end: args.keys,
-            })
-            .collect();
-        let o = run_threads(
-            &args,
-            factory,
-            sources,
-            Duration::from_secs_f64(args.load_timeout),
-            None,
-            None,
-            "load",
-            show,
-        )?;
+        let sources = (0..threads).map(|t| OpSource::Load { next: t, step: threads, end: args.keys }).collect();
+        let o =
+            run_threads(&args, factory, sources, Duration::from_secs_f64(args.load_timeout), None, None, "load", show)?;
         let t = totals_of(&o.results, None);
         if show {
             println!(
@@ -671,10 +616,7 @@ pub fn run_with(args: BenchArgs, factory: &dyn DriverFactory) -> Result<BenchRep
             );
         }
         if t.sets < args.keys as u64 {
-            eprintln!(
-                "warning: load phase stored only {} of {} keys (--load-timeout)",
-                t.sets, args.keys
-            );
+            eprintln!("warning: load phase stored only {} of {} keys (--load-timeout)", t.sets, args.keys);
         }
         load = Some(t);
     }
@@ -690,10 +632,7 @@ pub fn run_with(args: BenchArgs, factory: &dyn DriverFactory) -> Result<BenchRep
         latency: BTreeMap::new(),
         timeline: Vec::new(),
         balance: Balance::default(),
-        client: ClientCost {
-            threads: args.threads,
-            ..Default::default()
-        },
+        client: ClientCost { threads: args.threads, ..Default::default() },
     };
 
     if !args.load_only {
@@ -705,11 +644,7 @@ pub fn run_with(args: BenchArgs, factory: &dyn DriverFactory) -> Result<BenchRep
             for p in &phases {
                 end += p.secs;
                 let mix = workload::mix_of(p.workload, &params);
-                ph.push((
-                    end,
-                    mix.read_ratio,
-                    KeyGen::new(mix.dist, &params, perm.clone())?,
-                ));
+                ph.push((end, mix.read_ratio, KeyGen::new(mix.dist, &params, perm.clone())?));
             }
             sources.push(OpSource::Mix { phases: ph });
         }
@@ -729,17 +664,10 @@ pub fn run_with(args: BenchArgs, factory: &dyn DriverFactory) -> Result<BenchRep
         print_summary(&report);
     }
     if let Some(p) = &args.json {
-        std::fs::write(p, serde_json::to_vec_pretty(&report)?)
-            .with_context(|| format!("write {}", p.display()))?;
+        std::fs::write(p, serde_json::to_vec_pretty(&report)?).with_context(|| format!("write {}", p.display()))?;
     }
     if let Some(p) = &args.plot {
-        plot(
-            &[(
-                label_of(args.json.as_deref().unwrap_or(Path::new("run"))),
-                report.clone(),
-            )],
-            p,
-        )?;
+        plot(&[(label_of(args.json.as_deref().unwrap_or(Path::new("run"))), report.clone())], p)?;
     }
     Ok(report)
 }
@@ -784,18 +712,11 @@ fn fill_report(report: &mut BenchReport, o: &PhaseOutcome, phases: &[Phase]) {
         .iter()
         .enumerate()
         .map(|(t, s)| {
-            let span = if t + 1 == n_secs {
-                (elapsed - t as f64).clamp(0.25, 1.25)
-            } else {
-                1.0
-            };
+            let span = if t + 1 == n_secs { (elapsed - t as f64).clamp(0.25, 1.25) } else { 1.0 };
             let l = summarize(&s.hist, 1000.0);
             SecondStats {
                 t: t as u32,
-                phase: phases[workload::phase_at(phases, t as f64 + 0.5)]
-                    .workload
-                    .name()
-                    .into(),
+                phase: phases[workload::phase_at(phases, t as f64 + 0.5)].workload.name().into(),
                 ops: s.ops,
                 gets: s.gets,
                 sets: s.sets,
@@ -819,10 +740,7 @@ fn fill_report(report: &mut BenchReport, o: &PhaseOutcome, phases: &[Phase]) {
             .target_names
             .iter()
             .zip(&targets)
-            .map(|(name, &requests)| TargetStats {
-                name: name.clone(),
-                requests,
-            })
+            .map(|(name, &requests)| TargetStats { name: name.clone(), requests })
             .collect(),
         max_requests: max,
         avg_requests: avg,
@@ -832,11 +750,7 @@ fn fill_report(report: &mut BenchReport, o: &PhaseOutcome, phases: &[Phase]) {
     report.client = ClientCost {
         threads: rs.len(),
         cpu_secs: cpu,
-        ops_per_cpu_sec: if cpu > 0.0 {
-            report.totals.ops as f64 / cpu
-        } else {
-            0.0
-        },
+        ops_per_cpu_sec: if cpu > 0.0 { report.totals.ops as f64 / cpu } else { 0.0 },
     };
 }
 
@@ -845,10 +759,8 @@ fn print_summary(r: &BenchReport) {
         return;
     }
     let t = &r.totals;
-    let mut line = format!(
-        "run: {:.2}s ops={} {:.0} ops/s, {:.0} req/s",
-        t.elapsed_s, t.ops, t.ops_per_sec, t.requests_per_sec
-    );
+    let mut line =
+        format!("run: {:.2}s ops={} {:.0} ops/s, {:.0} req/s", t.elapsed_s, t.ops, t.ops_per_sec, t.requests_per_sec);
     if r.settings.multiget > 1 {
         line += &format!(", {:.0} keys/s", t.keys_per_sec);
     }
@@ -878,9 +790,7 @@ fn print_summary(r: &BenchReport) {
 }
 
 fn label_of(p: &Path) -> String {
-    p.file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "run".into())
+    p.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "run".into())
 }
 
 /// Read a `--json` report.

@@ -16,27 +16,16 @@ pub fn plot(reports: &[(String, BenchReport)], out: &Path) -> Result<()> {
     let root = SVGBackend::new(out, (1000, 700)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| anyhow!("{e:?}"))?;
     let (top, bottom) = root.split_vertically(350);
-    let max_t = reports
-        .iter()
-        .map(|(_, r)| r.timeline.len())
-        .max()
-        .unwrap_or(1)
-        .max(1) as f64;
-    let max_ops = reports
-        .iter()
-        .flat_map(|(_, r)| r.timeline.iter().map(|s| s.ops_per_sec))
-        .fold(1.0f64, f64::max);
+    let max_t = reports.iter().map(|(_, r)| r.timeline.len()).max().unwrap_or(1).max(1) as f64;
+    let max_ops = reports.iter().flat_map(|(_, r)| r.timeline.iter().map(|s| s.ops_per_sec)).fold(1.0f64, f64::max);
     let min_lat = reports
         .iter()
         .flat_map(|(_, r)| r.timeline.iter().map(|s| s.p90_us))
         .filter(|v| *v > 0.0)
         .fold(f64::MAX, f64::min)
         .clamp(1.0, 1e9);
-    let max_lat = reports
-        .iter()
-        .flat_map(|(_, r)| r.timeline.iter().map(|s| s.p99_us))
-        .fold(1.0f64, f64::max)
-        .max(min_lat * 2.0);
+    let max_lat =
+        reports.iter().flat_map(|(_, r)| r.timeline.iter().map(|s| s.p99_us)).fold(1.0f64, f64::max).max(min_lat * 2.0);
 
     let mut c = ChartBuilder::on(&top)
         .caption("throughput", ("sans-serif", 18))
@@ -64,11 +53,8 @@ pub fn plot(reports: &[(String, BenchReport)], out: &Path) -> Result<()> {
             )))
             .map_err(|e| anyhow!("{e:?}"))?;
             if at > 0.0 {
-                c.draw_series(LineSeries::new(
-                    vec![(at, 0.0), (at, max_ops * 1.1)],
-                    BLACK.mix(0.4).stroke_width(1),
-                ))
-                .map_err(|e| anyhow!("{e:?}"))?;
+                c.draw_series(LineSeries::new(vec![(at, 0.0), (at, max_ops * 1.1)], BLACK.mix(0.4).stroke_width(1)))
+                    .map_err(|e| anyhow!("{e:?}"))?;
             }
             at += p.secs;
         }
@@ -90,10 +76,7 @@ pub fn plot(reports: &[(String, BenchReport)], out: &Path) -> Result<()> {
         .map_err(|e| anyhow!("{e:?}"))?;
 
     let mut c = ChartBuilder::on(&bottom)
-        .caption(
-            "latency p99 (thick) / p90 (thin), log scale",
-            ("sans-serif", 18),
-        )
+        .caption("latency p99 (thick) / p90 (thin), log scale", ("sans-serif", 18))
         .margin(10)
         .x_label_area_size(30)
         .y_label_area_size(70)
@@ -108,13 +91,10 @@ pub fn plot(reports: &[(String, BenchReport)], out: &Path) -> Result<()> {
         .map_err(|e| anyhow!("{e:?}"))?;
     for (i, (label, r)) in reports.iter().enumerate() {
         let color = Palette99::pick(i).to_rgba();
-        c.draw_series(LineSeries::new(
-            r.timeline.iter().map(|s| (s.t as f64 + 0.5, s.p99_us)),
-            color.stroke_width(2),
-        ))
-        .map_err(|e| anyhow!("{e:?}"))?
-        .label(format!("{label} p99"))
-        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+        c.draw_series(LineSeries::new(r.timeline.iter().map(|s| (s.t as f64 + 0.5, s.p99_us)), color.stroke_width(2)))
+            .map_err(|e| anyhow!("{e:?}"))?
+            .label(format!("{label} p99"))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
         c.draw_series(LineSeries::new(
             r.timeline.iter().map(|s| (s.t as f64 + 0.5, s.p90_us)),
             color.mix(0.6).stroke_width(1),

@@ -61,11 +61,7 @@ impl ReplyParser {
     /// Parse from `buf`. Returns `(consumed, Some(reply))` when a reply completed (stop there;
     /// the next reply may be of another kind), or `(consumed, None)` when more input is needed
     /// (`consumed` bytes can be dropped anyway).
-    pub fn parse(
-        &mut self,
-        buf: &[u8],
-        expect: Expect,
-    ) -> Result<(usize, Option<Reply>), ParseError> {
+    pub fn parse(&mut self, buf: &[u8], expect: Expect) -> Result<(usize, Option<Reply>), ParseError> {
         let mut pos = 0;
         loop {
             if self.skip > 0 {
@@ -104,12 +100,7 @@ impl ReplyParser {
                         let bytes = bytes
                             .and_then(|b| std::str::from_utf8(b).ok())
                             .and_then(|b| b.parse::<usize>().ok())
-                            .ok_or_else(|| {
-                                ParseError(format!(
-                                    "bad VALUE line {:?}",
-                                    String::from_utf8_lossy(line)
-                                ))
-                            })?;
+                            .ok_or_else(|| ParseError(format!("bad VALUE line {:?}", String::from_utf8_lossy(line))))?;
                         self.in_get = true;
                         self.hits += 1;
                         self.skip = bytes + 2;
@@ -118,10 +109,7 @@ impl ReplyParser {
                         self.in_get = false;
                         return Ok((pos, Some(Reply::Error)));
                     } else {
-                        return Err(ParseError(format!(
-                            "unexpected line in get reply {:?}",
-                            lossy(line)
-                        )));
+                        return Err(ParseError(format!("unexpected line in get reply {:?}", lossy(line))));
                     }
                 }
                 Expect::Store => {
@@ -131,12 +119,7 @@ impl ReplyParser {
                         b"EXISTS" => Reply::Exists,
                         b"NOT_FOUND" => Reply::NotFound,
                         l if is_error(l) => Reply::Error,
-                        l => {
-                            return Err(ParseError(format!(
-                                "unexpected store reply {:?}",
-                                lossy(l)
-                            )))
-                        }
+                        l => return Err(ParseError(format!("unexpected store reply {:?}", lossy(l)))),
                     };
                     return Ok((pos, Some(r)));
                 }

@@ -38,20 +38,16 @@ impl StubServer {
         let stop = Arc::new(AtomicBool::new(false));
         let store: Store = Arc::default();
         let (st, sp) = (stats.clone(), stop.clone());
-        std::thread::Builder::new()
-            .name("stub-accept".into())
-            .spawn(move || {
-                for conn in listener.incoming() {
-                    if sp.load(Ordering::Relaxed) {
-                        break;
-                    }
-                    let Ok(conn) = conn else { continue };
-                    let (st, store) = (st.clone(), store.clone());
-                    let _ = std::thread::Builder::new()
-                        .name("stub-conn".into())
-                        .spawn(move || serve(conn, &store, &st));
+        std::thread::Builder::new().name("stub-accept".into()).spawn(move || {
+            for conn in listener.incoming() {
+                if sp.load(Ordering::Relaxed) {
+                    break;
                 }
-            })?;
+                let Ok(conn) = conn else { continue };
+                let (st, store) = (st.clone(), store.clone());
+                let _ = std::thread::Builder::new().name("stub-conn".into()).spawn(move || serve(conn, &store, &st));
+            }
+        })?;
         Ok(StubServer { addr, stats, stop })
     }
 }
@@ -113,9 +109,7 @@ fn serve(mut conn: TcpStream, store: &Store, stats: &StubStats) {
                 }
                 b"set" | b"add" | b"replace" => {
                     let t: Vec<&[u8]> = toks.collect();
-                    let bytes = t
-                        .get(3)
-                        .and_then(|b| std::str::from_utf8(b).ok()?.parse::<usize>().ok());
+                    let bytes = t.get(3).and_then(|b| std::str::from_utf8(b).ok()?.parse::<usize>().ok());
                     let (Some(key), Some(bytes)) = (t.first(), bytes) else {
                         out.extend_from_slice(b"CLIENT_ERROR bad command line format\r\n");
                         start += used;
@@ -143,14 +137,8 @@ fn serve(mut conn: TcpStream, store: &Store, stats: &StubStats) {
                     }
                 }
                 b"delete" => {
-                    let found = toks
-                        .next()
-                        .map(|k| store.lock().unwrap().remove(k).is_some());
-                    out.extend_from_slice(if found == Some(true) {
-                        b"DELETED\r\n"
-                    } else {
-                        b"NOT_FOUND\r\n"
-                    });
+                    let found = toks.next().map(|k| store.lock().unwrap().remove(k).is_some());
+                    out.extend_from_slice(if found == Some(true) { b"DELETED\r\n" } else { b"NOT_FOUND\r\n" });
                 }
                 b"version" => out.extend_from_slice(b"VERSION stub\r\n"),
                 b"quit" => return,

@@ -22,23 +22,14 @@ fn timeline_ops(r: &BenchReport) -> u64 {
 #[test]
 fn bounded_closed_loop_run_counts() {
     let s = StubServer::start().unwrap();
-    let a = BenchArgs {
-        load: true,
-        max_ops: Some(1000),
-        workload: WorkloadKind::C,
-        ..args_for(&[&s])
-    };
+    let a = BenchArgs { load: true, max_ops: Some(1000), workload: WorkloadKind::C, ..args_for(&[&s]) };
     let r = run(a).unwrap();
     let load = r.load.clone().unwrap();
     assert_eq!(load.sets, 1000);
     assert_eq!(load.errors, 0);
     assert_eq!(r.totals.ops, 1000);
     assert_eq!(r.totals.gets + r.totals.sets, 1000);
-    assert!(
-        r.totals.gets > 300 && r.totals.sets > 300,
-        "50/50 mix: {:?}",
-        r.totals
-    );
+    assert!(r.totals.gets > 300 && r.totals.sets > 300, "50/50 mix: {:?}", r.totals);
     assert_eq!(r.totals.get_keys, r.totals.gets);
     // every key was loaded, so every get hits
     assert_eq!(r.totals.hits, r.totals.gets);
@@ -59,12 +50,7 @@ fn bounded_closed_loop_run_counts() {
 #[test]
 fn multiget_counts_keys_and_requests_separately() {
     let s = StubServer::start().unwrap();
-    let a = BenchArgs {
-        multiget: 10,
-        max_ops: Some(200),
-        threads: 2,
-        ..args_for(&[&s])
-    };
+    let a = BenchArgs { multiget: 10, max_ops: Some(200), threads: 2, ..args_for(&[&s]) };
     let r = run(a).unwrap();
     assert_eq!(r.totals.ops, 200);
     assert_eq!(r.totals.gets, 200);
@@ -97,18 +83,12 @@ fn keys_spread_over_servers_and_balance_is_reported() {
     assert_eq!(r.totals.requests, n1 + n2);
     // a multiget split over two servers is one op but up to two requests
     assert!(n1 + n2 > 2000 && n1 + n2 <= 4000);
-    assert_eq!(
-        r.totals.hits, 8000,
-        "every loaded key found on the server it hashes to"
-    );
+    assert_eq!(r.totals.hits, 8000, "every loaded key found on the server it hashes to");
     let (a1, a2) = (n1 as f64, n2 as f64);
     let want = imbalance_factor(&[a1, a2]);
     assert!((r.balance.imbalance_factor - want).abs() < 1e-12);
     // the load spread keys too: each server got about half of the 1000 sets
-    let (l1, l2) = (
-        s1.stats.sets.load(Ordering::Relaxed),
-        s2.stats.sets.load(Ordering::Relaxed),
-    );
+    let (l1, l2) = (s1.stats.sets.load(Ordering::Relaxed), s2.stats.sets.load(Ordering::Relaxed));
     assert_eq!(l1 + l2, 1000);
     assert!(l1 > 350 && l2 > 350, "{l1} / {l2}");
 }
@@ -116,13 +96,7 @@ fn keys_spread_over_servers_and_balance_is_reported() {
 #[test]
 fn load_only_sets_every_key_once() {
     let s = StubServer::start().unwrap();
-    let a = BenchArgs {
-        load_only: true,
-        keys: 777,
-        threads: 2,
-        conns: 3,
-        ..args_for(&[&s])
-    };
+    let a = BenchArgs { load_only: true, keys: 777, threads: 2, conns: 3, ..args_for(&[&s]) };
     let r = run(a).unwrap();
     assert_eq!(r.load.unwrap().sets, 777);
     assert_eq!(r.totals.ops, 0);
@@ -132,11 +106,7 @@ fn load_only_sets_every_key_once() {
 #[test]
 fn open_loop_is_bounded_by_max_ops() {
     let s = StubServer::start().unwrap();
-    let a = BenchArgs {
-        rate: Some(50_000.0),
-        max_ops: Some(300),
-        ..args_for(&[&s])
-    };
+    let a = BenchArgs { rate: Some(50_000.0), max_ops: Some(300), ..args_for(&[&s]) };
     let r = run(a).unwrap();
     assert_eq!(r.totals.ops, 300);
     assert_eq!(r.totals.target_rate, Some(50_000.0));
@@ -146,11 +116,7 @@ fn open_loop_is_bounded_by_max_ops() {
 #[test]
 fn phases_are_recorded() {
     let s = StubServer::start().unwrap();
-    let a = BenchArgs {
-        phases: Some("a:30,c:30".into()),
-        max_ops: Some(100),
-        ..args_for(&[&s])
-    };
+    let a = BenchArgs { phases: Some("a:30,c:30".into()), max_ops: Some(100), ..args_for(&[&s]) };
     let r = run(a).unwrap();
     assert_eq!(r.phases.len(), 2);
     assert_eq!(r.totals.ops, 100);
@@ -161,11 +127,7 @@ fn phases_are_recorded() {
 
 #[test]
 fn refuses_non_loopback_targets() {
-    let a = BenchArgs {
-        server: vec!["10.1.2.3:11211".into()],
-        quiet: true,
-        ..BenchArgs::default()
-    };
+    let a = BenchArgs { server: vec!["10.1.2.3:11211".into()], quiet: true, ..BenchArgs::default() };
     let e = run(a).unwrap_err().to_string();
     assert!(e.contains("not a loopback address"), "{e}");
 }
@@ -174,23 +136,10 @@ fn refuses_non_loopback_targets() {
 fn rejects_bad_settings() {
     let s = StubServer::start().unwrap();
     for a in [
-        BenchArgs {
-            key_size: 3,
-            ..args_for(&[&s])
-        },
-        BenchArgs {
-            conns: 1,
-            threads: 2,
-            ..args_for(&[&s])
-        },
-        BenchArgs {
-            phases: Some("zz:1".into()),
-            ..args_for(&[&s])
-        },
-        BenchArgs {
-            read_ratio: 1.5,
-            ..args_for(&[&s])
-        },
+        BenchArgs { key_size: 3, ..args_for(&[&s]) },
+        BenchArgs { conns: 1, threads: 2, ..args_for(&[&s]) },
+        BenchArgs { phases: Some("zz:1".into()), ..args_for(&[&s]) },
+        BenchArgs { read_ratio: 1.5, ..args_for(&[&s]) },
     ] {
         assert!(run(a).is_err());
     }
@@ -214,18 +163,10 @@ fn json_round_trip_and_plot_only() {
     std::fs::create_dir_all(&dir).unwrap();
     let j1 = dir.join("one.json");
     let svg1 = dir.join("one.svg");
-    let a = BenchArgs {
-        max_ops: Some(500),
-        json: Some(j1.clone()),
-        plot: Some(svg1.clone()),
-        ..args_for(&[&s])
-    };
+    let a = BenchArgs { max_ops: Some(500), json: Some(j1.clone()), plot: Some(svg1.clone()), ..args_for(&[&s]) };
     let r = run(a).unwrap();
     let back = load_report(&j1).unwrap();
-    assert_eq!(
-        (back.totals.ops, back.totals.gets, back.totals.misses),
-        (r.totals.ops, 500, 500)
-    );
+    assert_eq!((back.totals.ops, back.totals.gets, back.totals.misses), (r.totals.ops, 500, 500));
     assert!((back.totals.ops_per_sec - r.totals.ops_per_sec).abs() < 1e-6 * r.totals.ops_per_sec);
     assert_eq!(timeline_ops(&back), 500);
     assert_eq!(back.settings.max_ops, Some(500));
@@ -268,10 +209,7 @@ fn silent_server_run_is_bounded_by_duration_and_drain() {
     };
     let r = run(a).unwrap();
     assert_eq!(r.totals.ops, 0);
-    assert_eq!(
-        r.totals.unfinished, 6,
-        "2 conns x 3 in flight never answered"
-    );
+    assert_eq!(r.totals.unfinished, 6, "2 conns x 3 in flight never answered");
     tx.send(()).unwrap();
     holder.join().unwrap();
 }
@@ -295,20 +233,9 @@ impl Driver for FakeDriver {
     fn submit(&mut self, slot: usize, req: &Request<'_>) -> Result<()> {
         assert!(slot < self.slots);
         self.in_flight[slot] += 1;
-        assert!(
-            self.in_flight[slot] <= self.pipeline,
-            "pipeline depth exceeded"
-        );
-        assert!(
-            self.tokens.insert(req.token),
-            "token {} reused while in flight",
-            req.token
-        );
-        self.queued.push(Completion {
-            token: req.token,
-            hits: req.keys.len() as u32,
-            errors: 0,
-        });
+        assert!(self.in_flight[slot] <= self.pipeline, "pipeline depth exceeded");
+        assert!(self.tokens.insert(req.token), "token {} reused while in flight", req.token);
+        self.queued.push(Completion { token: req.token, hits: req.keys.len() as u32, errors: 0 });
         self.submitted += 1;
         Ok(())
     }

@@ -77,26 +77,11 @@ pub struct Mix {
 
 pub fn mix_of(kind: WorkloadKind, p: &WorkloadParams) -> Mix {
     match kind {
-        WorkloadKind::A => Mix {
-            read_ratio: 1.0,
-            dist: DistKind::Zipf,
-        },
-        WorkloadKind::B => Mix {
-            read_ratio: 0.95,
-            dist: DistKind::Hotspot,
-        },
-        WorkloadKind::C => Mix {
-            read_ratio: 0.5,
-            dist: DistKind::Zipf,
-        },
-        WorkloadKind::Uniform => Mix {
-            read_ratio: p.read_ratio,
-            dist: DistKind::Uniform,
-        },
-        WorkloadKind::Custom => Mix {
-            read_ratio: p.read_ratio,
-            dist: p.dist,
-        },
+        WorkloadKind::A => Mix { read_ratio: 1.0, dist: DistKind::Zipf },
+        WorkloadKind::B => Mix { read_ratio: 0.95, dist: DistKind::Hotspot },
+        WorkloadKind::C => Mix { read_ratio: 0.5, dist: DistKind::Zipf },
+        WorkloadKind::Uniform => Mix { read_ratio: p.read_ratio, dist: DistKind::Uniform },
+        WorkloadKind::Custom => Mix { read_ratio: p.read_ratio, dist: p.dist },
     }
 }
 
@@ -111,14 +96,10 @@ pub struct Phase {
 pub fn parse_phases(s: &str) -> Result<Vec<Phase>> {
     let mut out = Vec::new();
     for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let (name, secs) = part
-            .split_once(':')
-            .with_context(|| format!("phase {part:?} must look like NAME:SECONDS"))?;
+        let (name, secs) =
+            part.split_once(':').with_context(|| format!("phase {part:?} must look like NAME:SECONDS"))?;
         let workload = WorkloadKind::parse(name)?;
-        let secs: f64 = secs
-            .trim()
-            .parse()
-            .with_context(|| format!("phase {part:?}: bad seconds {secs:?}"))?;
+        let secs: f64 = secs.trim().parse().with_context(|| format!("phase {part:?}: bad seconds {secs:?}"))?;
         if !(secs.is_finite() && secs > 0.0) {
             bail!("phase {part:?}: seconds must be > 0");
         }
@@ -158,19 +139,9 @@ pub fn scramble_permutation(n: u32, seed: u64) -> Vec<u32> {
 
 /// Draws key indices from one distribution.
 pub enum KeyGen {
-    Zipf {
-        zipf: Zipf<f64>,
-        perm: Arc<Vec<u32>>,
-    },
-    Hotspot {
-        hot_n: u32,
-        n: u32,
-        hot_ops: f64,
-        perm: Arc<Vec<u32>>,
-    },
-    Uniform {
-        n: u32,
-    },
+    Zipf { zipf: Zipf<f64>, perm: Arc<Vec<u32>> },
+    Hotspot { hot_n: u32, n: u32, hot_ops: f64, perm: Arc<Vec<u32>> },
+    Uniform { n: u32 },
 }
 
 impl KeyGen {
@@ -181,8 +152,7 @@ impl KeyGen {
         }
         Ok(match dist {
             DistKind::Zipf => {
-                let zipf = Zipf::new(n as u64, p.zipf)
-                    .map_err(|e| anyhow::anyhow!("bad --zipf {}: {e:?}", p.zipf))?;
+                let zipf = Zipf::new(n as u64, p.zipf).map_err(|e| anyhow::anyhow!("bad --zipf {}: {e:?}", p.zipf))?;
                 KeyGen::Zipf { zipf, perm }
             }
             DistKind::Hotspot => {
@@ -190,12 +160,7 @@ impl KeyGen {
                     bail!("--hot-fraction and --hot-ops must be in [0, 1]");
                 }
                 let hot_n = ((n as f64 * p.hot_fraction).round() as u32).clamp(1, n);
-                KeyGen::Hotspot {
-                    hot_n,
-                    n,
-                    hot_ops: p.hot_ops,
-                    perm,
-                }
+                KeyGen::Hotspot { hot_n, n, hot_ops: p.hot_ops, perm }
             }
             DistKind::Uniform => KeyGen::Uniform { n },
         })
@@ -208,12 +173,7 @@ impl KeyGen {
                 let rank = zipf.sample(rng) as usize; // 1..=n
                 perm[(rank.max(1) - 1).min(perm.len() - 1)]
             }
-            KeyGen::Hotspot {
-                hot_n,
-                n,
-                hot_ops,
-                perm,
-            } => {
+            KeyGen::Hotspot { hot_n, n, hot_ops, perm } => {
                 let i = if *hot_n >= *n || rng.gen::<f64>() < *hot_ops {
                     rng.gen_range(0..*hot_n)
                 } else {
@@ -274,10 +234,7 @@ mod tests {
             let expect = (1.0 / (k as f64).powf(s)) / h;
             let got = counts[(k - 1) as usize] as f64 / samples as f64;
             let rel = (got - expect).abs() / expect;
-            assert!(
-                rel < 0.04,
-                "rank {k}: got {got:.5}, expected {expect:.5} (rel err {rel:.3})"
-            );
+            assert!(rel < 0.04, "rank {k}: got {got:.5}, expected {expect:.5} (rel err {rel:.3})");
         }
     }
 
@@ -312,9 +269,7 @@ mod tests {
         let hot: std::collections::HashSet<u32> = perm[..5_000].iter().copied().collect();
         let mut rng = SmallRng::seed_from_u64(9);
         let samples = 200_000;
-        let in_hot = (0..samples)
-            .filter(|_| hot.contains(&g.next(&mut rng)))
-            .count();
+        let in_hot = (0..samples).filter(|_| hot.contains(&g.next(&mut rng))).count();
         let frac = in_hot as f64 / samples as f64;
         assert!((frac - 0.95).abs() < 0.005, "hot fraction of ops {frac}");
         // cold keys are drawn too, and never out of range
@@ -341,18 +296,9 @@ mod tests {
         assert_eq!(
             p,
             vec![
-                Phase {
-                    workload: WorkloadKind::A,
-                    secs: 10.0
-                },
-                Phase {
-                    workload: WorkloadKind::B,
-                    secs: 2.5
-                },
-                Phase {
-                    workload: WorkloadKind::C,
-                    secs: 1.0
-                },
+                Phase { workload: WorkloadKind::A, secs: 10.0 },
+                Phase { workload: WorkloadKind::B, secs: 2.5 },
+                Phase { workload: WorkloadKind::C, secs: 1.0 },
             ]
         );
         assert_eq!(phase_at(&p, 0.0), 0);

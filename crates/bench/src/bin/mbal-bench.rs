@@ -3,10 +3,7 @@
 use clap::Parser;
 
 #[derive(Parser)]
-#[command(
-    name = "mbal-bench",
-    about = "YCSB-style load generator for memcached-protocol servers"
-)]
+#[command(name = "mbal-bench", about = "YCSB-style load generator for memcached-protocol servers")]
 struct Cli {
     #[command(flatten)]
     args: mbal_bench::BenchArgs,

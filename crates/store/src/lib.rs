@@ -72,8 +72,9 @@
 //! * `touch` with a negative/past exptime returns the item's view and removes it.
 //! * `update` takes `MetaBits::exptime` as a `now`-based second (use [`rel_exptime`]); it does
 //!   not delete on an expired value — the caller deletes.
-//! * A dropped `WorkerStore` returns all its pages to the pool; use
-//!   [`WorkerStore::discard_cachelet`] (not a plain drop) to throw a cachelet away.
+//! * A dropped `WorkerStore`, and a `Cachelet` dropped after `take_cachelet`, return their
+//!   pages to the global pool ([`WorkerStore::discard_cachelet`] returns them to the worker's
+//!   local pool instead). A cachelet may only be inserted into stores of the same pool.
 //! * The index grows by doubling (hashbrown rehash): a one-off pause proportional to the
 //!   cachelet's item count, bounded by keeping many cachelets per worker.
 //! * `benches/scaling.rs` compares this design with one global lock and striped locks

@@ -62,6 +62,26 @@ pub struct Cachelet {
     flushes: Vec<(u32, u64)>,
     /// CAS counter of the worker it was taken from.
     cas_floor: u64,
+    /// The pool its pages belong to (set on first insert); used if it is dropped on its own.
+    pool: Option<Arc<GlobalPool>>,
+}
+
+impl Drop for Cachelet {
+    /// A cachelet dropped outside a `WorkerStore` gives its pages back to the global pool.
+    fn drop(&mut self) {
+        let Some(pool) = self.pool.take() else {
+            return;
+        };
+        let mut pages = Vec::new();
+        for seg in self.segs.iter_mut().filter_map(|s| s.take()) {
+            if seg.large_pages > 0 {
+                pool.release_large(seg.large_pages);
+            } else {
+                pages.push(seg.buf);
+            }
+        }
+        pool.give(pages.into_iter());
+    }
 }
 
 impl Cachelet {
@@ -75,6 +95,7 @@ impl Cachelet {
             st: CacheletStats::default(),
             flushes: Vec::new(),
             cas_floor: 0,
+            pool: None,
         })
     }
 
@@ -525,6 +546,11 @@ impl WorkerStore {
             }
         }
         c.cas_floor = 0;
+        if let Some(p) = &c.pool {
+            assert!(Arc::ptr_eq(p, &self.m.global), "cachelet {id} belongs to another GlobalPool");
+        } else {
+            c.pool = Some(self.m.global.clone());
+        }
         self.m.recompute_cutoff();
         self.cachelets[id] = Some(c);
     }

@@ -537,3 +537,25 @@ fn sweep_survives_cachelet_moves() {
     assert_eq!(w.stats().curr_items, 0);
     assert_eq!(w.stats().reclaimed, 300);
 }
+
+#[test]
+fn dropped_cachelet_returns_its_pages() {
+    let g = GlobalPool::new(64 * PAGE, PAGE);
+    let cfg = StoreConfig { mem_limit: 64 * PAGE, page_size: PAGE, ..Default::default() };
+    let mut w = WorkerStore::new(g.clone(), cfg, 1);
+    w.insert_cachelet(Cachelet::new(0));
+    for i in 0..100 {
+        let k = format!("k{i}");
+        w.store(0, key_hash(k.as_bytes()), k.as_bytes(), &[b'v'; 500], 0, 0, Mode::Set, None, 0);
+    }
+    w.store(0, key_hash(b"big"), b"big", &[b'b'; 2 * PAGE], 0, 0, Mode::Set, None, 0);
+    let c = w.take_cachelet(0).unwrap();
+    let held = c.stats().pages;
+    assert!(held > 10);
+    let before = g.stats();
+    drop(c);
+    let after = g.stats();
+    assert_eq!(after.large_pages, 0);
+    assert_eq!(after.free_pages, before.free_pages + held as usize - 3);
+    assert_eq!(after.outstanding_pages as u64, w.stats().pages_held);
+}

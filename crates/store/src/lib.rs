@@ -39,9 +39,12 @@
 //! segment lies in the oldest quarter of the worker's segments copies the item to its
 //! cachelet's open segment (if room is at hand without evicting) and marks the old copy dead.
 //! With `evict = false` (memcached `-M`) a full store answers `OutOfMemory`.
-//! Known limit: a worker whose cachelets hold no segment and that finds the global pool empty
-//! cannot evict another worker's items; it answers `OutOfMemory`. The server can ask the
-//! hoarding worker to call [`WorkerStore::shed_pages`].
+//! A worker that finds no page anywhere and owns no segment to evict (e.g. it just got fresh
+//! cachelets while other workers filled the budget) answers `OutOfMemory` and records the
+//! request in the pool ([`GlobalPool::pages_wanted`]); the other workers notice it the next
+//! time they open a segment or run [`WorkerStore::sweep`], and shed a refill's worth of pages
+//! (evicting their oldest segments). So the starving worker recovers within one sweep period;
+//! the server should call `sweep` on every worker periodically (e.g. every 100 ms).
 //!
 //! # Time, expiry, flush
 //! `now` is whole seconds since process start. Stored exptimes are `now`-based (0 = never);

@@ -27,6 +27,8 @@ pub struct PoolStats {
     pub outstanding_pages: usize,
     /// Pages a worker could still obtain: free list + never-created budget.
     pub available_pages: usize,
+    /// Pages requested by workers that found no memory and had nothing to evict.
+    pub wanted_pages: usize,
 }
 
 struct Inner {
@@ -43,6 +45,9 @@ pub struct GlobalPool {
     inner: Mutex<Inner>,
     /// Mirror of `available_pages`, readable without the lock (written only under it).
     available: AtomicUsize,
+    /// Pages asked for by workers that could neither refill nor evict (they own no segment).
+    /// Other workers read it only when they open a segment or sweep, and shed pages.
+    wanted: AtomicUsize,
 }
 
 impl GlobalPool {
@@ -55,6 +60,7 @@ impl GlobalPool {
             total_pages,
             inner: Mutex::new(Inner { free: Vec::new(), created: 0, large: 0, outstanding: 0 }),
             available: AtomicUsize::new(total_pages),
+            wanted: AtomicUsize::new(0),
         })
     }
 
@@ -106,12 +112,29 @@ impl GlobalPool {
     /// Give pages back to the global free list.
     pub(crate) fn give(&self, pages: impl Iterator<Item = Page>) {
         let mut g = self.lock();
+        let mut n = 0;
         for p in pages {
             debug_assert_eq!(p.len(), self.page_size);
             g.free.push(p);
             g.outstanding -= 1;
+            n += 1;
         }
         self.publish(&g);
+        drop(g);
+        if n > 0 && self.wanted.load(Ordering::Relaxed) > 0 {
+            let _ = self.wanted.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| Some(w.saturating_sub(n)));
+        }
+    }
+
+    /// Pages requested by starving workers (see [`crate::WorkerStore::shed_pages`]).
+    pub fn pages_wanted(&self) -> usize {
+        self.wanted.load(Ordering::Relaxed)
+    }
+
+    /// Record that a worker needs `n` pages it cannot get (capped at the whole budget).
+    pub(crate) fn want(&self, n: usize) {
+        let cap = self.total_pages;
+        let _ = self.wanted.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| Some((w + n).min(cap)));
     }
 
     /// Charge `n` pages of budget for one large item. Recycled page buffers are dropped
@@ -150,6 +173,7 @@ impl GlobalPool {
             large_pages: g.large,
             outstanding_pages: g.outstanding,
             available_pages: self.avail_of(&g),
+            wanted_pages: self.wanted.load(Ordering::Relaxed),
         }
     }
 }

@@ -469,7 +469,7 @@ fn parse_u64(v: &[u8]) -> Option<u64> {
         end -= 1;
     }
     let d = &v[..end];
-    if d.is_empty() || d.len() > 20 {
+    if d.is_empty() {
         return None;
     }
     let mut x: u64 = 0;
@@ -651,17 +651,41 @@ impl WorkerStore {
         if large && size.div_ceil(self.m.cfg.page_size) > self.m.global.total_pages() {
             return Err(StoreResult::OutOfMemory);
         }
+        let seq_before = self.m.next_seq;
         loop {
             let c = self.cachelets[cl as usize].as_deref_mut().expect("owned");
             let got = if large { self.m.try_large(c, size) } else { self.m.alloc_small(c, size) };
             if let Some(l) = got {
+                // A segment was opened: the (rare) moment to help a starving worker.
+                if self.m.next_seq != seq_before && self.m.global.pages_wanted() > 0 {
+                    self.help_starving();
+                }
                 return Ok(l);
             }
             if !self.m.cfg.evict || !self.evict_one() {
+                if self.m.cfg.evict {
+                    // Nothing of ours to evict: ask the other workers to shed pages.
+                    self.m.global.want(self.m.cfg.refill_pages.max(1));
+                }
                 self.m.st.out_of_memory += 1;
                 return Err(StoreResult::OutOfMemory);
             }
         }
+    }
+
+    /// Another worker starves (no free page anywhere, nothing of its own to evict): give back
+    /// up to one refill's worth of pages, evicting our oldest segments if needed. Never gives
+    /// away the segments that hold its own open items beyond the oldest ones.
+    fn help_starving(&mut self) {
+        let n = self.m.global.pages_wanted().min(self.m.cfg.refill_pages.max(1));
+        // keep at least a few segments so that we do not starve in turn
+        if self.m.order.len() > n + 2 * self.owned_count() {
+            self.shed_pages(n);
+        }
+    }
+
+    fn owned_count(&self) -> usize {
+        self.cachelets.iter().filter(|c| c.is_some()).count()
     }
 
     /// Copy a live item to its cachelet's open segment without evicting. New location or None.
@@ -1051,6 +1075,9 @@ impl WorkerStore {
     /// Returns the number of segments and items examined.
     pub fn sweep(&mut self, now: u32, budget: usize) -> usize {
         self.m.last_now = now;
+        if self.m.global.pages_wanted() > 0 {
+            self.help_starving();
+        }
         let mut examined = 0;
         let mut wrapped = false;
         while examined < budget {

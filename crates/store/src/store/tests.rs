@@ -559,3 +559,53 @@ fn dropped_cachelet_returns_its_pages() {
     assert_eq!(after.free_pages, before.free_pages + held as usize - 3);
     assert_eq!(after.outstanding_pages as u64, w.stats().pages_held);
 }
+
+#[test]
+fn starving_worker_gets_pages_from_a_full_one() {
+    let g = GlobalPool::new(64 * PAGE, PAGE);
+    let cfg = StoreConfig { mem_limit: 64 * PAGE, page_size: PAGE, refill_pages: 4, ..Default::default() };
+    let mut a = WorkerStore::new(g.clone(), StoreConfig { worker_id: 1, ..cfg.clone() }, 2);
+    let mut b = WorkerStore::new(g.clone(), StoreConfig { worker_id: 2, ..cfg }, 2);
+    a.insert_cachelet(Cachelet::new(0));
+    b.insert_cachelet(Cachelet::new(1));
+    let val = [b'v'; 300];
+    for i in 0..5000 {
+        let k = format!("a{i}");
+        assert!(matches!(
+            a.store(0, key_hash(k.as_bytes()), k.as_bytes(), &val, 0, 0, Mode::Set, None, 0),
+            StoreResult::Stored { .. }
+        ));
+    }
+    assert_eq!(g.stats().available_pages, 0);
+    // b owns nothing to evict: out of memory, and it asks for pages
+    assert_eq!(b.store(1, key_hash(b"b0"), b"b0", &val, 0, 0, Mode::Set, None, 0), StoreResult::OutOfMemory);
+    assert!(g.pages_wanted() > 0);
+    // a's periodic sweep sheds pages
+    a.sweep(0, 10);
+    assert_eq!(g.pages_wanted(), 0);
+    for i in 0..3000 {
+        let k = format!("b{i}");
+        let r = b.store(1, key_hash(k.as_bytes()), k.as_bytes(), &val, 0, 0, Mode::Set, None, 0);
+        assert!(matches!(r, StoreResult::Stored { .. }), "{i}: {r:?}");
+        // a keeps writing too; both keep serving
+        let k = format!("a{}", 5000 + i);
+        a.store(0, key_hash(k.as_bytes()), k.as_bytes(), &val, 0, 0, Mode::Set, None, 0);
+    }
+    assert!(b.get(1, key_hash(b"b2999"), b"b2999", 0).is_some());
+    let ps = g.stats();
+    assert!(ps.created_pages + ps.large_pages <= ps.total_pages);
+}
+
+#[test]
+fn incr_accepts_leading_zeros_and_trailing_spaces() {
+    let mut w = mk(1 << 20, |_| {});
+    let h = key_hash(b"z");
+    set(&mut w, "z", "0010000000000000000000", 0, 0);
+    assert!(matches!(w.arith(0, h, b"z", true, 1, 0), ArithResult::Value { value: 10_000_000_000_000_000_001, .. }));
+    set(&mut w, "z", "12  ", 0, 0);
+    assert!(matches!(w.arith(0, h, b"z", false, 2, 0), ArithResult::Value { value: 10, .. }));
+    set(&mut w, "z", "1 2", 0, 0);
+    assert_eq!(w.arith(0, h, b"z", true, 1, 0), ArithResult::NonNumeric);
+    set(&mut w, "z", "99999999999999999999", 0, 0);
+    assert_eq!(w.arith(0, h, b"z", true, 1, 0), ArithResult::NonNumeric, "overflowing value");
+}

@@ -107,6 +107,12 @@ impl ClusterMap {
         ClusterMap { epoch: 1, layout, servers }
     }
 
+    /// A map from parts (e.g. a single server whose worker ports were
+    /// chosen by the OS). Epoch 1.
+    pub fn new(layout: Layout, servers: Vec<ServerInfo>) -> ClusterMap {
+        ClusterMap { epoch: 1, layout, servers }
+    }
+
     pub fn epoch(&self) -> u64 {
         self.epoch
     }

@@ -88,6 +88,11 @@ pub enum TextCmd<'a> {
     Quit,
     /// `shutdown [graceful]` (whether it is allowed is the server's business).
     Shutdown,
+    /// `mbal <args>`: mbal's extension commands (docs/protocol.md); `args` is
+    /// the rest of the line, trimmed. memcached answers ERROR to these.
+    Mbal {
+        args: &'a [u8],
+    },
 }
 
 /// The keys of a get line (validated, at least one except for gat/gats).
@@ -322,6 +327,7 @@ pub fn parse<'a>(buf: &'a [u8], limits: &Limits) -> Parsed<'a> {
         b"stats" => req(TextCmd::Stats { args: trim(rest) }),
         b"quit" => req(TextCmd::Quit),
         b"shutdown" => req(TextCmd::Shutdown),
+        b"mbal" => req(TextCmd::Mbal { args: trim(rest) }),
         _ => fail(E_ERROR, line_len),
     }
 }
@@ -611,6 +617,7 @@ mod tests {
         assert_eq!(cmd(b"version\r\n"), TextCmd::Version);
         assert_eq!(cmd(b"quit\r\n"), TextCmd::Quit);
         assert_eq!(cmd(b"shutdown\r\n"), TextCmd::Shutdown);
+        assert_eq!(cmd(b"mbal hello 3\r\n"), TextCmd::Mbal { args: b"hello 3" });
         assert_eq!(cmd(b"stats\r\n"), TextCmd::Stats { args: b"" });
         assert_eq!(cmd(b"stats  slabs  \r\n"), TextCmd::Stats { args: b"slabs" });
         assert_eq!(cmd(b"stats detail on\n"), TextCmd::Stats { args: b"detail on" });

@@ -53,6 +53,9 @@ pub struct Settings {
     pub cachelets_per_worker: u32,
     pub vn_count: u32,
     pub page_size: usize,
+    /// Cluster membership: the cluster description and this server's id in
+    /// it. `None`: a stand-alone server (a cluster of one).
+    pub cluster: Option<(mbal_cluster::ClusterSpec, u16)>,
 }
 
 impl Default for Settings {
@@ -77,7 +80,28 @@ impl Default for Settings {
             cachelets_per_worker: mbal_cluster::DEFAULT_CACHELETS_PER_WORKER,
             vn_count: mbal_cluster::DEFAULT_VN_COUNT,
             page_size: 64 << 10,
+            cluster: None,
         }
+    }
+}
+
+impl Settings {
+    /// Take this server's place in a cluster: its address, worker ports,
+    /// worker count and key-space geometry come from the cluster file.
+    pub fn apply_cluster(&mut self, spec: mbal_cluster::ClusterSpec, id: u16) -> Result<()> {
+        spec.validate().map_err(|e| anyhow::anyhow!(e))?;
+        let me = spec
+            .servers
+            .get(id as usize)
+            .with_context(|| format!("--id {id}: the cluster has {} servers", spec.servers.len()))?;
+        self.port = me.addr.port();
+        self.listen = me.addr.ip();
+        self.worker_port_base = Some(me.worker_port_base);
+        self.threads = spec.workers as usize;
+        self.cachelets_per_worker = spec.cachelets_per_worker;
+        self.vn_count = spec.vn_count;
+        self.cluster = Some((spec, id));
+        Ok(())
     }
 }
 
@@ -148,6 +172,13 @@ pub struct ServerArgs {
     /// TOML file with any of the settings above (long names, with '_' for '-')
     #[arg(long = "config")]
     pub config: Option<PathBuf>,
+    /// Cluster description (TOML: vn_count, cachelets_per_worker, workers, [[servers]] addr,
+    /// worker_port_base); with --id, this server serves its part of the cluster's key space
+    #[arg(long = "cluster", requires = "id")]
+    pub cluster: Option<PathBuf>,
+    /// This server's index in the cluster file's servers list
+    #[arg(long = "id", requires = "cluster")]
+    pub id: Option<u16>,
     /// Print the listening addresses as one JSON line on stdout once ready
     #[arg(long = "print-ports")]
     pub print_ports: bool,
@@ -340,6 +371,16 @@ impl ServerArgs {
         let cachelets = s.threads as u64 * s.cachelets_per_worker as u64;
         if (s.vn_count as u64) < cachelets {
             bail!("--vn-count ({}) must be at least threads x cachelets-per-worker ({cachelets})", s.vn_count);
+        }
+        if let (Some(path), Some(id)) = (&self.cluster, self.id) {
+            let text =
+                std::fs::read_to_string(path).with_context(|| format!("reading cluster file {}", path.display()))?;
+            let spec = mbal_cluster::ClusterSpec::from_toml(&text)
+                .map_err(|e| anyhow::anyhow!("cluster file {}: {e}", path.display()))?;
+            s.apply_cluster(spec, id)?;
+            if self.threads.is_some_and(|t| t != s.threads) || self.port.is_some_and(|p| p != s.port) {
+                bail!("-t and -p come from the cluster file when --cluster is given");
+            }
         }
         if let Some(v) = self.page_size_kb.or(file.page_size_kb) {
             if !(4..=65536).contains(&v) {

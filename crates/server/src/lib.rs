@@ -18,11 +18,11 @@ mod worker;
 
 use anyhow::{Context, Result};
 use config::Settings;
-use mbal_cluster::Layout;
+use mbal_cluster::{ClusterMap, Layout, ServerInfo};
 use mbal_store::{GlobalPool, StoreConfig, WorkerStore};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use worker::{bind_listener, Envelope, Shared, Worker};
@@ -91,7 +91,6 @@ impl Drop for ServerHandle {
 /// Start a server with these settings; returns once every listener is bound.
 pub fn start(settings: Settings) -> Result<ServerHandle> {
     let workers = settings.threads;
-    let layout = Layout::even(1, workers as u16, settings.cachelets_per_worker, settings.vn_count);
     let main_addr = SocketAddr::new(settings.listen, settings.port);
     // Bind the main port once to learn the real port when 0 was asked for;
     // every worker then binds the same port with SO_REUSEPORT.
@@ -118,11 +117,22 @@ pub fn start(settings: Settings) -> Result<ServerHandle> {
         );
     }
     let worker_addrs: Vec<SocketAddr> = owns.iter().map(|l| l.local_addr()).collect::<std::io::Result<_>>()?;
+    let (map, server_id) = match &settings.cluster {
+        Some((spec, id)) => (ClusterMap::from_spec(spec), *id),
+        None => {
+            let layout = Layout::even(1, workers as u16, settings.cachelets_per_worker, settings.vn_count);
+            (ClusterMap::new(layout, vec![ServerInfo { main: main_addr, workers: worker_addrs.clone() }]), 0)
+        }
+    };
+    let layout = map.layout().clone();
 
     let start_unix = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let pool = GlobalPool::new(settings.memory_limit, settings.page_size);
     let shared = Arc::new(Shared {
         layout: layout.clone(),
+        server_id,
+        epoch: AtomicU64::new(map.epoch()),
+        map: Mutex::new(map),
         start: Instant::now(),
         start_unix,
         curr_conns: AtomicUsize::new(0),
@@ -152,7 +162,7 @@ pub fn start(settings: Settings) -> Result<ServerHandle> {
             ..StoreConfig::default()
         };
         let mut store = WorkerStore::new(pool.clone(), cfg, layout.cachelet_count());
-        for c in layout.cachelets_of(0, i as u16) {
+        for c in layout.cachelets_of(server_id, i as u16) {
             store.insert_cachelet(mbal_store::Cachelet::new(c));
         }
         let (w, waker) = Worker::new(i, shared.clone(), main, own, rx, store)?;

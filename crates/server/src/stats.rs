@@ -37,6 +37,12 @@ pub struct Counters {
     pub forwarded_in: u64,
     pub total_connections: u64,
     pub rejected_connections: u64,
+    /// Redirects sent to routed clients.
+    pub redirects: u64,
+    /// Keys asked of this server that another server of the cluster holds.
+    pub foreign_keys: u64,
+    /// Cachelets this worker took over from another worker.
+    pub cachelets_adopted: u64,
 }
 
 impl Counters {
@@ -76,7 +82,10 @@ impl Counters {
             forwarded_out,
             forwarded_in,
             total_connections,
-            rejected_connections
+            rejected_connections,
+            redirects,
+            foreign_keys,
+            cachelets_adopted
         );
     }
 }
@@ -214,6 +223,9 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
             sink.stat("expired_unfetched", &expired_unfetched);
             sink.stat("evicted_unfetched", &evicted_unfetched);
             sink.stat("cross_worker_requests", &c.forwarded_out);
+            sink.stat("redirects", &c.redirects);
+            sink.stat("foreign_keys", &c.foreign_keys);
+            sink.stat("cachelets_moved", &c.cachelets_adopted);
             sink.stat("cachelets", &snaps.iter().map(|w| w.cachelets.len()).sum::<usize>());
         }
         "settings" => {

@@ -19,11 +19,12 @@ use crate::config::{Binding, Settings};
 use crate::exec::{self, locate, Ctx, Loc};
 use crate::stats::{self, BinSink, CacheletInfo, ConnInfo, Counters, ProcessInfo, TextSink, WorkerSnapshot};
 use crossbeam_channel::{Receiver, Sender};
-use mbal_cluster::Layout;
+use mbal_cluster::{ClusterMap, Layout};
 use mbal_proto::binary::{opcode as op, status as st, write_response, BinReq};
 use mbal_proto::meta::{meta_key, MetaKind};
 use mbal_proto::text::{self, TextCmd};
 use mbal_proto::{Limits, Parsed, Protocol, Request};
+use mbal_store::Cachelet;
 use mbal_store::WorkerStore;
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Token, Waker};
@@ -31,8 +32,9 @@ use slab::Slab;
 use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 const MAIN_LISTENER: Token = Token(0);
@@ -53,7 +55,15 @@ const MAX_PENDING_OUTPUT: usize = 4 << 20;
 /// close and shutdown only.
 pub(crate) struct Shared {
     pub settings: Settings,
+    /// VN -> cachelet (fixed for the cluster's life) and the initial owners.
     pub layout: Layout,
+    /// This server's id in the cluster map.
+    pub server_id: u16,
+    /// The map epoch this server knows (read on redirects only).
+    pub epoch: AtomicU64,
+    /// The full map, for `mbal map` and ownership changes. Locked only by
+    /// admin commands and cachelet moves, never on the data path.
+    pub map: Mutex<ClusterMap>,
     pub start: Instant,
     pub start_unix: u64,
     pub curr_conns: AtomicUsize,
@@ -83,19 +93,80 @@ impl Shared {
 pub(crate) enum FwdOp {
     /// Re-parse and execute these bytes (one complete request).
     Raw(Protocol, Vec<u8>),
-    /// A run of keys of a text multi-get: answer VALUE blocks only (the
-    /// origin writes END after the last run).
-    TextValues { keys: Vec<u8>, cas: bool, touch: Option<i64> },
+    /// A run of keys of a text multi-get, all of one cachelet: answer VALUE
+    /// blocks only (the origin writes END after the last run).
+    TextValues { cachelet: u32, keys: Vec<u8>, cas: bool, touch: Option<i64> },
 }
 
 /// Messages between workers.
 pub(crate) enum Envelope {
-    Fwd { from: usize, conn: usize, gen: u64, seq: u64, op: FwdOp },
-    Reply { conn: usize, gen: u64, seq: u64, data: Vec<u8> },
-    Flush { at: u32 },
-    StatsReq { from: usize, conn: usize, gen: u64, seq: u64, want_conns: bool },
-    StatsResp { conn: usize, gen: u64, seq: u64, snap: Box<WorkerSnapshot> },
+    Fwd {
+        from: usize,
+        conn: usize,
+        gen: u64,
+        seq: u64,
+        op: FwdOp,
+    },
+    Reply {
+        conn: usize,
+        gen: u64,
+        seq: u64,
+        data: Vec<u8>,
+    },
+    Flush {
+        at: u32,
+    },
+    StatsReq {
+        from: usize,
+        conn: usize,
+        gen: u64,
+        seq: u64,
+        want_conns: bool,
+    },
+    StatsResp {
+        conn: usize,
+        gen: u64,
+        seq: u64,
+        snap: Box<WorkerSnapshot>,
+    },
     ResetStats,
+    /// Give cachelet `cachelet` to worker `to` (sent to its current owner).
+    Release {
+        cachelet: u32,
+        to: usize,
+        reply: ReplyTo,
+    },
+    /// Take ownership of a cachelet (its items come along, nothing is copied).
+    Adopt {
+        cachelet: Box<Cachelet>,
+        ver: u32,
+        reply: ReplyTo,
+    },
+    /// Cachelet `cachelet` is now owned by worker `worker` (move number `ver`).
+    Owner {
+        cachelet: u32,
+        worker: usize,
+        ver: u32,
+    },
+}
+
+/// Who owns a cachelet, as one worker knows it. `ver` counts the moves of
+/// the cachelet inside this server, so a late notice of an older move
+/// never overwrites a newer one.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Own {
+    pub server: u16,
+    pub worker: u16,
+    pub ver: u32,
+}
+
+/// Where the answer to an admin request goes: (worker, conn, gen, seq).
+#[derive(Clone, Copy)]
+pub(crate) struct ReplyTo {
+    pub worker: usize,
+    pub conn: usize,
+    pub gen: u64,
+    pub seq: u64,
 }
 
 /// How a gathered stats reply is rendered once every worker has answered.
@@ -182,6 +253,8 @@ struct Conn {
     queued: bool,
     /// Reading paused because too much output is unsent.
     read_blocked: bool,
+    /// Opted in with `mbal hello`: gets redirects instead of forwarding.
+    routed: bool,
 }
 
 pub(crate) struct Worker {
@@ -192,9 +265,9 @@ pub(crate) struct Worker {
     own_listener: TcpListener,
     inbox: Receiver<Envelope>,
     store: WorkerStore,
-    /// cachelet -> owning worker. This worker's own copy: it changes only by
+    /// cachelet -> owner. This worker's own copy: it changes only by
     /// message, so reading it needs no synchronisation.
-    owner: Vec<u16>,
+    owner: Vec<Own>,
     conns: Slab<Conn>,
     counters: Counters,
     outbox: Vec<Vec<Envelope>>,
@@ -237,7 +310,12 @@ impl Worker {
         poll.registry().register(&mut main_listener, MAIN_LISTENER, Interest::READABLE)?;
         poll.registry().register(&mut own_listener, OWN_LISTENER, Interest::READABLE)?;
         let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
-        let owner = (0..shared.layout.cachelet_count()).map(|c| shared.layout.owner(c).1).collect();
+        let owner = (0..shared.layout.cachelet_count())
+            .map(|c| {
+                let (server, worker) = shared.layout.owner(c);
+                Own { server, worker, ver: 0 }
+            })
+            .collect();
         let workers = shared.settings.threads;
         let limits = Limits { max_item_size: shared.settings.max_item_size, ..Limits::default() };
         Ok((
@@ -397,6 +475,7 @@ impl Worker {
                 want_write: false,
                 queued: false,
                 read_blocked: false,
+                routed: false,
             });
             tracing::debug!(worker = self.id, %peer, "accepted");
         }
@@ -532,7 +611,9 @@ impl Worker {
                             worker,
                             conn: ci,
                             gen: conn.gen,
-                            owner: &self.owner,
+                            owner: &mut self.owner,
+                            server: self.shared.server_id,
+                            routed: conn.routed,
                             outbox: &mut self.outbox,
                             counters: &mut self.counters,
                             self_stats: &mut self.self_stats,
@@ -558,7 +639,9 @@ impl Worker {
                         worker,
                         conn: ci,
                         gen,
-                        owner: &self.owner,
+                        owner: &mut self.owner,
+                        server: self.shared.server_id,
+                        routed: conn.routed,
                         outbox: &mut self.outbox,
                         counters: &mut self.counters,
                         self_stats: &mut self.self_stats,
@@ -568,6 +651,7 @@ impl Worker {
                     done += 1;
                     match action {
                         Action::None => {}
+                        Action::Routed => conn.routed = true,
                         Action::Close => conn.closing = true,
                         Action::Shutdown => {
                             conn.closing = true;
@@ -633,17 +717,57 @@ impl Worker {
         while let Ok(env) = self.inbox.try_recv() {
             match env {
                 Envelope::Fwd { from, conn, gen, seq, op } => {
+                    // The cachelet may have moved since the sender looked:
+                    // pass the request along our (newer) table.
+                    if let Some(c) = self.fwd_cachelet(&op) {
+                        let w = self.owner[c as usize].worker as usize;
+                        if w != self.id {
+                            self.outbox[w].push(Envelope::Fwd { from, conn, gen, seq, op });
+                            continue;
+                        }
+                    }
                     self.counters.forwarded_in += 1;
                     let mut data = Vec::new();
                     self.exec_forwarded(op, &mut data);
-                    self.outbox[from].push(Envelope::Reply { conn, gen, seq, data });
+                    self.reply_to(ReplyTo { worker: from, conn, gen, seq }, data);
                 }
-                Envelope::Reply { conn, gen, seq, data } => {
-                    let Some(c) = self.conns.get_mut(conn).filter(|c| c.gen == gen) else { continue };
-                    if let Some(slot) = c.output.slot_mut(seq) {
-                        *slot = Slot::Ready(data);
+                Envelope::Reply { conn, gen, seq, data } => self.deliver(conn, gen, seq, data),
+                Envelope::Release { cachelet, to, reply } => {
+                    let epoch = self.shared.epoch.load(Ordering::Relaxed);
+                    let done = release(
+                        self.id,
+                        &mut self.store,
+                        &mut self.owner,
+                        &mut self.outbox,
+                        epoch,
+                        cachelet,
+                        to,
+                        reply,
+                    );
+                    if let Some((to, data)) = done {
+                        self.reply_to(to, data);
                     }
-                    self.flush(conn);
+                }
+                Envelope::Adopt { cachelet, ver, reply } => {
+                    let c = cachelet.id();
+                    self.store.insert_cachelet(cachelet);
+                    let own = &mut self.owner[c as usize];
+                    own.worker = self.id as u16;
+                    own.ver = own.ver.max(ver);
+                    let epoch = {
+                        let mut map = self.shared.map.lock().unwrap_or_else(|p| p.into_inner());
+                        map.move_cachelet(c, (self.shared.server_id, self.id as u16))
+                    };
+                    self.shared.epoch.fetch_max(epoch, Ordering::Relaxed);
+                    self.counters.cachelets_adopted += 1;
+                    self.reply_to(reply, format!("MOVED {epoch}\r\n").into_bytes());
+                }
+                Envelope::Owner { cachelet, worker, ver } => {
+                    let own = &mut self.owner[cachelet as usize];
+                    if ver > own.ver {
+                        own.worker = worker as u16;
+                        own.ver = ver;
+                    }
                 }
                 Envelope::Flush { at } => self.store.flush_all(at),
                 Envelope::StatsReq { from, conn, gen, seq, want_conns } => {
@@ -660,6 +784,41 @@ impl Worker {
         }
     }
 
+    /// Send reply bytes to a connection slot, on this worker or another.
+    fn reply_to(&mut self, to: ReplyTo, data: Vec<u8>) {
+        if to.worker == self.id {
+            self.deliver(to.conn, to.gen, to.seq, data);
+        } else {
+            self.outbox[to.worker].push(Envelope::Reply { conn: to.conn, gen: to.gen, seq: to.seq, data });
+        }
+    }
+
+    /// Fill a waiting output slot of one of our connections.
+    fn deliver(&mut self, conn: usize, gen: u64, seq: u64, data: Vec<u8>) {
+        let Some(c) = self.conns.get_mut(conn).filter(|c| c.gen == gen) else { return };
+        if let Some(slot) = c.output.slot_mut(seq) {
+            *slot = Slot::Ready(data);
+        }
+        self.flush(conn);
+    }
+
+    /// The cachelet a forwarded request concerns.
+    fn fwd_cachelet(&self, op: &FwdOp) -> Option<u32> {
+        let layout = &self.shared.layout;
+        match op {
+            FwdOp::TextValues { cachelet, .. } => Some(*cachelet),
+            FwdOp::Raw(proto, bytes) => match mbal_proto::parse(*proto, bytes, &self.limits) {
+                Parsed::Req { req: Request::Text(cmd), .. } => text_key(&cmd).map(|k| locate(layout, k).cachelet),
+                Parsed::Req { req: Request::Meta(cmd), .. } => {
+                    let mut scratch = [0u8; 256];
+                    meta_key(&cmd, &mut scratch).ok().map(|k| locate(layout, k).cachelet)
+                }
+                Parsed::Req { req: Request::Bin(r), .. } => Some(locate(layout, r.key).cachelet),
+                _ => None,
+            },
+        }
+    }
+
     fn exec_forwarded(&mut self, op: FwdOp, out: &mut Vec<u8>) {
         let mut ctx = Ctx {
             store: &mut self.store,
@@ -669,7 +828,7 @@ impl Worker {
             now: self.now,
         };
         match op {
-            FwdOp::TextValues { keys, cas, touch } => {
+            FwdOp::TextValues { keys, cas, touch, .. } => {
                 for key in keys.split(|&b| b == b' ').filter(|k| !k.is_empty()) {
                     let at = locate(ctx.layout, key);
                     exec::text_get_one(&mut ctx, key, at, cas, touch, out);
@@ -821,6 +980,8 @@ enum Action {
     None,
     Close,
     Shutdown,
+    /// The connection opted in to routing hints (`mbal hello`).
+    Routed,
 }
 
 /// Routing state for one connection's request.
@@ -828,7 +989,10 @@ struct Route<'a> {
     worker: usize,
     conn: usize,
     gen: u64,
-    owner: &'a [u16],
+    owner: &'a mut [Own],
+    server: u16,
+    /// The connection opted in to redirects.
+    routed: bool,
     outbox: &'a mut Vec<Vec<Envelope>>,
     counters: &'a mut Counters,
     /// Stats gathers that still need this worker's own snapshot.
@@ -836,8 +1000,15 @@ struct Route<'a> {
 }
 
 impl Route<'_> {
-    fn owner_of(&self, at: Loc) -> usize {
-        self.owner[at.cachelet as usize] as usize
+    fn dest(&self, at: Loc) -> Dest {
+        let Own { server: s, worker: w, .. } = self.owner[at.cachelet as usize];
+        if s != self.server {
+            Dest::Server(s, w)
+        } else if w as usize == self.worker {
+            Dest::Here
+        } else {
+            Dest::Worker(w as usize)
+        }
     }
 
     /// Reserve an output slot and send `op` to worker `to`.
@@ -858,8 +1029,18 @@ fn text_key<'a>(cmd: &TextCmd<'a>) -> Option<&'a [u8]> {
     }
 }
 
+/// Where a key's cachelet lives, seen from one worker.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Dest {
+    Here,
+    Worker(usize),
+    Server(u16, u16),
+}
+
 /// The one place that routes: decide for each request (or each key of a
-/// multi-get) whether this worker executes it or passes it to the owner.
+/// multi-get) whether this worker executes it, passes it to the owning
+/// worker, redirects a routed client, or answers for a key another server
+/// holds.
 fn handle(
     shared: &Shared,
     rt: &mut Route,
@@ -879,35 +1060,53 @@ fn handle(
     match req {
         Request::Text(cmd) => match cmd {
             TextCmd::Get { keys, cas, touch } => {
+                if rt.routed {
+                    // A routed client sends a get only to the owner of its
+                    // keys; if its map is stale, redirect the whole request.
+                    if let Some(d) = keys.iter().map(|k| rt.dest(locate(layout, k))).find(|d| *d != Dest::Here) {
+                        redirect(shared, rt, output, d);
+                        return Action::None;
+                    }
+                }
                 // Walk keys in order; local keys are answered at once, runs
-                // of consecutive keys owned by one other worker go to it as
-                // one message. END closes the reply after the last run.
-                let mut run: Option<(usize, Vec<u8>)> = None;
+                // of consecutive keys of one cachelet another worker owns go
+                // to it as one message. END closes the reply after the last
+                // run. Keys another server holds are misses here.
+                let mut run: Option<(usize, u32, Vec<u8>)> = None;
                 for key in keys.iter() {
                     let at = locate(layout, key);
-                    let owner = rt.owner_of(at);
-                    if owner == rt.worker {
-                        if let Some((to, ks)) = run.take() {
-                            rt.forward(output, to, FwdOp::TextValues { keys: ks, cas: *cas, touch: *touch });
+                    match rt.dest(at) {
+                        Dest::Here => {
+                            if let Some((to, c, ks)) = run.take() {
+                                rt.forward(
+                                    output,
+                                    to,
+                                    FwdOp::TextValues { cachelet: c, keys: ks, cas: *cas, touch: *touch },
+                                );
+                            }
+                            exec::text_get_one(&mut ctx!(), key, at, *cas, *touch, output.buf());
                         }
-                        exec::text_get_one(&mut ctx!(), key, at, *cas, *touch, output.buf());
-                    } else {
-                        match &mut run {
-                            Some((to, ks)) if *to == owner => {
+                        Dest::Worker(owner) => match &mut run {
+                            Some((_, c, ks)) if *c == at.cachelet => {
                                 ks.push(b' ');
                                 ks.extend_from_slice(key);
                             }
                             _ => {
-                                if let Some((to, ks)) = run.take() {
-                                    rt.forward(output, to, FwdOp::TextValues { keys: ks, cas: *cas, touch: *touch });
+                                if let Some((to, c, ks)) = run.take() {
+                                    rt.forward(
+                                        output,
+                                        to,
+                                        FwdOp::TextValues { cachelet: c, keys: ks, cas: *cas, touch: *touch },
+                                    );
                                 }
-                                run = Some((owner, key.to_vec()));
+                                run = Some((owner, at.cachelet, key.to_vec()));
                             }
-                        }
+                        },
+                        Dest::Server(..) => rt.counters.foreign_keys += 1,
                     }
                 }
-                if let Some((to, ks)) = run.take() {
-                    rt.forward(output, to, FwdOp::TextValues { keys: ks, cas: *cas, touch: *touch });
+                if let Some((to, c, ks)) = run.take() {
+                    rt.forward(output, to, FwdOp::TextValues { cachelet: c, keys: ks, cas: *cas, touch: *touch });
                 }
                 output.buf().extend_from_slice(text::END);
                 Action::None
@@ -915,11 +1114,14 @@ fn handle(
             TextCmd::Store { .. } | TextCmd::Delete { .. } | TextCmd::Arith { .. } | TextCmd::Touch { .. } => {
                 let key = text_key(cmd).unwrap();
                 let at = locate(layout, key);
-                let owner = rt.owner_of(at);
-                if owner == rt.worker {
-                    exec::text_keyed(&mut ctx!(), cmd, at, output.buf());
-                } else {
-                    rt.forward(output, owner, FwdOp::Raw(Protocol::Text, raw.to_vec()));
+                match rt.dest(at) {
+                    Dest::Here => exec::text_keyed(&mut ctx!(), cmd, at, output.buf()),
+                    d if rt.routed => redirect(shared, rt, output, d),
+                    Dest::Worker(owner) => rt.forward(output, owner, FwdOp::Raw(Protocol::Text, raw.to_vec())),
+                    Dest::Server(..) => {
+                        rt.counters.foreign_keys += 1;
+                        foreign_text(cmd, output.buf());
+                    }
                 }
                 Action::None
             }
@@ -973,6 +1175,7 @@ fn handle(
                     Action::None
                 }
             }
+            TextCmd::Mbal { args } => admin(shared, rt, store, output, args),
         },
         Request::Meta(cmd) => {
             if cmd.kind == MetaKind::Noop {
@@ -988,16 +1191,159 @@ fn handle(
                 }
             };
             let at = locate(layout, key);
-            let owner = rt.owner_of(at);
-            if owner == rt.worker {
-                exec::meta_keyed(&mut ctx!(), cmd, key, at, output.buf());
-            } else {
-                rt.forward(output, owner, FwdOp::Raw(Protocol::Text, raw.to_vec()));
+            match rt.dest(at) {
+                Dest::Here => exec::meta_keyed(&mut ctx!(), cmd, key, at, output.buf()),
+                d if rt.routed => redirect(shared, rt, output, d),
+                Dest::Worker(owner) => rt.forward(output, owner, FwdOp::Raw(Protocol::Text, raw.to_vec())),
+                Dest::Server(..) => {
+                    rt.counters.foreign_keys += 1;
+                    foreign_meta(cmd, output.buf());
+                }
             }
             Action::None
         }
         Request::Bin(breq) => handle_bin(shared, rt, store, now, output, breq, raw),
     }
+}
+
+/// `RD <epoch> <server> <worker>`: tell a routed client who owns the key.
+fn redirect(shared: &Shared, rt: &mut Route, output: &mut Output, d: Dest) {
+    let (s, w) = match d {
+        Dest::Here => unreachable!("no redirect to ourselves"),
+        Dest::Worker(w) => (rt.server, w as u16),
+        Dest::Server(s, w) => (s, w),
+    };
+    rt.counters.redirects += 1;
+    let epoch = shared.epoch.load(Ordering::Relaxed);
+    let _ = write!(output.buf(), "RD {epoch} {s} {w}\r\n");
+}
+
+const FOREIGN: &[u8] = b"SERVER_ERROR key is served by another mbal server\r\n";
+
+/// A plain client asked this server for a key another server of the
+/// cluster holds: answer as a memcached that does not hold the key would,
+/// and refuse writes rather than store them in the wrong partition.
+fn foreign_text(cmd: &TextCmd, out: &mut Vec<u8>) {
+    match *cmd {
+        TextCmd::Store { .. } => out.extend_from_slice(FOREIGN),
+        TextCmd::Delete { noreply: false, .. }
+        | TextCmd::Arith { noreply: false, .. }
+        | TextCmd::Touch { noreply: false, .. } => out.extend_from_slice(text::NOT_FOUND),
+        _ => {}
+    }
+}
+
+fn foreign_meta(cmd: &mbal_proto::meta::MetaCmd, out: &mut Vec<u8>) {
+    let quiet = cmd.flags.has(b'q');
+    match cmd.kind {
+        MetaKind::Set => out.extend_from_slice(FOREIGN),
+        MetaKind::Get | MetaKind::Debug if !quiet => out.extend_from_slice(b"EN\r\n"),
+        MetaKind::Delete | MetaKind::Arith if !quiet => out.extend_from_slice(b"NF\r\n"),
+        _ => {}
+    }
+}
+
+/// `mbal <args>`: the extension commands of docs/protocol.md.
+fn admin(shared: &Shared, rt: &mut Route, store: &mut WorkerStore, output: &mut Output, args: &[u8]) -> Action {
+    let args = String::from_utf8_lossy(args);
+    let mut it = args.split_whitespace();
+    match (it.next(), it.next(), it.next(), it.next()) {
+        (Some("hello"), Some(epoch), None, None) if epoch.parse::<u64>().is_ok() => {
+            let e = shared.epoch.load(Ordering::Relaxed);
+            let _ = write!(output.buf(), "MBAL {} {} {e}\r\n", rt.server, rt.worker);
+            Action::Routed
+        }
+        (Some("map"), None, ..) => {
+            let map = shared.map.lock().unwrap_or_else(|p| p.into_inner());
+            let json = map.to_json();
+            let buf = output.buf();
+            let _ = write!(buf, "MAP {} {}\r\n", map.epoch(), json.len());
+            buf.extend_from_slice(json.as_bytes());
+            buf.extend_from_slice(b"\r\n");
+            Action::None
+        }
+        (Some("move"), Some(c), Some(w), None) => {
+            let (Ok(c), Ok(to)) = (c.parse::<u32>(), w.parse::<usize>()) else {
+                output.buf().extend_from_slice(b"CLIENT_ERROR usage: mbal move <cachelet> <worker>\r\n");
+                return Action::None;
+            };
+            if c as usize >= rt.owner.len() || to >= shared.settings.threads {
+                output.buf().extend_from_slice(b"CLIENT_ERROR no such cachelet or worker\r\n");
+                return Action::None;
+            }
+            let Own { server: s, worker: from, .. } = rt.owner[c as usize];
+            if s != rt.server {
+                output.buf().extend_from_slice(b"CLIENT_ERROR cachelet is not on this server\r\n");
+                return Action::None;
+            }
+            if from as usize == to {
+                let e = shared.epoch.load(Ordering::Relaxed);
+                let _ = write!(output.buf(), "MOVED {e}\r\n");
+                return Action::None;
+            }
+            let seq = output.push(Slot::Wait);
+            let reply = ReplyTo { worker: rt.worker, conn: rt.conn, gen: rt.gen, seq };
+            if from as usize == rt.worker {
+                // `to != from` was checked above, so the adopter answers.
+                let epoch = shared.epoch.load(Ordering::Relaxed);
+                let done = release(rt.worker, store, rt.owner, rt.outbox, epoch, c, to, reply);
+                debug_assert!(done.is_none());
+            } else {
+                rt.outbox[from as usize].push(Envelope::Release { cachelet: c, to, reply });
+            }
+            Action::None
+        }
+        _ => {
+            output.buf().extend_from_slice(
+                b"CLIENT_ERROR unknown mbal command (hello <epoch> | map | move <cachelet> <worker>)\r\n",
+            );
+            Action::None
+        }
+    }
+}
+
+/// Hand a cachelet this worker owns to worker `to`: take it out of the
+/// store (its items come along; nothing is copied), point our own table at
+/// the new owner, send it there, and tell every other worker. The Adopt is
+/// queued before the Owner notices, and a worker that still has the old
+/// owner passes requests along its table, so every request reaches the
+/// cachelet wherever it is.
+///
+/// Returns the admin reply when it is already known (the cachelet is
+/// already at `to`); otherwise the adopting worker answers.
+#[allow(clippy::too_many_arguments)]
+fn release(
+    me: usize,
+    store: &mut WorkerStore,
+    owner: &mut [Own],
+    outbox: &mut [Vec<Envelope>],
+    epoch: u64,
+    c: u32,
+    to: usize,
+    reply: ReplyTo,
+) -> Option<(ReplyTo, Vec<u8>)> {
+    if to == me && store.owns(c) {
+        // Already here (the requester's table was behind): nothing moves.
+        return Some((reply, format!("MOVED {epoch}\r\n").into_bytes()));
+    }
+    let Some(cachelet) = store.take_cachelet(c) else {
+        // Not ours (any more): pass the request on to whoever is.
+        let w = owner[c as usize].worker as usize;
+        debug_assert_ne!(w, me, "owner table and store disagree");
+        outbox[w].push(Envelope::Release { cachelet: c, to, reply });
+        return None;
+    };
+    let own = &mut owner[c as usize];
+    own.worker = to as u16;
+    own.ver += 1;
+    let ver = own.ver;
+    outbox[to].push(Envelope::Adopt { cachelet, ver, reply });
+    for (w, ob) in outbox.iter_mut().enumerate() {
+        if w != me && w != to {
+            ob.push(Envelope::Owner { cachelet: c, worker: to, ver });
+        }
+    }
+    None
 }
 
 fn handle_bin(
@@ -1060,30 +1406,65 @@ fn handle_bin(
             Action::None
         }
         _ => {
+            // Binary clients are never routed clients: no redirects here.
             let at = locate(layout, req.key);
-            let owner = rt.owner_of(at);
-            if owner == rt.worker {
-                let mut ctx = Ctx { store, layout, settings, counters: &mut *rt.counters, now };
-                exec::bin_keyed(&mut ctx, req, at, output.buf());
-            } else {
-                rt.forward(output, owner, FwdOp::Raw(Protocol::Binary, raw.to_vec()));
+            match rt.dest(at) {
+                Dest::Here => {
+                    let mut ctx = Ctx { store, layout, settings, counters: &mut *rt.counters, now };
+                    exec::bin_keyed(&mut ctx, req, at, output.buf());
+                }
+                Dest::Worker(owner) => rt.forward(output, owner, FwdOp::Raw(Protocol::Binary, raw.to_vec())),
+                Dest::Server(..) => {
+                    rt.counters.foreign_keys += 1;
+                    foreign_bin(req, output.buf());
+                }
             }
             Action::None
         }
     }
 }
 
+fn foreign_bin(req: &BinReq, out: &mut Vec<u8>) {
+    let h = &req.header;
+    match h.opcode {
+        op::GETQ | op::GETKQ | op::GATQ | op::GATKQ => {}
+        op::SET
+        | op::SETQ
+        | op::ADD
+        | op::ADDQ
+        | op::REPLACE
+        | op::REPLACEQ
+        | op::APPEND
+        | op::APPENDQ
+        | op::PREPEND
+        | op::PREPENDQ => write_response(
+            out,
+            h.opcode,
+            st::NOT_STORED,
+            h.opaque,
+            0,
+            &[],
+            &[],
+            b"Key is served by another mbal server",
+        ),
+        _ => write_response(out, h.opcode, st::KEY_ENOENT, h.opaque, 0, &[], &[], b"Not found"),
+    }
+}
+
 /// Delete a key wherever it lives in this server (no reply).
 fn unlink(layout: &Layout, rt: &mut Route, store: &mut WorkerStore, now: u32, output: &mut Output, key: &[u8]) {
     let at = locate(layout, key);
-    let owner = rt.owner_of(at);
-    if owner == rt.worker {
-        store.delete(at.cachelet, at.hash, key, None, now);
-    } else {
-        let mut req = b"delete ".to_vec();
-        req.extend_from_slice(key);
-        req.extend_from_slice(b" noreply\r\n");
-        rt.forward(output, owner, FwdOp::Raw(Protocol::Text, req));
+    match rt.dest(at) {
+        Dest::Here => {
+            store.delete(at.cachelet, at.hash, key, None, now);
+        }
+        Dest::Worker(owner) => {
+            let mut req = b"delete ".to_vec();
+            req.extend_from_slice(key);
+            req.extend_from_slice(b" noreply\r\n");
+            rt.forward(output, owner, FwdOp::Raw(Protocol::Text, req));
+        }
+        Dest::Server(..) => {}
     }
 }
 

@@ -1,4 +1,6 @@
-//! `mbal`: the one binary. Subcommands: `server`, `bench`.
+//! `mbal`: the one binary. Subcommands: `server`, `bench`, `cluster up`.
+
+mod cluster_up;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -16,6 +18,15 @@ enum Cmd {
     Server(mbal_server::config::ServerArgs),
     /// Generate load against memcached-protocol servers and report throughput and latency
     Bench(mbal_bench::BenchArgs),
+    /// Local clusters
+    #[command(subcommand)]
+    Cluster(ClusterCmd),
+}
+
+#[derive(Subcommand)]
+enum ClusterCmd {
+    /// Start N servers x W workers on loopback, write the cluster file, stop them all on Ctrl-C
+    Up(cluster_up::UpArgs),
 }
 
 fn main() -> Result<()> {
@@ -47,6 +58,7 @@ fn main() -> Result<()> {
             mbal_bench::run(args)?;
             Ok(())
         }
+        Cmd::Cluster(ClusterCmd::Up(args)) => cluster_up::run(args),
     }
 }
 

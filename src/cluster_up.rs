@@ -1,0 +1,186 @@
+//! `mbal cluster up`: a local cluster of N servers x W workers on loopback,
+//! as child processes of this one, described by a cluster file it writes.
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use mbal_cluster::{ClusterSpec, ServerSpec};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+#[derive(Args, Clone, Debug)]
+pub struct UpArgs {
+    /// Number of servers
+    #[arg(long, default_value_t = 4)]
+    pub servers: u16,
+    /// Workers (threads) per server
+    #[arg(long, default_value_t = 2)]
+    pub workers: u16,
+    /// Cachelets per worker
+    #[arg(long, default_value_t = mbal_cluster::DEFAULT_CACHELETS_PER_WORKER)]
+    pub cachelets_per_worker: u32,
+    /// Virtual nodes in the key space
+    #[arg(long, default_value_t = mbal_cluster::DEFAULT_VN_COUNT)]
+    pub vn_count: u32,
+    /// Item memory per server, MB
+    #[arg(short = 'm', long, default_value_t = 64)]
+    pub memory: usize,
+    /// First port: server i uses base + i*(workers+1) for its main port and the
+    /// next `workers` ports for its workers [default: find free ports]
+    #[arg(long)]
+    pub base_port: Option<u16>,
+    /// Where to write the cluster file
+    #[arg(long, default_value = "mbal-cluster.toml")]
+    pub file: PathBuf,
+    /// Extra arguments passed to every `mbal server` (e.g. "-v")
+    #[arg(long, allow_hyphen_values = true)]
+    pub server_arg: Vec<String>,
+}
+
+fn port_free(p: u16) -> bool {
+    TcpListener::bind(("127.0.0.1", p)).is_ok()
+}
+
+/// A base port such that the whole block of ports is free right now.
+fn find_base(count: u32) -> Result<u16> {
+    for _ in 0..200 {
+        let l = TcpListener::bind("127.0.0.1:0")?;
+        let base = l.local_addr()?.port();
+        drop(l);
+        if base as u32 + count >= 65535 {
+            continue;
+        }
+        if (0..count as u16).all(|i| port_free(base + i)) {
+            return Ok(base);
+        }
+    }
+    bail!("could not find {count} consecutive free ports on 127.0.0.1")
+}
+
+pub fn spec_for(a: &UpArgs, base: u16) -> ClusterSpec {
+    let stride = a.workers + 1;
+    ClusterSpec {
+        vn_count: a.vn_count,
+        cachelets_per_worker: a.cachelets_per_worker,
+        workers: a.workers,
+        servers: (0..a.servers)
+            .map(|i| {
+                let main = base + i * stride;
+                ServerSpec { addr: SocketAddr::from(([127, 0, 0, 1], main)), worker_port_base: main + 1 }
+            })
+            .collect(),
+    }
+}
+
+struct Children(Vec<(u16, Child)>);
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        // Ask politely (SIGTERM), then wait; kill what does not stop.
+        for (_, c) in &self.0 {
+            // SAFETY: kill(2) on the pid of a child we spawned and still own.
+            unsafe { libc::kill(c.id() as libc::pid_t, libc::SIGTERM) };
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        for (_, c) in self.0.iter_mut() {
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = c.try_wait() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            if let Ok(None) = c.try_wait() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+    }
+}
+
+pub fn run(a: UpArgs) -> Result<()> {
+    if a.servers == 0 || a.workers == 0 {
+        bail!("--servers and --workers must be at least 1");
+    }
+    let count = a.servers as u32 * (a.workers as u32 + 1);
+    let base = match a.base_port {
+        Some(b) => b,
+        None => find_base(count)?,
+    };
+    if base as u32 + count > 65535 {
+        bail!("ports {base}..{} do not fit", base as u32 + count);
+    }
+    let spec = spec_for(&a, base);
+    spec.validate().map_err(|e| anyhow::anyhow!(e))?;
+    std::fs::write(&a.file, spec.to_toml()).with_context(|| format!("writing {}", a.file.display()))?;
+    let exe = std::env::current_exe().context("locating the mbal binary")?;
+    let stop = Arc::new(AtomicBool::new(false));
+    {
+        let stop = stop.clone();
+        ctrlc::set_handler(move || stop.store(true, Ordering::SeqCst))?;
+    }
+    let mut children = Children(Vec::new());
+    for id in 0..a.servers {
+        let child = Command::new(&exe)
+            .arg("server")
+            .arg("--cluster")
+            .arg(&a.file)
+            .arg("--id")
+            .arg(id.to_string())
+            .arg("-m")
+            .arg(a.memory.to_string())
+            .args(&a.server_arg)
+            .stdin(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting server {id}"))?;
+        children.0.push((id, child));
+    }
+    // Ready when every main port accepts (bounded wait).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    for s in &spec.servers {
+        loop {
+            if TcpStream::connect_timeout(&s.addr, Duration::from_millis(200)).is_ok() {
+                break;
+            }
+            for (id, c) in children.0.iter_mut() {
+                if let Ok(Some(st)) = c.try_wait() {
+                    bail!("server {id} exited during start-up ({st})");
+                }
+            }
+            if Instant::now() > deadline || stop.load(Ordering::SeqCst) {
+                bail!("server at {} did not come up", s.addr);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    println!(
+        "mbal cluster up: {} servers x {} workers, {} cachelets, cluster file {}",
+        a.servers,
+        a.workers,
+        a.servers as u32 * a.workers as u32 * a.cachelets_per_worker,
+        a.file.display()
+    );
+    for (id, (_, c)) in children.0.iter().enumerate() {
+        let s = &spec.servers[id];
+        let ws: Vec<String> = (0..a.workers).map(|w| (s.worker_port_base + w).to_string()).collect();
+        println!("  server {id}: {} (pid {}), worker ports {}", s.addr, c.id(), ws.join(","));
+    }
+    println!("try: mbal bench --routed --server {} --load --workload a", spec.servers[0].addr);
+    println!("Ctrl-C stops the cluster.");
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    while !stop.load(Ordering::SeqCst) {
+        for (id, c) in children.0.iter_mut() {
+            if let Ok(Some(st)) = c.try_wait() {
+                eprintln!("server {id} exited ({st}); stopping the cluster");
+                stop.store(true, Ordering::SeqCst);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!("stopping {} servers", children.0.len());
+    drop(children);
+    Ok(())
+}

@@ -51,25 +51,11 @@ fn store_mode(m: StoreMode) -> Mode {
 /// hit, nothing on a miss. The caller writes the closing `END`.
 pub(crate) fn text_get_one(ctx: &mut Ctx, key: &[u8], at: Loc, cas: bool, touch: Option<i64>, out: &mut Vec<u8>) {
     let item = match touch {
-        Some(exp) => {
-            ctx.counters.cmd_touch += 1;
-            let it = ctx.store.touch(at.cachelet, at.hash, key, exp, ctx.now);
-            if it.is_some() {
-                ctx.counters.touch_hits += 1;
-            } else {
-                ctx.counters.touch_misses += 1;
-            }
-            it
-        }
+        Some(exp) => ctx.store.touch(at.cachelet, at.hash, key, exp, ctx.now),
         None => ctx.store.get(at.cachelet, at.hash, key, ctx.now),
     };
-    ctx.counters.cmd_get += 1;
-    match item {
-        Some(it) => {
-            ctx.counters.get_hits += 1;
-            text::write_value(out, key, it.flags, it.value, cas.then_some(it.cas));
-        }
-        None => ctx.counters.get_misses += 1,
+    if let Some(it) = item {
+        text::write_value(out, key, it.flags, it.value, cas.then_some(it.cas));
     }
 }
 
@@ -78,31 +64,18 @@ pub(crate) fn text_get_one(ctx: &mut Ctx, key: &[u8], at: Loc, cas: bool, touch:
 pub(crate) fn text_keyed(ctx: &mut Ctx, cmd: &TextCmd, at: Loc, out: &mut Vec<u8>) {
     match *cmd {
         TextCmd::Store { mode, key, flags, exptime, data, cas_unique, noreply } => {
-            ctx.counters.cmd_set += 1;
             let cas = (mode == StoreMode::Cas).then_some(cas_unique);
             if cas.is_some() && !ctx.settings.cas_enabled {
                 // memcached -C: every cas fails as if the item changed.
-                ctx.counters.cas_badval += 1;
                 reply(out, noreply, text::EXISTS);
                 return;
             }
             let r = ctx.store.store(at.cachelet, at.hash, key, data, flags, exptime, store_mode(mode), cas, ctx.now);
             let line: &[u8] = match r {
-                StoreResult::Stored { .. } => {
-                    if cas.is_some() {
-                        ctx.counters.cas_hits += 1;
-                    }
-                    text::STORED
-                }
+                StoreResult::Stored { .. } => text::STORED,
                 StoreResult::NotStored => text::NOT_STORED,
-                StoreResult::Exists => {
-                    ctx.counters.cas_badval += 1;
-                    text::EXISTS
-                }
-                StoreResult::NotFound => {
-                    ctx.counters.cas_misses += 1;
-                    text::NOT_FOUND
-                }
+                StoreResult::Exists => text::EXISTS,
+                StoreResult::NotFound => text::NOT_FOUND,
                 StoreResult::TooLarge => b"SERVER_ERROR object too large for cache\r\n",
                 StoreResult::OutOfMemory => b"SERVER_ERROR out of memory storing object\r\n",
             };
@@ -113,43 +86,28 @@ pub(crate) fn text_keyed(ctx: &mut Ctx, cmd: &TextCmd, at: Loc, out: &mut Vec<u8
         }
         TextCmd::Delete { key, noreply } => {
             let line = match ctx.store.delete(at.cachelet, at.hash, key, None, ctx.now) {
-                DeleteResult::Deleted => {
-                    ctx.counters.delete_hits += 1;
-                    text::DELETED
-                }
-                _ => {
-                    ctx.counters.delete_misses += 1;
-                    text::NOT_FOUND
-                }
+                DeleteResult::Deleted => text::DELETED,
+                _ => text::NOT_FOUND,
             };
             reply(out, noreply, line);
         }
         TextCmd::Arith { incr, key, delta, noreply } => {
             match ctx.store.arith(at.cachelet, at.hash, key, incr, delta, ctx.now) {
                 ArithResult::Value { value, .. } => {
-                    ctx.counters.arith(incr, true);
                     if !noreply {
                         text::write_number(out, value);
                     }
                 }
                 ArithResult::NotFound => {
-                    ctx.counters.arith(incr, false);
                     reply(out, noreply, text::NOT_FOUND);
                 }
                 ArithResult::NonNumeric => {
-                    ctx.counters.arith(incr, true);
                     reply(out, noreply, b"CLIENT_ERROR cannot increment or decrement non-numeric value\r\n");
                 }
             }
         }
         TextCmd::Touch { key, exptime, noreply } => {
-            ctx.counters.cmd_touch += 1;
             let hit = ctx.store.touch(at.cachelet, at.hash, key, exptime, ctx.now).is_some();
-            if hit {
-                ctx.counters.touch_hits += 1;
-            } else {
-                ctx.counters.touch_misses += 1;
-            }
             reply(out, noreply, if hit { text::TOUCHED } else { text::NOT_FOUND });
         }
         _ => unreachable!("text_keyed called with a keyless or multi-key command"),
@@ -172,7 +130,6 @@ pub(crate) fn meta_keyed(ctx: &mut Ctx, cmd: &MetaCmd, key: &[u8], at: Loc, out:
     let quiet = f.has(b'q');
     match cmd.kind {
         MetaKind::Get => {
-            ctx.counters.cmd_get += 1;
             let ttl_update = match f.num::<i64>(b'T') {
                 Ok(v) => v,
                 Err(()) => return bad_flag(out),
@@ -186,13 +143,11 @@ pub(crate) fn meta_keyed(ctx: &mut Ctx, cmd: &MetaCmd, key: &[u8], at: Loc, out:
                 Err(()) => return bad_flag(out),
             };
             if let Some(exp) = ttl_update {
-                ctx.counters.cmd_touch += 1;
                 ctx.store.touch(at.cachelet, at.hash, key, exp, ctx.now);
             }
             let now = ctx.now;
             let hit = ctx.store.get(at.cachelet, at.hash, key, now).is_some();
             if !hit {
-                ctx.counters.get_misses += 1;
                 if let Some(ttl) = vivify {
                     // Vivify: create an empty placeholder and hand this
                     // client the win token; others see Z until it is set.
@@ -208,7 +163,6 @@ pub(crate) fn meta_keyed(ctx: &mut Ctx, cmd: &MetaCmd, key: &[u8], at: Loc, out:
                 }
                 return;
             }
-            ctx.counters.get_hits += 1;
             // Win-token logic: a stale item, or one about to expire (R), gives
             // the win to the first client to see it; later ones see Z.
             let (stale, win, exptime) = {
@@ -229,7 +183,6 @@ pub(crate) fn meta_keyed(ctx: &mut Ctx, cmd: &MetaCmd, key: &[u8], at: Loc, out:
             write_mg_hit(out, cmd, key, &it, now, token);
         }
         MetaKind::Set => {
-            ctx.counters.cmd_set += 1;
             let (flags, ttl, cas) = match (f.num::<u32>(b'F'), f.num::<i64>(b'T'), f.num::<u64>(b'C')) {
                 (Ok(a), Ok(b), Ok(c)) => (a.unwrap_or(0), b.unwrap_or(0), c),
                 _ => return bad_flag(out),
@@ -258,14 +211,8 @@ pub(crate) fn meta_keyed(ctx: &mut Ctx, cmd: &MetaCmd, key: &[u8], at: Loc, out:
             let (code, cas_out): (&[u8; 2], u64) = match r {
                 StoreResult::Stored { cas } => (b"HD", cas),
                 StoreResult::NotStored => (b"NS", 0),
-                StoreResult::Exists => {
-                    ctx.counters.cas_badval += 1;
-                    (b"EX", 0)
-                }
-                StoreResult::NotFound => {
-                    ctx.counters.cas_misses += 1;
-                    (b"NF", 0)
-                }
+                StoreResult::Exists => (b"EX", 0),
+                StoreResult::NotFound => (b"NF", 0),
                 StoreResult::TooLarge => return out.extend_from_slice(b"SERVER_ERROR object too large for cache\r\n"),
                 StoreResult::OutOfMemory => {
                     return out.extend_from_slice(b"SERVER_ERROR out of memory storing object\r\n")
@@ -307,22 +254,14 @@ pub(crate) fn meta_keyed(ctx: &mut Ctx, cmd: &MetaCmd, key: &[u8], at: Loc, out:
                     }
                 });
                 if ok {
-                    ctx.counters.delete_hits += 1;
                     b"HD"
                 } else {
-                    ctx.counters.delete_misses += 1;
                     b"NF"
                 }
             } else {
                 match ctx.store.delete(at.cachelet, at.hash, key, cas, ctx.now) {
-                    DeleteResult::Deleted => {
-                        ctx.counters.delete_hits += 1;
-                        b"HD"
-                    }
-                    DeleteResult::NotFound => {
-                        ctx.counters.delete_misses += 1;
-                        b"NF"
-                    }
+                    DeleteResult::Deleted => b"HD",
+                    DeleteResult::NotFound => b"NF",
                     DeleteResult::Exists => b"EX",
                 }
             };
@@ -359,7 +298,6 @@ pub(crate) fn meta_keyed(ctx: &mut Ctx, cmd: &MetaCmd, key: &[u8], at: Loc, out:
             }
             match result {
                 ArithResult::Value { value, cas } => {
-                    ctx.counters.arith(incr, true);
                     if let Some(t) = ttl {
                         ctx.store.touch(at.cachelet, at.hash, key, t, now);
                     }
@@ -392,7 +330,6 @@ pub(crate) fn meta_keyed(ctx: &mut Ctx, cmd: &MetaCmd, key: &[u8], at: Loc, out:
                     w.finish(f.has(b'v').then_some(num));
                 }
                 ArithResult::NotFound => {
-                    ctx.counters.arith(incr, false);
                     if !quiet {
                         let mut w = MetaReply::begin(out, b"NF");
                         echo_flags(&mut w, cmd);
@@ -501,19 +438,13 @@ pub(crate) fn bin_keyed(ctx: &mut Ctx, req: &BinReq, at: Loc, out: &mut Vec<u8>)
                     Ok(e) => e,
                     Err(e) => return e.write(out),
                 };
-                ctx.counters.cmd_touch += 1;
                 ctx.store.touch(at.cachelet, at.hash, key, exp as i64, ctx.now)
             } else {
                 ctx.store.get(at.cachelet, at.hash, key, ctx.now)
             };
-            ctx.counters.cmd_get += 1;
             let with_key = matches!(opc, op::GETK | op::GETKQ | op::GATK | op::GATKQ);
             match item {
                 Some(it) => {
-                    ctx.counters.get_hits += 1;
-                    if touch {
-                        ctx.counters.touch_hits += 1;
-                    }
                     let flags = it.flags.to_be_bytes();
                     write_response(
                         out,
@@ -527,10 +458,6 @@ pub(crate) fn bin_keyed(ctx: &mut Ctx, req: &BinReq, at: Loc, out: &mut Vec<u8>)
                     );
                 }
                 None => {
-                    ctx.counters.get_misses += 1;
-                    if touch {
-                        ctx.counters.touch_misses += 1;
-                    }
                     if !quiet {
                         write_response(
                             out,
@@ -556,7 +483,6 @@ pub(crate) fn bin_keyed(ctx: &mut Ctx, req: &BinReq, at: Loc, out: &mut Vec<u8>)
         | op::APPENDQ
         | op::PREPEND
         | op::PREPENDQ => {
-            ctx.counters.cmd_set += 1;
             let mode = match opc {
                 op::SET | op::SETQ => Mode::Set,
                 op::ADD | op::ADDQ => Mode::Add,
@@ -579,9 +505,6 @@ pub(crate) fn bin_keyed(ctx: &mut Ctx, req: &BinReq, at: Loc, out: &mut Vec<u8>)
             let cas = if matches!(mode, Mode::Add) { None } else { cas };
             match ctx.store.store(at.cachelet, at.hash, key, req.value, flags, exptime as i64, mode, cas, ctx.now) {
                 StoreResult::Stored { cas } => {
-                    if h.cas != 0 {
-                        ctx.counters.cas_hits += 1;
-                    }
                     if !quiet {
                         write_response(out, opc, st::NO_ERROR, h.opaque, cas, &[], &[], &[]);
                     }
@@ -591,14 +514,8 @@ pub(crate) fn bin_keyed(ctx: &mut Ctx, req: &BinReq, at: Loc, out: &mut Vec<u8>)
                     Mode::Replace => err(out, st::KEY_ENOENT, b"Not found"),
                     _ => err(out, st::NOT_STORED, b"Not stored."),
                 },
-                StoreResult::Exists => {
-                    ctx.counters.cas_badval += 1;
-                    err(out, st::KEY_EEXISTS, b"Data exists for key.")
-                }
-                StoreResult::NotFound => {
-                    ctx.counters.cas_misses += 1;
-                    err(out, st::KEY_ENOENT, b"Not found")
-                }
+                StoreResult::Exists => err(out, st::KEY_EEXISTS, b"Data exists for key."),
+                StoreResult::NotFound => err(out, st::KEY_ENOENT, b"Not found"),
                 StoreResult::TooLarge => err(out, st::E2BIG, b"Too large."),
                 StoreResult::OutOfMemory => err(out, st::ENOMEM, b"Out of memory"),
             }
@@ -607,15 +524,11 @@ pub(crate) fn bin_keyed(ctx: &mut Ctx, req: &BinReq, at: Loc, out: &mut Vec<u8>)
             let cas = (h.cas != 0).then_some(h.cas);
             match ctx.store.delete(at.cachelet, at.hash, key, cas, ctx.now) {
                 DeleteResult::Deleted => {
-                    ctx.counters.delete_hits += 1;
                     if !quiet {
                         write_response(out, opc, st::NO_ERROR, h.opaque, 0, &[], &[], &[]);
                     }
                 }
-                DeleteResult::NotFound => {
-                    ctx.counters.delete_misses += 1;
-                    err(out, st::KEY_ENOENT, b"Not found")
-                }
+                DeleteResult::NotFound => err(out, st::KEY_ENOENT, b"Not found"),
                 DeleteResult::Exists => err(out, st::KEY_EEXISTS, b"Data exists for key."),
             }
         }
@@ -638,15 +551,11 @@ pub(crate) fn bin_keyed(ctx: &mut Ctx, req: &BinReq, at: Loc, out: &mut Vec<u8>)
             }
             match r {
                 ArithResult::Value { value, cas } => {
-                    ctx.counters.arith(incr, true);
                     if !quiet {
                         write_response(out, opc, st::NO_ERROR, h.opaque, cas, &[], &[], &value.to_be_bytes());
                     }
                 }
-                ArithResult::NotFound => {
-                    ctx.counters.arith(incr, false);
-                    err(out, st::KEY_ENOENT, b"Not found")
-                }
+                ArithResult::NotFound => err(out, st::KEY_ENOENT, b"Not found"),
                 ArithResult::NonNumeric => {
                     err(out, st::DELTA_BADVAL, b"Non-numeric server-side value for incr or decr")
                 }
@@ -657,17 +566,12 @@ pub(crate) fn bin_keyed(ctx: &mut Ctx, req: &BinReq, at: Loc, out: &mut Vec<u8>)
                 Ok(e) => e,
                 Err(e) => return e.write(out),
             };
-            ctx.counters.cmd_touch += 1;
             match ctx.store.touch(at.cachelet, at.hash, key, exp as i64, ctx.now) {
                 Some(it) => {
-                    ctx.counters.touch_hits += 1;
                     let cas = it.cas;
                     write_response(out, opc, st::NO_ERROR, h.opaque, cas, &[], &[], &[]);
                 }
-                None => {
-                    ctx.counters.touch_misses += 1;
-                    err(out, st::KEY_ENOENT, b"Not found")
-                }
+                None => err(out, st::KEY_ENOENT, b"Not found"),
             }
         }
         _ => err(out, st::UNKNOWN_COMMAND, b"Unknown command"),

@@ -9,24 +9,8 @@ use std::fmt::Display;
 /// Command counters of one worker. Only that worker writes them.
 #[derive(Clone, Default, Debug)]
 pub struct Counters {
-    pub cmd_get: u64,
-    pub cmd_set: u64,
-    pub cmd_touch: u64,
     pub cmd_flush: u64,
     pub cmd_meta: u64,
-    pub get_hits: u64,
-    pub get_misses: u64,
-    pub delete_hits: u64,
-    pub delete_misses: u64,
-    pub incr_hits: u64,
-    pub incr_misses: u64,
-    pub decr_hits: u64,
-    pub decr_misses: u64,
-    pub cas_hits: u64,
-    pub cas_misses: u64,
-    pub cas_badval: u64,
-    pub touch_hits: u64,
-    pub touch_misses: u64,
     pub bytes_read: u64,
     pub bytes_written: u64,
     pub conn_yields: u64,
@@ -46,23 +30,37 @@ pub struct Counters {
 }
 
 impl Counters {
-    pub fn arith(&mut self, incr: bool, hit: bool) {
-        match (incr, hit) {
-            (true, true) => self.incr_hits += 1,
-            (true, false) => self.incr_misses += 1,
-            (false, true) => self.decr_hits += 1,
-            (false, false) => self.decr_misses += 1,
-        }
-    }
-
     fn add(&mut self, o: &Counters) {
+        macro_rules! sum { ($($f:ident),*) => { $( self.$f += o.$f; )* } }
+        sum!(
+            cmd_flush,
+            cmd_meta,
+            bytes_read,
+            bytes_written,
+            conn_yields,
+            forwarded_out,
+            forwarded_in,
+            total_connections,
+            rejected_connections,
+            redirects,
+            foreign_keys,
+            cachelets_adopted
+        );
+    }
+}
+
+/// Sums of the store's command counters over workers.
+trait AddStats {
+    fn add(&mut self, o: &WorkerStats);
+}
+
+impl AddStats for WorkerStats {
+    fn add(&mut self, o: &WorkerStats) {
         macro_rules! sum { ($($f:ident),*) => { $( self.$f += o.$f; )* } }
         sum!(
             cmd_get,
             cmd_set,
             cmd_touch,
-            cmd_flush,
-            cmd_meta,
             get_hits,
             get_misses,
             delete_hits,
@@ -75,17 +73,7 @@ impl Counters {
             cas_misses,
             cas_badval,
             touch_hits,
-            touch_misses,
-            bytes_read,
-            bytes_written,
-            conn_yields,
-            forwarded_out,
-            forwarded_in,
-            total_connections,
-            rejected_connections,
-            redirects,
-            foreign_keys,
-            cachelets_adopted
+            touch_misses
         );
     }
 }
@@ -161,8 +149,10 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
             let mut get_expired = 0;
             let mut get_flushed = 0;
             let mut curr_conns = 0;
+            let mut st = WorkerStats::default();
             for w in snaps.iter() {
                 c.add(&w.counters);
+                st.add(&w.store);
                 curr_items += w.store.curr_items;
                 total_items += w.store.total_items;
                 bytes += w.store.bytes;
@@ -187,26 +177,26 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
             sink.stat("total_connections", &c.total_connections);
             sink.stat("rejected_connections", &c.rejected_connections);
             sink.stat("connection_structures", &curr_conns);
-            sink.stat("cmd_get", &c.cmd_get);
-            sink.stat("cmd_set", &c.cmd_set);
+            sink.stat("cmd_get", &st.cmd_get);
+            sink.stat("cmd_set", &st.cmd_set);
             sink.stat("cmd_flush", &c.cmd_flush);
-            sink.stat("cmd_touch", &c.cmd_touch);
+            sink.stat("cmd_touch", &st.cmd_touch);
             sink.stat("cmd_meta", &c.cmd_meta);
-            sink.stat("get_hits", &c.get_hits);
-            sink.stat("get_misses", &c.get_misses);
+            sink.stat("get_hits", &st.get_hits);
+            sink.stat("get_misses", &st.get_misses);
             sink.stat("get_expired", &get_expired);
             sink.stat("get_flushed", &get_flushed);
-            sink.stat("delete_misses", &c.delete_misses);
-            sink.stat("delete_hits", &c.delete_hits);
-            sink.stat("incr_misses", &c.incr_misses);
-            sink.stat("incr_hits", &c.incr_hits);
-            sink.stat("decr_misses", &c.decr_misses);
-            sink.stat("decr_hits", &c.decr_hits);
-            sink.stat("cas_misses", &c.cas_misses);
-            sink.stat("cas_hits", &c.cas_hits);
-            sink.stat("cas_badval", &c.cas_badval);
-            sink.stat("touch_hits", &c.touch_hits);
-            sink.stat("touch_misses", &c.touch_misses);
+            sink.stat("delete_misses", &st.delete_misses);
+            sink.stat("delete_hits", &st.delete_hits);
+            sink.stat("incr_misses", &st.incr_misses);
+            sink.stat("incr_hits", &st.incr_hits);
+            sink.stat("decr_misses", &st.decr_misses);
+            sink.stat("decr_hits", &st.decr_hits);
+            sink.stat("cas_misses", &st.cas_misses);
+            sink.stat("cas_hits", &st.cas_hits);
+            sink.stat("cas_badval", &st.cas_badval);
+            sink.stat("touch_hits", &st.touch_hits);
+            sink.stat("touch_misses", &st.touch_misses);
             sink.stat("auth_cmds", &0);
             sink.stat("auth_errors", &0);
             sink.stat("bytes_read", &c.bytes_read);
@@ -307,9 +297,9 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
                 let n = w.worker;
                 let port = p.worker_ports.get(n).copied().unwrap_or(0);
                 sink.stat(&format!("worker:{n}:port"), &port);
-                sink.stat(&format!("worker:{n}:cmd_get"), &w.counters.cmd_get);
-                sink.stat(&format!("worker:{n}:cmd_set"), &w.counters.cmd_set);
-                sink.stat(&format!("worker:{n}:get_hits"), &w.counters.get_hits);
+                sink.stat(&format!("worker:{n}:cmd_get"), &w.store.cmd_get);
+                sink.stat(&format!("worker:{n}:cmd_set"), &w.store.cmd_set);
+                sink.stat(&format!("worker:{n}:get_hits"), &w.store.get_hits);
                 sink.stat(&format!("worker:{n}:curr_items"), &w.store.curr_items);
                 sink.stat(&format!("worker:{n}:bytes"), &w.store.bytes);
                 sink.stat(&format!("worker:{n}:cachelets"), &w.cachelets.len());

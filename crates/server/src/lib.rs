@@ -159,6 +159,7 @@ pub fn start(settings: Settings) -> Result<ServerHandle> {
             cas_enabled: settings.cas_enabled,
             start_unix,
             worker_id: i as u16,
+            workers,
             ..StoreConfig::default()
         };
         let mut store = WorkerStore::new(pool.clone(), cfg, layout.cachelet_count());

@@ -116,6 +116,9 @@ pub struct StoreConfig {
     pub start_unix: u64,
     /// Embedded in the low 16 bits of every CAS value.
     pub worker_id: u16,
+    /// Workers sharing the global pool: each may hold its fair share
+    /// (total / workers) and more only while a reserve stays for the others.
+    pub workers: usize,
 }
 
 impl Default for StoreConfig {
@@ -131,6 +134,7 @@ impl Default for StoreConfig {
             global_low_pages: 32,
             start_unix: 0,
             worker_id: 0,
+            workers: 1,
         }
     }
 }

@@ -283,9 +283,32 @@ impl Mem {
         self.cutoff = first + (self.next_seq.saturating_sub(first)) / 4;
     }
 
+    fn held(&self) -> usize {
+        self.local_free.len() + self.seg_pages + self.large_pages
+    }
+
+    /// This worker's fair share of the budget.
+    fn fair_share(&self) -> usize {
+        self.global.total_pages() / self.cfg.workers.max(1)
+    }
+
+    /// Pages a worker at or above its fair share leaves in the global pool,
+    /// so a worker that has nothing to evict yet (its traffic just started)
+    /// is served at once instead of failing until others shed pages.
+    fn reserve_for_others(&self) -> usize {
+        let others = self.cfg.workers.max(1) - 1;
+        let floor = (self.fair_share() / 8).max(2 * self.cfg.refill_pages.max(1));
+        (others * floor).min(self.global.total_pages() / 2)
+    }
+
     fn get_page(&mut self) -> Option<Page> {
         if let Some(p) = self.local_free.pop() {
             return Some(p);
+        }
+        if self.held() >= self.fair_share() && self.global.available_pages() <= self.reserve_for_others() {
+            // Past our share and only the others' reserve is left: evict our own.
+            self.pressure = true;
+            return None;
         }
         let n = self.cfg.refill_pages.max(1);
         self.global.take(n, &mut self.local_free);
@@ -662,6 +685,10 @@ impl WorkerStore {
                 }
                 return Ok(l);
             }
+            if self.m.cfg.evict && self.m.held() < self.m.fair_share() * 3 / 4 && self.m.global.available_pages() == 0 {
+                // Evicting while below our share: ask workers above theirs to shed.
+                self.m.global.want(self.m.cfg.refill_pages.max(1));
+            }
             if !self.m.cfg.evict || !self.evict_one() {
                 if self.m.cfg.evict {
                     // Nothing of ours to evict: ask the other workers to shed pages.
@@ -678,8 +705,9 @@ impl WorkerStore {
     /// away the segments that hold its own open items beyond the oldest ones.
     fn help_starving(&mut self) {
         let n = self.m.global.pages_wanted().min(self.m.cfg.refill_pages.max(1));
-        // keep at least a few segments so that we do not starve in turn
-        if self.m.order.len() > n + 2 * self.owned_count() {
+        // Only a worker above its fair share gives pages away, and it keeps
+        // at least a few segments so that it does not starve in turn.
+        if self.m.held() > self.m.fair_share() && self.m.order.len() > n + 2 * self.owned_count() {
             self.shed_pages(n);
         }
     }

@@ -1,7 +1,7 @@
 //! Drivers: how ops reach servers. The load loop ([`crate::engine`]) decides *when* to send and
 //! measures; a [`Driver`] decides *where* and does the I/O. [`PlainDriver`] is a plain memcached
-//! text-protocol client; the routed mode (through the routing client crate) will be a second
-//! implementation of the same trait.
+//! text-protocol client; [`crate::routed::RoutedDriver`] (mbal's routed mode: one connection
+//! per worker, redirects followed) is a second implementation of the same trait.
 
 use std::io::{self, Read, Write};
 use std::net::SocketAddr;
@@ -18,7 +18,7 @@ use crate::workload::write_key;
 pub enum OpKind {
     /// `get k1 [k2 ...]` (a multiget when it has several keys).
     Get,
-    /// `set k 0 0 <value-size>`.
+    /// `set k 0 0 <value_size>`.
     Set,
 }
 
@@ -28,6 +28,8 @@ pub struct Request<'a> {
     pub kind: OpKind,
     pub keys: &'a [u32],
     pub token: u32,
+    /// Value length of a SET (at most the `value_size_max` the driver was made for).
+    pub value_size: u32,
 }
 
 /// A finished op.
@@ -56,6 +58,27 @@ pub trait Driver {
     fn poll(&mut self, timeout: Duration, out: &mut Vec<Completion>) -> Result<()>;
     /// Requests sent to each target so far (same order as `target_names`).
     fn target_requests(&self) -> Vec<u64>;
+    /// Redirects followed so far (routed drivers; 0 for the others).
+    fn redirects(&self) -> u64 {
+        0
+    }
+}
+
+/// The bytes SET values are cut from: `max` `x`s (a value of length n is its first n bytes).
+pub(crate) fn value_buffer(max: usize) -> Vec<u8> {
+    vec![b'x'; max]
+}
+
+/// Append `set <key> 0 0 <n>\r\n<n bytes>\r\n` to `out`.
+#[inline]
+pub(crate) fn write_set(out: &mut Vec<u8>, key: &[u8], value: &[u8], n: usize) {
+    out.extend_from_slice(b"set ");
+    out.extend_from_slice(key);
+    out.extend_from_slice(b" 0 0 ");
+    out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
+    out.extend_from_slice(b"\r\n");
+    out.extend_from_slice(&value[..n]);
+    out.extend_from_slice(b"\r\n");
 }
 
 /// Which server a key goes to in plain mode: `mbal_cluster::key_hash(key) % servers`.
@@ -97,7 +120,6 @@ pub struct PlainDriver {
     servers: Vec<SocketAddr>,
     key_size: usize,
     value: Vec<u8>,
-    set_header_tail: Vec<u8>,
     ops: Vec<OpState>,
     target_reqs: Vec<u64>,
     // scratch
@@ -107,12 +129,13 @@ pub struct PlainDriver {
 }
 
 impl PlainDriver {
+    /// Connect `slots` connections to each server. SET values are at most `value_size_max` bytes.
     pub fn connect(
         servers: &[SocketAddr],
         slots: usize,
         max_in_flight: usize,
         key_size: usize,
-        value_size: usize,
+        value_size_max: usize,
     ) -> Result<PlainDriver> {
         if servers.is_empty() || servers.len() > u16::MAX as usize {
             bail!("need 1..65535 servers");
@@ -141,17 +164,13 @@ impl PlainDriver {
                 });
             }
         }
-        let set_header_tail = format!(" 0 0 {value_size}\r\n").into_bytes();
-        let mut value = vec![b'x'; value_size];
-        value.extend_from_slice(b"\r\n");
         Ok(PlainDriver {
             poll,
             events: Events::with_capacity(1024),
             conns,
             servers: servers.to_vec(),
             key_size,
-            value,
-            set_header_tail,
+            value: value_buffer(value_size_max),
             ops: vec![OpState::default(); max_in_flight],
             target_reqs: vec![0; servers.len()],
             key_buf: Vec::with_capacity(256),
@@ -201,7 +220,8 @@ impl PlainDriver {
                 match reply {
                     Reply::Get { hits } => op.hits += hits,
                     Reply::Stored | Reply::Exists | Reply::NotFound => {}
-                    Reply::NotStored | Reply::Error => op.errors += 1,
+                    // a plain connection never opted in to redirects: count one as an error
+                    Reply::NotStored | Reply::Error | Reply::Redirect { .. } => op.errors += 1,
                 }
                 op.parts -= 1;
                 if op.parts == 0 {
@@ -254,10 +274,11 @@ impl Driver for PlainDriver {
                 let s = server_of(&self.key_buf, n);
                 let ci = slot * n + s;
                 let c = &mut self.conns[ci];
-                c.wbuf.extend_from_slice(b"set ");
-                c.wbuf.extend_from_slice(&self.key_buf);
-                c.wbuf.extend_from_slice(&self.set_header_tail);
-                c.wbuf.extend_from_slice(&self.value);
+                let n = req.value_size as usize;
+                if n > self.value.len() {
+                    bail!("value size {n} above the driver's maximum {}", self.value.len());
+                }
+                write_set(&mut c.wbuf, &self.key_buf, &self.value, n);
                 c.pending.push_back((req.token, Expect::Store));
                 op.parts = 1;
                 self.target_reqs[s] += 1;

@@ -27,6 +27,9 @@ pub struct ThreadPlan {
     pub slots: usize,
     pub pipeline: usize,
     pub multiget: usize,
+    /// SET value length: uniform in `value_size.0..=value_size.1` (drawn from this thread's
+    /// seeded generator, so deterministic per op for a given seed; no draw when they are equal).
+    pub value_size: (usize, usize),
     /// Max ops this thread may send.
     pub quota: u64,
     /// Open loop: this thread's ops/s. None: closed loop.
@@ -109,6 +112,8 @@ pub struct ThreadResult {
     /// Open loop: ops sent more than 1 ms after their intended time (the client fell behind).
     pub late: u64,
     pub target_requests: Vec<u64>,
+    /// Redirects the driver followed.
+    pub redirects: u64,
     /// CPU time this thread used (user + system).
     pub cpu_secs: f64,
     /// Time from start to the last completion.
@@ -158,6 +163,7 @@ pub fn run_thread(driver: &mut dyn Driver, mut plan: ThreadPlan) -> Result<Threa
         sent: 0,
         late: 0,
         target_requests: Vec::new(),
+        redirects: 0,
         cpu_secs: 0.0,
         elapsed: Duration::ZERO,
     };
@@ -263,7 +269,12 @@ pub fn run_thread(driver: &mut dyn Driver, mut plan: ThreadPlan) -> Result<Threa
                     now
                 };
                 meta[token as usize] = Slot { start_ns, kind, slot: slot as u32, nkeys: keys.len() as u32 };
-                driver.submit(slot, &Request { kind, keys: &keys, token })?;
+                let (vmin, vmax) = plan.value_size;
+                let value_size = match kind {
+                    OpKind::Set if vmax > vmin => rng.gen_range(vmin..=vmax) as u32,
+                    _ => vmin as u32,
+                };
+                driver.submit(slot, &Request { kind, keys: &keys, token, value_size })?;
                 inflight[slot] += 1;
                 total_inflight += 1;
                 res.sent += 1;
@@ -339,6 +350,7 @@ pub fn run_thread(driver: &mut dyn Driver, mut plan: ThreadPlan) -> Result<Threa
         plan.progress.store(res.ops, Ordering::Relaxed);
     }
     res.target_requests = driver.target_requests();
+    res.redirects = driver.redirects();
     res.cpu_secs = thread_cpu_secs() - cpu0;
     res.elapsed = Duration::from_nanos(last_end);
     Ok(res)

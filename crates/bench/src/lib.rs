@@ -15,12 +15,17 @@
 //! * [`driver`]: where and how. The [`driver::Driver`] trait is "a set of connections that
 //!   can send ops and receive their results"; [`driver::PlainDriver`] speaks the memcached text
 //!   protocol over mio non-blocking sockets, one connection per (logical client, server), keys
-//!   spread with `mbal_cluster::key_hash(key) % servers` (a multiget is split per server). The
-//!   routed mode will be a second `Driver`, made per client thread by a [`DriverFactory`] and
-//!   run with [`run_with`]; everything else (workloads, pacing, statistics, reports) is shared.
-//!   Per-target request counts come from `Driver::target_requests`, so a routed driver can
-//!   report per worker under its own target names.
-//! * [`reply`]: an incremental, allocation-free reply parser (VALUE/END, STORED, errors).
+//!   spread with `mbal_cluster::key_hash(key) % servers` (a multiget is split per server).
+//! * [`routed`]: `--routed`, mbal's routing client mode, as a second `Driver`
+//!   ([`routed::RoutedDriver`], made per client thread by [`routed::RoutedFactory`], run with
+//!   [`run_with`]): the cluster map from `mbal map`, one connection per (logical client, worker)
+//!   opted in with `mbal hello`, ops routed by key hash → cachelet → worker, `RD` redirects
+//!   learned and followed (at most [`routed::MAX_REDIRECTS`] per request chain). Everything else
+//!   (workloads, pacing, statistics, reports) is shared: targets are then the workers
+//!   (`s<server>/w<worker>`) and `Totals::redirects` counts redirects followed.
+//! * [`reply`]: an incremental, allocation-free reply parser (VALUE/END, STORED, errors, `RD`).
+//! * SET values are `--value-size` bytes, or uniform in `[--value-size, --value-size-max]`
+//!   drawn per op from the thread's seeded generator (deterministic for a seed).
 //! * Results: HdrHistograms per op type (ns) and per second (µs), per-target request counts with
 //!   max/avg and NetKV's imbalance factor (Eq. 6), client CPU per op (the generator's own cost),
 //!   all in a serde [`BenchReport`] (`--json`) and an SVG plot ([`plot()`], `--plot`,
@@ -34,6 +39,7 @@ pub mod driver;
 pub mod engine;
 mod plot;
 pub mod reply;
+pub mod routed;
 pub mod stub;
 pub mod workload;
 
@@ -67,6 +73,11 @@ pub struct BenchArgs {
     /// ceiling; see also `client.ops_per_cpu_sec` in every report).
     #[arg(long)]
     pub null_server: bool,
+    /// mbal routed mode: fetch the cluster map from the one --server (any server of an mbal
+    /// cluster, or a single mbal server), connect to every worker's own port (`mbal hello`),
+    /// route each op to its owning worker and follow `RD` redirects. Targets are the workers.
+    #[arg(long)]
+    pub routed: bool,
 
     /// Workload: a = 100% read Zipfian, b = 95/5 read/update hotspot, c = 50/50 Zipfian,
     /// uniform = uniform keys with --read-ratio, custom = --dist keys with --read-ratio.
@@ -87,9 +98,13 @@ pub struct BenchArgs {
     /// Key length in bytes (`k` + zero-padded index).
     #[arg(long, default_value_t = 10)]
     pub key_size: usize,
-    /// Value length in bytes for SETs.
+    /// Value length in bytes for SETs (the minimum when --value-size-max is given).
     #[arg(long, default_value_t = 20)]
     pub value_size: usize,
+    /// Variable value sizes: each SET's value length is uniform in
+    /// [--value-size, --value-size-max] (deterministic per op for a given --seed).
+    #[arg(long)]
+    pub value_size_max: Option<usize>,
     /// Hotspot: fraction of keys that are hot.
     #[arg(long, default_value_t = 0.05)]
     pub hot_fraction: f64,
@@ -201,6 +216,8 @@ pub struct Totals {
     pub errors: u64,
     /// Ops sent but not answered within --drain.
     pub unfinished: u64,
+    /// Redirects (`RD`) followed (routed mode).
+    pub redirects: u64,
     /// Protocol requests on the wire (a multiget split over servers counts once per server).
     pub requests: u64,
     pub ops_per_sec: f64,
@@ -349,6 +366,14 @@ fn validate(args: &BenchArgs) -> Result<()> {
     if args.key_size < min || args.key_size > 250 {
         bail!("--key-size must be in {min}..=250 for {} keys", args.keys);
     }
+    if let Some(m) = args.value_size_max {
+        if m < args.value_size {
+            bail!("--value-size-max ({m}) must be >= --value-size ({})", args.value_size);
+        }
+    }
+    if args.value_size_max.unwrap_or(args.value_size) > 64 << 20 {
+        bail!("values above 64 MiB are not supported");
+    }
     if args.multiget == 0 || args.multiget > 10_000 {
         bail!("--multiget must be in 1..=10000");
     }
@@ -420,6 +445,7 @@ fn run_threads(
                 slots: split(args.conns as u64, threads, t) as usize,
                 pipeline: args.pipeline,
                 multiget: args.multiget,
+                value_size: (args.value_size, args.value_size_max.unwrap_or(args.value_size).max(args.value_size)),
                 quota: quota.map(|q| split(q, threads, t)).unwrap_or(u64::MAX),
                 rate: rate.map(|r| r / threads as f64),
                 start,
@@ -493,6 +519,7 @@ fn totals_of(results: &[ThreadResult], rate: Option<f64>) -> Totals {
         t.hits += r.hits;
         t.errors += r.errors;
         t.unfinished += r.unfinished;
+        t.redirects += r.redirects;
         t.late_ops += r.late;
         t.requests += r.target_requests.iter().sum::<u64>();
         elapsed = elapsed.max(r.elapsed);
@@ -531,6 +558,17 @@ pub fn run(args: BenchArgs) -> Result<BenchReport> {
         return Ok(reports.swap_remove(0).1);
     }
     validate(&args)?;
+    if args.routed {
+        if args.null_server {
+            bail!("--routed needs an mbal server, not --null-server");
+        }
+        let servers = resolve_targets(&args)?;
+        if servers.len() != 1 {
+            bail!("--routed takes exactly one --server (any server of the cluster; the map names the rest)");
+        }
+        let factory = routed::RoutedFactory::connect(servers[0], args.allow_non_loopback)?;
+        return run_with(args, &factory);
+    }
     let stub = if args.null_server { Some(stub::StubServer::start().context("start stub server")?) } else { None };
     let servers = match &stub {
         Some(s) => vec![s.addr],
@@ -575,7 +613,7 @@ impl DriverFactory for PlainFactory {
             spec.slots,
             spec.max_in_flight,
             spec.args.key_size,
-            spec.args.value_size,
+            spec.args.value_size_max.unwrap_or(spec.args.value_size).max(spec.args.value_size),
         )?))
     }
 }
@@ -611,8 +649,8 @@ pub fn run_with(args: BenchArgs, factory: &dyn DriverFactory) -> Result<BenchRep
         let t = totals_of(&o.results, None);
         if show {
             println!(
-                "load: {} keys in {:.2}s ({:.0} sets/s), errors {}, unfinished {}",
-                t.sets, t.elapsed_s, t.ops_per_sec, t.errors, t.unfinished
+                "load: {} keys in {:.2}s ({:.0} sets/s), errors {}, unfinished {}, redirects {}",
+                t.sets, t.elapsed_s, t.ops_per_sec, t.errors, t.unfinished, t.redirects
             );
         }
         if t.sets < args.keys as u64 {
@@ -768,6 +806,9 @@ fn print_summary(r: &BenchReport) {
         line += &format!(" (target {rate:.0} ops/s, {} sent late)", t.late_ops);
     }
     line += &format!(", hit ratio {:.4}, errors {}", t.hit_ratio, t.errors);
+    if r.driver == "routed" || t.redirects > 0 {
+        line += &format!(", redirects {}", t.redirects);
+    }
     if t.unfinished > 0 {
         line += &format!(", UNFINISHED {}", t.unfinished);
     }

@@ -29,6 +29,14 @@ pub enum Reply {
     NotFound,
     /// `ERROR`, `CLIENT_ERROR ...` or `SERVER_ERROR ...`.
     Error,
+    /// mbal's `RD <epoch> <server> <worker>` (routed connections only): the whole reply of the
+    /// request is this line; the key's cachelet is served by (`server`, `worker`) as of map
+    /// `epoch`.
+    Redirect {
+        epoch: u64,
+        server: u16,
+        worker: u16,
+    },
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -108,6 +116,8 @@ impl ReplyParser {
                         self.hits = 0;
                         self.in_get = false;
                         return Ok((pos, Some(Reply::Error)));
+                    } else if line.starts_with(b"RD ") && !self.in_get {
+                        return Ok((pos, Some(parse_redirect(line)?)));
                     } else {
                         return Err(ParseError(format!("unexpected line in get reply {:?}", lossy(line))));
                     }
@@ -119,6 +129,7 @@ impl ReplyParser {
                         b"EXISTS" => Reply::Exists,
                         b"NOT_FOUND" => Reply::NotFound,
                         l if is_error(l) => Reply::Error,
+                        l if l.starts_with(b"RD ") => parse_redirect(l)?,
                         l => return Err(ParseError(format!("unexpected store reply {:?}", lossy(l)))),
                     };
                     return Ok((pos, Some(r)));
@@ -131,6 +142,24 @@ impl ReplyParser {
     pub fn mid_reply(&self) -> bool {
         self.in_get || self.skip > 0
     }
+}
+
+/// `RD <epoch> <server> <worker>`.
+fn parse_redirect(line: &[u8]) -> Result<Reply, ParseError> {
+    fn num<T: std::str::FromStr>(t: Option<&[u8]>) -> Option<T> {
+        std::str::from_utf8(t?).ok()?.parse().ok()
+    }
+    let mut it = line[3..].split(|&b| b == b' ').filter(|t| !t.is_empty());
+    let r = (|| {
+        let epoch = num(it.next())?;
+        let server = num(it.next())?;
+        let worker = num(it.next())?;
+        if it.next().is_some() {
+            return None;
+        }
+        Some(Reply::Redirect { epoch, server, worker })
+    })();
+    r.ok_or_else(|| ParseError(format!("bad redirect line {:?}", lossy(line))))
 }
 
 fn is_error(line: &[u8]) -> bool {
@@ -216,6 +245,27 @@ mod tests {
         assert!(p.parse(b"VALUE k 0 2\r\nabcd", Expect::Get).is_err());
         let mut p = ReplyParser::new();
         assert!(p.parse(&vec![b'a'; MAX_LINE + 1], Expect::Get).is_err());
+    }
+
+    #[test]
+    fn redirects_replace_any_reply() {
+        let input = b"RD 7 2 1\r\nVALUE k 0 1\r\nx\r\nEND\r\nRD 12 0 3\r\nSTORED\r\n";
+        let ex = [Expect::Get, Expect::Get, Expect::Store, Expect::Store];
+        let want = vec![
+            Reply::Redirect { epoch: 7, server: 2, worker: 1 },
+            Reply::Get { hits: 1 },
+            Reply::Redirect { epoch: 12, server: 0, worker: 3 },
+            Reply::Stored,
+        ];
+        for chunk in [1, 3, 4096] {
+            assert_eq!(feed(input, &ex, chunk), want, "chunk {chunk}");
+        }
+        for bad in [&b"RD 1 2\r\n"[..], b"RD x 1 2\r\n", b"RD 1 2 3 4\r\n", b"RD 1 70000 0\r\n"] {
+            assert!(ReplyParser::new().parse(bad, Expect::Store).is_err(), "{bad:?}");
+            assert!(ReplyParser::new().parse(bad, Expect::Get).is_err(), "{bad:?}");
+        }
+        // inside a get reply (after a VALUE) an RD line is garbage, not a redirect
+        assert!(ReplyParser::new().parse(b"VALUE k 0 1\r\nx\r\nRD 1 0 0\r\n", Expect::Get).is_err());
     }
 
     #[test]

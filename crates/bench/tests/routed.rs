@@ -1,0 +1,290 @@
+//! `mbal bench --routed` and `--value-size-max` end to end, against real mbal servers started
+//! in-process on loopback ephemeral ports.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::time::Duration;
+
+use mbal_bench::routed::{fetch_map, RoutedFactory, MAX_REDIRECTS};
+use mbal_bench::workload::WorkloadKind;
+use mbal_bench::{run, run_with, BenchArgs, BenchReport};
+use mbal_cluster::{ClusterMap, ClusterSpec, Layout, ServerInfo, ServerSpec};
+use mbal_server::config::Settings;
+use mbal_server::ServerHandle;
+
+fn settings(threads: usize) -> Settings {
+    Settings { port: 0, threads, memory_limit: 32 << 20, ..Settings::default() }
+}
+
+fn start(s: Settings) -> ServerHandle {
+    mbal_server::start(s).expect("server starts")
+}
+
+struct Conn {
+    r: BufReader<TcpStream>,
+    w: TcpStream,
+}
+
+impl Conn {
+    fn open(addr: SocketAddr) -> Conn {
+        let s = TcpStream::connect(addr).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        Conn { r: BufReader::new(s.try_clone().unwrap()), w: s }
+    }
+    fn cmd(&mut self, c: &str) -> String {
+        self.w.write_all(c.as_bytes()).unwrap();
+        let mut l = String::new();
+        self.r.read_line(&mut l).unwrap();
+        l
+    }
+    fn stat(&mut self, name: &str) -> u64 {
+        self.w.write_all(b"stats\r\n").unwrap();
+        let mut found = None;
+        loop {
+            let mut l = String::new();
+            self.r.read_line(&mut l).unwrap();
+            assert!(!l.is_empty(), "connection closed in stats");
+            if l == "END\r\n" {
+                break;
+            }
+            let f: Vec<&str> = l.split_whitespace().collect();
+            if f.len() == 3 && f[1] == name {
+                found = Some(f[2].parse().unwrap());
+            }
+        }
+        found.unwrap_or_else(|| panic!("no stat {name}"))
+    }
+    /// Length of the value of `key`, if present.
+    fn value_len(&mut self, key: &str) -> Option<usize> {
+        let l = self.cmd(&format!("get {key}\r\n"));
+        if l == "END\r\n" {
+            return None;
+        }
+        let n: usize = l.split_whitespace().nth(3).unwrap().parse().unwrap();
+        let mut v = vec![0; n + 2];
+        self.r.read_exact(&mut v).unwrap();
+        assert_eq!(self.cmd(""), "END\r\n");
+        Some(n)
+    }
+}
+
+fn routed_args(server: SocketAddr) -> BenchArgs {
+    BenchArgs {
+        server: vec![server.to_string()],
+        routed: true,
+        quiet: true,
+        keys: 2000,
+        load: true,
+        duration: Some(30.0),
+        max_ops: Some(20_000),
+        conns: 4,
+        threads: 2,
+        pipeline: 8,
+        workload: WorkloadKind::C,
+        ..BenchArgs::default()
+    }
+}
+
+/// Everything answered, nothing failed, every worker served.
+fn check_clean(r: &BenchReport, workers: usize) {
+    let t = &r.totals;
+    assert_eq!(r.driver, "routed");
+    assert_eq!(t.errors, 0, "{t:?}");
+    assert_eq!(t.unfinished, 0, "{t:?}");
+    assert_eq!(t.ops, 20_000);
+    assert_eq!(t.hits, t.get_keys, "every key was loaded: {t:?}");
+    assert_eq!(r.balance.targets.len(), workers);
+    for tg in &r.balance.targets {
+        assert!(tg.requests > 0, "{} got no requests: {:?}", tg.name, r.balance.targets);
+    }
+    let load = r.load.as_ref().expect("load phase");
+    assert_eq!((load.sets, load.errors), (2000, 0));
+}
+
+#[test]
+fn routed_single_server_never_crosses_workers() {
+    let srv = start(settings(2));
+    let mut admin = Conn::open(srv.main_addr);
+    let r = run(routed_args(srv.main_addr)).unwrap();
+    check_clean(&r, 2);
+    assert_eq!(r.totals.redirects, 0);
+    let names: Vec<&str> = r.balance.targets.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(names, ["s0/w0", "s0/w1"]);
+    // multigets split per worker: one op, up to two requests
+    let mg =
+        run(BenchArgs { multiget: 10, load: false, workload: WorkloadKind::A, ..routed_args(srv.main_addr) }).unwrap();
+    assert_eq!((mg.totals.errors, mg.totals.unfinished, mg.totals.ops), (0, 0, 20_000));
+    assert_eq!(mg.totals.hits, mg.totals.get_keys);
+    assert_eq!(mg.totals.get_keys, 200_000);
+    assert!(mg.totals.requests > mg.totals.ops && mg.totals.requests <= 2 * mg.totals.ops, "{:?}", mg.totals);
+    assert_eq!(admin.stat("cross_worker_requests"), 0, "routed requests never cross workers");
+    // the same load through the main port does cross workers (the counter can move)
+    let plain = run(BenchArgs { routed: false, load: false, ..routed_args(srv.main_addr) }).unwrap();
+    assert_eq!(plain.totals.errors, 0);
+    assert!(admin.stat("cross_worker_requests") > 0);
+    srv.shutdown();
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+#[test]
+fn routed_three_server_cluster() {
+    let spec = ClusterSpec {
+        vn_count: 1024,
+        cachelets_per_worker: 4,
+        workers: 2,
+        servers: (0..3)
+            .map(|_| {
+                // two consecutive free worker ports
+                let base = loop {
+                    let b = free_port();
+                    if b < 65000 && TcpListener::bind(("127.0.0.1", b + 1)).is_ok() {
+                        break b;
+                    }
+                };
+                ServerSpec { addr: format!("127.0.0.1:{}", free_port()).parse().unwrap(), worker_port_base: base }
+            })
+            .collect(),
+    };
+    let servers: Vec<ServerHandle> = (0..3)
+        .map(|id| {
+            let mut s = settings(2);
+            s.apply_cluster(spec.clone(), id).unwrap();
+            start(s)
+        })
+        .collect();
+    let r = run(routed_args(servers[1].main_addr)).unwrap();
+    check_clean(&r, 6);
+    assert_eq!(r.totals.redirects, 0);
+    assert_eq!(r.balance.targets[5].name, "s2/w1");
+    for s in &servers {
+        assert_eq!(Conn::open(s.main_addr).stat("cross_worker_requests"), 0);
+    }
+    for s in servers {
+        s.shutdown();
+    }
+}
+
+#[test]
+fn routed_follows_redirects_from_an_old_map() {
+    let srv = start(settings(2));
+    let mut admin = Conn::open(srv.main_addr);
+    let old = fetch_map(srv.main_addr).unwrap();
+    // move a quarter of the cachelets to the other worker
+    let n = old.layout().cachelet_count();
+    for c in (0..n).step_by(4) {
+        let to = 1 - old.layout().owner(c).1;
+        let l = admin.cmd(&format!("mbal move {c} {to}\r\n"));
+        assert!(l.starts_with("MOVED "), "{l}");
+    }
+    assert!(fetch_map(srv.main_addr).unwrap().epoch() > old.epoch());
+    let f = RoutedFactory::with_map(old);
+    let r = run_with(routed_args(srv.main_addr), &f).unwrap();
+    check_clean(&r, 2);
+    assert!(r.totals.redirects > 0, "{:?}", r.totals);
+    // a redirect is learned: far fewer redirects than ops that touched moved cachelets
+    assert!(r.totals.redirects < 2_000, "{:?}", r.totals);
+    // multigets answered with RD are resent per the learned routing
+    let mid = fetch_map(srv.main_addr).unwrap();
+    for c in (0..n).step_by(3) {
+        let to = 1 - mid.layout().owner(c).1;
+        assert!(admin.cmd(&format!("mbal move {c} {to}\r\n")).starts_with("MOVED "));
+    }
+    let f = RoutedFactory::with_map(mid);
+    let mg =
+        run_with(BenchArgs { multiget: 20, load: false, workload: WorkloadKind::A, ..routed_args(srv.main_addr) }, &f)
+            .unwrap();
+    assert_eq!((mg.totals.errors, mg.totals.unfinished), (0, 0), "{:?}", mg.totals);
+    assert_eq!(mg.totals.hits, mg.totals.get_keys);
+    assert!(mg.totals.redirects > 0);
+    assert_eq!(admin.stat("cross_worker_requests"), 0);
+    srv.shutdown();
+}
+
+/// A fake worker that opts connections in and redirects every request to itself forever:
+/// each op must give up after MAX_REDIRECTS and count an error.
+#[test]
+fn redirect_loops_are_bounded() {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let conns = 2;
+    let t = std::thread::spawn(move || {
+        let mut hs = Vec::new();
+        for _ in 0..conns {
+            let (s, _) = l.accept().unwrap();
+            hs.push(std::thread::spawn(move || {
+                s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+                let mut w = s.try_clone().unwrap();
+                for line in BufReader::new(s).lines() {
+                    let Ok(line) = line else { break };
+                    let reply: &[u8] = if line.starts_with("mbal hello") { b"MBAL 0 0 1\r\n" } else { b"RD 1 0 0\r\n" };
+                    if w.write_all(reply).is_err() {
+                        break;
+                    }
+                }
+            }));
+        }
+        for h in hs {
+            h.join().unwrap();
+        }
+    });
+    let map = ClusterMap::new(Layout::even(1, 1, 1, 16), vec![ServerInfo { main: addr, workers: vec![addr] }]);
+    let args = BenchArgs {
+        server: vec![addr.to_string()],
+        routed: true,
+        quiet: true,
+        keys: 100,
+        duration: Some(30.0),
+        max_ops: Some(50),
+        conns,
+        pipeline: 4,
+        workload: WorkloadKind::A,
+        ..BenchArgs::default()
+    };
+    let r = run_with(args, &RoutedFactory::with_map(map)).unwrap();
+    assert_eq!(r.totals.ops, 50);
+    assert_eq!(r.totals.errors, 50);
+    assert_eq!(r.totals.redirects, 50 * MAX_REDIRECTS as u64);
+    assert_eq!(r.totals.requests, 50 * (MAX_REDIRECTS as u64 + 1));
+    t.join().unwrap();
+}
+
+#[test]
+fn variable_value_sizes_are_uniform_and_seeded() {
+    let srv = start(settings(2));
+    let mut c = Conn::open(srv.main_addr);
+    let load = |seed: u64| {
+        let a = BenchArgs {
+            server: vec![srv.main_addr.to_string()],
+            quiet: true,
+            keys: 400,
+            load_only: true,
+            value_size: 64,
+            value_size_max: Some(1024),
+            threads: 1,
+            conns: 2,
+            seed,
+            ..BenchArgs::default()
+        };
+        let r = run(a).unwrap();
+        assert_eq!((r.load.unwrap().sets, r.totals.errors), (400, 0));
+    };
+    let lens = |c: &mut Conn| -> Vec<usize> {
+        (0..400).map(|i| c.value_len(&format!("k{i:09}")).expect("loaded key")).collect::<Vec<_>>()
+    };
+    load(7);
+    let a = lens(&mut c);
+    assert!(a.iter().all(|&n| (64..=1024).contains(&n)), "{a:?}");
+    let (lo, hi) = (a.iter().filter(|&&n| n < 300).count(), a.iter().filter(|&&n| n > 800).count());
+    assert!(lo > 60 && hi > 60, "roughly uniform: {lo} below 300, {hi} above 800");
+    load(7);
+    assert_eq!(lens(&mut c), a, "same seed, same sizes");
+    load(8);
+    assert_ne!(lens(&mut c), a, "another seed, other sizes");
+    // --value-size-max below --value-size is refused
+    let bad = BenchArgs { value_size: 100, value_size_max: Some(99), ..BenchArgs::default() };
+    assert!(run(bad).is_err());
+    srv.shutdown();
+}

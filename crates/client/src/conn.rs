@@ -1,0 +1,76 @@
+//! One blocking TCP connection to an mbal worker (or server main port) with
+//! its reply parser, and the mapping of I/O failures to [`Error`].
+
+use crate::reply::{Expect, Reply, ReplyParser};
+use crate::{Error, Peer, Result};
+use std::io::{self, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::Duration;
+
+pub(crate) struct Conn {
+    stream: TcpStream,
+    parser: ReplyParser,
+    pub addr: SocketAddr,
+    pub peer: Peer,
+}
+
+fn io_err(addr: SocketAddr, peer: Peer, e: io::Error) -> Error {
+    match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => Error::Timeout { addr, peer },
+        _ => Error::Io { addr, peer, source: e },
+    }
+}
+
+impl Conn {
+    /// Connect with `connect_timeout`; reads and writes time out after
+    /// `io_timeout`.
+    pub fn open(addr: SocketAddr, peer: Peer, connect_timeout: Duration, io_timeout: Duration) -> Result<Conn> {
+        let stream = TcpStream::connect_timeout(&addr, connect_timeout).map_err(|e| io_err(addr, peer, e))?;
+        let setup = || -> io::Result<()> {
+            stream.set_nodelay(true)?;
+            stream.set_read_timeout(Some(io_timeout))?;
+            stream.set_write_timeout(Some(io_timeout))
+        };
+        setup().map_err(|e| io_err(addr, peer, e))?;
+        Ok(Conn { stream, parser: ReplyParser::new(), addr, peer })
+    }
+
+    pub fn send(&mut self, bytes: &[u8]) -> Result<()> {
+        self.stream.write_all(bytes).map_err(|e| io_err(self.addr, self.peer, e))
+    }
+
+    /// Read one complete reply. A malformed stream or EOF is an error (the
+    /// caller drops the connection).
+    pub fn read_reply(&mut self, expect: Expect) -> Result<Reply> {
+        loop {
+            match self.parser.next(expect) {
+                Ok(Some(r)) => return Ok(r),
+                Ok(None) => {}
+                Err(e) => return Err(Error::Protocol { addr: self.addr, peer: self.peer, detail: e.0 }),
+            }
+            match self.parser.read_from(&mut self.stream) {
+                Ok(0) => {
+                    return Err(Error::Io {
+                        addr: self.addr,
+                        peer: self.peer,
+                        source: io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed by the server"),
+                    })
+                }
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(io_err(self.addr, self.peer, e)),
+            }
+        }
+    }
+
+    /// Send one request and read its reply.
+    pub fn call(&mut self, req: &[u8], expect: Expect) -> Result<Reply> {
+        self.send(req)?;
+        self.read_reply(expect)
+    }
+
+    /// An error for a reply that is complete but not one the request allows.
+    pub fn unexpected(&self, req: &str, r: &Reply) -> Error {
+        Error::Protocol { addr: self.addr, peer: self.peer, detail: format!("unexpected reply {r:?} to {req}") }
+    }
+}

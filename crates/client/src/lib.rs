@@ -1,0 +1,770 @@
+//! `mbal-client`: the routing client of mbal (MBal §2.3, "on-the-way
+//! routing"; DESIGN.md §4).
+//!
+//! # Design
+//!
+//! * **Blocking and synchronous.** Every call runs on the caller's thread
+//!   over blocking `std::net` sockets with connect and I/O timeouts. No async
+//!   API is provided; use one [`Client`] per thread (a `Client` is `Send`).
+//! * **Two-level lookup on the client.** `key_hash(key)` → VN → cachelet (the
+//!   [`ClusterMap`]'s layout) → (server, worker), where the owner comes from an
+//!   *override* learned from a redirect if there is one, else from the map.
+//!   The request goes to that worker's **own port** (`map.worker_addr(s, w)`),
+//!   so the server never forwards it between threads.
+//! * **Connections.** Per (server, worker) up to `conns_per_worker` pooled
+//!   connections, opened lazily. Each opens with `mbal hello <epoch>`; the
+//!   reply `MBAL <server> <worker> <epoch>` must name the worker the map says
+//!   lives at that address (a plain memcached answers `ERROR`:
+//!   [`Error::NotMbal`]). From then on the connection is *routed*: the server
+//!   answers a request for a cachelet it does not own with
+//!   `RD <epoch> <server> <worker>` instead of serving it. A connection that
+//!   sees an I/O error, a timeout or a malformed reply is dropped; the next
+//!   call reconnects.
+//! * **Redirects.** On `RD` the client records an override for the key's
+//!   cachelet, refetches the whole map (`mbal map`, from the redirecting
+//!   server) when the redirect's epoch is newer than its map's, and retries
+//!   at the new owner, at most [`Config::max_redirects`] times per request
+//!   ([`Error::TooManyRedirects`]). Overrides older than a refetched map are
+//!   forgotten. [`Client::redirects`] counts the redirects followed.
+//! * **Text protocol, pipelined.** Replies are parsed incrementally by
+//!   [`reply::ReplyParser`]. [`Client::get_multi`] groups keys by owning
+//!   worker, writes one `get k1 k2 ...` per worker (all workers' requests are
+//!   written before any reply is read), reads the replies and reassembles
+//!   them in request order; a redirected group is re-split with the updated
+//!   routing (per cachelet, so the next redirect is attributable to one
+//!   cachelet) and retried. [`Client::set_multi`] writes all of a worker's
+//!   sets back to back, then reads their replies. To keep both sides' socket
+//!   buffers from filling up (a deadlock when both block on writes), a
+//!   multi-operation is processed in windows of [`MULTI_WINDOW`] keys, and a
+//!   `get` line carries at most [`GET_BATCH`] keys.
+//! * **Stats.** [`cluster_stats`] reads `stats` and `stats workers` from each
+//!   server's main port; [`render_stats_table`] renders a per-server and
+//!   per-worker table (ops/s from two samples, hit ratio, items, bytes,
+//!   cachelets) for `mbal stats`.
+//!
+//! Keys are checked client-side as memcached's text protocol requires:
+//! 1..=250 bytes, no spaces or control characters ([`Error::InvalidKey`]).
+
+mod conn;
+pub mod reply;
+mod stats;
+
+pub use mbal_cluster::{key_hash, ClusterMap, ClusterSpec};
+pub use stats::{cluster_stats, render_stats_table, ServerStats, WorkerStats};
+
+use conn::Conn;
+use reply::{Expect, RawValue, Reply};
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::io::Write as _;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Most keys in one multi-operation window (see the crate docs).
+pub const MULTI_WINDOW: usize = 1024;
+/// Most keys on one `get` line.
+pub const GET_BATCH: usize = 128;
+/// memcached's key length limit.
+pub const MAX_KEY_LEN: usize = 250;
+
+/// Client settings.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// Timeout of one TCP connect.
+    pub connect_timeout: Duration,
+    /// Timeout of one read or write on a connection.
+    pub io_timeout: Duration,
+    /// Redirects followed per request before [`Error::TooManyRedirects`].
+    pub max_redirects: u32,
+    /// Pooled connections per (server, worker).
+    pub conns_per_worker: usize,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            connect_timeout: Duration::from_secs(2),
+            io_timeout: Duration::from_secs(5),
+            max_redirects: 3,
+            conns_per_worker: 1,
+        }
+    }
+}
+
+/// A retrieved value.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Value {
+    pub data: Vec<u8>,
+    pub flags: u32,
+    /// Set by [`Client::gets`] only (`get` and `get_multi` do not ask for it).
+    pub cas: Option<u64>,
+}
+
+impl From<RawValue> for Value {
+    fn from(v: RawValue) -> Value {
+        Value { data: v.data, flags: v.flags, cas: v.cas }
+    }
+}
+
+/// Outcome of [`Client::cas`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CasResult {
+    Stored,
+    /// The item was modified since the cas value was read.
+    Exists,
+    NotFound,
+}
+
+/// Who an error is about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Peer {
+    /// A worker's own port.
+    Worker { server: u16, worker: u16 },
+    /// A server's main port.
+    Server(u16),
+    /// An address given by the caller, of a server whose id is not known yet.
+    Unknown,
+}
+
+impl fmt::Display for Peer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Peer::Worker { server, worker } => write!(f, "server {server} worker {worker}"),
+            Peer::Server(s) => write!(f, "server {s}"),
+            Peer::Unknown => write!(f, "server"),
+        }
+    }
+}
+
+/// Everything that can go wrong.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("I/O error talking to {peer} at {addr}: {source}")]
+    Io {
+        addr: SocketAddr,
+        peer: Peer,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("timed out talking to {peer} at {addr}")]
+    Timeout { addr: SocketAddr, peer: Peer },
+    /// `ERROR`, `CLIENT_ERROR ...` or `SERVER_ERROR ...`.
+    #[error("{peer} at {addr} refused the request: {line}")]
+    Server { addr: SocketAddr, peer: Peer, line: String },
+    #[error("protocol error from {peer} at {addr}: {detail}")]
+    Protocol { addr: SocketAddr, peer: Peer, detail: String },
+    #[error("{addr} is not an mbal server (it answered ERROR to `mbal hello`/`mbal map`)")]
+    NotMbal { addr: SocketAddr },
+    #[error("key {key:?}: still redirected after {redirects} redirects")]
+    TooManyRedirects { key: String, redirects: u32 },
+    #[error("invalid key {key:?}: {reason}")]
+    InvalidKey { key: String, reason: &'static str },
+    #[error("cluster file {path}: {detail}")]
+    Config { path: PathBuf, detail: String },
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+fn show_key(key: &[u8]) -> String {
+    String::from_utf8_lossy(key).into_owned()
+}
+
+/// Check a key against memcached's text-protocol rules.
+pub fn check_key(key: &[u8]) -> Result<()> {
+    let reason = if key.is_empty() {
+        "empty"
+    } else if key.len() > MAX_KEY_LEN {
+        "longer than 250 bytes"
+    } else if key.iter().any(|&b| b <= b' ' || b == 0x7f) {
+        "contains a space or control character"
+    } else {
+        return Ok(());
+    };
+    Err(Error::InvalidKey { key: show_key(key), reason })
+}
+
+/// An owner learned from a redirect.
+#[derive(Clone, Copy, Debug)]
+struct Override {
+    owner: (u16, u16),
+    epoch: u64,
+}
+
+/// Pooled connections of one worker.
+#[derive(Default)]
+struct Pool {
+    slots: Vec<Option<Conn>>,
+    next: usize,
+}
+
+/// A redirect seen while reading replies, applied once no replies are pending.
+struct Seen {
+    cachelet: Option<u32>,
+    epoch: u64,
+    to: (u16, u16),
+    from: (u16, u16),
+}
+
+/// The routing client. See the crate docs.
+pub struct Client {
+    map: ClusterMap,
+    cfg: Config,
+    overrides: HashMap<u32, Override>,
+    pools: HashMap<(u16, u16), Pool>,
+    redirects: u64,
+}
+
+impl Client {
+    /// A client for a known map.
+    pub fn from_map(map: ClusterMap, cfg: Config) -> Client {
+        let cfg = Config { conns_per_worker: cfg.conns_per_worker.max(1), ..cfg };
+        Client { map, cfg, overrides: HashMap::new(), pools: HashMap::new(), redirects: 0 }
+    }
+
+    /// A client for the cluster described by a TOML cluster file (the
+    /// initial map, epoch 1; redirects teach it later changes).
+    pub fn from_cluster_file(path: &Path, cfg: Config) -> Result<Client> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::Config { path: path.to_path_buf(), detail: e.to_string() })?;
+        let spec =
+            ClusterSpec::from_toml(&text).map_err(|detail| Error::Config { path: path.to_path_buf(), detail })?;
+        Ok(Client::from_map(ClusterMap::from_spec(&spec), cfg))
+    }
+
+    /// A client for the cluster `any_server` (a main or worker port) belongs
+    /// to: the map is fetched with `mbal map`.
+    pub fn connect(any_server: SocketAddr, cfg: Config) -> Result<Client> {
+        let mut c = Conn::open(any_server, Peer::Unknown, cfg.connect_timeout, cfg.io_timeout)?;
+        let map = fetch_map(&mut c)?;
+        Ok(Client::from_map(map, cfg))
+    }
+
+    /// The cluster map as last fetched (without the overrides learned from
+    /// redirects; see [`Client::route`]).
+    pub fn map(&self) -> &ClusterMap {
+        &self.map
+    }
+
+    /// Redirects followed so far.
+    pub fn redirects(&self) -> u64 {
+        self.redirects
+    }
+
+    /// (cachelet, server, worker) a key is sent to now.
+    pub fn route(&self, key: &[u8]) -> (u32, u16, u16) {
+        self.route_hash(key_hash(key))
+    }
+
+    fn route_hash(&self, hash: u64) -> (u32, u16, u16) {
+        let (c, s, w) = self.map.route(hash);
+        match self.overrides.get(&c) {
+            Some(o) => (c, o.owner.0, o.owner.1),
+            None => (c, s, w),
+        }
+    }
+
+    fn valid_owner(&self, (s, w): (u16, u16)) -> bool {
+        self.map.servers().get(s as usize).is_some_and(|i| (w as usize) < i.workers.len())
+    }
+
+    /// A pooled connection to (s, w), or a new one (after `mbal hello`).
+    fn take_conn(&mut self, s: u16, w: u16) -> Result<Conn> {
+        let addr = self.map.worker_addr(s, w);
+        let n = self.cfg.conns_per_worker;
+        let pool = self.pools.entry((s, w)).or_default();
+        if pool.slots.len() < n {
+            pool.slots.resize_with(n, || None);
+        }
+        let i = pool.next % n;
+        pool.next = pool.next.wrapping_add(1);
+        if let Some(c) = pool.slots[i].take() {
+            if c.addr == addr {
+                return Ok(c);
+            }
+        }
+        let peer = Peer::Worker { server: s, worker: w };
+        let mut c = Conn::open(addr, peer, self.cfg.connect_timeout, self.cfg.io_timeout)?;
+        let hello = format!("mbal hello {}\r\n", self.map.epoch());
+        match c.call(hello.as_bytes(), Expect::Line)? {
+            Reply::Hello { server, worker, .. } if (server, worker) == (s, w) => Ok(c),
+            Reply::Hello { server, worker, .. } => Err(Error::Protocol {
+                addr,
+                peer,
+                detail: format!("the map says {peer} listens here, but it is server {server} worker {worker}"),
+            }),
+            Reply::Error(l) if l == "ERROR" => Err(Error::NotMbal { addr }),
+            r => Err(c.unexpected("mbal hello", &r)),
+        }
+    }
+
+    /// Return a healthy connection to its pool.
+    fn put_conn(&mut self, c: Conn) {
+        let Peer::Worker { server, worker } = c.peer else { return };
+        let pool = self.pools.entry((server, worker)).or_default();
+        if let Some(slot) = pool.slots.iter_mut().find(|s| s.is_none()) {
+            *slot = Some(c);
+        }
+    }
+
+    /// Act on redirects: refetch the map if one is newer than ours, then
+    /// record the owners of the cachelets they were about.
+    fn learn(&mut self, seen: Vec<Seen>) -> Result<()> {
+        for r in seen {
+            if r.epoch > self.map.epoch() {
+                let mut c = self.take_conn(r.from.0, r.from.1)?;
+                let map = fetch_map(&mut c)?;
+                self.put_conn(c);
+                if map.epoch() > self.map.epoch() {
+                    self.map = map;
+                    let e = self.map.epoch();
+                    self.overrides.retain(|_, o| o.epoch > e);
+                }
+            }
+            if !self.valid_owner(r.to) {
+                let (s, w) = r.from;
+                return Err(Error::Protocol {
+                    addr: self.map.worker_addr(s, w),
+                    peer: Peer::Worker { server: s, worker: w },
+                    detail: format!("redirect to server {} worker {}, which the map does not have", r.to.0, r.to.1),
+                });
+            }
+            if let Some(c) = r.cachelet {
+                if c < self.map.layout().cachelet_count() {
+                    self.overrides.insert(c, Override { owner: r.to, epoch: r.epoch });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Send a one-key request to the key's owner, following redirects.
+    /// Returns the reply and who sent it. `Reply::Error` becomes
+    /// [`Error::Server`].
+    fn keyed(&mut self, key: &[u8], req: &[u8], expect: Expect) -> Result<(Reply, SocketAddr, Peer)> {
+        let hash = key_hash(key);
+        let mut followed = 0;
+        loop {
+            let (c, s, w) = self.route_hash(hash);
+            let mut conn = self.take_conn(s, w)?;
+            let reply = conn.call(req, expect)?; // on error `conn` is dropped
+            let (addr, peer) = (conn.addr, conn.peer);
+            self.put_conn(conn);
+            match reply {
+                Reply::Redirect { epoch, server, worker } => {
+                    if followed == self.cfg.max_redirects {
+                        return Err(Error::TooManyRedirects { key: show_key(key), redirects: followed });
+                    }
+                    followed += 1;
+                    self.redirects += 1;
+                    self.learn(vec![Seen { cachelet: Some(c), epoch, to: (server, worker), from: (s, w) }])?;
+                }
+                Reply::Error(line) => return Err(Error::Server { addr, peer, line }),
+                r => return Ok((r, addr, peer)),
+            }
+        }
+    }
+
+    fn retrieve(&mut self, cmd: &str, key: &[u8]) -> Result<Option<Value>> {
+        check_key(key)?;
+        let mut req = Vec::with_capacity(key.len() + 8);
+        req.extend_from_slice(cmd.as_bytes());
+        req.push(b' ');
+        req.extend_from_slice(key);
+        req.extend_from_slice(b"\r\n");
+        match self.keyed(key, &req, Expect::Values)? {
+            (Reply::Values(mut vs), addr, peer) => {
+                if vs.len() > 1 || vs.first().is_some_and(|v| v.key != key) {
+                    return Err(Error::Protocol { addr, peer, detail: format!("{cmd} returned other keys") });
+                }
+                Ok(vs.pop().map(Value::from))
+            }
+            (r, addr, peer) => Err(unexpected(addr, peer, cmd, &r)),
+        }
+    }
+
+    /// `get`: the value, or `None` on a miss.
+    pub fn get(&mut self, key: &[u8]) -> Result<Option<Value>> {
+        self.retrieve("get", key)
+    }
+
+    /// `gets`: like [`Client::get`] with the item's CAS value.
+    pub fn gets(&mut self, key: &[u8]) -> Result<Option<Value>> {
+        self.retrieve("gets", key)
+    }
+
+    fn store(
+        &mut self,
+        cmd: &str,
+        key: &[u8],
+        data: &[u8],
+        flags: u32,
+        exptime: u32,
+        cas: Option<u64>,
+    ) -> Result<Reply> {
+        check_key(key)?;
+        let mut req = Vec::with_capacity(key.len() + data.len() + 48);
+        store_request(&mut req, cmd, key, data, flags, exptime, cas);
+        let (r, addr, peer) = self.keyed(key, &req, Expect::Line)?;
+        match (&r, cas) {
+            (Reply::Stored | Reply::NotStored, None) | (Reply::Stored | Reply::Exists | Reply::NotFound, Some(_)) => {
+                Ok(r)
+            }
+            _ => Err(unexpected(addr, peer, cmd, &r)),
+        }
+    }
+
+    /// `set`: true when stored.
+    pub fn set(&mut self, key: &[u8], data: &[u8], flags: u32, exptime: u32) -> Result<bool> {
+        Ok(self.store("set", key, data, flags, exptime, None)? == Reply::Stored)
+    }
+
+    /// `add`: false (NOT_STORED) when the key exists.
+    pub fn add(&mut self, key: &[u8], data: &[u8], flags: u32, exptime: u32) -> Result<bool> {
+        Ok(self.store("add", key, data, flags, exptime, None)? == Reply::Stored)
+    }
+
+    /// `replace`: false (NOT_STORED) when the key does not exist.
+    pub fn replace(&mut self, key: &[u8], data: &[u8], flags: u32, exptime: u32) -> Result<bool> {
+        Ok(self.store("replace", key, data, flags, exptime, None)? == Reply::Stored)
+    }
+
+    /// `append` (flags and exptime are sent but ignored by the server).
+    pub fn append(&mut self, key: &[u8], data: &[u8], flags: u32, exptime: u32) -> Result<bool> {
+        Ok(self.store("append", key, data, flags, exptime, None)? == Reply::Stored)
+    }
+
+    /// `prepend` (flags and exptime are sent but ignored by the server).
+    pub fn prepend(&mut self, key: &[u8], data: &[u8], flags: u32, exptime: u32) -> Result<bool> {
+        Ok(self.store("prepend", key, data, flags, exptime, None)? == Reply::Stored)
+    }
+
+    /// `cas`: store only if the item's CAS value is still `cas`.
+    pub fn cas(&mut self, key: &[u8], data: &[u8], flags: u32, exptime: u32, cas: u64) -> Result<CasResult> {
+        Ok(match self.store("cas", key, data, flags, exptime, Some(cas))? {
+            Reply::Stored => CasResult::Stored,
+            Reply::Exists => CasResult::Exists,
+            _ => CasResult::NotFound,
+        })
+    }
+
+    /// `delete`: true when the key existed.
+    pub fn delete(&mut self, key: &[u8]) -> Result<bool> {
+        check_key(key)?;
+        let req = [b"delete ", key, b"\r\n"].concat();
+        match self.keyed(key, &req, Expect::Line)? {
+            (Reply::Deleted, ..) => Ok(true),
+            (Reply::NotFound, ..) => Ok(false),
+            (r, addr, peer) => Err(unexpected(addr, peer, "delete", &r)),
+        }
+    }
+
+    fn arith(&mut self, cmd: &str, key: &[u8], delta: u64) -> Result<Option<u64>> {
+        check_key(key)?;
+        let req = [cmd.as_bytes(), b" ", key, format!(" {delta}\r\n").as_bytes()].concat();
+        match self.keyed(key, &req, Expect::Line)? {
+            (Reply::Number(n), ..) => Ok(Some(n)),
+            (Reply::NotFound, ..) => Ok(None),
+            (r, addr, peer) => Err(unexpected(addr, peer, cmd, &r)),
+        }
+    }
+
+    /// `incr`: the new value, `None` if the key does not exist. A value that
+    /// is not a number is [`Error::Server`] (`CLIENT_ERROR`).
+    pub fn incr(&mut self, key: &[u8], delta: u64) -> Result<Option<u64>> {
+        self.arith("incr", key, delta)
+    }
+
+    /// `decr` (stops at 0).
+    pub fn decr(&mut self, key: &[u8], delta: u64) -> Result<Option<u64>> {
+        self.arith("decr", key, delta)
+    }
+
+    /// `touch`: true when the key exists.
+    pub fn touch(&mut self, key: &[u8], exptime: u32) -> Result<bool> {
+        check_key(key)?;
+        let req = [b"touch ", key, format!(" {exptime}\r\n").as_bytes()].concat();
+        match self.keyed(key, &req, Expect::Line)? {
+            (Reply::Touched, ..) => Ok(true),
+            (Reply::NotFound, ..) => Ok(false),
+            (r, addr, peer) => Err(unexpected(addr, peer, "touch", &r)),
+        }
+    }
+
+    /// Multi-get: one `get` per owning worker, pipelined across workers;
+    /// results in the order of `keys` (duplicates allowed).
+    pub fn get_multi(&mut self, keys: &[&[u8]]) -> Result<Vec<Option<Value>>> {
+        for k in keys {
+            check_key(k)?;
+        }
+        let mut out: Vec<Option<Value>> = vec![None; keys.len()];
+        let hashes: Vec<u64> = keys.iter().map(|k| key_hash(k)).collect();
+        for start in (0..keys.len()).step_by(MULTI_WINDOW) {
+            let end = (start + MULTI_WINDOW).min(keys.len());
+            self.get_window(keys, &hashes, start..end, &mut out)?;
+        }
+        Ok(out)
+    }
+
+    fn get_window(
+        &mut self,
+        keys: &[&[u8]],
+        hashes: &[u64],
+        range: std::ops::Range<usize>,
+        out: &mut [Option<Value>],
+    ) -> Result<()> {
+        let mut pending: Vec<usize> = range.collect();
+        // Keys whose group was redirected as a whole: group them per cachelet
+        // from then on, so each redirect names one cachelet.
+        let mut fine = vec![false; keys.len()];
+        let mut rounds = 0;
+        while !pending.is_empty() {
+            // (server, worker) -> batches of key indices, one `get` each.
+            let mut groups: BTreeMap<(u16, u16), BTreeMap<Option<u32>, Vec<usize>>> = BTreeMap::new();
+            for &i in &pending {
+                let (c, s, w) = self.route_hash(hashes[i]);
+                let sub = if fine[i] { Some(c) } else { None };
+                groups.entry((s, w)).or_default().entry(sub).or_default().push(i);
+            }
+            let mut first_err: Option<Error> = None;
+            // Write phase: every worker's requests before any reply is read.
+            let mut sent: Vec<(Conn, Vec<Vec<usize>>)> = Vec::new();
+            for ((s, w), subs) in groups {
+                let batches: Vec<Vec<usize>> = subs
+                    .into_values()
+                    .flat_map(|v| v.chunks(GET_BATCH).map(<[usize]>::to_vec).collect::<Vec<_>>())
+                    .collect();
+                let mut req = Vec::new();
+                for b in &batches {
+                    req.extend_from_slice(b"get");
+                    for &i in b {
+                        req.push(b' ');
+                        req.extend_from_slice(keys[i]);
+                    }
+                    req.extend_from_slice(b"\r\n");
+                }
+                let res = self.take_conn(s, w).and_then(|mut c| c.send(&req).map(|()| c));
+                match res {
+                    Ok(c) => sent.push((c, batches)),
+                    Err(e) => {
+                        first_err.get_or_insert(e);
+                    }
+                }
+            }
+            // Read phase.
+            let mut next = Vec::new();
+            let mut seen = Vec::new();
+            for (mut conn, batches) in sent {
+                let Peer::Worker { server: s, worker: w } = conn.peer else { unreachable!() };
+                let mut healthy = true;
+                for b in batches {
+                    match conn.read_reply(Expect::Values) {
+                        Ok(Reply::Values(vs)) => {
+                            if let Err(detail) = assign(keys, &b, vs, out) {
+                                first_err.get_or_insert(Error::Protocol { addr: conn.addr, peer: conn.peer, detail });
+                            }
+                        }
+                        Ok(Reply::Redirect { epoch, server, worker }) => {
+                            let cl: Vec<u32> =
+                                b.iter().map(|&i| self.map.layout().cachelet_of_hash(hashes[i])).collect();
+                            let one = cl.iter().all(|&c| c == cl[0]);
+                            if !one {
+                                for &i in &b {
+                                    fine[i] = true;
+                                }
+                            }
+                            seen.push(Seen {
+                                cachelet: one.then_some(cl[0]),
+                                epoch,
+                                to: (server, worker),
+                                from: (s, w),
+                            });
+                            next.extend_from_slice(&b);
+                        }
+                        Ok(Reply::Error(line)) => {
+                            first_err.get_or_insert(Error::Server { addr: conn.addr, peer: conn.peer, line });
+                        }
+                        Ok(r) => {
+                            first_err.get_or_insert(conn.unexpected("get", &r));
+                            healthy = false;
+                            break;
+                        }
+                        Err(e) => {
+                            first_err.get_or_insert(e);
+                            healthy = false;
+                            break;
+                        }
+                    }
+                }
+                if healthy {
+                    self.put_conn(conn);
+                }
+            }
+            if let Some(e) = first_err {
+                return Err(e);
+            }
+            if !next.is_empty() {
+                if rounds == self.cfg.max_redirects {
+                    return Err(Error::TooManyRedirects { key: show_key(keys[next[0]]), redirects: rounds });
+                }
+                rounds += 1;
+                self.redirects += seen.len() as u64;
+                self.learn(seen)?;
+            }
+            pending = next;
+        }
+        Ok(())
+    }
+
+    /// Multi-set: all of a worker's sets written back to back, pipelined
+    /// across workers; one bool (stored) per item, in order.
+    pub fn set_multi(&mut self, items: &[(&[u8], &[u8])], flags: u32, exptime: u32) -> Result<Vec<bool>> {
+        for (k, _) in items {
+            check_key(k)?;
+        }
+        let mut out = vec![false; items.len()];
+        for start in (0..items.len()).step_by(MULTI_WINDOW) {
+            let end = (start + MULTI_WINDOW).min(items.len());
+            self.set_window(items, start..end, flags, exptime, &mut out)?;
+        }
+        Ok(out)
+    }
+
+    fn set_window(
+        &mut self,
+        items: &[(&[u8], &[u8])],
+        range: std::ops::Range<usize>,
+        flags: u32,
+        exptime: u32,
+        out: &mut [bool],
+    ) -> Result<()> {
+        let hashes: Vec<(usize, u64)> = range.map(|i| (i, key_hash(items[i].0))).collect();
+        let hash_of: HashMap<usize, u64> = hashes.iter().copied().collect();
+        let mut pending: Vec<usize> = hashes.iter().map(|&(i, _)| i).collect();
+        let mut rounds = 0;
+        while !pending.is_empty() {
+            let mut groups: BTreeMap<(u16, u16), Vec<(usize, u32)>> = BTreeMap::new();
+            for &i in &pending {
+                let (c, s, w) = self.route_hash(hash_of[&i]);
+                groups.entry((s, w)).or_default().push((i, c));
+            }
+            let mut first_err: Option<Error> = None;
+            let mut sent: Vec<(Conn, Vec<(usize, u32)>)> = Vec::new();
+            for ((s, w), group) in groups {
+                let mut req = Vec::new();
+                for &(i, _) in &group {
+                    store_request(&mut req, "set", items[i].0, items[i].1, flags, exptime, None);
+                }
+                match self.take_conn(s, w).and_then(|mut c| c.send(&req).map(|()| c)) {
+                    Ok(c) => sent.push((c, group)),
+                    Err(e) => {
+                        first_err.get_or_insert(e);
+                    }
+                }
+            }
+            let mut next = Vec::new();
+            let mut seen = Vec::new();
+            for (mut conn, group) in sent {
+                let Peer::Worker { server: s, worker: w } = conn.peer else { unreachable!() };
+                let mut healthy = true;
+                for (i, c) in group {
+                    match conn.read_reply(Expect::Line) {
+                        Ok(Reply::Stored) => out[i] = true,
+                        Ok(Reply::NotStored) => out[i] = false,
+                        Ok(Reply::Redirect { epoch, server, worker }) => {
+                            seen.push(Seen { cachelet: Some(c), epoch, to: (server, worker), from: (s, w) });
+                            next.push(i);
+                        }
+                        Ok(Reply::Error(line)) => {
+                            first_err.get_or_insert(Error::Server { addr: conn.addr, peer: conn.peer, line });
+                        }
+                        Ok(r) => {
+                            first_err.get_or_insert(conn.unexpected("set", &r));
+                            healthy = false;
+                            break;
+                        }
+                        Err(e) => {
+                            first_err.get_or_insert(e);
+                            healthy = false;
+                            break;
+                        }
+                    }
+                }
+                if healthy {
+                    self.put_conn(conn);
+                }
+            }
+            if let Some(e) = first_err {
+                return Err(e);
+            }
+            if !next.is_empty() {
+                if rounds == self.cfg.max_redirects {
+                    return Err(Error::TooManyRedirects { key: show_key(items[next[0]].0), redirects: rounds });
+                }
+                rounds += 1;
+                self.redirects += seen.len() as u64;
+                self.learn(seen)?;
+            }
+            pending = next;
+        }
+        Ok(())
+    }
+}
+
+fn unexpected(addr: SocketAddr, peer: Peer, req: &str, r: &Reply) -> Error {
+    Error::Protocol { addr, peer, detail: format!("unexpected reply {r:?} to {req}") }
+}
+
+fn store_request(req: &mut Vec<u8>, cmd: &str, key: &[u8], data: &[u8], flags: u32, exptime: u32, cas: Option<u64>) {
+    req.extend_from_slice(cmd.as_bytes());
+    req.push(b' ');
+    req.extend_from_slice(key);
+    let _ = write!(req, " {flags} {exptime} {}", data.len());
+    if let Some(c) = cas {
+        let _ = write!(req, " {c}");
+    }
+    req.extend_from_slice(b"\r\n");
+    req.extend_from_slice(data);
+    req.extend_from_slice(b"\r\n");
+}
+
+/// Put the values of one `get` reply into `out`, matching them to the
+/// batch's keys in order (the server returns hits in request order).
+fn assign(
+    keys: &[&[u8]],
+    batch: &[usize],
+    vs: Vec<RawValue>,
+    out: &mut [Option<Value>],
+) -> std::result::Result<(), String> {
+    let mut j = 0;
+    for v in vs {
+        while j < batch.len() && keys[batch[j]] != v.key.as_slice() {
+            j += 1;
+        }
+        if j == batch.len() {
+            return Err(format!("get returned key {:?} out of order or not asked for", show_key(&v.key)));
+        }
+        out[batch[j]] = Some(v.into());
+        j += 1;
+    }
+    Ok(())
+}
+
+/// `mbal map` on a connection.
+fn fetch_map(c: &mut Conn) -> Result<ClusterMap> {
+    match c.call(b"mbal map\r\n", Expect::Line)? {
+        Reply::Map { json, .. } => {
+            let text = String::from_utf8_lossy(&json);
+            ClusterMap::from_json(&text).map_err(|e| Error::Protocol {
+                addr: c.addr,
+                peer: c.peer,
+                detail: format!("bad cluster map: {e}"),
+            })
+        }
+        Reply::Error(l) if l == "ERROR" => Err(Error::NotMbal { addr: c.addr }),
+        r => Err(c.unexpected("mbal map", &r)),
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,271 @@
+//! Unit tests: routing, key checks, multi-get reassembly, and the client's
+//! behaviour against small scripted fake servers on loopback (redirect
+//! loops, non-mbal servers, mismatched hello, timeouts, reconnects).
+
+use super::*;
+use mbal_cluster::{Layout, ServerInfo, ServerSpec};
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpListener;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+fn spec_map(servers: u16, workers: u16) -> ClusterMap {
+    let spec = ClusterSpec {
+        vn_count: 1024,
+        cachelets_per_worker: 4,
+        workers,
+        servers: (0..servers)
+            .map(|i| ServerSpec {
+                addr: format!("127.0.0.1:{}", 30000 + i * 10).parse().unwrap(),
+                worker_port_base: 30001 + i * 10,
+            })
+            .collect(),
+    };
+    ClusterMap::from_spec(&spec)
+}
+
+#[test]
+fn routing_follows_the_map_and_spreads_keys() {
+    let map = spec_map(3, 2);
+    let c = Client::from_map(map.clone(), Config::default());
+    let mut per = HashMap::new();
+    for i in 0..6000 {
+        let k = format!("key:{i}");
+        let r = c.route(k.as_bytes());
+        assert_eq!(r, map.route(key_hash(k.as_bytes())));
+        *per.entry((r.1, r.2)).or_insert(0u32) += 1;
+    }
+    assert_eq!(per.len(), 6, "every worker of every server gets keys: {per:?}");
+    for (&w, &n) in &per {
+        assert!((600..1400).contains(&n), "worker {w:?} got {n} of 6000 keys");
+    }
+}
+
+#[test]
+fn overrides_change_only_their_cachelet() {
+    let map = spec_map(2, 2);
+    let mut c = Client::from_map(map.clone(), Config::default());
+    let (cl, s, w) = c.route(b"hello");
+    let to = (1 - s, 1 - w);
+    c.learn(vec![Seen { cachelet: Some(cl), epoch: 1, to, from: (s, w) }]).unwrap();
+    assert_eq!(c.route(b"hello"), (cl, to.0, to.1));
+    for i in 0..2000 {
+        let k = format!("k{i}");
+        let want = map.route(key_hash(k.as_bytes()));
+        let got = c.route(k.as_bytes());
+        if want.0 == cl {
+            assert_eq!(got, (cl, to.0, to.1));
+        } else {
+            assert_eq!(got, want);
+        }
+    }
+    // A redirect naming a worker the map does not have is refused.
+    let bad = c.learn(vec![Seen { cachelet: Some(cl), epoch: 1, to: (9, 0), from: (s, w) }]);
+    assert!(matches!(bad, Err(Error::Protocol { .. })), "{bad:?}");
+}
+
+#[test]
+fn key_rules() {
+    assert!(check_key(b"a").is_ok());
+    assert!(check_key(&[b'x'; 250]).is_ok());
+    for bad in [&b""[..], &[b'x'; 251][..], b"a b", b"a\r\nset", b"\x7f", b"tab\t"] {
+        assert!(matches!(check_key(bad), Err(Error::InvalidKey { .. })), "{bad:?}");
+    }
+    let mut c = Client::from_map(spec_map(1, 1), Config::default());
+    // Refused before any connection is attempted (nothing listens there).
+    assert!(matches!(c.set(b"a b", b"v", 0, 0), Err(Error::InvalidKey { .. })));
+    assert!(matches!(c.get_multi(&[b"ok", b""]), Err(Error::InvalidKey { .. })));
+}
+
+#[test]
+fn assign_matches_values_to_keys_in_order() {
+    let keys: Vec<&[u8]> = vec![b"a", b"b", b"a", b"c"];
+    let mut out = vec![None; 4];
+    let rv = |k: &str, d: &str| RawValue { key: k.into(), flags: 0, data: d.into(), cas: None };
+    assign(&keys, &[0, 1, 2, 3], vec![rv("a", "1"), rv("a", "2"), rv("c", "3")], &mut out).unwrap();
+    let data: Vec<Option<&[u8]>> = out.iter().map(|v| v.as_ref().map(|v| v.data.as_slice())).collect();
+    assert_eq!(data, vec![Some(&b"1"[..]), None, Some(b"2"), Some(b"3")]);
+    let mut out = vec![None; 4];
+    assert!(assign(&keys, &[0, 1, 2, 3], vec![rv("c", "1"), rv("a", "2")], &mut out).is_err(), "out of order");
+    assert!(assign(&keys, &[1], vec![rv("z", "1")], &mut out).is_err(), "not asked for");
+}
+
+/// A scripted server: `reply(line)` gives the bytes to answer a request
+/// line with (`None` closes the connection). Serves at most `conns`
+/// connections; data blocks of storage commands are skipped.
+fn fake(
+    conns: usize,
+    reply: impl Fn(&str) -> Option<String> + Send + Sync + 'static,
+) -> (SocketAddr, Arc<AtomicUsize>) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let acc = accepted.clone();
+    let reply = Arc::new(reply);
+    std::thread::spawn(move || {
+        for s in l.incoming().take(conns) {
+            let Ok(s) = s else { return };
+            acc.fetch_add(1, Ordering::SeqCst);
+            let reply = reply.clone();
+            std::thread::spawn(move || {
+                s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+                let mut w = s.try_clone().unwrap();
+                let mut r = BufReader::new(s);
+                for _ in 0..10_000 {
+                    let mut line = String::new();
+                    if r.read_line(&mut line).unwrap_or(0) == 0 {
+                        return;
+                    }
+                    let words: Vec<&str> = line.split_whitespace().collect();
+                    if matches!(words.first(), Some(&"set")) {
+                        let n: usize = words[4].parse().unwrap();
+                        let mut skip = vec![0; n + 2];
+                        std::io::Read::read_exact(&mut r, &mut skip).unwrap();
+                    }
+                    match reply(line.trim_end()) {
+                        Some(out) => {
+                            if w.write_all(out.as_bytes()).is_err() {
+                                return;
+                            }
+                        }
+                        None => return,
+                    }
+                }
+            });
+        }
+    });
+    (addr, accepted)
+}
+
+fn one_server_map(main: SocketAddr, workers: Vec<SocketAddr>) -> ClusterMap {
+    let n = workers.len() as u16;
+    ClusterMap::new(Layout::even(1, n, 1, 64), vec![ServerInfo { main, workers }])
+}
+
+fn quick() -> Config {
+    Config { connect_timeout: Duration::from_secs(2), io_timeout: Duration::from_secs(5), ..Config::default() }
+}
+
+#[test]
+fn redirect_ping_pong_gives_up_after_max_redirects() {
+    // Worker 0 says worker 1 owns everything, worker 1 says worker 0 does.
+    let hello = |w: u16| {
+        move |l: &str| -> Option<String> {
+            Some(if l.starts_with("mbal hello") {
+                format!("MBAL 0 {w} 1\r\n")
+            } else {
+                format!("RD 1 0 {}\r\n", 1 - w)
+            })
+        }
+    };
+    let (a0, _) = fake(4, hello(0));
+    let (a1, _) = fake(4, hello(1));
+    let mut c = Client::from_map(one_server_map(a0, vec![a0, a1]), quick());
+    match c.get(b"k") {
+        Err(Error::TooManyRedirects { key, redirects: 3 }) => assert_eq!(key, "k"),
+        r => panic!("{r:?}"),
+    }
+    assert_eq!(c.redirects(), 3);
+    assert!(matches!(c.get_multi(&[b"a", b"b", b"c"]), Err(Error::TooManyRedirects { .. })));
+    assert!(matches!(c.set_multi(&[(b"a", b"1")], 0, 0), Err(Error::TooManyRedirects { .. })));
+    assert!(c.redirects() > 3);
+}
+
+#[test]
+fn plain_memcached_is_not_mbal() {
+    let (a, _) = fake(4, |_| Some("ERROR\r\n".into()));
+    assert!(matches!(Client::connect(a, quick()), Err(Error::NotMbal { addr }) if addr == a));
+    let mut c = Client::from_map(one_server_map(a, vec![a]), quick());
+    let e = c.get(b"k").unwrap_err();
+    assert!(matches!(e, Error::NotMbal { .. }), "{e:?}");
+}
+
+#[test]
+fn hello_from_the_wrong_worker_is_refused() {
+    let (a, _) = fake(2, |l| Some(if l.starts_with("mbal") { "MBAL 0 1 1\r\n".into() } else { "END\r\n".into() }));
+    let mut c = Client::from_map(one_server_map(a, vec![a]), quick());
+    let e = c.get(b"k").unwrap_err();
+    assert!(matches!(e, Error::Protocol { .. }), "{e:?}");
+    assert!(e.to_string().contains("server 0 worker 0"), "{e}");
+}
+
+#[test]
+fn timeout_names_the_worker_and_the_connection_is_replaced() {
+    // First connection: answers hello, then never answers `get`. Later
+    // connections answer normally.
+    let first = Arc::new(AtomicUsize::new(0));
+    let f = first.clone();
+    let (a, accepted) = fake(4, move |l| {
+        if l.starts_with("mbal hello") {
+            f.fetch_add(1, Ordering::SeqCst);
+            return Some("MBAL 0 0 1\r\n".into());
+        }
+        if f.load(Ordering::SeqCst) == 1 {
+            Some(String::new()) // silence
+        } else {
+            Some("VALUE k 3 2\r\nhi\r\nEND\r\n".into())
+        }
+    });
+    let cfg = Config { io_timeout: Duration::from_millis(200), ..quick() };
+    let mut c = Client::from_map(one_server_map(a, vec![a]), cfg);
+    let e = c.get(b"k").unwrap_err();
+    assert!(matches!(e, Error::Timeout { addr, peer: Peer::Worker { server: 0, worker: 0 } } if addr == a), "{e:?}");
+    assert!(e.to_string().contains(&a.to_string()));
+    let v = c.get(b"k").unwrap().unwrap();
+    assert_eq!((v.data.as_slice(), v.flags), (&b"hi"[..], 3));
+    assert_eq!(accepted.load(Ordering::SeqCst), 2, "the timed-out connection was replaced");
+    // And kept: a third call does not reconnect.
+    c.get(b"k").unwrap();
+    assert_eq!(accepted.load(Ordering::SeqCst), 2);
+}
+
+#[test]
+fn server_errors_are_reported_and_the_connection_kept() {
+    let (a, accepted) = fake(4, |l| {
+        Some(match l.split(' ').next().unwrap() {
+            "mbal" => "MBAL 0 0 1\r\n".into(),
+            "incr" => "CLIENT_ERROR cannot increment or decrement non-numeric value\r\n".into(),
+            "set" => "SERVER_ERROR object too large for cache\r\n".into(),
+            _ => "NOT_FOUND\r\n".into(),
+        })
+    });
+    let mut c = Client::from_map(one_server_map(a, vec![a]), quick());
+    let e = c.incr(b"k", 1).unwrap_err();
+    assert!(matches!(&e, Error::Server { line, .. } if line.starts_with("CLIENT_ERROR")), "{e:?}");
+    let e = c.set(b"k", b"v", 0, 0).unwrap_err();
+    assert!(e.to_string().contains("SERVER_ERROR object too large"), "{e}");
+    assert!(!c.delete(b"k").unwrap());
+    assert_eq!(c.decr(b"k", 1).unwrap(), None);
+    assert!(!c.touch(b"k", 1).unwrap());
+    assert_eq!(accepted.load(Ordering::SeqCst), 1);
+}
+
+#[test]
+fn an_unexpected_reply_is_a_protocol_error() {
+    let (a, _) = fake(4, |l| Some(if l.starts_with("mbal") { "MBAL 0 0 1\r\n".into() } else { "DELETED\r\n".into() }));
+    let mut c = Client::from_map(one_server_map(a, vec![a]), quick());
+    assert!(matches!(c.set(b"k", b"v", 0, 0), Err(Error::Protocol { .. })));
+    assert!(matches!(c.incr(b"k", 1), Err(Error::Protocol { .. })));
+    assert!(c.delete(b"k").unwrap());
+}
+
+#[test]
+fn cluster_file_errors_name_the_file() {
+    let e = Client::from_cluster_file(Path::new("/nonexistent/cluster.toml"), Config::default()).err().unwrap();
+    assert!(e.to_string().contains("/nonexistent/cluster.toml"), "{e}");
+    let dir = std::env::temp_dir().join(format!("mbal-client-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join("c.toml");
+    std::fs::write(&p, "workers = 2\nservers = []\n").unwrap();
+    assert!(matches!(Client::from_cluster_file(&p, Config::default()), Err(Error::Config { .. })));
+    std::fs::write(
+        &p,
+        "workers = 2\n[[servers]]\naddr = \"127.0.0.1:7000\"\nworker_port_base = 7001\n\
+         [[servers]]\naddr = \"127.0.0.1:7100\"\nworker_port_base = 7101\n",
+    )
+    .unwrap();
+    let c = Client::from_cluster_file(&p, Config::default()).unwrap();
+    assert_eq!(c.map().servers().len(), 2);
+    assert_eq!(c.map().worker_addr(1, 1).port(), 7102);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

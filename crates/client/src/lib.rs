@@ -26,6 +26,15 @@
 //!   at the new owner, at most [`Config::max_redirects`] times per request
 //!   ([`Error::TooManyRedirects`]). Overrides older than a refetched map are
 //!   forgotten. [`Client::redirects`] counts the redirects followed.
+//!   Today each server moves cachelets between its own workers and keeps
+//!   its own epoch, so epochs of different servers are not comparable: a
+//!   redirect whose epoch is not newer than the client's map still records
+//!   its override (that is what makes it work), and a refetch from a server
+//!   with a newer epoch may forget an override learned from another server,
+//!   which then costs one more redirect. A multi-key `get` that the server
+//!   redirects as a whole does not say which cachelet moved; unless all its
+//!   keys share one cachelet, the client records nothing and retries those
+//!   keys grouped per cachelet, so the next redirect is attributable.
 //! * **Text protocol, pipelined.** Replies are parsed incrementally by
 //!   [`reply::ReplyParser`]. [`Client::get_multi`] groups keys by owning
 //!   worker, writes one `get k1 k2 ...` per worker (all workers' requests are

@@ -399,3 +399,57 @@ fn cachelet_moves_while_a_client_reads_and_writes() {
     eprintln!("{rounds} rounds, {redirects} redirects over 30 moves");
     cl.stop();
 }
+
+/// Servers move cachelets independently, so their epochs differ. A client
+/// whose map came from a server with a higher epoch than the one that
+/// redirects it cannot refetch its way out: it must learn the owner from the
+/// redirect itself (an override), also for a multi-get whose group spans
+/// several cachelets (the server redirects such a group as a whole).
+#[test]
+fn redirects_from_a_server_with_an_older_epoch_are_learned_per_cachelet() {
+    let cl = Cluster::start();
+    let map = cl.map();
+    let mut admin0 = Plain::open(cl.servers[0].main_addr);
+    let c0 = map.layout().cachelets_of(0, 0)[0];
+    let mut e0 = 0;
+    for i in 0..6 {
+        e0 = move_cachelet(&mut admin0, c0, 1 - i % 2);
+    }
+    // On server 1: move one cachelet of worker 0 to worker 1.
+    let cells = map.layout().cachelets_of(1, 0);
+    let (moved, stays) = (cells[0], cells[1]);
+    let mut admin1 = Plain::open(cl.servers[1].main_addr);
+    let e1 = move_cachelet(&mut admin1, moved, 1);
+    assert!(e1 < e0, "server 1 ({e1}) is behind server 0 ({e0})");
+
+    let key_in = |c: u32, salt: &str| -> String {
+        (0..100_000).map(|i| format!("{salt}{i}")).find(|k| map.route(key_hash(k.as_bytes())).0 == c).unwrap()
+    };
+    let (km, ks) = (key_in(moved, "m"), key_in(stays, "s"));
+    let mut writer = Client::connect(cl.servers[1].main_addr, cfg()).unwrap();
+    assert!(writer.set(km.as_bytes(), b"moved", 0, 0).unwrap());
+    assert!(writer.set(ks.as_bytes(), b"stays", 0, 0).unwrap());
+    assert_eq!(writer.redirects(), 0, "server 1's own map is current for its cachelets");
+
+    let mut c = Client::connect(cl.servers[0].main_addr, cfg()).unwrap();
+    assert_eq!(c.map().epoch(), e0);
+    assert_eq!(c.route(km.as_bytes()), (moved, 1, 0), "server 0 does not know about server 1's move");
+    // Mixed group on worker (1, 0): redirected whole, re-split per
+    // cachelet, the moved cachelet redirected again and learned.
+    let got = c.get_multi(&[ks.as_bytes(), km.as_bytes()]).unwrap();
+    assert_eq!(got[0].as_ref().unwrap().data, b"stays");
+    assert_eq!(got[1].as_ref().unwrap().data, b"moved");
+    assert_eq!(c.redirects(), 2);
+    assert_eq!(c.map().epoch(), e0, "no refetch for an older epoch");
+    assert_eq!(c.route(km.as_bytes()), (moved, 1, 1), "learned from the redirect");
+    assert_eq!(c.route(ks.as_bytes()), (stays, 1, 0));
+    assert_eq!(c.get(km.as_bytes()).unwrap().unwrap().data, b"moved");
+    assert_eq!(c.redirects(), 2, "no further redirect once learned");
+    cl.stop();
+}
+
+#[test]
+fn client_is_send() {
+    fn send<T: Send>() {}
+    send::<Client>();
+}

@@ -21,6 +21,24 @@ enum Cmd {
     /// Local clusters
     #[command(subcommand)]
     Cluster(ClusterCmd),
+    /// Cluster-wide table, per server and per worker: ops/s, hit ratio, items, bytes, cachelets
+    Stats(StatsArgs),
+}
+
+#[derive(clap::Args)]
+struct StatsArgs {
+    /// Any server of the cluster (the map is fetched from it)
+    #[arg(long, conflicts_with = "cluster")]
+    server: Option<std::net::SocketAddr>,
+    /// The cluster file
+    #[arg(long)]
+    cluster: Option<std::path::PathBuf>,
+    /// Seconds between the two samples that ops/s is computed from
+    #[arg(long, default_value_t = 1.0)]
+    interval: f64,
+    /// Print a new table every interval, this many times (0: once)
+    #[arg(long, default_value_t = 0)]
+    watch: u32,
 }
 
 #[derive(Subcommand)]
@@ -59,6 +77,7 @@ fn main() -> Result<()> {
             Ok(())
         }
         Cmd::Cluster(ClusterCmd::Up(args)) => cluster_up::run(args),
+        Cmd::Stats(a) => stats(a),
     }
 }
 
@@ -66,4 +85,31 @@ fn main() -> Result<()> {
 fn handle_stopper(h: &mbal_server::ServerHandle) -> impl Fn() + Send + 'static {
     let h = h.stop_token();
     move || h.stop()
+}
+
+fn stats(a: StatsArgs) -> Result<()> {
+    use std::time::{Duration, Instant};
+    let timeout = Duration::from_secs(5);
+    let map = match (&a.server, &a.cluster) {
+        (Some(addr), _) => mbal_client::Client::connect(*addr, mbal_client::Config::default())?.map().clone(),
+        (None, Some(p)) => mbal_client::Client::from_cluster_file(p, mbal_client::Config::default())?.map().clone(),
+        (None, None) => anyhow::bail!("give --server HOST:PORT or --cluster FILE"),
+    };
+    if !(0.05..=3600.0).contains(&a.interval) {
+        anyhow::bail!("--interval must be between 0.05 and 3600 seconds");
+    }
+    let mut prev = mbal_client::cluster_stats(&map, timeout)?;
+    let mut t0 = Instant::now();
+    for round in 0..=a.watch {
+        std::thread::sleep(Duration::from_secs_f64(a.interval));
+        let cur = mbal_client::cluster_stats(&map, timeout)?;
+        let secs = t0.elapsed().as_secs_f64();
+        if round > 0 {
+            println!();
+        }
+        print!("{}", mbal_client::render_stats_table(Some(&prev), &cur, secs));
+        prev = cur;
+        t0 = Instant::now();
+    }
+    Ok(())
 }

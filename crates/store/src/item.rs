@@ -14,6 +14,8 @@ pub(crate) const DEAD: u8 = 1;
 pub(crate) const FETCHED: u8 = 2;
 pub(crate) const STALE: u8 = 4;
 pub(crate) const WIN: u8 = 8;
+/// Read since it was written or last kept by eviction (the CLOCK bit).
+pub(crate) const ACCESSED: u8 = 16;
 
 #[inline]
 pub(crate) fn footprint(klen: usize, vlen: usize) -> usize {

@@ -1,6 +1,6 @@
 //! Cachelets (index + segments) and the per-worker store. See the crate docs for the design.
 
-use crate::item::{footprint, It, DEAD, FETCHED, MAX_KEY, STALE, WIN};
+use crate::item::{footprint, It, ACCESSED, DEAD, FETCHED, MAX_KEY, STALE, WIN};
 use crate::pool::{GlobalPool, Page};
 use crate::{rel_exptime, ArithResult, DeleteResult, ItemView, MetaBits, Mode, StoreConfig, StoreResult};
 use hashbrown::HashTable;
@@ -10,6 +10,11 @@ use std::sync::Arc;
 
 /// Pending flush_all calls remembered per cachelet (see `Cachelet::flushes`).
 const MAX_FLUSHES: usize = 8;
+/// Dead-fraction buckets for compaction candidates (tenths).
+const DEAD_BUCKETS: usize = 10;
+/// A segment at least this many tenths dead is compacted (its live items
+/// kept) in preference to evicting live items from the oldest one.
+const COMPACT_BUCKET: usize = 3;
 
 /// Index entry: the caller's key hash and the item's location.
 #[derive(Clone, Copy, Debug)]
@@ -262,8 +267,6 @@ struct Mem {
     /// All segments of owned cachelets: (seq, cachelet, slot).
     order: BTreeSet<(u64, u32, u32)>,
     next_seq: u64,
-    /// Segments with seq below this are in the oldest quarter.
-    cutoff: u64,
     /// Set once the global pool ran low or the worker had to evict: enables second chance.
     pressure: bool,
     evict_gen: u64,
@@ -274,13 +277,37 @@ struct Mem {
     sweep_cursor: Option<(u64, u32, u32)>,
     scratch: Vec<u8>,
     offs: Vec<u32>,
+    /// Items kept by the eviction in progress: (hash, offset in scratch, size).
+    kept: Vec<(u64, u32, u32)>,
+    /// Compaction candidates by dead fraction: `dead[b]` holds (seq, cachelet,
+    /// slot) of segments that became at least `b`/DEAD_BUCKETS dead. Entries
+    /// go stale (segment freed, compacted, moved away) and are checked when
+    /// taken.
+    dead: [Vec<(u64, u32, u32)>; DEAD_BUCKETS],
     st: WorkerStats,
 }
 
 impl Mem {
-    fn recompute_cutoff(&mut self) {
-        let first = self.order.first().map(|k| k.0).unwrap_or(self.next_seq);
-        self.cutoff = first + (self.next_seq.saturating_sub(first)) / 4;
+    /// Mark an item dead and note its segment as a compaction candidate when
+    /// its dead fraction crosses into a higher bucket. True if the (sealed)
+    /// segment is now empty.
+    fn mark_dead(&mut self, c: &mut Cachelet, s: u32, o: u32) -> bool {
+        let before = c.seg(s).dead_bytes;
+        let empty = c.mark_dead(s, o);
+        let seg = c.seg(s);
+        if !empty && seg.large_pages == 0 {
+            let len = seg.buf.len();
+            let (b, a) = (before * DEAD_BUCKETS / len, (seg.dead_bytes * DEAD_BUCKETS / len).min(DEAD_BUCKETS - 1));
+            if a > b && a >= COMPACT_BUCKET {
+                let list = &mut self.dead[a];
+                list.push((seg.seq, c.id, s));
+                if list.len() > 4 * (self.seg_pages + 16) {
+                    // Mostly stale entries: forget the oldest half.
+                    list.drain(..list.len() / 2);
+                }
+            }
+        }
+        empty
     }
 
     fn held(&self) -> usize {
@@ -363,7 +390,6 @@ impl Mem {
             self.seg_pages += 1;
             c.st.pages += 1;
         }
-        self.recompute_cutoff();
         slot
     }
 
@@ -384,14 +410,13 @@ impl Mem {
             self.local_free.push(seg.buf);
             self.maybe_return();
         }
-        self.recompute_cutoff();
     }
 
     /// Remove a live item from index and segment; free its segment if now empty and allowed.
     fn unlink(&mut self, c: &mut Cachelet, s: u32, o: u32, free_empty: bool) {
         let hash = It::hash(&c.seg(s).buf, o as usize);
         c.remove_index(hash, s, o);
-        if c.mark_dead(s, o) && free_empty {
+        if self.mark_dead(c, s, o) && free_empty {
             self.free_seg(c, s);
         }
     }
@@ -532,7 +557,6 @@ impl WorkerStore {
                 local_free: Vec::new(),
                 order: BTreeSet::new(),
                 next_seq: 1,
-                cutoff: 0,
                 pressure: false,
                 evict_gen: 0,
                 seg_pages: 0,
@@ -542,6 +566,8 @@ impl WorkerStore {
                 sweep_cursor: None,
                 scratch: Vec::new(),
                 offs: Vec::new(),
+                kept: Vec::new(),
+                dead: Default::default(),
                 st,
             },
         }
@@ -574,7 +600,6 @@ impl WorkerStore {
         } else {
             c.pool = Some(self.m.global.clone());
         }
-        self.m.recompute_cutoff();
         self.cachelets[id] = Some(c);
     }
 
@@ -592,7 +617,6 @@ impl WorkerStore {
             }
         }
         c.cas_floor = self.m.cas_ctr;
-        self.m.recompute_cutoff();
         Some(c)
     }
 
@@ -623,14 +647,48 @@ impl WorkerStore {
 
     /// Evict the worker's oldest segment. False if it has none.
     fn evict_one(&mut self) -> bool {
-        let Some(&(_, cl, s)) = self.m.order.first() else {
+        self.evict_segment(true)
+    }
+
+    /// The most-dead segment that is at least `COMPACT_BUCKET` tenths dead.
+    fn compaction_candidate(&mut self) -> Option<(u64, u32, u32)> {
+        for b in (COMPACT_BUCKET..DEAD_BUCKETS).rev() {
+            while let Some((seq, cl, s)) = self.m.dead[b].pop() {
+                let Some(c) = self.cachelets.get(cl as usize).and_then(|c| c.as_deref()) else { continue };
+                let Some(seg) = c.segs.get(s as usize).and_then(|x| x.as_ref()) else { continue };
+                if seg.seq == seq && c.open != Some(s) && seg.dead_bytes * DEAD_BUCKETS / seg.buf.len() >= b {
+                    return Some((seq, cl, s));
+                }
+            }
+        }
+        None
+    }
+
+    /// Make room by emptying one segment. The victim is the most-dead segment
+    /// of the worker if one is at least `COMPACT_BUCKET` tenths dead
+    /// (compaction: its live items are kept), else the oldest segment (CLOCK:
+    /// live items read since they were written or last kept survive, up to
+    /// half a page, and lose their mark). Kept items are copied aside, the
+    /// page is freed, and they are re-appended to their cachelet's open
+    /// segment, which can use the page just freed. Overwrite-heavy loads
+    /// thus give their dead space back instead of evicting live items, and
+    /// hot items stay however old their page is. False if there is nothing
+    /// to evict.
+    fn evict_segment(&mut self, retain: bool) -> bool {
+        let pick = if retain { self.compaction_candidate() } else { None };
+        let compacting = pick.is_some();
+        let Some((_, cl, s)) = pick.or_else(|| self.m.order.first().copied()) else {
             return false;
         };
         let c = self.cachelets[cl as usize].as_deref_mut().expect("segment of owned cachelet");
         let now = self.m.last_now;
         let mut offs = std::mem::take(&mut self.m.offs);
+        let mut kept_bytes = std::mem::take(&mut self.m.scratch);
+        let mut kept = std::mem::take(&mut self.m.kept);
         offs.clear();
-        {
+        kept_bytes.clear();
+        kept.clear();
+        let cap = {
             let seg = c.seg(s);
             let mut o = 0;
             while o < seg.used {
@@ -639,18 +697,31 @@ impl WorkerStore {
                 }
                 o += It::size(&seg.buf, o);
             }
-        }
+            match (retain, seg.large_pages > 0, compacting) {
+                (false, _, _) | (_, true, _) => 0,
+                (true, false, true) => seg.buf.len(),
+                (true, false, false) => seg.buf.len() / 2,
+            }
+        };
         for &o in &offs {
-            let (hash, fetched, sz) = {
+            let (hash, bits, sz) = {
                 let b = &c.seg(s).buf;
                 let o = o as usize;
-                (It::hash(b, o), It::bits(b, o) & FETCHED != 0, It::size(b, o))
+                (It::hash(b, o), It::bits(b, o), It::size(b, o))
             };
+            let fetched = bits & FETCHED != 0;
             if c.liveness(s, o, now) != Liveness::Live {
                 self.m.st.reclaimed += 1;
                 if !fetched {
                     self.m.st.expired_unfetched += 1;
                 }
+            } else if (compacting || bits & ACCESSED != 0) && kept_bytes.len() + sz <= cap {
+                let at = kept_bytes.len();
+                kept_bytes.extend_from_slice(&c.seg(s).buf[o as usize..o as usize + sz]);
+                if !compacting {
+                    It::set_bits(&mut kept_bytes, at, bits & !ACCESSED);
+                }
+                kept.push((hash, at as u32, sz as u32));
             } else {
                 self.m.st.evictions += 1;
                 if !fetched {
@@ -661,8 +732,29 @@ impl WorkerStore {
             c.st.items -= 1;
             c.st.bytes -= sz as u64;
         }
-        self.m.offs = offs;
         self.m.free_seg(c, s);
+        for &(hash, at, sz) in &kept {
+            let (at, sz) = (at as usize, sz as usize);
+            let Some((ns, no)) = self.m.alloc_small(c, sz) else {
+                // No room after all (the freed page went back to the pool).
+                self.m.st.evictions += 1;
+                continue;
+            };
+            c.seg_mut(ns).buf[no as usize..no as usize + sz].copy_from_slice(&kept_bytes[at..at + sz]);
+            c.commit(ns, sz);
+            c.index.insert_unique(hash, Entry { hash, seg: ns, off: no }, |e| e.hash);
+            if compacting {
+                self.m.st.items_compacted += 1;
+            } else {
+                self.m.st.items_relocated += 1;
+            }
+        }
+        if compacting {
+            self.m.st.segments_compacted += 1;
+        }
+        self.m.offs = offs;
+        self.m.scratch = kept_bytes;
+        self.m.kept = kept;
         self.m.pressure = true;
         self.m.evict_gen += 1;
         true
@@ -731,7 +823,7 @@ impl WorkerStore {
             c.seg_mut(ns).buf[no as usize..no as usize + sz].copy_from_slice(&tmp);
             c.commit(ns, sz);
             c.relink_index(hash, (s, o), (ns, no));
-            if c.mark_dead(s, o) {
+            if self.m.mark_dead(c, s, o) {
                 self.m.free_seg(c, s);
             }
             (ns, no)
@@ -751,7 +843,7 @@ impl WorkerStore {
             c.st.reads += 1;
             self.m.st.cmd_get += 1;
         }
-        let (mut s, mut o) = match r {
+        let (s, o) = match r {
             Found::Hit(s, o) => (s, o),
             other => {
                 if bump {
@@ -769,36 +861,26 @@ impl WorkerStore {
         if bump {
             c.st.hits += 1;
             self.m.st.get_hits += 1;
-            if self.m.pressure {
-                let seg = c.seg(s);
-                if seg.large_pages == 0 && seg.seq < self.m.cutoff && c.open != Some(s) {
-                    if let Some((ns, no)) = self.relocate(cl, s, o) {
-                        self.m.st.items_relocated += 1;
-                        s = ns;
-                        o = no;
-                    }
-                }
-            }
         }
         let c = self.cachelets[cl as usize].as_deref_mut().expect("owned");
         let seg = c.seg_mut(s);
         let o = o as usize;
         let bits = It::bits(&seg.buf, o);
         if bump {
-            It::set_bits(&mut seg.buf, o, bits | FETCHED);
+            It::set_bits(&mut seg.buf, o, bits | FETCHED | ACCESSED);
             It::set_last_access(&mut seg.buf, o, now);
         }
         let cas = self.m.shown_cas(It::cas(&seg.buf, o));
         Some(view(&seg.buf, o, cas, bits))
     }
 
-    /// Lookup; counts a read; marks fetched + last_access; may relocate (second chance).
+    /// Lookup; counts a read; marks fetched, accessed (the CLOCK bit) and last_access.
     /// None on miss/expired/flushed.
     pub fn get(&mut self, cl: u32, hash: u64, key: &[u8], now: u32) -> Option<ItemView<'_>> {
         self.get_inner(cl, hash, key, now, true)
     }
 
-    /// Lookup without stats, bump or relocation.
+    /// Lookup without stats or marks.
     pub fn peek(&mut self, cl: u32, hash: u64, key: &[u8], now: u32) -> Option<ItemView<'_>> {
         self.get_inner(cl, hash, key, now, false)
     }
@@ -838,7 +920,7 @@ impl WorkerStore {
         match old {
             Some((os, oo)) => {
                 c.relink_index(hash, (os, oo), (s, o));
-                if c.mark_dead(os, oo) {
+                if self.m.mark_dead(c, os, oo) {
                     self.m.free_seg(c, os);
                 }
             }
@@ -1204,7 +1286,7 @@ impl WorkerStore {
                 given += k;
                 continue;
             }
-            if !self.evict_one() {
+            if !self.evict_segment(false) {
                 break;
             }
         }
@@ -1243,7 +1325,6 @@ impl WorkerStore {
                 self.m.free_seg(&mut c, s);
             }
         }
-        self.m.recompute_cutoff();
         true
     }
 }

@@ -14,7 +14,7 @@ const MAX_FLUSHES: usize = 8;
 const DEAD_BUCKETS: usize = 10;
 /// A segment at least this many tenths dead is compacted (its live items
 /// kept) in preference to evicting live items from the oldest one.
-const COMPACT_BUCKET: usize = 3;
+const COMPACT_BUCKET: usize = 2;
 
 /// Index entry: the caller's key hash and the item's location.
 #[derive(Clone, Copy, Debug)]

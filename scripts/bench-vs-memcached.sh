@@ -31,14 +31,22 @@ PID=""
 cleanup() { [ -n "$PID" ] && kill "$PID" 2>/dev/null && wait "$PID" 2>/dev/null; PID=""; }
 trap cleanup EXIT
 
-start_server() { # $1 = memcached|mbal, $2 = port
-  case $1 in
-    memcached) taskset -c "$SERVER_CPU" memcached "${user[@]}" -l 127.0.0.1 -p "$2" -U 0 -t 1 -m "$MEM" & ;;
-    mbal) taskset -c "$SERVER_CPU" "$BIN" server -l 127.0.0.1 -p "$2" -t 1 -m "$MEM" --worker-port-base $(($2 + 1)) & ;;
-  esac
-  PID=$!
-  for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/"$2") 2>/dev/null && return 0; sleep 0.05; done
-  echo "$1 did not start on port $2" >&2; exit 1
+start_server() { # $1 = memcached|mbal; sets PID and PORT (retries on a busy port)
+  for _try in 1 2 3 4 5; do
+    PORT=$((21000 + RANDOM % 20000))
+    case $1 in
+      memcached) taskset -c "$SERVER_CPU" memcached "${user[@]}" -l 127.0.0.1 -p "$PORT" -U 0 -t 1 -m "$MEM" 2>/dev/null & ;;
+      mbal) taskset -c "$SERVER_CPU" "$BIN" server -l 127.0.0.1 -p "$PORT" -t 1 -m "$MEM" --worker-port-base $((PORT + 1)) 2>/dev/null & ;;
+    esac
+    PID=$!
+    for _ in $(seq 100); do
+      kill -0 "$PID" 2>/dev/null || break
+      (exec 3<>/dev/tcp/127.0.0.1/"$PORT") 2>/dev/null && return 0
+      sleep 0.05
+    done
+    cleanup
+  done
+  echo "$1 did not start" >&2; exit 1
 }
 cpu_ticks() { awk '{print $14+$15}' "/proc/$PID/stat"; }
 
@@ -48,8 +56,8 @@ scenario() { # name, bench args...
   echo "== $name: $*" >&2
   for r in $(seq "$RUNS"); do
     for sys in memcached mbal; do
-      local port=$((21000 + RANDOM % 20000))
-      start_server $sys $port
+      start_server $sys
+      local port=$PORT
       taskset -c "$CLIENT_CPU" "$BIN" bench --server 127.0.0.1:$port --keys "$KEYS" --load-only --quiet >/dev/null
       local c0; c0=$(cpu_ticks)
       taskset -c "$CLIENT_CPU" "$BIN" bench --server 127.0.0.1:$port --keys "$KEYS" --duration "$SECS" --quiet \

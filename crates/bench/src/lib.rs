@@ -76,8 +76,13 @@ pub struct BenchArgs {
     /// mbal routed mode: fetch the cluster map from the one --server (any server of an mbal
     /// cluster, or a single mbal server), connect to every worker's own port (`mbal hello`),
     /// route each op to its owning worker and follow `RD` redirects. Targets are the workers.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "plain")]
     pub routed: bool,
+    /// Plain mode (the default): an ordinary memcached text client against each --server, so
+    /// stock memcached is measured by the same tool. Keys go to server key_hash(key) % n.
+    #[arg(long)]
+    #[serde(default)]
+    pub plain: bool,
 
     /// Workload: a = 100% read Zipfian, b = 95/5 read/update hotspot, c = 50/50 Zipfian,
     /// uniform = uniform keys with --read-ratio, custom = --dist keys with --read-ratio.

@@ -251,7 +251,8 @@ fn rules(opcode: u8) -> Option<(Need, Option<bool>, bool)> {
     })
 }
 
-fn is_store(opcode: u8) -> bool {
+/// set/add/replace/append/prepend and their quiet forms.
+pub fn is_store(opcode: u8) -> bool {
     matches!(
         opcode,
         op::SET

@@ -473,16 +473,7 @@ pub(crate) fn bin_keyed(ctx: &mut Ctx, req: &BinReq, at: Loc, out: &mut Vec<u8>)
                 }
             }
         }
-        op::SET
-        | op::SETQ
-        | op::ADD
-        | op::ADDQ
-        | op::REPLACE
-        | op::REPLACEQ
-        | op::APPEND
-        | op::APPENDQ
-        | op::PREPEND
-        | op::PREPENDQ => {
+        o if mbal_proto::binary::is_store(o) => {
             let mode = match opc {
                 op::SET | op::SETQ => Mode::Set,
                 op::ADD | op::ADDQ => Mode::Add,

@@ -1428,16 +1428,7 @@ fn foreign_bin(req: &BinReq, out: &mut Vec<u8>) {
     let h = &req.header;
     match h.opcode {
         op::GETQ | op::GETKQ | op::GATQ | op::GATKQ => {}
-        op::SET
-        | op::SETQ
-        | op::ADD
-        | op::ADDQ
-        | op::REPLACE
-        | op::REPLACEQ
-        | op::APPEND
-        | op::APPENDQ
-        | op::PREPEND
-        | op::PREPENDQ => write_response(
+        o if mbal_proto::binary::is_store(o) => write_response(
             out,
             h.opcode,
             st::NOT_STORED,

@@ -404,7 +404,7 @@ impl Worker {
                 .iter()
                 .map(|&(id, r, w)| {
                     let (br, bw) = self.rate_base.iter().find(|b| b.0 == id).map(|b| (b.1, b.2)).unwrap_or((r, w));
-                    (id, (r - br) / elapsed, (w - bw) / elapsed)
+                    (id, r.saturating_sub(br) / elapsed, w.saturating_sub(bw) / elapsed)
                 })
                 .collect();
             self.rate_base = cur;
@@ -779,7 +779,10 @@ impl Worker {
                     let _ = c;
                     self.gathered(conn, seq, *snap);
                 }
-                Envelope::ResetStats => self.counters = Counters::default(),
+                Envelope::ResetStats => {
+                    self.counters = Counters::default();
+                    self.store.reset_stats();
+                }
             }
         }
     }
@@ -1150,12 +1153,7 @@ fn handle(
                 let group = String::from_utf8_lossy(args).trim().to_string();
                 match group.as_str() {
                     "reset" => {
-                        *rt.counters = Counters::default();
-                        for (w, ob) in rt.outbox.iter_mut().enumerate() {
-                            if w != rt.worker {
-                                ob.push(Envelope::ResetStats);
-                            }
-                        }
+                        reset_stats(rt, store);
                         output.buf().extend_from_slice(b"RESET\r\n");
                     }
                     "" | "settings" | "items" | "slabs" | "conns" | "cachelets" | "workers" => {
@@ -1398,7 +1396,7 @@ fn handle_bin(
         op::STAT => {
             let group = String::from_utf8_lossy(req.key).to_string();
             if group == "reset" {
-                *rt.counters = Counters::default();
+                reset_stats(rt, store);
                 write_response(output.buf(), op::STAT, st::NO_ERROR, h.opaque, 0, &[], &[], &[]);
             } else {
                 gather_stats(shared, rt, store, now, output, group, StatsFormat::Binary { opaque: h.opaque });
@@ -1439,6 +1437,17 @@ fn foreign_bin(req: &BinReq, out: &mut Vec<u8>) {
             b"Key is served by another mbal server",
         ),
         _ => write_response(out, h.opcode, st::KEY_ENOENT, h.opaque, 0, &[], &[], b"Not found"),
+    }
+}
+
+/// `stats reset` on every worker of the server.
+fn reset_stats(rt: &mut Route, store: &mut WorkerStore) {
+    *rt.counters = Counters::default();
+    store.reset_stats();
+    for (w, ob) in rt.outbox.iter_mut().enumerate() {
+        if w != rt.worker {
+            ob.push(Envelope::ResetStats);
+        }
     }
 }
 

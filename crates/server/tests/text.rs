@@ -185,6 +185,9 @@ fn stats_groups_have_memcached_names() {
     assert!(stats(&mut c, "conns").iter().any(|(k, _)| k.ends_with(":addr")));
     assert_eq!(c.cmd("stats bogus\r\n"), "ERROR\r\n");
     assert_eq!(c.cmd("stats reset\r\n"), "RESET\r\n");
+    assert_eq!(stat(&mut c, "get_hits"), 0, "stats reset clears the command counters on every worker");
+    assert_eq!(stat(&mut c, "get_misses"), 0);
+    assert_eq!(stat(&mut c, "curr_items"), 1, "but not the items");
     srv.shutdown();
 }
 
@@ -213,4 +216,18 @@ fn meta_commands() {
         assert_eq!(c.get("foo").as_deref(), Some(&b"bar"[..]));
         srv.shutdown();
     }
+}
+
+#[test]
+fn idle_connections_are_closed_after_idle_timeout() {
+    let srv = start(mbal_server::config::Settings { idle_timeout: 1, ..settings(1) });
+    let mut idle = Conn::open(srv.main_addr);
+    assert!(idle.cmd("version\r\n").starts_with("VERSION"));
+    // Await the server's close: the read blocks until EOF (Ok(0)); a read
+    // timeout (10 s) would be an Err and fail the test.
+    let mut b = [0u8; 1];
+    assert_eq!(std::io::Read::read(&mut idle.r, &mut b).expect("EOF, not a timeout"), 0);
+    let mut fresh = Conn::open(srv.main_addr);
+    assert!(fresh.cmd("version\r\n").starts_with("VERSION"));
+    srv.shutdown();
 }

@@ -1293,6 +1293,14 @@ impl WorkerStore {
         given
     }
 
+    /// `stats reset`: zero the command and eviction counters (what memcached
+    /// resets); item counts, bytes and pages are state, not counters.
+    pub fn reset_stats(&mut self) {
+        let keep = WorkerStats { limit_maxbytes: self.m.st.limit_maxbytes, ..WorkerStats::default() };
+        self.m.st = keep;
+        // Per-cachelet counters are the balancer's, not memcached's: kept.
+    }
+
     pub fn stats(&self) -> WorkerStats {
         let mut st = self.m.st;
         st.curr_items = 0;

@@ -3,15 +3,13 @@
 //! text-protocol client; [`crate::routed::RoutedDriver`] (mbal's routed mode: one connection
 //! per worker, redirects followed) is a second implementation of the same trait.
 
-use std::io::{self, Read, Write};
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
-use mio::net::TcpStream;
-use mio::{Events, Interest, Poll, Token};
+use anyhow::{bail, Result};
 
-use crate::reply::{Expect, Reply, ReplyParser};
+use crate::conns::{connect_std, Conns};
+use crate::reply::{Expect, Reply};
 use crate::workload::write_key;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -81,6 +79,17 @@ pub(crate) fn write_set(out: &mut Vec<u8>, key: &[u8], value: &[u8], n: usize) {
     out.extend_from_slice(b"\r\n");
 }
 
+/// Append `get <k1> <k2> ..\r\n` to `out`.
+#[inline]
+pub(crate) fn write_get(out: &mut Vec<u8>, keys: impl Iterator<Item = u32>, key_size: usize) {
+    out.extend_from_slice(b"get");
+    for k in keys {
+        out.push(b' ');
+        write_key(out, k, key_size);
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
 /// Which server a key goes to in plain mode: `mbal_cluster::key_hash(key) % servers`.
 pub fn server_of(key: &[u8], servers: usize) -> usize {
     if servers <= 1 {
@@ -88,19 +97,6 @@ pub fn server_of(key: &[u8], servers: usize) -> usize {
     } else {
         (mbal_cluster::key_hash(key) % servers as u64) as usize
     }
-}
-
-struct Conn {
-    stream: TcpStream,
-    target: usize,
-    wbuf: Vec<u8>,
-    wpos: usize,
-    rbuf: Vec<u8>,
-    rstart: usize,
-    rend: usize,
-    parser: ReplyParser,
-    /// In-flight requests on this connection, in order: (op token, reply kind).
-    pending: std::collections::VecDeque<(u32, Expect)>,
 }
 
 #[derive(Clone, Copy, Default)]
@@ -114,9 +110,8 @@ struct OpState {
 /// server; a key goes to server `key_hash(key) % n` ([`server_of`]); a multiget is split per
 /// server and completes when every part has answered.
 pub struct PlainDriver {
-    poll: Poll,
-    events: Events,
-    conns: Vec<Conn>,
+    /// Connection `slot * servers + server`; each request waits as (op token, reply kind).
+    conns: Conns<(u32, Expect)>,
     servers: Vec<SocketAddr>,
     key_size: usize,
     value: Vec<u8>,
@@ -125,7 +120,6 @@ pub struct PlainDriver {
     // scratch
     key_buf: Vec<u8>,
     key_server: Vec<u16>,
-    ready: Vec<(usize, bool, bool)>,
 }
 
 impl PlainDriver {
@@ -140,33 +134,13 @@ impl PlainDriver {
         if servers.is_empty() || servers.len() > u16::MAX as usize {
             bail!("need 1..65535 servers");
         }
-        let poll = Poll::new()?;
-        let mut conns = Vec::with_capacity(slots * servers.len());
+        let mut conns = Conns::new("server", servers.to_vec(), slots * servers.len())?;
         for _slot in 0..slots {
-            for (si, addr) in servers.iter().enumerate() {
-                let std = std::net::TcpStream::connect_timeout(addr, Duration::from_secs(5))
-                    .with_context(|| format!("connect to {addr}"))?;
-                std.set_nodelay(true)?;
-                std.set_nonblocking(true)?;
-                let mut stream = TcpStream::from_std(std);
-                let id = conns.len();
-                poll.registry().register(&mut stream, Token(id), Interest::READABLE | Interest::WRITABLE)?;
-                conns.push(Conn {
-                    stream,
-                    target: si,
-                    wbuf: Vec::with_capacity(64 * 1024),
-                    wpos: 0,
-                    rbuf: vec![0; 256 * 1024],
-                    rstart: 0,
-                    rend: 0,
-                    parser: ReplyParser::new(),
-                    pending: Default::default(),
-                });
+            for (si, &addr) in servers.iter().enumerate() {
+                conns.add(connect_std(addr)?, si)?;
             }
         }
         Ok(PlainDriver {
-            poll,
-            events: Events::with_capacity(1024),
             conns,
             servers: servers.to_vec(),
             key_size,
@@ -175,85 +149,7 @@ impl PlainDriver {
             target_reqs: vec![0; servers.len()],
             key_buf: Vec::with_capacity(256),
             key_server: Vec::new(),
-            ready: Vec::new(),
         })
-    }
-
-    fn read_conn(&mut self, ci: usize, out: &mut Vec<Completion>) -> Result<()> {
-        loop {
-            let c = &mut self.conns[ci];
-            if c.rend == c.rbuf.len() {
-                if c.rstart > 0 {
-                    c.rbuf.copy_within(c.rstart..c.rend, 0);
-                    c.rend -= c.rstart;
-                    c.rstart = 0;
-                } else {
-                    let n = c.rbuf.len() * 2;
-                    c.rbuf.resize(n, 0);
-                }
-            }
-            let space = c.rbuf.len() - c.rend;
-            let n = match c.stream.read(&mut c.rbuf[c.rend..]) {
-                Ok(0) => bail!("server {} closed the connection", self.servers[c.target]),
-                Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e).context("read"),
-            };
-            c.rend += n;
-            // parse all complete replies
-            loop {
-                let Some(&(token, expect)) = c.pending.front() else {
-                    if c.rstart < c.rend {
-                        bail!("server {} sent data with no request pending", self.servers[c.target]);
-                    }
-                    break;
-                };
-                let (used, reply) = c
-                    .parser
-                    .parse(&c.rbuf[c.rstart..c.rend], expect)
-                    .map_err(|e| anyhow::anyhow!("{}: {e}", self.servers[c.target]))?;
-                c.rstart += used;
-                let Some(reply) = reply else { break };
-                c.pending.pop_front();
-                let op = &mut self.ops[token as usize];
-                match reply {
-                    Reply::Get { hits } => op.hits += hits,
-                    Reply::Stored | Reply::Exists | Reply::NotFound => {}
-                    // a plain connection never opted in to redirects: count one as an error
-                    Reply::NotStored | Reply::Error | Reply::Redirect { .. } => op.errors += 1,
-                }
-                op.parts -= 1;
-                if op.parts == 0 {
-                    out.push(Completion { token, hits: op.hits, errors: op.errors });
-                }
-            }
-            if c.rstart == c.rend {
-                c.rstart = 0;
-                c.rend = 0;
-            }
-            // A short read drained the socket: on Linux epoll (edge-triggered, as mio uses it)
-            // any later arrival raises a new event, so skip the read that would return EAGAIN.
-            if n < space {
-                return Ok(());
-            }
-        }
-    }
-
-    fn write_conn(&mut self, ci: usize) -> Result<()> {
-        let c = &mut self.conns[ci];
-        while c.wpos < c.wbuf.len() {
-            match c.stream.write(&c.wbuf[c.wpos..]) {
-                Ok(0) => bail!("write returned 0"),
-                Ok(n) => c.wpos += n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e).with_context(|| format!("write to {}", self.servers[c.target])),
-            }
-        }
-        c.wbuf.clear();
-        c.wpos = 0;
-        Ok(())
     }
 }
 
@@ -273,13 +169,12 @@ impl Driver for PlainDriver {
                 write_key(&mut self.key_buf, key, self.key_size);
                 let s = server_of(&self.key_buf, n);
                 let ci = slot * n + s;
-                let c = &mut self.conns[ci];
                 let n = req.value_size as usize;
                 if n > self.value.len() {
                     bail!("value size {n} above the driver's maximum {}", self.value.len());
                 }
-                write_set(&mut c.wbuf, &self.key_buf, &self.value, n);
-                c.pending.push_back((req.token, Expect::Store));
+                let wbuf = self.conns.request(ci, (req.token, Expect::Store));
+                write_set(wbuf, &self.key_buf, &self.value, n);
                 op.parts = 1;
                 self.target_reqs[s] += 1;
             }
@@ -288,14 +183,8 @@ impl Driver for PlainDriver {
                     bail!("get needs a key");
                 }
                 if n == 1 {
-                    let c = &mut self.conns[slot];
-                    c.wbuf.extend_from_slice(b"get");
-                    for &k in req.keys {
-                        c.wbuf.push(b' ');
-                        write_key(&mut c.wbuf, k, self.key_size);
-                    }
-                    c.wbuf.extend_from_slice(b"\r\n");
-                    c.pending.push_back((req.token, Expect::Get));
+                    let wbuf = self.conns.request(slot, (req.token, Expect::Get));
+                    write_get(wbuf, req.keys.iter().copied(), self.key_size);
                     op.parts = 1;
                     self.target_reqs[0] += 1;
                 } else {
@@ -310,17 +199,10 @@ impl Driver for PlainDriver {
                         if !self.key_server.contains(&(s as u16)) {
                             continue;
                         }
-                        let ci = slot * n + s;
-                        let c = &mut self.conns[ci];
-                        c.wbuf.extend_from_slice(b"get");
-                        for (i, &k) in req.keys.iter().enumerate() {
-                            if self.key_server[i] as usize == s {
-                                c.wbuf.push(b' ');
-                                write_key(&mut c.wbuf, k, self.key_size);
-                            }
-                        }
-                        c.wbuf.extend_from_slice(b"\r\n");
-                        c.pending.push_back((req.token, Expect::Get));
+                        let wbuf = self.conns.request(slot * n + s, (req.token, Expect::Get));
+                        let key_server = &self.key_server;
+                        let keys = req.keys.iter().enumerate().filter(|&(i, _)| key_server[i] as usize == s);
+                        write_get(wbuf, keys.map(|(_, &k)| k), self.key_size);
                         parts += 1;
                         self.target_reqs[s] += 1;
                     }
@@ -332,33 +214,24 @@ impl Driver for PlainDriver {
     }
 
     fn flush(&mut self) -> Result<()> {
-        for ci in 0..self.conns.len() {
-            if self.conns[ci].wpos < self.conns[ci].wbuf.len() {
-                self.write_conn(ci)?;
-            }
-        }
-        Ok(())
+        self.conns.flush()
     }
 
     fn poll(&mut self, timeout: Duration, out: &mut Vec<Completion>) -> Result<()> {
-        match self.poll.poll(&mut self.events, Some(timeout)) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => return Ok(()),
-            Err(e) => return Err(e.into()),
-        }
-        let mut ready = std::mem::take(&mut self.ready);
-        ready.clear();
-        ready.extend(self.events.iter().map(|e| (e.token().0, e.is_readable() || e.is_read_closed(), e.is_writable())));
-        for &(ci, r, w) in &ready {
-            if w && self.conns[ci].wpos < self.conns[ci].wbuf.len() {
-                self.write_conn(ci)?;
+        let ops = &mut self.ops;
+        self.conns.poll(timeout, |_, (token, _), reply| {
+            let op = &mut ops[token as usize];
+            match reply {
+                Reply::Get { hits } => op.hits += hits,
+                Reply::Stored | Reply::Exists | Reply::NotFound => {}
+                // a plain connection never opted in to redirects: count one as an error
+                Reply::NotStored | Reply::Error | Reply::Redirect { .. } => op.errors += 1,
             }
-            if r {
-                self.read_conn(ci, out)?;
+            op.parts -= 1;
+            if op.parts == 0 {
+                out.push(Completion { token, hits: op.hits, errors: op.errors });
             }
-        }
-        self.ready = ready;
-        Ok(())
+        })
     }
 
     fn target_requests(&self) -> Vec<u64> {

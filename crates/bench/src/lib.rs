@@ -23,6 +23,9 @@
 //!   learned and followed (at most [`routed::MAX_REDIRECTS`] per request chain). Everything else
 //!   (workloads, pacing, statistics, reports) is shared: targets are then the workers
 //!   (`s<server>/w<worker>`) and `Totals::redirects` counts redirects followed.
+//! * `conns` (private): the mio connection set both drivers are built on (poll, events, per
+//!   connection write/read buffers, reply parser and queue of requests awaiting replies; write,
+//!   read and poll loops). A driver keeps only its routing, request encoding and reply handling.
 //! * [`reply`]: an incremental, allocation-free reply parser (VALUE/END, STORED, errors, `RD`).
 //! * SET values are `--value-size` bytes, or uniform in `[--value-size, --value-size-max]`
 //!   drawn per op from the thread's seeded generator (deterministic for a seed).
@@ -35,6 +38,7 @@
 //!
 //! Load is only sent to loopback addresses unless `--allow-non-loopback` is given.
 
+mod conns;
 pub mod driver;
 pub mod engine;
 mod plot;

@@ -22,25 +22,21 @@
 //! then the part counts as an error. Per-worker request counts are reported as targets named
 //! `s<server>/w<worker>`, and followed redirects in `Totals::redirects`.
 
-use std::collections::VecDeque;
-use std::io::{self, Read, Write};
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream as StdStream};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use mbal_cluster::{key_hash, CacheletId, ClusterMap};
-use mio::net::TcpStream;
-use mio::{Events, Interest, Poll, Token};
 
-use crate::driver::{value_buffer, write_set, Completion, Driver, OpKind, Request};
-use crate::reply::{Expect, Reply, ReplyParser};
+use crate::conns::{connect_std, Conns, Pending, IO_TIMEOUT};
+use crate::driver::{value_buffer, write_get, write_set, Completion, Driver, OpKind, Request};
+use crate::reply::{Expect, Reply};
 use crate::workload::write_key;
 use crate::{DriverFactory, DriverSpec};
 
 /// Redirects one request chain may follow before it counts as an error.
 pub const MAX_REDIRECTS: u8 = 3;
-
-const IO_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Read one `\n`-terminated line from a blocking stream (byte by byte: the line is the only
 /// thing the server sends, and nothing after it may be consumed).
@@ -149,16 +145,10 @@ struct Part {
     hops: u8,
 }
 
-struct Conn {
-    stream: TcpStream,
-    target: usize,
-    wbuf: Vec<u8>,
-    wpos: usize,
-    rbuf: Vec<u8>,
-    rstart: usize,
-    rend: usize,
-    parser: ReplyParser,
-    pending: VecDeque<Part>,
+impl Pending for Part {
+    fn expect(&self) -> Expect {
+        self.expect
+    }
 }
 
 #[derive(Default)]
@@ -174,9 +164,14 @@ struct OpState {
 /// Routed mbal driver: one connection per (logical client, worker), ops routed by the cluster map
 /// plus learned redirects. See the module docs.
 pub struct RoutedDriver {
-    poll: Poll,
-    events: Events,
-    conns: Vec<Conn>,
+    /// Connection `slot * targets + target`.
+    conns: Conns<Part>,
+    /// Everything but the connections (borrowed apart from them while replies are handled).
+    r: Router,
+}
+
+/// The routing state of a [`RoutedDriver`].
+struct Router {
     /// (server, worker) of each target, and its address.
     targets: Vec<((u16, u16), SocketAddr)>,
     /// First target index of each server.
@@ -192,7 +187,6 @@ pub struct RoutedDriver {
     // scratch
     key_buf: Vec<u8>,
     grouped: Vec<(u32, u32)>,
-    ready: Vec<(usize, bool, bool)>,
     resend: Vec<(usize, Part)>,
 }
 
@@ -224,13 +218,11 @@ impl RoutedDriver {
                 t.map(|t| t as u32).with_context(|| format!("cachelet {c} owned by unknown worker s{s}/w{w}"))
             })
             .collect::<Result<Vec<u32>>>()?;
-        let poll = Poll::new()?;
-        let mut conns = Vec::with_capacity(slots * targets.len());
+        let addrs = targets.iter().map(|&(_, a)| a).collect();
+        let mut conns = Conns::new("worker", addrs, slots * targets.len())?;
         for _slot in 0..slots {
             for (ti, &((s, w), addr)) in targets.iter().enumerate() {
-                let mut std =
-                    StdStream::connect_timeout(&addr, IO_TIMEOUT).with_context(|| format!("connect to {addr}"))?;
-                std.set_nodelay(true)?;
+                let mut std = connect_std(addr)?;
                 std.set_read_timeout(Some(IO_TIMEOUT))?;
                 std.write_all(format!("mbal hello {}\r\n", map.epoch()).as_bytes())?;
                 let line = read_line(&mut std, 256).with_context(|| format!("mbal hello to {addr}"))?;
@@ -244,28 +236,11 @@ impl RoutedDriver {
                     bail!("{addr} (s{s}/w{w} in the map) answered `mbal hello` with {line:?}");
                 }
                 std.set_read_timeout(None)?;
-                std.set_nonblocking(true)?;
-                let mut stream = TcpStream::from_std(std);
-                let id = conns.len();
-                poll.registry().register(&mut stream, Token(id), Interest::READABLE | Interest::WRITABLE)?;
-                conns.push(Conn {
-                    stream,
-                    target: ti,
-                    wbuf: Vec::with_capacity(64 * 1024),
-                    wpos: 0,
-                    rbuf: vec![0; 256 * 1024],
-                    rstart: 0,
-                    rend: 0,
-                    parser: ReplyParser::new(),
-                    pending: VecDeque::new(),
-                });
+                conns.add(std, ti)?;
             }
         }
         let n = targets.len();
-        Ok(RoutedDriver {
-            poll,
-            events: Events::with_capacity(1024),
-            conns,
+        let r = Router {
             targets,
             server_base,
             map: map.clone(),
@@ -277,11 +252,13 @@ impl RoutedDriver {
             redirects: 0,
             key_buf: Vec::with_capacity(256),
             grouped: Vec::new(),
-            ready: Vec::new(),
             resend: Vec::new(),
-        })
+        };
+        Ok(RoutedDriver { conns, r })
     }
+}
 
+impl Router {
     fn cachelet_of(&mut self, key: u32) -> CacheletId {
         self.key_buf.clear();
         write_key(&mut self.key_buf, key, self.key_size);
@@ -294,26 +271,18 @@ impl RoutedDriver {
     }
 
     /// Write request `part` of its op to target `t` on logical client `slot`.
-    fn send_part(&mut self, slot: usize, t: usize, part: Part) {
+    fn send_part(&mut self, conns: &mut Conns<Part>, slot: usize, t: usize, part: Part) {
         let op = &self.ops[part.token as usize];
-        let c = &mut self.conns[slot * self.targets.len() + t];
+        let wbuf = conns.request(slot * self.targets.len() + t, part);
         let keys = &op.keys[part.start as usize..(part.start + part.len) as usize];
         match part.expect {
             Expect::Store => {
                 self.key_buf.clear();
                 write_key(&mut self.key_buf, keys[0], self.key_size);
-                write_set(&mut c.wbuf, &self.key_buf, &self.value, op.value_size as usize);
+                write_set(wbuf, &self.key_buf, &self.value, op.value_size as usize);
             }
-            Expect::Get => {
-                c.wbuf.extend_from_slice(b"get");
-                for &k in keys {
-                    c.wbuf.push(b' ');
-                    write_key(&mut c.wbuf, k, self.key_size);
-                }
-                c.wbuf.extend_from_slice(b"\r\n");
-            }
+            Expect::Get => write_get(wbuf, keys.iter().copied(), self.key_size),
         }
-        c.pending.push_back(part);
         self.target_reqs[t] += 1;
     }
 
@@ -346,100 +315,31 @@ impl RoutedDriver {
         true
     }
 
-    fn read_conn(&mut self, ci: usize, out: &mut Vec<Completion>) -> Result<()> {
-        let nt = self.targets.len();
-        loop {
-            let c = &mut self.conns[ci];
-            if c.rend == c.rbuf.len() {
-                if c.rstart > 0 {
-                    c.rbuf.copy_within(c.rstart..c.rend, 0);
-                    c.rend -= c.rstart;
-                    c.rstart = 0;
-                } else {
-                    let n = c.rbuf.len() * 2;
-                    c.rbuf.resize(n, 0);
-                }
+    /// Handle the reply to `part`, received on logical client `slot`.
+    fn on_reply(&mut self, slot: usize, part: Part, reply: Reply, out: &mut Vec<Completion>) {
+        let token = part.token;
+        let finished = match reply {
+            Reply::Get { hits } => {
+                self.ops[token as usize].hits += hits;
+                true
             }
-            let space = c.rbuf.len() - c.rend;
-            let addr = self.targets[c.target].1;
-            let n = match c.stream.read(&mut c.rbuf[c.rend..]) {
-                Ok(0) => bail!("worker {addr} closed the connection"),
-                Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e).with_context(|| format!("read from {addr}")),
-            };
-            c.rend += n;
-            loop {
-                let c = &mut self.conns[ci];
-                let Some(&part) = c.pending.front() else {
-                    if c.rstart < c.rend {
-                        bail!("worker {addr} sent data with no request pending");
-                    }
-                    break;
-                };
-                let (used, reply) = c
-                    .parser
-                    .parse(&c.rbuf[c.rstart..c.rend], part.expect)
-                    .map_err(|e| anyhow::anyhow!("{addr}: {e}"))?;
-                c.rstart += used;
-                let Some(reply) = reply else { break };
-                c.pending.pop_front();
-                let token = part.token;
-                let finished = match reply {
-                    Reply::Get { hits } => {
-                        self.ops[token as usize].hits += hits;
-                        true
-                    }
-                    Reply::Stored | Reply::Exists | Reply::NotFound => true,
-                    Reply::NotStored | Reply::Error => {
-                        self.ops[token as usize].errors += 1;
-                        true
-                    }
-                    Reply::Redirect { server, worker, .. } => !self.on_redirect(ci / nt, part, server, worker),
-                };
-                if finished {
-                    let op = &mut self.ops[token as usize];
-                    op.parts -= 1;
-                    if op.parts == 0 {
-                        out.push(Completion { token, hits: op.hits, errors: op.errors });
-                    }
-                }
+            Reply::Stored | Reply::Exists | Reply::NotFound => true,
+            Reply::NotStored | Reply::Error => {
+                self.ops[token as usize].errors += 1;
+                true
             }
-            let c = &mut self.conns[ci];
-            if c.rstart == c.rend {
-                c.rstart = 0;
-                c.rend = 0;
-            }
-            if n < space {
-                return Ok(());
+            Reply::Redirect { server, worker, .. } => !self.on_redirect(slot, part, server, worker),
+        };
+        if finished {
+            let op = &mut self.ops[token as usize];
+            op.parts -= 1;
+            if op.parts == 0 {
+                out.push(Completion { token, hits: op.hits, errors: op.errors });
             }
         }
     }
 
-    fn write_conn(&mut self, ci: usize) -> Result<()> {
-        let c = &mut self.conns[ci];
-        while c.wpos < c.wbuf.len() {
-            match c.stream.write(&c.wbuf[c.wpos..]) {
-                Ok(0) => bail!("write returned 0"),
-                Ok(n) => c.wpos += n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e).with_context(|| format!("write to {}", self.targets[c.target].1)),
-            }
-        }
-        c.wbuf.clear();
-        c.wpos = 0;
-        Ok(())
-    }
-}
-
-impl Driver for RoutedDriver {
-    fn target_names(&self) -> Vec<String> {
-        self.targets.iter().map(|((s, w), _)| format!("s{s}/w{w}")).collect()
-    }
-
-    fn submit(&mut self, slot: usize, req: &Request<'_>) -> Result<()> {
+    fn submit(&mut self, conns: &mut Conns<Part>, slot: usize, req: &Request<'_>) -> Result<()> {
         if req.keys.is_empty() {
             bail!("an op needs a key");
         }
@@ -479,58 +379,54 @@ impl Driver for RoutedDriver {
                 j += 1;
             }
             self.ops[token as usize].parts += 1;
-            self.send_part(slot, t as usize, Part { token, expect, start: i as u32, len: (j - i) as u32, hops: 0 });
+            self.send_part(
+                conns,
+                slot,
+                t as usize,
+                Part { token, expect, start: i as u32, len: (j - i) as u32, hops: 0 },
+            );
             i = j;
         }
         self.grouped = grouped;
         Ok(())
     }
+}
+
+impl Driver for RoutedDriver {
+    fn target_names(&self) -> Vec<String> {
+        self.r.targets.iter().map(|((s, w), _)| format!("s{s}/w{w}")).collect()
+    }
+
+    fn submit(&mut self, slot: usize, req: &Request<'_>) -> Result<()> {
+        self.r.submit(&mut self.conns, slot, req)
+    }
 
     fn flush(&mut self) -> Result<()> {
-        for ci in 0..self.conns.len() {
-            if self.conns[ci].wpos < self.conns[ci].wbuf.len() {
-                self.write_conn(ci)?;
-            }
-        }
-        Ok(())
+        self.conns.flush()
     }
 
     fn poll(&mut self, timeout: Duration, out: &mut Vec<Completion>) -> Result<()> {
-        match self.poll.poll(&mut self.events, Some(timeout)) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => return Ok(()),
-            Err(e) => return Err(e.into()),
-        }
-        let mut ready = std::mem::take(&mut self.ready);
-        ready.clear();
-        ready.extend(self.events.iter().map(|e| (e.token().0, e.is_readable() || e.is_read_closed(), e.is_writable())));
-        for &(ci, r, w) in &ready {
-            if w && self.conns[ci].wpos < self.conns[ci].wbuf.len() {
-                self.write_conn(ci)?;
-            }
-            if r {
-                self.read_conn(ci, out)?;
-            }
-        }
-        self.ready = ready;
-        if !self.resend.is_empty() {
-            let mut resend = std::mem::take(&mut self.resend);
+        let nt = self.r.targets.len();
+        let r = &mut self.r;
+        self.conns.poll(timeout, |ci, part, reply| r.on_reply(ci / nt, part, reply, out))?;
+        if !self.r.resend.is_empty() {
+            let mut resend = std::mem::take(&mut self.r.resend);
             for (slot, part) in resend.drain(..) {
-                let key = self.ops[part.token as usize].keys[part.start as usize];
-                let t = self.route(key);
-                self.send_part(slot, t, part);
+                let key = self.r.ops[part.token as usize].keys[part.start as usize];
+                let t = self.r.route(key);
+                self.r.send_part(&mut self.conns, slot, t, part);
             }
-            self.resend = resend;
-            self.flush()?;
+            self.r.resend = resend;
+            self.conns.flush()?;
         }
         Ok(())
     }
 
     fn target_requests(&self) -> Vec<u64> {
-        self.target_reqs.clone()
+        self.r.target_reqs.clone()
     }
 
     fn redirects(&self) -> u64 {
-        self.redirects
+        self.r.redirects
     }
 }

@@ -1,0 +1,215 @@
+//! The mio connection set both drivers share ([`crate::driver::PlainDriver`] and
+//! [`crate::routed::RoutedDriver`]): one `Poll`, its `Events`, and per connection the
+//! non-blocking stream, its write buffer, its read buffer with a reply parser, and the queue of
+//! requests waiting for a reply (`P`, whatever a driver needs to handle that reply).
+//!
+//! A driver queues a request with [`Conns::request`] (which returns the write buffer to encode it
+//! into), calls [`Conns::flush`], and [`Conns::poll`] with a handler called once per parsed reply.
+//! Connection `ci` talks to target `Conns::target(ci)`; the drivers lay connections out as
+//! `slot * targets + target`. Nothing here allocates on the hot path: buffers are reused, the
+//! read buffer only grows when one reply does not fit.
+
+use std::collections::VecDeque;
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpStream as StdStream};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use mio::net::TcpStream;
+use mio::{Events, Interest, Poll, Token};
+
+use crate::reply::{Expect, Reply, ReplyParser};
+
+/// Timeout of a blocking connect (and of the routed driver's handshake reads).
+pub(crate) const IO_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A request waiting for its reply: says how to parse that reply.
+pub(crate) trait Pending: Copy {
+    fn expect(&self) -> Expect;
+}
+
+impl Pending for (u32, Expect) {
+    fn expect(&self) -> Expect {
+        self.1
+    }
+}
+
+struct Conn<P> {
+    stream: TcpStream,
+    target: usize,
+    wbuf: Vec<u8>,
+    wpos: usize,
+    rbuf: Vec<u8>,
+    rstart: usize,
+    rend: usize,
+    parser: ReplyParser,
+    /// In-flight requests on this connection, in send order.
+    pending: VecDeque<P>,
+}
+
+/// The connections of one driver. See the module docs.
+pub(crate) struct Conns<P> {
+    poll: Poll,
+    events: Events,
+    conns: Vec<Conn<P>>,
+    /// What a target is called in error messages ("server", "worker").
+    label: &'static str,
+    /// Address of each target.
+    addrs: Vec<SocketAddr>,
+    // scratch
+    ready: Vec<(usize, bool, bool)>,
+}
+
+/// Blocking connect to `addr` (with [`IO_TIMEOUT`]) and `TCP_NODELAY`.
+pub(crate) fn connect_std(addr: SocketAddr) -> Result<StdStream> {
+    let std = StdStream::connect_timeout(&addr, IO_TIMEOUT).with_context(|| format!("connect to {addr}"))?;
+    std.set_nodelay(true)?;
+    Ok(std)
+}
+
+impl<P: Pending> Conns<P> {
+    /// An empty set over targets at `addrs` (called `label` in errors), with room for `capacity`
+    /// connections.
+    pub(crate) fn new(label: &'static str, addrs: Vec<SocketAddr>, capacity: usize) -> Result<Conns<P>> {
+        Ok(Conns {
+            poll: Poll::new()?,
+            events: Events::with_capacity(1024),
+            conns: Vec::with_capacity(capacity),
+            label,
+            addrs,
+            ready: Vec::new(),
+        })
+    }
+
+    /// Add a connected stream to target `target`: made non-blocking and registered with the poll.
+    /// Its index is the number of connections added before it.
+    pub(crate) fn add(&mut self, std: StdStream, target: usize) -> Result<()> {
+        std.set_nonblocking(true)?;
+        let mut stream = TcpStream::from_std(std);
+        let id = self.conns.len();
+        self.poll.registry().register(&mut stream, Token(id), Interest::READABLE | Interest::WRITABLE)?;
+        self.conns.push(Conn {
+            stream,
+            target,
+            wbuf: Vec::with_capacity(64 * 1024),
+            wpos: 0,
+            rbuf: vec![0; 256 * 1024],
+            rstart: 0,
+            rend: 0,
+            parser: ReplyParser::new(),
+            pending: VecDeque::new(),
+        });
+        Ok(())
+    }
+
+    /// Queue request `p` on connection `ci`; returns the buffer to encode its bytes into.
+    #[inline]
+    pub(crate) fn request(&mut self, ci: usize, p: P) -> &mut Vec<u8> {
+        let c = &mut self.conns[ci];
+        c.pending.push_back(p);
+        &mut c.wbuf
+    }
+
+    /// Start writing everything buffered (non-blocking; the rest goes out during `poll`).
+    pub(crate) fn flush(&mut self) -> Result<()> {
+        for ci in 0..self.conns.len() {
+            if self.conns[ci].wpos < self.conns[ci].wbuf.len() {
+                self.write_conn(ci)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Wait up to `timeout` for events, write what is pending, and call `on_reply(ci, p, reply)`
+    /// for each reply read, in order per connection (`p` is the request it answers, already
+    /// removed from the connection's queue).
+    pub(crate) fn poll(&mut self, timeout: Duration, mut on_reply: impl FnMut(usize, P, Reply)) -> Result<()> {
+        match self.poll.poll(&mut self.events, Some(timeout)) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => return Ok(()),
+            Err(e) => return Err(e.into()),
+        }
+        let mut ready = std::mem::take(&mut self.ready);
+        ready.clear();
+        ready.extend(self.events.iter().map(|e| (e.token().0, e.is_readable() || e.is_read_closed(), e.is_writable())));
+        for &(ci, r, w) in &ready {
+            if w && self.conns[ci].wpos < self.conns[ci].wbuf.len() {
+                self.write_conn(ci)?;
+            }
+            if r {
+                self.read_conn(ci, &mut on_reply)?;
+            }
+        }
+        self.ready = ready;
+        Ok(())
+    }
+
+    fn read_conn(&mut self, ci: usize, on_reply: &mut impl FnMut(usize, P, Reply)) -> Result<()> {
+        let c = &mut self.conns[ci];
+        let addr = self.addrs[c.target];
+        let label = self.label;
+        loop {
+            if c.rend == c.rbuf.len() {
+                if c.rstart > 0 {
+                    c.rbuf.copy_within(c.rstart..c.rend, 0);
+                    c.rend -= c.rstart;
+                    c.rstart = 0;
+                } else {
+                    let n = c.rbuf.len() * 2;
+                    c.rbuf.resize(n, 0);
+                }
+            }
+            let space = c.rbuf.len() - c.rend;
+            let n = match c.stream.read(&mut c.rbuf[c.rend..]) {
+                Ok(0) => bail!("{label} {addr} closed the connection"),
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e).with_context(|| format!("read from {addr}")),
+            };
+            c.rend += n;
+            // parse all complete replies
+            loop {
+                let Some(&p) = c.pending.front() else {
+                    if c.rstart < c.rend {
+                        bail!("{label} {addr} sent data with no request pending");
+                    }
+                    break;
+                };
+                let (used, reply) = c
+                    .parser
+                    .parse(&c.rbuf[c.rstart..c.rend], p.expect())
+                    .map_err(|e| anyhow::anyhow!("{addr}: {e}"))?;
+                c.rstart += used;
+                let Some(reply) = reply else { break };
+                c.pending.pop_front();
+                on_reply(ci, p, reply);
+            }
+            if c.rstart == c.rend {
+                c.rstart = 0;
+                c.rend = 0;
+            }
+            // A short read drained the socket: on Linux epoll (edge-triggered, as mio uses it)
+            // any later arrival raises a new event, so skip the read that would return EAGAIN.
+            if n < space {
+                return Ok(());
+            }
+        }
+    }
+
+    fn write_conn(&mut self, ci: usize) -> Result<()> {
+        let c = &mut self.conns[ci];
+        while c.wpos < c.wbuf.len() {
+            match c.stream.write(&c.wbuf[c.wpos..]) {
+                Ok(0) => bail!("write returned 0"),
+                Ok(n) => c.wpos += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e).with_context(|| format!("write to {}", self.addrs[c.target])),
+            }
+        }
+        c.wbuf.clear();
+        c.wpos = 0;
+        Ok(())
+    }
+}

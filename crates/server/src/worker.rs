@@ -775,9 +775,9 @@ impl Worker {
                     self.outbox[from].push(Envelope::StatsResp { conn, gen, seq, snap });
                 }
                 Envelope::StatsResp { conn, gen, seq, snap } => {
-                    let Some(c) = self.conns.get(conn).filter(|c| c.gen == gen) else { continue };
-                    let _ = c;
-                    self.gathered(conn, seq, *snap);
+                    if self.conns.get(conn).is_some_and(|c| c.gen == gen) {
+                        self.gathered(conn, seq, *snap);
+                    }
                 }
                 Envelope::ResetStats => {
                     self.counters = Counters::default();
@@ -1157,7 +1157,7 @@ fn handle(
                         output.buf().extend_from_slice(b"RESET\r\n");
                     }
                     "" | "settings" | "items" | "slabs" | "conns" | "cachelets" | "workers" => {
-                        gather_stats(shared, rt, store, now, output, group, StatsFormat::Text)
+                        gather_stats(shared, rt, output, group, StatsFormat::Text)
                     }
                     _ => output.buf().extend_from_slice(b"ERROR\r\n"),
                 }
@@ -1399,7 +1399,7 @@ fn handle_bin(
                 reset_stats(rt, store);
                 write_response(output.buf(), op::STAT, st::NO_ERROR, h.opaque, 0, &[], &[], &[]);
             } else {
-                gather_stats(shared, rt, store, now, output, group, StatsFormat::Binary { opaque: h.opaque });
+                gather_stats(shared, rt, output, group, StatsFormat::Binary { opaque: h.opaque });
             }
             Action::None
         }
@@ -1486,15 +1486,7 @@ fn flush_all(shared: &Shared, rt: &mut Route, store: &mut WorkerStore, now: u32,
     }
 }
 
-fn gather_stats(
-    shared: &Shared,
-    rt: &mut Route,
-    store: &mut WorkerStore,
-    _now: u32,
-    output: &mut Output,
-    group: String,
-    format: StatsFormat,
-) {
+fn gather_stats(shared: &Shared, rt: &mut Route, output: &mut Output, group: String, format: StatsFormat) {
     let workers = shared.settings.threads;
     let want_conns = group == "conns";
     let seq = output.push(Slot::Gather { group, format, remaining: workers, snaps: Vec::with_capacity(workers) });
@@ -1505,7 +1497,6 @@ fn gather_stats(
     }
     // This worker's own snapshot is taken once the request is routed
     // (`finish_self_stats`), when the worker is no longer borrowed.
-    let _ = store;
     rt.self_stats.push((rt.conn, seq, want_conns));
 }
 

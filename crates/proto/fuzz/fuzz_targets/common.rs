@@ -17,7 +17,16 @@ pub fn drive(proto: Protocol, data: &[u8]) {
         match parse(proto, cur, &limits) {
             Parsed::NeedMore => {
                 if proto == Protocol::Text {
-                    assert!(cur.len() < limits.max_line, "NeedMore with a too long line");
+                    // Bounded buffering: waiting is only for a command line
+                    // shorter than max_line, or for the data block of one
+                    // (at most max_item_size + 2 more bytes).
+                    match cur.iter().position(|&b| b == b'\n') {
+                        None => assert!(cur.len() < limits.max_line, "NeedMore with a too long line"),
+                        Some(nl) => {
+                            assert!(nl < limits.max_line, "NeedMore after a too long line");
+                            assert!(cur.len() < limits.max_line + limits.max_item_size + 2, "NeedMore past one item");
+                        }
+                    }
                 }
                 // Text: a prefix never disagrees with the full buffer.
                 break;

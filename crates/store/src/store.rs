@@ -37,6 +37,19 @@ struct Segment {
     large_pages: usize,
 }
 
+impl Segment {
+    /// Offsets of the items not marked dead, in order.
+    fn live_offsets(&self, out: &mut Vec<u32>) {
+        let mut o = 0;
+        while o < self.used {
+            if It::bits(&self.buf, o) & DEAD == 0 {
+                out.push(o as u32);
+            }
+            o += It::size(&self.buf, o);
+        }
+    }
+}
+
 /// Per-cachelet counters (plain integers; the balancer reads them via [`Cachelet::stats`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct CacheletStats {
@@ -690,13 +703,7 @@ impl WorkerStore {
         kept.clear();
         let cap = {
             let seg = c.seg(s);
-            let mut o = 0;
-            while o < seg.used {
-                if It::bits(&seg.buf, o) & DEAD == 0 {
-                    offs.push(o as u32);
-                }
-                o += It::size(&seg.buf, o);
-            }
+            seg.live_offsets(&mut offs);
             match (retain, seg.large_pages > 0, compacting) {
                 (false, _, _) | (_, true, _) => 0,
                 (true, false, true) => seg.buf.len(),
@@ -1250,13 +1257,7 @@ impl WorkerStore {
         offs.clear();
         {
             let seg = c.seg(s);
-            let mut o = 0;
-            while o < seg.used {
-                if It::bits(&seg.buf, o) & DEAD == 0 {
-                    offs.push(o as u32);
-                }
-                o += It::size(&seg.buf, o);
-            }
+            seg.live_offsets(&mut offs);
         }
         let n = offs.len();
         let mut moved = 0;

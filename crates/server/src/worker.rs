@@ -1117,15 +1117,10 @@ fn handle(
             TextCmd::Store { .. } | TextCmd::Delete { .. } | TextCmd::Arith { .. } | TextCmd::Touch { .. } => {
                 let key = text_key(cmd).unwrap();
                 let at = locate(layout, key);
-                match rt.dest(at) {
-                    Dest::Here => exec::text_keyed(&mut ctx!(), cmd, at, output.buf()),
-                    d if rt.routed => redirect(shared, rt, output, d),
-                    Dest::Worker(owner) => rt.forward(output, owner, FwdOp::Raw(Protocol::Text, raw.to_vec())),
-                    Dest::Server(..) => {
-                        rt.counters.foreign_keys += 1;
-                        foreign_text(cmd, output.buf());
-                    }
-                }
+                let exec = |ctx: &mut Ctx, out: &mut Vec<u8>| exec::text_keyed(ctx, cmd, at, out);
+                route_keyed(shared, rt, store, now, output, at, Protocol::Text, raw, exec, |out| {
+                    foreign_text(cmd, out)
+                });
                 Action::None
             }
             TextCmd::FlushAll { delay, noreply } => {
@@ -1189,18 +1184,42 @@ fn handle(
                 }
             };
             let at = locate(layout, key);
-            match rt.dest(at) {
-                Dest::Here => exec::meta_keyed(&mut ctx!(), cmd, key, at, output.buf()),
-                d if rt.routed => redirect(shared, rt, output, d),
-                Dest::Worker(owner) => rt.forward(output, owner, FwdOp::Raw(Protocol::Text, raw.to_vec())),
-                Dest::Server(..) => {
-                    rt.counters.foreign_keys += 1;
-                    foreign_meta(cmd, output.buf());
-                }
-            }
+            let exec = |ctx: &mut Ctx, out: &mut Vec<u8>| exec::meta_keyed(ctx, cmd, key, at, out);
+            route_keyed(shared, rt, store, now, output, at, Protocol::Text, raw, exec, |out| foreign_meta(cmd, out));
             Action::None
         }
         Request::Bin(breq) => handle_bin(shared, rt, store, now, output, breq, raw),
+    }
+}
+
+/// Route one single-key request: execute it here, redirect a routed client,
+/// pass it to the owning worker, or answer for a key another server holds.
+/// (Binary connections never opt in to routing, so they never redirect.)
+#[allow(clippy::too_many_arguments)]
+fn route_keyed(
+    shared: &Shared,
+    rt: &mut Route,
+    store: &mut WorkerStore,
+    now: u32,
+    output: &mut Output,
+    at: Loc,
+    proto: Protocol,
+    raw: &[u8],
+    exec: impl FnOnce(&mut Ctx, &mut Vec<u8>),
+    foreign: impl FnOnce(&mut Vec<u8>),
+) {
+    match rt.dest(at) {
+        Dest::Here => {
+            let mut ctx =
+                Ctx { store, layout: &shared.layout, settings: &shared.settings, counters: &mut *rt.counters, now };
+            exec(&mut ctx, output.buf())
+        }
+        d if rt.routed => redirect(shared, rt, output, d),
+        Dest::Worker(owner) => rt.forward(output, owner, FwdOp::Raw(proto, raw.to_vec())),
+        Dest::Server(..) => {
+            rt.counters.foreign_keys += 1;
+            foreign(output.buf())
+        }
     }
 }
 
@@ -1404,19 +1423,9 @@ fn handle_bin(
             Action::None
         }
         _ => {
-            // Binary clients are never routed clients: no redirects here.
             let at = locate(layout, req.key);
-            match rt.dest(at) {
-                Dest::Here => {
-                    let mut ctx = Ctx { store, layout, settings, counters: &mut *rt.counters, now };
-                    exec::bin_keyed(&mut ctx, req, at, output.buf());
-                }
-                Dest::Worker(owner) => rt.forward(output, owner, FwdOp::Raw(Protocol::Binary, raw.to_vec())),
-                Dest::Server(..) => {
-                    rt.counters.foreign_keys += 1;
-                    foreign_bin(req, output.buf());
-                }
-            }
+            let exec = |ctx: &mut Ctx, out: &mut Vec<u8>| exec::bin_keyed(ctx, req, at, out);
+            route_keyed(shared, rt, store, now, output, at, Protocol::Binary, raw, exec, |out| foreign_bin(req, out));
             Action::None
         }
     }

@@ -318,6 +318,30 @@ impl Client {
 
     /// Act on redirects: refetch the map if one is newer than ours, then
     /// record the owners of the cachelets they were about.
+    /// The end of one round of a multi-key operation: report the first
+    /// error, or learn the redirects seen (`first_redirected`: a key that
+    /// must be retried, if any), bounded by `max_redirects` rounds.
+    fn end_round(
+        &mut self,
+        first_err: Option<Error>,
+        first_redirected: Option<&[u8]>,
+        seen: Vec<Seen>,
+        rounds: &mut u32,
+    ) -> Result<()> {
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+        if let Some(key) = first_redirected {
+            if *rounds == self.cfg.max_redirects {
+                return Err(Error::TooManyRedirects { key: show_key(key), redirects: *rounds });
+            }
+            *rounds += 1;
+            self.redirects += seen.len() as u64;
+            self.learn(seen)?;
+        }
+        Ok(())
+    }
+
     fn learn(&mut self, seen: Vec<Seen>) -> Result<()> {
         for r in seen {
             if r.epoch > self.map.epoch() {
@@ -609,17 +633,8 @@ impl Client {
                     self.put_conn(conn);
                 }
             }
-            if let Some(e) = first_err {
-                return Err(e);
-            }
-            if !next.is_empty() {
-                if rounds == self.cfg.max_redirects {
-                    return Err(Error::TooManyRedirects { key: show_key(keys[next[0]]), redirects: rounds });
-                }
-                rounds += 1;
-                self.redirects += seen.len() as u64;
-                self.learn(seen)?;
-            }
+            let first = next.first().map(|&i| keys[i]);
+            self.end_round(first_err, first, seen, &mut rounds)?;
             pending = next;
         }
         Ok(())
@@ -703,17 +718,8 @@ impl Client {
                     self.put_conn(conn);
                 }
             }
-            if let Some(e) = first_err {
-                return Err(e);
-            }
-            if !next.is_empty() {
-                if rounds == self.cfg.max_redirects {
-                    return Err(Error::TooManyRedirects { key: show_key(items[next[0]].0), redirects: rounds });
-                }
-                rounds += 1;
-                self.redirects += seen.len() as u64;
-                self.learn(seen)?;
-            }
+            let first = next.first().map(|&i| items[i].0);
+            self.end_round(first_err, first, seen, &mut rounds)?;
             pending = next;
         }
         Ok(())

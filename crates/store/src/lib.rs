@@ -182,6 +182,7 @@ pub struct ItemView<'a> {
     pub cas: u64,
     /// 0 = never, else the `now`-based second at which it expires.
     pub exptime: u32,
+    /// The `now` of the previous access (or of the write), not of this one.
     pub last_access: u32,
     /// Whether it had been fetched before this access.
     pub fetched_before: bool,

@@ -509,7 +509,9 @@ pub struct WorkerStore {
     m: Mem,
 }
 
-fn view<'a>(b: &'a [u8], o: usize, cas: u64, bits_before: u8) -> ItemView<'a> {
+/// `bits_before` and `last_before` are the marks as they were before this access: `mg`'s `h`
+/// and `l` flags report the previous fetch, as memcached's do.
+fn view<'a>(b: &'a [u8], o: usize, cas: u64, bits_before: u8, last_before: u32) -> ItemView<'a> {
     let bits = It::bits(b, o);
     ItemView {
         key: It::key(b, o),
@@ -517,7 +519,7 @@ fn view<'a>(b: &'a [u8], o: usize, cas: u64, bits_before: u8) -> ItemView<'a> {
         flags: It::flags(b, o),
         cas,
         exptime: It::exptime(b, o),
-        last_access: It::last_access(b, o),
+        last_access: last_before,
         fetched_before: bits_before & FETCHED != 0,
         stale: bits & STALE != 0,
         win: bits & WIN != 0,
@@ -873,12 +875,17 @@ impl WorkerStore {
         let seg = c.seg_mut(s);
         let o = o as usize;
         let bits = It::bits(&seg.buf, o);
-        if bump {
+        let last = It::last_access(&seg.buf, o);
+        // Write the header only when a mark changes: a GET of an item already fetched this
+        // second leaves its cache line clean, so repeated reads of hot items cost no
+        // write-back traffic (memcached bumps its item time at most once a minute for the
+        // same reason; mbal keeps one-second precision for `mg ... l`).
+        if bump && (bits & (FETCHED | ACCESSED) != FETCHED | ACCESSED || last != now) {
             It::set_bits(&mut seg.buf, o, bits | FETCHED | ACCESSED);
             It::set_last_access(&mut seg.buf, o, now);
         }
         let cas = self.m.shown_cas(It::cas(&seg.buf, o));
-        Some(view(&seg.buf, o, cas, bits))
+        Some(view(&seg.buf, o, cas, bits, last))
     }
 
     /// Lookup; counts a read; marks fetched, accessed (the CLOCK bit) and last_access.
@@ -1114,6 +1121,7 @@ impl WorkerStore {
         let ou = o as usize;
         let exp = rel_exptime(exptime, now, self.m.cfg.start_unix);
         let bits = It::bits(&c.seg(s).buf, ou);
+        let last = It::last_access(&c.seg(s).buf, ou);
         {
             let seg = c.seg_mut(s);
             It::set_exptime(&mut seg.buf, ou, exp.unwrap_or(now));
@@ -1126,7 +1134,7 @@ impl WorkerStore {
         }
         let seg = c.seg(s);
         let cas = self.m.shown_cas(It::cas(&seg.buf, ou));
-        let mut v = view(&seg.buf, ou, cas, bits);
+        let mut v = view(&seg.buf, ou, cas, bits, last);
         v.stale = bits & STALE != 0;
         Some(v)
     }

@@ -64,6 +64,25 @@ fn set_get_overwrite_delete() {
 }
 
 #[test]
+fn get_reports_the_previous_access() {
+    let mut w = mk(1 << 20, |_| {});
+    cas_of(set(&mut w, "a", "1", 0, 3));
+    let h = key_hash(b"a");
+    let v = w.get(0, h, b"a", 10).unwrap();
+    assert_eq!((v.last_access, v.fetched_before), (3, false));
+    let v = w.get(0, h, b"a", 10).unwrap();
+    assert_eq!((v.last_access, v.fetched_before), (10, true));
+    let v = w.get(0, h, b"a", 15).unwrap();
+    assert_eq!(v.last_access, 10);
+    // peek does not count as an access
+    assert_eq!(w.peek(0, h, b"a", 20).unwrap().last_access, 15);
+    assert_eq!(w.get(0, h, b"a", 20).unwrap().last_access, 15);
+    // touch/gat is an access and reports the previous one
+    assert_eq!(w.touch(0, h, b"a", 0, 30).unwrap().last_access, 20);
+    assert_eq!(w.get(0, h, b"a", 31).unwrap().last_access, 30);
+}
+
+#[test]
 fn modes_and_cas() {
     let mut w = mk(1 << 20, |_| {});
     assert_eq!(st(&mut w, "k", "v", Mode::Replace, None, 0), StoreResult::NotStored);

@@ -1,17 +1,19 @@
 //! MBal Figure 5 without the network: per-thread stores vs one global lock vs striped locks.
 //!
 //! 10-byte keys, 20-byte values, uniform keys, 2M preloaded keys, 1M ops per thread per run
-//! (SCALING_OPS), GET-only then SET-only, 1 and 2 threads pinned to cores 0 and 1, 3 runs
-//! each, medians. The budget is the preload plus ~10%, so SET runs measure a 100%-full store
+//! (SCALING_OPS), GET-only then SET-only, 1 and 2 threads pinned to cores 0 and 1, 5 paired
+//! repeats (SCALING_REPEATS), medians. The budget is the preload plus ~10%, so SET runs measure a 100%-full store
 //! that evicts (MBal's write-heavy steady state); GET runs come first, on the preloaded store.
 //! Every design sees the same key streams: thread t of 2 touches the keys of cachelets
 //! `c % 2 == t` (what client-side routing gives mbal); only the synchronization differs.
+//! Each repeat runs 1 and 2 threads back to back (alternating which goes first); the scaling
+//! figure is the median of those paired ratios, so slow drift in the machine's load cancels.
 //!   mbal     : each thread owns its WorkerStore (no lock on the data path)
 //!   one-lock : one WorkerStore behind one Mutex (memcached's global cache lock)
 //!   striped  : 64 WorkerStores, one per cachelet, each behind its own Mutex (bucket locks)
 //!
 //! Run: `cargo bench -p mbal-store --bench scaling` (env SCALING_OPS / SCALING_KEYS /
-//! SCALING_MEM_MB to change; a large SCALING_MEM_MB measures SET without eviction).
+//! SCALING_MEM_MB / SCALING_REPEATS to change; a large SCALING_MEM_MB measures SET without eviction).
 
 use mbal_cluster::{key_hash, vn_of};
 use mbal_store::{Cachelet, GlobalPool, Mode, StoreConfig, StoreResult, WorkerStats, WorkerStore};
@@ -21,7 +23,6 @@ use std::time::{Duration, Instant};
 const CACHELETS: u32 = 64;
 const VN: u32 = 16_384;
 const VAL: [u8; 20] = *b"vvvvvvvvvvvvvvvvvvvv";
-const REPEATS: usize = 3;
 
 fn env_usize(name: &str, d: usize) -> usize {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(d)
@@ -132,9 +133,6 @@ struct Keys {
     /// thread t of 2: indices of keys in cachelets with c % 2 == t
     half: [Vec<u32>; 2],
 }
-
-/// Phases measured per design: GET 1t, GET 2t, SET 1t, SET 2t.
-const PHASES: [(Op, usize); 4] = [(Op::Get, 1), (Op::Get, 2), (Op::Set, 1), (Op::Set, 2)];
 
 /// Budget: the preloaded items plus ~10%, so SET runs measure the 100%-full, evicting store.
 fn mem_for(nkeys: usize) -> usize {
@@ -291,6 +289,7 @@ type Runner = fn(&mut Designs, &Keys, Op, usize, usize) -> [f64; 2];
 fn main() {
     let nkeys = env_usize("SCALING_KEYS", 2_000_000);
     let ops = env_usize("SCALING_OPS", 1_000_000);
+    let repeats = env_usize("SCALING_REPEATS", 5).max(1);
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let t0 = Instant::now();
     let keys: Vec<[u8; 10]> = (0..nkeys as u32).map(make_key).collect();
@@ -300,7 +299,7 @@ fn main() {
     }
     let k = Keys { all: (0..nkeys as u32).collect(), keys, half };
     println!(
-        "mbal-store scaling: {nkeys} keys (10 B), 20 B values, uniform, {ops} ops/thread/run, median of {REPEATS} (designs interleaved), {cores} cores visible, budget {} MiB per design",
+        "mbal-store scaling: {nkeys} keys (10 B), 20 B values, uniform, {ops} ops/thread/run, {repeats} paired repeats (designs interleaved), {cores} cores visible, budget {} MiB per design",
         mem_for(nkeys) >> 20
     );
     // Calibration: how much 2-thread parallelism does the machine give right now? (a pure
@@ -312,7 +311,7 @@ fn main() {
         }
         x | 1
     };
-    let cal = |n: usize| median((0..REPEATS).map(|_| par(vec![(); n], ops, spin)[0]).collect());
+    let cal = |n: usize| median((0..3).map(|_| par(vec![(); n], ops / 4, spin)[0]).collect());
     let (c1, c2) = (cal(1), cal(2));
     println!(
         "calibration (pure CPU loop): 1->2 thread wall scaling {:.2}x (below ~1.9x the machine is shared; trust the CPU-time table)",
@@ -323,40 +322,69 @@ fn main() {
     println!("preloaded 3 designs in {:.1}s", t.elapsed().as_secs_f64());
     let names = ["mbal", "one-lock", "striped"];
     let runners: [Runner; 3] = [run_mbal, run_one, run_striped];
-    // res[design][phase]; phases GET 1t, GET 2t, SET 1t, SET 2t. Repeats are interleaved
-    // across designs so that load from other processes hits every design alike.
-    let mut res = [[[0.0f64; 4]; 3]; 2]; // [wall|cpu][design][phase]
-    for (p, &(op, threads)) in PHASES.iter().enumerate() {
-        let mut runs: [Vec<[f64; 2]>; 3] = Default::default();
-        for _ in 0..REPEATS {
-            for (i, r) in runners.iter().enumerate() {
-                runs[i].push(r(&mut d, &k, op, threads, ops));
+    // Paired runs: each repeat measures 1 and 2 threads back to back for every design (the
+    // order alternates between repeats), so a change in the machine's load between repeats
+    // hits both halves of a pair alike. Scaling is the median of the per-repeat ratios; the
+    // calibration loop is re-measured in every repeat to show what the machine gave then.
+    // runs[wall|cpu][design][op][threads-1] and ratios[wall|cpu][design][op]
+    let mut runs = vec![vec![vec![vec![Vec::new(); 2]; 2]; 3]; 2];
+    let mut ratios = vec![vec![vec![Vec::new(); 2]; 3]; 2];
+    let mut cal_ratios = Vec::new();
+    for (oi, op) in [Op::Get, Op::Set].into_iter().enumerate() {
+        for rep in 0..repeats {
+            let order: [usize; 2] = if rep % 2 == 0 { [1, 2] } else { [2, 1] };
+            let mut got = [[[0.0f64; 2]; 2]; 3]; // [design][threads-1][wall|cpu]
+            for threads in order {
+                for (i, r) in runners.iter().enumerate() {
+                    got[i][threads - 1] = r(&mut d, &k, op, threads, ops);
+                }
             }
-        }
-        for (i, rs) in runs.iter().enumerate() {
-            for m in 0..2 {
-                res[m][i][p] = median(rs.iter().map(|x| x[m]).collect());
+            for (i, g) in got.iter().enumerate() {
+                for m in 0..2 {
+                    runs[m][i][oi][0].push(g[0][m]);
+                    runs[m][i][oi][1].push(g[1][m]);
+                    ratios[m][i][oi].push(g[1][m] / g[0][m]);
+                }
             }
+            cal_ratios.push(cal(2) / cal(1));
+            println!(
+                "  {} repeat {}: mbal 1->2 {:.2}x (wall), calibration {:.2}x",
+                ["GET", "SET"][oi],
+                rep + 1,
+                ratios[0][0][oi].last().unwrap(),
+                cal_ratios.last().unwrap()
+            );
         }
     }
+    println!(
+        "calibration during the runs: median {:.2}x, min {:.2}x",
+        median(cal_ratios.clone()),
+        cal_ratios.iter().cloned().fold(f64::INFINITY, f64::min)
+    );
     report_store("mbal", &d.mbal_pool, d.mbal.iter().map(|w| w.stats()));
     report_store("one-lock", &d.one_pool, std::iter::once(d.one.lock().unwrap().stats()));
     report_store("striped", &d.striped_pool, d.striped.iter().map(|w| w.lock().unwrap().stats()));
     for (m, title) in ["wall-clock", "per-thread CPU time"].iter().enumerate() {
-        println!("--- Mops/s by {title} ---");
-        println!("{:<6} {:<9} {:>10} {:>10} {:>8}", "op", "design", "1t Mops/s", "2t Mops/s", "scaling");
-        let res = &res[m];
-        for (i, name) in ["GET", "SET"].iter().enumerate() {
-            for (design, r) in names.iter().zip(res.iter()) {
-                let (one, two) = (r[2 * i], r[2 * i + 1]);
-                println!("{name:<6} {design:<9} {one:>10.2} {two:>10.2} {:>7.2}x", two / one);
+        println!("--- Mops/s by {title} (medians; scaling = median of paired ratios) ---");
+        println!("{:<6} {:<9} {:>10} {:>10} {:>8}  per-repeat", "op", "design", "1t Mops/s", "2t Mops/s", "scaling");
+        for (oi, name) in ["GET", "SET"].iter().enumerate() {
+            let med = |i: usize, t: usize| median(runs[m][i][oi][t].clone());
+            for (i, design) in names.iter().enumerate() {
+                let list: Vec<String> = ratios[m][i][oi].iter().map(|r| format!("{r:.2}")).collect();
+                println!(
+                    "{name:<6} {design:<9} {:>10.2} {:>10.2} {:>7.2}x  {}",
+                    med(i, 0),
+                    med(i, 1),
+                    median(ratios[m][i][oi].clone()),
+                    list.join(" ")
+                );
             }
-            let (m1, m2, l2, s2) = (res[0][2 * i], res[0][2 * i + 1], res[1][2 * i + 1], res[2][2 * i + 1]);
+            let (s, l2, s2) = (median(ratios[m][0][oi].clone()), med(1, 1), med(2, 1));
+            let m2 = med(0, 1);
             println!("{name:<6} at 2 threads: mbal/one-lock = {:.2}x, mbal/striped = {:.2}x", m2 / l2, m2 / s2);
             println!(
-                "{name:<6} targets ({title}): mbal 1->2 {:.2}x (>=1.9x {}), mbal/one-lock {:.2}x (>=2x {})",
-                m2 / m1,
-                if m2 / m1 >= 1.9 { "met" } else { "NOT met" },
+                "{name:<6} targets ({title}): mbal 1->2 {s:.2}x (>=1.9x {}), mbal/one-lock {:.2}x (>=2x {})",
+                if s >= 1.9 { "met" } else { "NOT met" },
                 m2 / l2,
                 if m2 / l2 >= 2.0 { "met" } else { "NOT met" }
             );

@@ -1,10 +1,11 @@
 //! MBal Figure 5 without the network: per-thread stores vs one global lock vs striped locks.
 //!
-//! 10-byte keys, 20-byte values, uniform keys, 2M preloaded keys, 1M ops per thread per run
+//! 10-byte keys, 20-byte values, uniform keys, 2M preloaded keys, 2M ops per thread per run
 //! (SCALING_OPS), GET-only then SET-only, 1 and 2 threads pinned to cores 0 and 1, 5 paired
 //! repeats (SCALING_REPEATS), medians. The budget is the preload plus ~10%, so SET runs measure a 100%-full store
 //! that evicts (MBal's write-heavy steady state); GET runs come first, on the preloaded store.
-//! Every design sees the same key streams: thread t of 2 touches the keys of cachelets
+//! Request streams are generated before each timed run (like a load generator's) and are the
+//! same for every design: thread t of 2 touches the keys of cachelets
 //! `c % 2 == t` (what client-side routing gives mbal); only the synchronization differs.
 //! Each repeat runs 1 and 2 threads back to back (alternating which goes first); the scaling
 //! figure is the median of those paired ratios, so slow drift in the machine's load cancels.
@@ -217,7 +218,17 @@ fn build(k: &Keys) -> Designs {
     Designs { mbal_pool, mbal, one_pool, one: Mutex::new(one), striped_pool, striped }
 }
 
-fn run_mbal(d: &mut Designs, k: &Keys, op: Op, threads: usize, ops: usize) -> [f64; 2] {
+/// Thread t's requests for one run: `ops` keys drawn uniformly from `list`, generated before
+/// the clock starts and read sequentially, so the timed loop's memory misses are the store's.
+fn stream(k: &Keys, list: &[u32], ops: usize, seed: u64) -> Vec<[u8; 10]> {
+    let mut rng = Rng(seed | 1);
+    (0..ops).map(|_| k.keys[list[rng.below(list.len())] as usize]).collect()
+}
+
+type Streams = [Vec<[u8; 10]>];
+
+fn run_mbal(d: &mut Designs, op: Op, streams: &Streams) -> [f64; 2] {
+    let threads = streams.len();
     let ws = &mut d.mbal;
     if threads == 1 {
         // one worker owns everything: move worker 1's cachelets over (pointer moves)
@@ -226,17 +237,15 @@ fn run_mbal(d: &mut Designs, k: &Keys, op: Op, threads: usize, ops: usize) -> [f
             ws[0].insert_cachelet(cl);
         }
     }
-    let body = |(w, list): (&mut WorkerStore, &Vec<u32>), rng: &mut Rng, ops: usize| {
+    let body = |(w, keys): (&mut WorkerStore, &Vec<[u8; 10]>), _: &mut Rng, _: usize| {
         let mut hits = 0;
-        for _ in 0..ops {
-            let key = &k.keys[list[rng.below(list.len())] as usize];
+        for key in keys {
             hits += if op == Op::Get { do_get(w, key) } else { do_set(w, key) };
         }
         hits
     };
-    let states: Vec<(&mut WorkerStore, &Vec<u32>)> =
-        if threads == 1 { vec![(&mut ws[0], &k.all)] } else { ws.iter_mut().zip(k.half.iter()).collect() };
-    let r = par(states, ops, body);
+    let states: Vec<(&mut WorkerStore, &Vec<[u8; 10]>)> = ws.iter_mut().zip(streams.iter()).collect();
+    let r = par(states, streams[0].len(), body);
     if threads == 1 {
         for c in (1..CACHELETS).step_by(2) {
             let cl = ws[0].take_cachelet(c).unwrap();
@@ -246,28 +255,24 @@ fn run_mbal(d: &mut Designs, k: &Keys, op: Op, threads: usize, ops: usize) -> [f
     r
 }
 
-fn run_one(d: &mut Designs, k: &Keys, op: Op, threads: usize, ops: usize) -> [f64; 2] {
+fn run_one(d: &mut Designs, op: Op, streams: &Streams) -> [f64; 2] {
     let m = &d.one;
-    let body = |(m, list): (&Mutex<WorkerStore>, &Vec<u32>), rng: &mut Rng, ops: usize| {
+    let body = |(m, keys): (&Mutex<WorkerStore>, &Vec<[u8; 10]>), _: &mut Rng, _: usize| {
         let mut hits = 0;
-        for _ in 0..ops {
-            let key = &k.keys[list[rng.below(list.len())] as usize];
+        for key in keys {
             let mut w = m.lock().unwrap();
             hits += if op == Op::Get { do_get(&mut w, key) } else { do_set(&mut w, key) };
         }
         hits
     };
-    let states: Vec<(&Mutex<WorkerStore>, &Vec<u32>)> =
-        if threads == 1 { vec![(m, &k.all)] } else { k.half.iter().map(|l| (m, l)).collect() };
-    par(states, ops, body)
+    par(streams.iter().map(|s| (m, s)).collect(), streams[0].len(), body)
 }
 
-fn run_striped(d: &mut Designs, k: &Keys, op: Op, threads: usize, ops: usize) -> [f64; 2] {
+fn run_striped(d: &mut Designs, op: Op, streams: &Streams) -> [f64; 2] {
     let s = &d.striped;
-    let body = |(s, list): (&Vec<Mutex<WorkerStore>>, &Vec<u32>), rng: &mut Rng, ops: usize| {
+    let body = |(s, keys): (&Vec<Mutex<WorkerStore>>, &Vec<[u8; 10]>), _: &mut Rng, _: usize| {
         let mut hits = 0;
-        for _ in 0..ops {
-            let key = &k.keys[list[rng.below(list.len())] as usize];
+        for key in keys {
             let h = key_hash(key);
             let cl = cachelet_of(h);
             let mut w = s[cl as usize].lock().unwrap();
@@ -279,16 +284,14 @@ fn run_striped(d: &mut Designs, k: &Keys, op: Op, threads: usize, ops: usize) ->
         }
         hits
     };
-    let states: Vec<(&Vec<Mutex<WorkerStore>>, &Vec<u32>)> =
-        if threads == 1 { vec![(s, &k.all)] } else { k.half.iter().map(|l| (s, l)).collect() };
-    par(states, ops, body)
+    par(streams.iter().map(|st| (s, st)).collect(), streams[0].len(), body)
 }
 
-type Runner = fn(&mut Designs, &Keys, Op, usize, usize) -> [f64; 2];
+type Runner = fn(&mut Designs, Op, &Streams) -> [f64; 2];
 
 fn main() {
     let nkeys = env_usize("SCALING_KEYS", 2_000_000);
-    let ops = env_usize("SCALING_OPS", 1_000_000);
+    let ops = env_usize("SCALING_OPS", 2_000_000);
     let repeats = env_usize("SCALING_REPEATS", 5).max(1);
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let t0 = Instant::now();
@@ -317,6 +320,39 @@ fn main() {
         "calibration (pure CPU loop): 1->2 thread wall scaling {:.2}x (below ~1.9x the machine is shared; trust the CPU-time table)",
         c2 / c1
     );
+    // Memory calibration: a dependent random-read chain over an 80 MB buffer per thread (about
+    // what each thread's half of the store spans). 2 threads / 1 thread is how far the memory
+    // system lets two cores' misses proceed in parallel at that moment: on this VM it is ~2x
+    // when the host is quiet and drops when a neighbour (or the other vCPU's placement) loads
+    // the memory system. Measured right before every pair.
+    let mem_bufs: Vec<Vec<u64>> = (0..2u64)
+        .map(|t| {
+            // one random cycle through every slot (Sattolo's shuffle), so the chase never
+            // settles into a short, cache-resident loop
+            let mut r = Rng(0xDEAD_BEEF ^ (t + 1));
+            let mut p: Vec<u64> = (0..10u64 << 20).collect();
+            for i in (1..p.len()).rev() {
+                p.swap(i, r.below(i));
+            }
+            let mut next = vec![0u64; p.len()];
+            for w in 0..p.len() {
+                next[p[w] as usize] = p[(w + 1) % p.len()];
+            }
+            next
+        })
+        .collect();
+    let chase = |buf: &Vec<u64>, rng: &mut Rng, ops: usize| {
+        let mut i = rng.below(buf.len());
+        for _ in 0..ops {
+            i = buf[i] as usize;
+        }
+        i as u64 | 1
+    };
+    let mem_cal = || {
+        let one = par(vec![&mem_bufs[0]], ops / 4, chase)[0];
+        let two = par(mem_bufs.iter().collect(), ops / 4, chase)[0];
+        two / one
+    };
     let t = Instant::now();
     let mut d = build(&k);
     println!("preloaded 3 designs in {:.1}s", t.elapsed().as_secs_f64());
@@ -330,13 +366,22 @@ fn main() {
     let mut runs = vec![vec![vec![vec![Vec::new(); 2]; 2]; 3]; 2];
     let mut ratios = vec![vec![vec![Vec::new(); 2]; 3]; 2];
     let mut cal_ratios = Vec::new();
+    let mut mem_ratios = Vec::new();
     for (oi, op) in [Op::Get, Op::Set].into_iter().enumerate() {
         for rep in 0..repeats {
             let order: [usize; 2] = if rep % 2 == 0 { [1, 2] } else { [2, 1] };
             let mut got = [[[0.0f64; 2]; 2]; 3]; // [design][threads-1][wall|cpu]
+            mem_ratios.push(mem_cal());
             for threads in order {
+                // one stream per thread, the same for every design
+                let lists: Vec<&Vec<u32>> = if threads == 1 { vec![&k.all] } else { k.half.iter().collect() };
+                let streams: Vec<Vec<[u8; 10]>> = lists
+                    .iter()
+                    .enumerate()
+                    .map(|(t, l)| stream(&k, l, ops, (oi * 1000 + rep * 10 + threads * 2 + t) as u64 * 0x9E37_79B9))
+                    .collect();
                 for (i, r) in runners.iter().enumerate() {
-                    got[i][threads - 1] = r(&mut d, &k, op, threads, ops);
+                    got[i][threads - 1] = r(&mut d, op, &streams);
                 }
             }
             for (i, g) in got.iter().enumerate() {
@@ -348,18 +393,22 @@ fn main() {
             }
             cal_ratios.push(cal(2) / cal(1));
             println!(
-                "  {} repeat {}: mbal 1->2 {:.2}x (wall), calibration {:.2}x",
+                "  {} repeat {}: mbal 1->2 {:.2}x (wall); calibration: memory {:.2}x, CPU {:.2}x",
                 ["GET", "SET"][oi],
                 rep + 1,
                 ratios[0][0][oi].last().unwrap(),
+                mem_ratios.last().unwrap(),
                 cal_ratios.last().unwrap()
             );
         }
     }
+    let min = |v: &[f64]| v.iter().cloned().fold(f64::INFINITY, f64::min);
     println!(
-        "calibration during the runs: median {:.2}x, min {:.2}x",
+        "calibration during the runs: memory chase 1->2 median {:.2}x (min {:.2}x), CPU loop median {:.2}x (min {:.2}x)",
+        median(mem_ratios.clone()),
+        min(&mem_ratios),
         median(cal_ratios.clone()),
-        cal_ratios.iter().cloned().fold(f64::INFINITY, f64::min)
+        min(&cal_ratios)
     );
     report_store("mbal", &d.mbal_pool, d.mbal.iter().map(|w| w.stats()));
     report_store("one-lock", &d.one_pool, std::iter::once(d.one.lock().unwrap().stats()));

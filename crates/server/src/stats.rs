@@ -73,7 +73,8 @@ impl AddStats for WorkerStats {
             cas_misses,
             cas_badval,
             touch_hits,
-            touch_misses
+            touch_misses,
+            hash_bytes
         );
     }
 }
@@ -205,6 +206,7 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
             sink.stat("accepting_conns", &1);
             sink.stat("threads", &s.threads);
             sink.stat("conn_yields", &c.conn_yields);
+            sink.stat("hash_bytes", &st.hash_bytes);
             sink.stat("bytes", &bytes);
             sink.stat("curr_items", &curr_items);
             sink.stat("total_items", &total_items);

@@ -166,12 +166,14 @@ fn stats_groups_have_memcached_names() {
         "total_items",
         "evictions",
         "bytes",
+        "hash_bytes",
     ] {
         assert!(s.iter().any(|(k, _)| k == name), "stats lacks {name}");
     }
     assert!(stat(&mut c, "get_hits") >= 1);
     assert!(stat(&mut c, "get_misses") >= 1);
     assert_eq!(stat(&mut c, "threads"), 2);
+    assert!(stat(&mut c, "hash_bytes") >= 64, "one item: at least one 64-byte index bucket");
     let settings = stats(&mut c, "settings");
     assert!(settings.iter().any(|(k, v)| k == "maxbytes" && v == &(32u64 << 20).to_string()));
     assert!(settings.iter().any(|(k, v)| k == "item_size_max" && v == "1048576"));

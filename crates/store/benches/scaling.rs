@@ -1,20 +1,22 @@
 //! MBal Figure 5 without the network: per-thread stores vs one global lock vs striped locks.
 //!
-//! 10-byte keys, 20-byte values, uniform keys, 2M preloaded keys, 2M ops per thread per run
-//! (SCALING_OPS), GET-only then SET-only, 1 and 2 threads pinned to cores 0 and 1, 5 paired
-//! repeats (SCALING_REPEATS), medians. The budget is the preload plus ~10%, so SET runs measure a 100%-full store
-//! that evicts (MBal's write-heavy steady state); GET runs come first, on the preloaded store.
-//! Request streams are generated before each timed run (like a load generator's) and are the
-//! same for every design: thread t of 2 touches the keys of cachelets
-//! `c % 2 == t` (what client-side routing gives mbal); only the synchronization differs.
-//! Each repeat runs 1 and 2 threads back to back (alternating which goes first); the scaling
-//! figure is the median of those paired ratios, so slow drift in the machine's load cancels.
+//! 10-byte keys, 20-byte values, uniform keys, 2M preloaded keys; GET-only then SET-only, at 1
+//! and 2 threads pinned to cores 0 and 1. Each run lasts 1 s (SCALING_MS): every thread works
+//! until the same deadline and throughput is the sum of the threads' rates. The budget is the
+//! preload plus ~10%, so SET runs measure a 100%-full store that evicts (MBal's write-heavy
+//! steady state); GET runs come first, on the preloaded store. Request streams are generated
+//! before each run (as a load generator's would be) and are the same for every design: thread
+//! t of 2 touches the keys of cachelets `c % 2 == t` (what client-side routing gives mbal);
+//! only the synchronization differs. Each of 5 repeats (SCALING_REPEATS) runs 1 and 2 threads
+//! back to back, alternating which goes first; scaling is the median of these paired ratios,
+//! so slow drift in the machine's load cancels.
 //!   mbal     : each thread owns its WorkerStore (no lock on the data path)
 //!   one-lock : one WorkerStore behind one Mutex (memcached's global cache lock)
 //!   striped  : 64 WorkerStores, one per cachelet, each behind its own Mutex (bucket locks)
 //!
-//! Run: `cargo bench -p mbal-store --bench scaling` (env SCALING_OPS / SCALING_KEYS /
-//! SCALING_MEM_MB / SCALING_REPEATS to change; a large SCALING_MEM_MB measures SET without eviction).
+//! Run: `cargo bench -p mbal-store --bench scaling` (env SCALING_MS, SCALING_KEYS,
+//! SCALING_MEM_MB, SCALING_REPEATS to change; SCALING_VERBOSE=1 prints per-thread rates; a
+//! large SCALING_MEM_MB measures SET without eviction).
 
 use mbal_cluster::{key_hash, vn_of};
 use mbal_store::{Cachelet, GlobalPool, Mode, StoreConfig, StoreResult, WorkerStats, WorkerStore};
@@ -73,14 +75,16 @@ fn thread_cpu() -> Duration {
     }
 }
 
-/// Run `body` on one pinned thread per state. Returns [wall, cpu] Mops/s: total ops divided
-/// by the slowest thread's wall time, and by the largest per-thread CPU time (what the run
-/// would give with dedicated cores; robust when other processes share the machine).
-fn par<S: Send>(states: Vec<S>, ops: usize, body: impl Fn(S, &mut Rng, usize) -> u64 + Sync) -> [f64; 2] {
+/// Run `body` on one pinned thread per state, all started together and each stopping at the
+/// same deadline `dur` later. `body` returns (ops, hits). Returns [wall, cpu] Mops/s: the sum
+/// over threads of ops / wall time, and of ops / per-thread CPU time (what the run would give
+/// with dedicated cores). A fixed duration rather than a fixed op count keeps both threads
+/// running for the whole window: no thread finishes early and leaves the other alone.
+fn par<S: Send>(states: Vec<S>, dur: Duration, body: impl Fn(S, &mut Rng, Instant) -> (u64, u64) + Sync) -> [f64; 2] {
     let n = states.len();
     let barrier = Barrier::new(n);
     let (body, barrier) = (&body, &barrier);
-    let results: Vec<(Duration, Duration, u64)> = std::thread::scope(|sc| {
+    let results: Vec<(Duration, Duration, u64, u64)> = std::thread::scope(|sc| {
         let hs: Vec<_> = states
             .into_iter()
             .enumerate()
@@ -90,19 +94,39 @@ fn par<S: Send>(states: Vec<S>, ops: usize, body: impl Fn(S, &mut Rng, usize) ->
                     let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ ((t as u64 + 1) * 0x1234_5678_9abc_def1));
                     barrier.wait();
                     let (t0, c0) = (Instant::now(), thread_cpu());
-                    let hits = body(s, &mut rng, ops);
-                    (t0.elapsed(), thread_cpu() - c0, hits)
+                    let (ops, hits) = body(s, &mut rng, t0 + dur);
+                    (t0.elapsed(), thread_cpu() - c0, ops, hits)
                 })
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    let wall = results.iter().map(|r| r.0).max().unwrap();
-    let cpu = results.iter().map(|r| r.1).max().unwrap();
-    let hits: u64 = results.iter().map(|r| r.2).sum();
-    assert!(hits > 0);
-    let total = (n * ops) as f64 / 1e6;
-    [total / wall.as_secs_f64(), total / cpu.as_secs_f64().max(1e-9)]
+    assert!(results.iter().map(|r| r.3).sum::<u64>() > 0);
+    let rate = |t: Duration, ops: u64| ops as f64 / 1e6 / t.as_secs_f64().max(1e-9);
+    if std::env::var_os("SCALING_VERBOSE").is_some() {
+        let per: Vec<String> =
+            results.iter().map(|r| format!("{:.2}/{:.2} Mops/s", rate(r.0, r.2), rate(r.1, r.2))).collect();
+        println!("    {n} thread(s), wall/cpu rate per thread: {}", per.join(", "));
+    }
+    [results.iter().map(|r| rate(r.0, r.2)).sum(), results.iter().map(|r| rate(r.1, r.2)).sum()]
+}
+
+/// Apply `f` to the keys of `stream` in order (wrapping around) until `deadline`; the clock is
+/// read every 256 ops. Returns (ops, hits).
+#[inline]
+fn until(stream: &[[u8; 10]], deadline: Instant, mut f: impl FnMut(&[u8; 10]) -> u64) -> (u64, u64) {
+    let (mut ops, mut hits) = (0u64, 0u64);
+    loop {
+        for chunk in stream.chunks(256) {
+            for key in chunk {
+                hits += f(key);
+            }
+            ops += chunk.len() as u64;
+            if Instant::now() >= deadline {
+                return (ops, hits);
+            }
+        }
+    }
 }
 
 #[inline]
@@ -218,16 +242,17 @@ fn build(k: &Keys) -> Designs {
     Designs { mbal_pool, mbal, one_pool, one: Mutex::new(one), striped_pool, striped }
 }
 
-/// Thread t's requests for one run: `ops` keys drawn uniformly from `list`, generated before
-/// the clock starts and read sequentially, so the timed loop's memory misses are the store's.
-fn stream(k: &Keys, list: &[u32], ops: usize, seed: u64) -> Vec<[u8; 10]> {
+/// Thread t's requests for one run: `len` keys drawn uniformly from `list`, generated before
+/// the clock starts and read sequentially (wrapping around if the run outlasts them), so the
+/// timed loop's memory misses are the store's.
+fn stream(k: &Keys, list: &[u32], len: usize, seed: u64) -> Vec<[u8; 10]> {
     let mut rng = Rng(seed | 1);
-    (0..ops).map(|_| k.keys[list[rng.below(list.len())] as usize]).collect()
+    (0..len).map(|_| k.keys[list[rng.below(list.len())] as usize]).collect()
 }
 
 type Streams = [Vec<[u8; 10]>];
 
-fn run_mbal(d: &mut Designs, op: Op, streams: &Streams) -> [f64; 2] {
+fn run_mbal(d: &mut Designs, op: Op, streams: &Streams, dur: Duration) -> [f64; 2] {
     let threads = streams.len();
     let ws = &mut d.mbal;
     if threads == 1 {
@@ -237,15 +262,11 @@ fn run_mbal(d: &mut Designs, op: Op, streams: &Streams) -> [f64; 2] {
             ws[0].insert_cachelet(cl);
         }
     }
-    let body = |(w, keys): (&mut WorkerStore, &Vec<[u8; 10]>), _: &mut Rng, _: usize| {
-        let mut hits = 0;
-        for key in keys {
-            hits += if op == Op::Get { do_get(w, key) } else { do_set(w, key) };
-        }
-        hits
+    let body = |(w, keys): (&mut WorkerStore, &Vec<[u8; 10]>), _: &mut Rng, end: Instant| {
+        until(keys, end, |key| if op == Op::Get { do_get(w, key) } else { do_set(w, key) })
     };
     let states: Vec<(&mut WorkerStore, &Vec<[u8; 10]>)> = ws.iter_mut().zip(streams.iter()).collect();
-    let r = par(states, streams[0].len(), body);
+    let r = par(states, dur, body);
     if threads == 1 {
         for c in (1..CACHELETS).step_by(2) {
             let cl = ws[0].take_cachelet(c).unwrap();
@@ -255,43 +276,44 @@ fn run_mbal(d: &mut Designs, op: Op, streams: &Streams) -> [f64; 2] {
     r
 }
 
-fn run_one(d: &mut Designs, op: Op, streams: &Streams) -> [f64; 2] {
+fn run_one(d: &mut Designs, op: Op, streams: &Streams, dur: Duration) -> [f64; 2] {
     let m = &d.one;
-    let body = |(m, keys): (&Mutex<WorkerStore>, &Vec<[u8; 10]>), _: &mut Rng, _: usize| {
-        let mut hits = 0;
-        for key in keys {
+    let body = |(m, keys): (&Mutex<WorkerStore>, &Vec<[u8; 10]>), _: &mut Rng, end: Instant| {
+        until(keys, end, |key| {
             let mut w = m.lock().unwrap();
-            hits += if op == Op::Get { do_get(&mut w, key) } else { do_set(&mut w, key) };
-        }
-        hits
+            if op == Op::Get {
+                do_get(&mut w, key)
+            } else {
+                do_set(&mut w, key)
+            }
+        })
     };
-    par(streams.iter().map(|s| (m, s)).collect(), streams[0].len(), body)
+    par(streams.iter().map(|s| (m, s)).collect(), dur, body)
 }
 
-fn run_striped(d: &mut Designs, op: Op, streams: &Streams) -> [f64; 2] {
+fn run_striped(d: &mut Designs, op: Op, streams: &Streams, dur: Duration) -> [f64; 2] {
     let s = &d.striped;
-    let body = |(s, keys): (&Vec<Mutex<WorkerStore>>, &Vec<[u8; 10]>), _: &mut Rng, _: usize| {
-        let mut hits = 0;
-        for key in keys {
+    let body = |(s, keys): (&Vec<Mutex<WorkerStore>>, &Vec<[u8; 10]>), _: &mut Rng, end: Instant| {
+        until(keys, end, |key| {
             let h = key_hash(key);
             let cl = cachelet_of(h);
             let mut w = s[cl as usize].lock().unwrap();
-            hits += if op == Op::Get {
+            if op == Op::Get {
                 w.get(cl, h, key, 0).is_some() as u64
             } else {
                 matches!(w.store(cl, h, key, &VAL, 0, 0, Mode::Set, None, 0), StoreResult::Stored { .. }) as u64
-            };
-        }
-        hits
+            }
+        })
     };
-    par(streams.iter().map(|st| (s, st)).collect(), streams[0].len(), body)
+    par(streams.iter().map(|st| (s, st)).collect(), dur, body)
 }
 
-type Runner = fn(&mut Designs, Op, &Streams) -> [f64; 2];
+type Runner = fn(&mut Designs, Op, &Streams, Duration) -> [f64; 2];
 
 fn main() {
     let nkeys = env_usize("SCALING_KEYS", 2_000_000);
-    let ops = env_usize("SCALING_OPS", 2_000_000);
+    let dur = Duration::from_millis(env_usize("SCALING_MS", 1000) as u64);
+    let stream_len = env_usize("SCALING_STREAM", 5_000_000);
     let repeats = env_usize("SCALING_REPEATS", 5).max(1);
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let t0 = Instant::now();
@@ -302,19 +324,23 @@ fn main() {
     }
     let k = Keys { all: (0..nkeys as u32).collect(), keys, half };
     println!(
-        "mbal-store scaling: {nkeys} keys (10 B), 20 B values, uniform, {ops} ops/thread/run, {repeats} paired repeats (designs interleaved), {cores} cores visible, budget {} MiB per design",
+        "mbal-store scaling: {nkeys} keys (10 B), 20 B values, uniform, {} ms runs, {repeats} paired repeats (designs interleaved), {cores} cores visible, budget {} MiB per design",
+        dur.as_millis(),
         mem_for(nkeys) >> 20
     );
     // Calibration: how much 2-thread parallelism does the machine give right now? (a pure
     // register loop; on a shared machine this is the ceiling for every design's scaling)
-    let spin = |_: (), rng: &mut Rng, ops: usize| {
-        let mut x = 1u64;
-        for _ in 0..ops * 20 {
-            x = x.wrapping_add(rng.below(1000) as u64);
+    let spin = |_: (), rng: &mut Rng, end: Instant| {
+        let (mut x, mut ops) = (1u64, 0u64);
+        while Instant::now() < end {
+            for _ in 0..4096 {
+                x = x.wrapping_add(rng.below(1000) as u64);
+            }
+            ops += 4096;
         }
-        x | 1
+        (ops, x | 1)
     };
-    let cal = |n: usize| median((0..3).map(|_| par(vec![(); n], ops / 4, spin)[0]).collect());
+    let cal = |n: usize| median((0..3).map(|_| par(vec![(); n], dur / 8, spin)[0]).collect());
     let (c1, c2) = (cal(1), cal(2));
     println!(
         "calibration (pure CPU loop): 1->2 thread wall scaling {:.2}x (below ~1.9x the machine is shared; trust the CPU-time table)",
@@ -341,16 +367,19 @@ fn main() {
             next
         })
         .collect();
-    let chase = |buf: &Vec<u64>, rng: &mut Rng, ops: usize| {
-        let mut i = rng.below(buf.len());
-        for _ in 0..ops {
-            i = buf[i] as usize;
+    let chase = |buf: &Vec<u64>, rng: &mut Rng, end: Instant| {
+        let (mut i, mut ops) = (rng.below(buf.len()), 0u64);
+        while Instant::now() < end {
+            for _ in 0..256 {
+                i = buf[i] as usize;
+            }
+            ops += 256;
         }
-        i as u64 | 1
+        (ops, i as u64 | 1)
     };
     let mem_cal = || {
-        let one = par(vec![&mem_bufs[0]], ops / 4, chase)[0];
-        let two = par(mem_bufs.iter().collect(), ops / 4, chase)[0];
+        let one = par(vec![&mem_bufs[0]], dur / 4, chase)[0];
+        let two = par(mem_bufs.iter().collect(), dur / 4, chase)[0];
         two / one
     };
     let t = Instant::now();
@@ -378,10 +407,12 @@ fn main() {
                 let streams: Vec<Vec<[u8; 10]>> = lists
                     .iter()
                     .enumerate()
-                    .map(|(t, l)| stream(&k, l, ops, (oi * 1000 + rep * 10 + threads * 2 + t) as u64 * 0x9E37_79B9))
+                    .map(|(t, l)| {
+                        stream(&k, l, stream_len, (oi * 1000 + rep * 10 + threads * 2 + t) as u64 * 0x9E37_79B9)
+                    })
                     .collect();
                 for (i, r) in runners.iter().enumerate() {
-                    got[i][threads - 1] = r(&mut d, op, &streams);
+                    got[i][threads - 1] = r(&mut d, op, &streams, dur);
                 }
             }
             for (i, g) in got.iter().enumerate() {

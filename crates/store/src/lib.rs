@@ -24,20 +24,23 @@
 //! the item, charged as `ceil(size / page)` pages against the same budget.
 //!
 //! # Index
-//! Per cachelet a `hashbrown::HashTable<Entry>` of 16-byte entries `{hash, segment slot,
-//! offset}`: open addressing with SIMD control groups (one probe usually touches one cache line
-//! of control bytes and one entry), and `HashTable` lets us supply the caller's hash (computed
-//! once per request with `mbal_cluster::key_hash`) instead of rehashing. hashbrown uses the top
-//! 7 bits and low bits of that hash; the VN uses bits 32..46, so they do not correlate badly.
-//! The key is compared in the segment. Index memory is outside the page budget (documented
-//! overhead: ~16–32 bytes per item).
+//! Per cachelet an [`index`](crate::index) of its own: bucketized open addressing, one 64-byte
+//! line per bucket holding a displacement count and 7 slots of `{16-bit hash tag, segment
+//! slot, offset / 8}`, linear probing between buckets, no tombstones. A lookup reads one line
+//! of index and then the item (whose header holds the full hash and the key). The caller's
+//! hash (computed once per request with `mbal_cluster::key_hash`) picks the bucket from its
+//! low bits and the tag from its top 16; the VN uses bits 32.., so they do not correlate.
+//! Index memory is outside the page budget: 64 bytes per 7 slots, at most 7/8 full, so
+//! ~10–21 bytes per item.
 //!
 //! # Eviction (approximate LRU, per worker)
 //! All segments of the worker's cachelets are ordered by creation sequence. When a worker finds
 //! no free page locally nor globally it evicts its oldest segment (FIFO), removing its live items
-//! from their index. Second chance: once the worker has had to evict, a GET hit on an item whose
-//! segment lies in the oldest quarter of the worker's segments copies the item to its
-//! cachelet's open segment (if room is at hand without evicting) and marks the old copy dead.
+//! from their index. Before that it compacts instead if some segment is at least 20% dead
+//! (the most-dead one: its live items are copied into the open segment, so the dead bytes
+//! come back without losing an item). Eviction is CLOCK-like: a GET sets the item's accessed
+//! bit (writing the header only if a mark changes); evicting a segment keeps its accessed
+//! items (up to half a page, bit cleared) by copying them forward, and drops the rest.
 //! With `evict = false` (memcached `-M`) a full store answers `OutOfMemory`.
 //! A worker that finds no page anywhere and owns no segment to evict (e.g. it just got fresh
 //! cachelets while other workers filled the budget) answers `OutOfMemory` and records the
@@ -78,11 +81,13 @@
 //! * A dropped `WorkerStore`, and a `Cachelet` dropped after `take_cachelet`, return their
 //!   pages to the global pool ([`WorkerStore::discard_cachelet`] returns them to the worker's
 //!   local pool instead). A cachelet may only be inserted into stores of the same pool.
-//! * The index grows by doubling (hashbrown rehash): a one-off pause proportional to the
-//!   cachelet's item count, bounded by keeping many cachelets per worker.
+//! * The index grows by doubling, re-reading each item's hash from its header: a one-off
+//!   pause proportional to the cachelet's item count, bounded by keeping many cachelets per
+//!   worker.
 //! * `benches/scaling.rs` compares this design with one global lock and striped locks
 //!   (MBal Fig. 5, no network).
 
+mod index;
 mod item;
 mod pool;
 mod store;

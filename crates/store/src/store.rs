@@ -1,9 +1,9 @@
 //! Cachelets (index + segments) and the per-worker store. See the crate docs for the design.
 
+use crate::index::Index;
 use crate::item::{footprint, It, ACCESSED, DEAD, FETCHED, MAX_KEY, STALE, WIN};
 use crate::pool::{GlobalPool, Page};
 use crate::{rel_exptime, ArithResult, DeleteResult, ItemView, MetaBits, Mode, StoreConfig, StoreResult};
-use hashbrown::HashTable;
 use std::collections::BTreeSet;
 use std::ops::Bound;
 use std::sync::Arc;
@@ -15,14 +15,6 @@ const DEAD_BUCKETS: usize = 10;
 /// A segment at least this many tenths dead is compacted (its live items
 /// kept) in preference to evicting live items from the oldest one.
 const COMPACT_BUCKET: usize = 2;
-
-/// Index entry: the caller's key hash and the item's location.
-#[derive(Clone, Copy, Debug)]
-struct Entry {
-    hash: u64,
-    seg: u32,
-    off: u32,
-}
 
 /// An append-only segment: one page, or one dedicated buffer for a large item.
 struct Segment {
@@ -69,7 +61,7 @@ pub struct CacheletStats {
 #[repr(align(128))]
 pub struct Cachelet {
     id: u32,
-    index: HashTable<Entry>,
+    index: Index,
     segs: Vec<Option<Segment>>,
     free_slots: Vec<u32>,
     open: Option<u32>,
@@ -106,7 +98,7 @@ impl Cachelet {
     pub fn new(id: u32) -> Box<Self> {
         Box::new(Cachelet {
             id,
-            index: HashTable::new(),
+            index: Index::new(),
             segs: Vec::new(),
             free_slots: Vec::new(),
             open: None,
@@ -146,14 +138,10 @@ impl Cachelet {
     #[inline]
     fn lookup(&self, hash: u64, key: &[u8]) -> Option<(u32, u32)> {
         let segs = &self.segs;
-        self.index
-            .find(hash, |e| {
-                e.hash == hash && {
-                    let b = &segs[e.seg as usize].as_ref().expect("indexed segment").buf;
-                    It::key(b, e.off as usize) == key
-                }
-            })
-            .map(|e| (e.seg, e.off))
+        self.index.find(hash, |s, o| {
+            let b = &segs[s as usize].as_ref().expect("indexed segment").buf;
+            It::hash(b, o as usize) == hash && It::key(b, o as usize) == key
+        })
     }
 
     fn liveness(&self, s: u32, o: u32, now: u32) -> Liveness {
@@ -175,17 +163,20 @@ impl Cachelet {
     }
 
     fn remove_index(&mut self, hash: u64, s: u32, o: u32) {
-        if let Ok(e) = self.index.find_entry(hash, |e| e.seg == s && e.off == o) {
-            e.remove();
-        } else {
-            debug_assert!(false, "item not in index");
-        }
+        let removed = self.index.remove(hash, s, o);
+        debug_assert!(removed, "item not in index");
     }
 
     fn relink_index(&mut self, hash: u64, from: (u32, u32), to: (u32, u32)) {
-        let e = self.index.find_mut(hash, |e| e.seg == from.0 && e.off == from.1).expect("item in index");
-        e.seg = to.0;
-        e.off = to.1;
+        let moved = self.index.relink(hash, from, to);
+        assert!(moved, "item not in index");
+    }
+
+    /// Index an item the index does not hold yet.
+    fn insert_index(&mut self, hash: u64, s: u32, o: u32) {
+        let segs = &self.segs;
+        self.index
+            .insert(hash, s, o, |s, o| It::hash(&segs[s as usize].as_ref().expect("indexed segment").buf, o as usize));
     }
 
     /// Account a freshly written item.
@@ -270,6 +261,9 @@ pub struct WorkerStats {
     pub local_free_pages: u64,
     pub segments: u64,
     pub owned_cachelets: u64,
+    /// Bytes of the owned cachelets' hash indexes (outside the page budget; memcached's
+    /// `hash_bytes`).
+    pub hash_bytes: u64,
 }
 
 /// Memory-side state of a worker (split from the cachelet table for borrowing).
@@ -751,7 +745,7 @@ impl WorkerStore {
             };
             c.seg_mut(ns).buf[no as usize..no as usize + sz].copy_from_slice(&kept_bytes[at..at + sz]);
             c.commit(ns, sz);
-            c.index.insert_unique(hash, Entry { hash, seg: ns, off: no }, |e| e.hash);
+            c.insert_index(hash, ns, no);
             if compacting {
                 self.m.st.items_compacted += 1;
             } else {
@@ -939,7 +933,7 @@ impl WorkerStore {
                 }
             }
             None => {
-                c.index.insert_unique(hash, Entry { hash, seg: s, off: o }, |e| e.hash);
+                c.insert_index(hash, s, o);
             }
         }
         self.m.st.total_items += 1;
@@ -1315,10 +1309,13 @@ impl WorkerStore {
         st.curr_items = 0;
         st.bytes = 0;
         st.owned_cachelets = 0;
+        st.hash_bytes = 0;
         for c in self.cachelets.iter().flatten() {
             st.curr_items += c.st.items;
             st.bytes += c.st.bytes;
             st.owned_cachelets += 1;
+            st.hash_bytes += c.index.heap_bytes() as u64;
+            debug_assert_eq!(c.index.len() as u64, c.st.items, "index and item count agree");
         }
         st.local_free_pages = self.m.local_free.len() as u64;
         st.pages_held = (self.m.local_free.len() + self.m.seg_pages + self.m.large_pages) as u64;

@@ -142,6 +142,10 @@ pub(crate) fn meta_keyed(ctx: &mut Ctx, cmd: &MetaCmd, key: &[u8], at: Loc, out:
                 Ok(v) => v,
                 Err(()) => return bad_flag(out),
             };
+            let Ok(explicit) = f.num::<u64>(b'E') else {
+                return bad_flag(out);
+            };
+            let explicit = explicit.filter(|_| ctx.settings.cas_enabled);
             if let Some(exp) = ttl_update {
                 ctx.store.touch(at.cachelet, at.hash, key, exp, ctx.now);
             }
@@ -152,7 +156,12 @@ pub(crate) fn meta_keyed(ctx: &mut Ctx, cmd: &MetaCmd, key: &[u8], at: Loc, out:
                     // Vivify: create an empty placeholder and hand this
                     // client the win token; others see Z until it is set.
                     ctx.store.store(at.cachelet, at.hash, key, b"", 0, ttl, Mode::Add, None, now);
-                    ctx.store.update(at.cachelet, at.hash, key, now, |m| m.win = true);
+                    ctx.store.update(at.cachelet, at.hash, key, now, |m| {
+                        m.win = true;
+                        if let Some(e) = explicit {
+                            m.cas = e; // E: the vivified item's CAS
+                        }
+                    });
                     if let Some(it) = ctx.store.peek(at.cachelet, at.hash, key, now) {
                         write_mg_hit(out, cmd, key, &it, now, Some(b'W'));
                         return;
@@ -198,6 +207,9 @@ pub(crate) fn meta_keyed(ctx: &mut Ctx, cmd: &MetaCmd, key: &[u8], at: Loc, out:
                     _ => return out.extend_from_slice(b"CLIENT_ERROR invalid mode for ms\r\n"),
                 },
             };
+            let Ok(explicit) = f.num::<u64>(b'E') else {
+                return bad_flag(out);
+            };
             if cas.is_some() && !ctx.settings.cas_enabled {
                 MetaReply::begin(out, b"EX").finish(None);
                 return;
@@ -207,6 +219,30 @@ pub(crate) fn meta_keyed(ctx: &mut Ctx, cmd: &MetaCmd, key: &[u8], at: Loc, out:
                 // Append/prepend with N: vivify the missing item first.
                 let ttl = f.num::<i64>(b'N').ok().flatten().unwrap_or(0);
                 r = ctx.store.store(at.cachelet, at.hash, key, cmd.data, flags, ttl, Mode::Add, None, ctx.now);
+            }
+            // I (invalidate) with a CAS older than the item's: store anyway, as a stale value
+            // that keeps the old item's TTL and win-token state (memcached's "set-to-invalid").
+            let mut stale_of = None;
+            if let (StoreResult::Exists, true, Some(want)) = (&r, f.has(b'I'), cas) {
+                let old = ctx.store.peek(at.cachelet, at.hash, key, ctx.now).map(|it| (it.cas, it.exptime, it.win));
+                if let Some((have, exptime, win)) = old.filter(|o| want < o.0) {
+                    debug_assert!(want < have);
+                    stale_of = Some((exptime, win));
+                    r = ctx.store.store(at.cachelet, at.hash, key, cmd.data, flags, ttl, mode, None, ctx.now);
+                }
+            }
+            // E: the client chooses the new item's CAS value.
+            let explicit = explicit.filter(|_| ctx.settings.cas_enabled);
+            if let (StoreResult::Stored { cas }, true) = (&mut r, stale_of.is_some() || explicit.is_some()) {
+                ctx.store.update(at.cachelet, at.hash, key, ctx.now, |m| {
+                    if let Some((exptime, win)) = stale_of {
+                        (m.exptime, m.stale, m.win) = (exptime, true, win);
+                    }
+                    if let Some(e) = explicit {
+                        m.cas = e;
+                    }
+                });
+                *cas = explicit.unwrap_or(*cas);
             }
             let (code, cas_out): (&[u8; 2], u64) = match r {
                 StoreResult::Stored { cas } => (b"HD", cas),
@@ -227,7 +263,7 @@ pub(crate) fn meta_keyed(ctx: &mut Ctx, cmd: &MetaCmd, key: &[u8], at: Loc, out:
                     b'O' => w.flag_bytes(b'O', tok),
                     b'k' => w.flag_bytes(b'k', cmd.key),
                     b'b' if f.has(b'k') => w.flag(b'b'),
-                    b'c' if code == b"HD" => w.flag_num(b'c', cas_out),
+                    b'c' => w.flag_num(b'c', cas_out), // memcached answers `EX c0`, `NS c0`
                     _ => {}
                 }
             }
@@ -238,25 +274,33 @@ pub(crate) fn meta_keyed(ctx: &mut Ctx, cmd: &MetaCmd, key: &[u8], at: Loc, out:
                 Ok(v) => v,
                 Err(()) => return bad_flag(out),
             };
+            let Ok(explicit) = f.num::<u64>(b'E') else {
+                return bad_flag(out);
+            };
             let code: &[u8; 2] = if f.has(b'I') {
-                // Invalidate: keep the item but mark it stale; the next mg
-                // hands out a win token so one client recaches it.
+                // Invalidate: keep the item but mark it stale, with a new CAS (E's, if given);
+                // the next mg hands out a win token so one client recaches it.
                 let ttl = f.num::<i64>(b'T').ok().flatten();
                 let start = ctx.settings_start_unix();
                 let now = ctx.now;
-                let ok = ctx.store.update(at.cachelet, at.hash, key, now, |m| {
+                let fresh = match explicit.filter(|_| ctx.settings.cas_enabled) {
+                    Some(e) => e,
+                    None => ctx.store.new_cas(),
+                };
+                let mut matched = false;
+                let found = ctx.store.update(at.cachelet, at.hash, key, now, |m| {
                     if cas.is_none_or(|c| c == m.cas) {
-                        m.stale = true;
-                        m.win = false;
+                        matched = true;
+                        (m.stale, m.win, m.cas) = (true, false, fresh);
                         if let Some(t) = ttl {
                             m.exptime = mbal_store::rel_exptime(t, now, start).unwrap_or(now);
                         }
                     }
                 });
-                if ok {
-                    b"HD"
-                } else {
-                    b"NF"
+                match (found, matched) {
+                    (false, _) => b"NF",
+                    (true, false) => b"EX",
+                    (true, true) => b"HD",
                 }
             } else {
                 match ctx.store.delete(at.cachelet, at.hash, key, cas, ctx.now) {
@@ -283,6 +327,9 @@ pub(crate) fn meta_keyed(ctx: &mut Ctx, cmd: &MetaCmd, key: &[u8], at: Loc, out:
                 Some(b'D' | b'd' | b'-') => false,
                 Some(_) => return out.extend_from_slice(b"CLIENT_ERROR invalid mode for ma\r\n"),
             };
+            let Ok(explicit) = f.num::<u64>(b'E') else {
+                return bad_flag(out);
+            };
             let now = ctx.now;
             let mut result = ctx.store.arith(at.cachelet, at.hash, key, incr, delta, now);
             if matches!(result, ArithResult::NotFound) {
@@ -297,9 +344,13 @@ pub(crate) fn meta_keyed(ctx: &mut Ctx, cmd: &MetaCmd, key: &[u8], at: Loc, out:
                 }
             }
             match result {
-                ArithResult::Value { value, cas } => {
+                ArithResult::Value { value, mut cas } => {
                     if let Some(t) = ttl {
                         ctx.store.touch(at.cachelet, at.hash, key, t, now);
+                    }
+                    if let Some(e) = explicit.filter(|_| ctx.settings.cas_enabled) {
+                        ctx.store.update(at.cachelet, at.hash, key, now, |m| m.cas = e);
+                        cas = e;
                     }
                     if quiet && !f.has(b'v') {
                         return;
@@ -412,11 +463,15 @@ fn write_mg_hit(out: &mut Vec<u8>, cmd: &MetaCmd, _key: &[u8], it: &ItemView, no
             _ => {}
         }
     }
-    if let Some(t) = token {
-        w.flag(t);
+    // memcached's order: Z (win already handed out), X (stale), W (you win)
+    if token == Some(b'Z') {
+        w.flag(b'Z');
     }
     if it.stale {
         w.flag(b'X');
+    }
+    if token == Some(b'W') {
+        w.flag(b'W');
     }
     w.finish(with_value.then_some(it.value));
 }

@@ -220,6 +220,62 @@ fn meta_commands() {
     }
 }
 
+/// The `c<cas>` flag of a meta reply line.
+fn cas_flag(line: &str) -> u64 {
+    let tok = line.split_whitespace().find(|t| t.starts_with('c')).unwrap_or_else(|| panic!("no c flag: {line}"));
+    tok[1..].parse().unwrap()
+}
+
+#[test]
+fn meta_invalidate_and_explicit_cas() {
+    let srv = start(settings(2));
+    let mut c = Conn::open(srv.main_addr);
+    // ms I with a CAS older than the item's: stored, but stale, keeping the TTL; the next mg
+    // wins the recache (W), later ones see Z (memcached 1.6.18 does the same).
+    assert_eq!(c.cmd("ms a 1 T100\r\nx\r\n"), "HD\r\n");
+    let x = cas_flag(&c.cmd("mg a c\r\n"));
+    let y = cas_flag(&c.cmd(&format!("ms a 1 C{} I c T0\r\ny\r\n", x - 1)));
+    assert_ne!(y, x);
+    c.send(b"mg a c t v\r\n");
+    let line = c.line();
+    assert!(line.starts_with(&format!("VA 1 c{y} t")) && line.ends_with(" X W\r\n"), "{line}");
+    let ttl: i64 = line.split_whitespace().nth(3).unwrap()[1..].parse().unwrap();
+    assert!((98..=100).contains(&ttl), "the stale value keeps the old TTL: {line}");
+    assert_eq!(c.exact(3), b"y\r\n");
+    assert!(c.cmd("mg a c\r\n").ends_with(" Z X\r\n"));
+    // a newer CAS than the item's is still a conflict; the item's own CAS clears the stale mark
+    assert_eq!(c.cmd(&format!("ms a 1 C{} I c\r\nz\r\n", y + 1)), "EX c0\r\n");
+    let z = cas_flag(&c.cmd(&format!("ms a 1 C{y} I c\r\nw\r\n")));
+    assert_eq!(c.cmd("mg a c\r\n"), format!("HD c{z}\r\n"));
+    assert_eq!(c.cmd("ms gone 1 C5 I c\r\nw\r\n"), "NF c0\r\n");
+
+    // E: the client picks the new CAS (ms, ma, md I, mg N)
+    assert_eq!(c.cmd("ms e 1 E777 c\r\nq\r\n"), "HD c777\r\n");
+    assert_eq!(c.cmd("mg e c\r\n"), "HD c777\r\n");
+    assert_eq!(c.cmd("ms e 1 C777\r\nr\r\n"), "HD\r\n", "a client-chosen CAS compares like any other");
+    assert_eq!(c.cmd("ms n 1\r\n5\r\n"), "HD\r\n");
+    c.send(b"ma n E900 c v\r\n");
+    assert_eq!(c.line(), "VA 1 c900\r\n");
+    assert_eq!(c.exact(3), b"6\r\n");
+    let line = c.cmd("mg viv N30 E1234 c\r\n");
+    assert!(line.starts_with("HD c1234") && line.contains(" W"), "{line}");
+    assert_eq!(c.cmd("ms e 1 Exyz\r\nq\r\n"), "CLIENT_ERROR bad token in command line format\r\n");
+
+    // md I: stale with a new CAS; a wrong C is EX (also with q), a missing key NF
+    assert_eq!(c.cmd("ms b 1\r\nq\r\n"), "HD\r\n");
+    let b = cas_flag(&c.cmd("mg b c\r\n"));
+    assert_eq!(c.cmd(&format!("md b C{} I\r\n", b + 1)), "EX\r\n");
+    c.send(format!("md b C{} I q\r\nmn\r\n", b + 1).as_bytes());
+    assert_eq!((c.line(), c.line()), ("EX\r\n".to_string(), "MN\r\n".to_string()));
+    assert_eq!(c.cmd(&format!("md b C{b} I\r\n")), "HD\r\n");
+    let line = c.cmd("mg b c\r\n");
+    assert!(cas_flag(&line) != b && line.ends_with(" X W\r\n"), "{line}");
+    assert_eq!(c.cmd("md b I E4242\r\n"), "HD\r\n");
+    assert!(c.cmd("mg b c\r\n").starts_with("HD c4242 "));
+    assert_eq!(c.cmd("md nob I\r\n"), "NF\r\n");
+    srv.shutdown();
+}
+
 #[test]
 fn idle_connections_are_closed_after_idle_timeout() {
     let srv = start(mbal_server::config::Settings { idle_timeout: 1, ..settings(1) });

@@ -1167,6 +1167,13 @@ impl WorkerStore {
         true
     }
 
+    /// A fresh CAS value from this worker's counter (e.g. for `md ... I`, which bumps the CAS
+    /// of the item it invalidates). 0 with CAS disabled.
+    pub fn new_cas(&mut self) -> u64 {
+        let c = self.m.next_cas();
+        self.m.shown_cas(c)
+    }
+
     /// memcached flush_all: once `now >= at`, every item set before second `at`, or in second
     /// `at` before this call, is invalid (so an immediate `flush_all(now)` spares items stored
     /// after it in the same second, like memcached's oldest_cas).

@@ -388,6 +388,14 @@ impl ServerArgs {
             }
             s.page_size = v << 10;
         }
+        if s.memory_limit / s.page_size > mbal_store::MAX_PAGES {
+            bail!(
+                "-m {} MB in {} KiB pages is more than {} pages; raise --page-size-kb",
+                s.memory_limit >> 20,
+                s.page_size >> 10,
+                mbal_store::MAX_PAGES
+            );
+        }
         Ok(s)
     }
 
@@ -492,6 +500,14 @@ mod tests {
         assert_eq!(s.max_item_size, 1 << 20);
         assert_eq!(s.max_conns, 1024);
         assert!(s.evictions && s.cas_enabled && s.flush_enabled);
+    }
+
+    #[test]
+    fn too_many_pages_is_an_error() {
+        // 2 TiB in 64 KiB pages is 32M pages: more than a cachelet's index can address
+        let e = parse(&["-m", "2097152"]).unwrap_err().to_string();
+        assert!(e.contains("--page-size-kb"), "{e}");
+        assert!(parse(&["-m", "2097152", "--page-size-kb", "1024"]).is_ok());
     }
 
     #[test]

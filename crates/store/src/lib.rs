@@ -88,6 +88,12 @@
 //!   (MBal Fig. 5, no network).
 
 mod index;
+
+/// Most pages a pool may have (`mem_limit / page_size`): the index addresses a cachelet's
+/// segments with 24 bits. 16M pages is 1 TiB at the default 64 KiB page.
+pub const MAX_PAGES: usize = index::MAX_SEG as usize + 1;
+/// Largest page: item offsets in the index are 24 bits of 8-byte units.
+pub const MAX_PAGE_SIZE: usize = index::MAX_OFF as usize + 8;
 mod item;
 mod pool;
 mod store;

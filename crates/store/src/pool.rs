@@ -54,7 +54,10 @@ impl GlobalPool {
     /// A pool of `mem_limit / page_size` pages (at least one). No memory is allocated yet.
     pub fn new(mem_limit: usize, page_size: usize) -> Arc<Self> {
         assert!(page_size >= 1024, "page_size must be at least 1 KiB");
+        assert!(page_size <= crate::MAX_PAGE_SIZE, "page_size must be at most {} bytes", crate::MAX_PAGE_SIZE);
         let total_pages = (mem_limit / page_size).max(1);
+        // A cachelet's index addresses at most MAX_PAGES segments (a segment holds >= 1 page).
+        assert!(total_pages <= crate::MAX_PAGES, "more than {} pages: use larger pages", crate::MAX_PAGES);
         Arc::new(GlobalPool {
             page_size,
             total_pages,

@@ -9,9 +9,9 @@ use crate::config::Settings;
 use crate::stats::Counters;
 use mbal_cluster::Layout;
 use mbal_proto::binary::{opcode as op, status as st, write_response, BinReq};
-use mbal_proto::meta::{MetaCmd, MetaKind, MetaReply};
+use mbal_proto::meta::{MetaCmd, MetaFlags, MetaKind, MetaReply};
 use mbal_proto::text::{self, StoreMode, TextCmd};
-use mbal_store::{ArithResult, DeleteResult, ItemView, Mode, StoreResult, WorkerStore};
+use mbal_store::{ArithResult, CasOpts, DeleteResult, ItemView, Mode, StoreResult, WorkerStore};
 
 /// What a worker needs to execute a request.
 pub(crate) struct Ctx<'a> {
@@ -142,10 +142,9 @@ pub(crate) fn meta_keyed(ctx: &mut Ctx, cmd: &MetaCmd, key: &[u8], at: Loc, out:
                 Ok(v) => v,
                 Err(()) => return bad_flag(out),
             };
-            let Ok(explicit) = f.num::<u64>(b'E') else {
+            let Ok(explicit) = explicit_cas(f, ctx.settings) else {
                 return bad_flag(out);
             };
-            let explicit = explicit.filter(|_| ctx.settings.cas_enabled);
             if let Some(exp) = ttl_update {
                 ctx.store.touch(at.cachelet, at.hash, key, exp, ctx.now);
             }
@@ -207,42 +206,21 @@ pub(crate) fn meta_keyed(ctx: &mut Ctx, cmd: &MetaCmd, key: &[u8], at: Loc, out:
                     _ => return out.extend_from_slice(b"CLIENT_ERROR invalid mode for ms\r\n"),
                 },
             };
-            let Ok(explicit) = f.num::<u64>(b'E') else {
+            let Ok(new_cas) = explicit_cas(f, ctx.settings) else {
                 return bad_flag(out);
             };
             if cas.is_some() && !ctx.settings.cas_enabled {
                 MetaReply::begin(out, b"EX").finish(None);
                 return;
             }
-            let mut r = ctx.store.store(at.cachelet, at.hash, key, cmd.data, flags, ttl, mode, cas, ctx.now);
+            // I with an older C stores a stale value (memcached's "set-to-invalid").
+            let opts = CasOpts { compare: cas, stale_if_older: f.has(b'I'), new_cas };
+            let mut r = ctx.store.store_with(at.cachelet, at.hash, key, cmd.data, flags, ttl, mode, opts, ctx.now);
             if matches!(r, StoreResult::NotStored) && f.has(b'N') && matches!(mode, Mode::Append | Mode::Prepend) {
                 // Append/prepend with N: vivify the missing item first.
                 let ttl = f.num::<i64>(b'N').ok().flatten().unwrap_or(0);
-                r = ctx.store.store(at.cachelet, at.hash, key, cmd.data, flags, ttl, Mode::Add, None, ctx.now);
-            }
-            // I (invalidate) with a CAS older than the item's: store anyway, as a stale value
-            // that keeps the old item's TTL and win-token state (memcached's "set-to-invalid").
-            let mut stale_of = None;
-            if let (StoreResult::Exists, true, Some(want)) = (&r, f.has(b'I'), cas) {
-                let old = ctx.store.peek(at.cachelet, at.hash, key, ctx.now).map(|it| (it.cas, it.exptime, it.win));
-                if let Some((have, exptime, win)) = old.filter(|o| want < o.0) {
-                    debug_assert!(want < have);
-                    stale_of = Some((exptime, win));
-                    r = ctx.store.store(at.cachelet, at.hash, key, cmd.data, flags, ttl, mode, None, ctx.now);
-                }
-            }
-            // E: the client chooses the new item's CAS value.
-            let explicit = explicit.filter(|_| ctx.settings.cas_enabled);
-            if let (StoreResult::Stored { cas }, true) = (&mut r, stale_of.is_some() || explicit.is_some()) {
-                ctx.store.update(at.cachelet, at.hash, key, ctx.now, |m| {
-                    if let Some((exptime, win)) = stale_of {
-                        (m.exptime, m.stale, m.win) = (exptime, true, win);
-                    }
-                    if let Some(e) = explicit {
-                        m.cas = e;
-                    }
-                });
-                *cas = explicit.unwrap_or(*cas);
+                let opts = CasOpts { new_cas, ..CasOpts::default() };
+                r = ctx.store.store_with(at.cachelet, at.hash, key, cmd.data, flags, ttl, Mode::Add, opts, ctx.now);
             }
             let (code, cas_out): (&[u8; 2], u64) = match r {
                 StoreResult::Stored { cas } => (b"HD", cas),
@@ -274,7 +252,7 @@ pub(crate) fn meta_keyed(ctx: &mut Ctx, cmd: &MetaCmd, key: &[u8], at: Loc, out:
                 Ok(v) => v,
                 Err(()) => return bad_flag(out),
             };
-            let Ok(explicit) = f.num::<u64>(b'E') else {
+            let Ok(explicit) = explicit_cas(f, ctx.settings) else {
                 return bad_flag(out);
             };
             let code: &[u8; 2] = if f.has(b'I') {
@@ -283,7 +261,7 @@ pub(crate) fn meta_keyed(ctx: &mut Ctx, cmd: &MetaCmd, key: &[u8], at: Loc, out:
                 let ttl = f.num::<i64>(b'T').ok().flatten();
                 let start = ctx.settings_start_unix();
                 let now = ctx.now;
-                let fresh = match explicit.filter(|_| ctx.settings.cas_enabled) {
+                let fresh = match explicit {
                     Some(e) => e,
                     None => ctx.store.new_cas(),
                 };
@@ -327,7 +305,7 @@ pub(crate) fn meta_keyed(ctx: &mut Ctx, cmd: &MetaCmd, key: &[u8], at: Loc, out:
                 Some(b'D' | b'd' | b'-') => false,
                 Some(_) => return out.extend_from_slice(b"CLIENT_ERROR invalid mode for ma\r\n"),
             };
-            let Ok(explicit) = f.num::<u64>(b'E') else {
+            let Ok(explicit) = explicit_cas(f, ctx.settings) else {
                 return bad_flag(out);
             };
             let now = ctx.now;
@@ -348,7 +326,7 @@ pub(crate) fn meta_keyed(ctx: &mut Ctx, cmd: &MetaCmd, key: &[u8], at: Loc, out:
                     if let Some(t) = ttl {
                         ctx.store.touch(at.cachelet, at.hash, key, t, now);
                     }
-                    if let Some(e) = explicit.filter(|_| ctx.settings.cas_enabled) {
+                    if let Some(e) = explicit {
                         ctx.store.update(at.cachelet, at.hash, key, now, |m| m.cas = e);
                         cas = e;
                     }
@@ -416,6 +394,11 @@ impl Ctx<'_> {
     fn settings_start_unix(&self) -> u64 {
         self.store.config().start_unix
     }
+}
+
+/// Meta `E<cas>`: the CAS the client chooses for the item it writes (ignored under `-C`).
+fn explicit_cas(f: &MetaFlags, settings: &Settings) -> Result<Option<u64>, ()> {
+    Ok(f.num::<u64>(b'E')?.filter(|_| settings.cas_enabled))
 }
 
 fn bad_flag(out: &mut Vec<u8>) {

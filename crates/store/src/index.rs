@@ -104,7 +104,7 @@ impl Index {
         }
     }
 
-    /// Bucket and slot of the entry `(hash, seg, off)`, and the buckets probed before it.
+    /// Bucket and slot of the entry `(hash, seg, off)`.
     fn position(&self, hash: u64, seg: u32, off: u32) -> Option<(usize, usize)> {
         if self.buckets.is_empty() {
             return None;

@@ -150,7 +150,8 @@ impl Default for StoreConfig {
     }
 }
 
-/// Store mode of [`WorkerStore::store`]. A `cas: Some(_)` argument adds the CAS check.
+/// Store mode of [`WorkerStore::store`]. A `cas: Some(_)` argument adds the CAS check
+/// ([`WorkerStore::store_with`] takes the meta protocol's CAS options).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
     Set,
@@ -158,6 +159,19 @@ pub enum Mode {
     Replace,
     Append,
     Prepend,
+}
+
+/// CAS handling of [`WorkerStore::store_with`]: the `cas` command and meta's `C`, `I`, `E`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CasOpts {
+    /// Store only if the item exists with this CAS (else `NotFound` / `Exists`).
+    pub compare: Option<u64>,
+    /// With `compare`: a CAS older than the item's stores the value anyway, marked stale and
+    /// keeping the old item's expiry and win token (meta `ms ... I`, memcached's
+    /// "set-to-invalid"); only a newer or unknown CAS is `Exists`.
+    pub stale_if_older: bool,
+    /// The new item's CAS instead of the worker's next one (meta `E`).
+    pub new_cas: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

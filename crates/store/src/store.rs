@@ -3,7 +3,7 @@
 use crate::index::Index;
 use crate::item::{footprint, It, ACCESSED, DEAD, FETCHED, MAX_KEY, STALE, WIN};
 use crate::pool::{GlobalPool, Page};
-use crate::{rel_exptime, ArithResult, DeleteResult, ItemView, MetaBits, Mode, StoreConfig, StoreResult};
+use crate::{rel_exptime, ArithResult, CasOpts, DeleteResult, ItemView, MetaBits, Mode, StoreConfig, StoreResult};
 use std::collections::BTreeSet;
 use std::ops::Bound;
 use std::sync::Arc;
@@ -893,7 +893,8 @@ impl WorkerStore {
         self.get_inner(cl, hash, key, now, false)
     }
 
-    /// Write a new item (value = `a ++ b`) and replace `old` (if any) in the index.
+    /// Write a new item (value = `a ++ b`, header `bits`, CAS `cas` or the worker's next one)
+    /// and replace `old` (if any) in the index.
     #[allow(clippy::too_many_arguments)]
     fn write_new(
         &mut self,
@@ -906,6 +907,7 @@ impl WorkerStore {
         a: &[u8],
         b: &[u8],
         now: u32,
+        (bits, cas): (u8, Option<u64>),
     ) -> Result<u64, StoreResult> {
         let vlen = a.len() + b.len();
         let size = footprint(key.len(), vlen);
@@ -917,10 +919,10 @@ impl WorkerStore {
         let c = self.cachelets[cl as usize].as_deref_mut().expect("owned");
         // The old copy may have been evicted while making room.
         let old = if gen != self.m.evict_gen { c.lookup(hash, key) } else { old };
-        let cas = self.m.next_cas();
+        let cas = cas.unwrap_or_else(|| self.m.next_cas());
         {
             let seg = c.seg_mut(s);
-            let v = It::write(&mut seg.buf, o as usize, hash, cas, exp, now, flags, key, vlen, 0);
+            let v = It::write(&mut seg.buf, o as usize, hash, cas, exp, now, flags, key, vlen, bits);
             v[..a.len()].copy_from_slice(a);
             v[a.len()..].copy_from_slice(b);
         }
@@ -954,6 +956,24 @@ impl WorkerStore {
         cas: Option<u64>,
         now: u32,
     ) -> StoreResult {
+        let opts = CasOpts { compare: cas, ..CasOpts::default() };
+        self.store_with(cl, hash, key, value, flags, exptime, mode, opts, now)
+    }
+
+    /// [`store`](Self::store) with the meta protocol's CAS options.
+    #[allow(clippy::too_many_arguments)]
+    pub fn store_with(
+        &mut self,
+        cl: u32,
+        hash: u64,
+        key: &[u8],
+        value: &[u8],
+        flags: u32,
+        exptime: i64,
+        mode: Mode,
+        opts: CasOpts,
+        now: u32,
+    ) -> StoreResult {
         self.m.last_now = now;
         if !self.check_owned(cl) {
             return StoreResult::NotStored;
@@ -971,21 +991,29 @@ impl WorkerStore {
             Found::Hit(s, o) => Some((s, o)),
             _ => None,
         };
-        if let Some(want) = cas {
+        // (expiry, win bit) of the item a stale write replaces
+        let mut stale_of = None;
+        if let Some(want) = opts.compare {
             match found {
                 None => {
                     self.m.st.cas_misses += 1;
                     return StoreResult::NotFound;
                 }
                 Some((s, o)) => {
-                    if self.m.cfg.cas_enabled && It::cas(&c.seg(s).buf, o as usize) != want {
-                        self.m.st.cas_badval += 1;
-                        return StoreResult::Exists;
+                    let (b, o) = (&c.seg(s).buf, o as usize);
+                    let have = It::cas(b, o);
+                    if self.m.cfg.cas_enabled && have != want {
+                        if !(opts.stale_if_older && want < have) {
+                            self.m.st.cas_badval += 1;
+                            return StoreResult::Exists;
+                        }
+                        stale_of = Some((It::exptime(b, o), It::bits(b, o) & WIN));
                     }
                     self.m.st.cas_hits += 1;
                 }
             }
         }
+        let fresh = (stale_of.map_or(0, |(_, win)| STALE | win), opts.new_cas);
         match (mode, found) {
             (Mode::Add, Some(_)) => return StoreResult::NotStored,
             (Mode::Replace | Mode::Append | Mode::Prepend, None) => return StoreResult::NotStored,
@@ -1002,15 +1030,15 @@ impl WorkerStore {
                     (It::flags(b, o as usize), It::exptime(b, o as usize))
                 };
                 let r = if mode == Mode::Append {
-                    self.write_new(cl, hash, key, found, fl, exp, &tmp, value, now)
+                    self.write_new(cl, hash, key, found, fl, exp, &tmp, value, now, fresh)
                 } else {
-                    self.write_new(cl, hash, key, found, fl, exp, value, &tmp, now)
+                    self.write_new(cl, hash, key, found, fl, exp, value, &tmp, now, fresh)
                 };
                 self.m.scratch = tmp;
                 r
             }
-            _ => match rel_exptime(exptime, now, self.m.cfg.start_unix) {
-                Some(exp) => self.write_new(cl, hash, key, found, flags, exp, value, &[], now),
+            _ => match stale_of.map(|(exp, _)| exp).or_else(|| rel_exptime(exptime, now, self.m.cfg.start_unix)) {
+                Some(exp) => self.write_new(cl, hash, key, found, flags, exp, value, &[], now, fresh),
                 None => {
                     // Stored already expired: equivalent to removing the old copy.
                     if let Some((s, o)) = found {
@@ -1088,7 +1116,7 @@ impl WorkerStore {
             return ArithResult::Value { value: new, cas: self.m.shown_cas(cas) };
         }
         let digits = digits.to_vec();
-        match self.write_new(cl, hash, key, Some((s, o)), fl, exp, &digits, &[], now) {
+        match self.write_new(cl, hash, key, Some((s, o)), fl, exp, &digits, &[], now, (0, None)) {
             Ok(cas) => ArithResult::Value { value: new, cas: self.m.shown_cas(cas) },
             // Could not reallocate: memcached answers an error; the item is unchanged.
             Err(_) => ArithResult::NotFound,

@@ -632,3 +632,26 @@ fn incr_accepts_leading_zeros_and_trailing_spaces() {
     set(&mut w, "z", "99999999999999999999", 0, 0);
     assert_eq!(w.arith(0, h, b"z", true, 1, 0), ArithResult::NonNumeric, "overflowing value");
 }
+
+#[test]
+fn store_with_stale_if_older_and_new_cas() {
+    let mut w = mk(1 << 20, |_| {});
+    let (h, k) = (key_hash(b"a"), &b"a"[..]);
+    let old = cas_of(set(&mut w, "a", "1", 100, 0));
+    w.update(0, h, k, 0, |m| m.win = true);
+    let opts = |compare, stale_if_older, new_cas| CasOpts { compare: Some(compare), stale_if_older, new_cas };
+    // newer than the item's: a conflict even with stale_if_older
+    let r = w.store_with(0, h, k, b"2", 0, 0, Mode::Set, opts(old + 1, true, None), 5);
+    assert_eq!(r, StoreResult::Exists);
+    // older: stored, stale, old expiry and win token kept, counted as a CAS hit
+    let r = w.store_with(0, h, k, b"2", 0, 0, Mode::Set, opts(old - 1, true, Some(4242)), 5);
+    assert_eq!(r, StoreResult::Stored { cas: 4242 });
+    let v = w.peek(0, h, k, 5).unwrap();
+    assert_eq!((v.value, v.cas, v.stale, v.win, v.exptime), (&b"2"[..], 4242, true, true, 100));
+    let s = w.stats();
+    assert_eq!((s.cas_hits, s.cas_badval), (1, 1));
+    // the item's own CAS: a plain store, no longer stale
+    let r = w.store_with(0, h, k, b"3", 0, 0, Mode::Set, opts(4242, true, None), 5);
+    assert!(matches!(r, StoreResult::Stored { cas } if cas != 4242));
+    assert!(!w.peek(0, h, k, 5).unwrap().stale);
+}

@@ -56,6 +56,11 @@ pub struct Settings {
     /// Cluster membership: the cluster description and this server's id in
     /// it. `None`: a stand-alone server (a cluster of one).
     pub cluster: Option<(mbal_cluster::ClusterSpec, u16)>,
+    /// Requests one worker may have forwarded to others and not yet had
+    /// answered; past it the worker stops reading its connections.
+    pub max_inflight: usize,
+    /// Accept the `mbal debug ...` test hooks (never in production).
+    pub debug_commands: bool,
 }
 
 impl Default for Settings {
@@ -81,6 +86,8 @@ impl Default for Settings {
             vn_count: mbal_cluster::DEFAULT_VN_COUNT,
             page_size: 64 << 10,
             cluster: None,
+            max_inflight: 16384,
+            debug_commands: false,
         }
     }
 }
@@ -182,6 +189,13 @@ pub struct ServerArgs {
     /// Print the listening addresses as one JSON line on stdout once ready
     #[arg(long = "print-ports")]
     pub print_ports: bool,
+    /// Requests a worker may have passed to other workers and not yet had answered; past it, the
+    /// worker stops reading its connections until answers come in [default: 16384]
+    #[arg(long = "max-inflight")]
+    pub max_inflight: Option<usize>,
+    /// Accept the `mbal debug` test hooks (stall a worker); for tests only
+    #[arg(long = "enable-debug-commands", hide = true)]
+    pub debug_commands: bool,
 
     // memcached options that mbal recognises but does not implement.
     #[arg(short = 'd', long = "daemon", hide = true)]
@@ -240,6 +254,7 @@ pub struct FileConfig {
     pub cachelets_per_worker: Option<u32>,
     pub vn_count: Option<u32>,
     pub page_size_kb: Option<usize>,
+    pub max_inflight: Option<usize>,
 }
 
 /// Parse a memcached-style size: `1m`, `512k`, `2097152`, `1g`.
@@ -337,6 +352,13 @@ impl ServerArgs {
             }
             s.reqs_per_event = v;
         }
+        if let Some(v) = self.max_inflight.or(file.max_inflight) {
+            if v == 0 {
+                bail!("--max-inflight must be at least 1");
+            }
+            s.max_inflight = v;
+        }
+        s.debug_commands = self.debug_commands;
         s.shutdown_enabled = self.enable_shutdown || file.enable_shutdown == Some(true);
         s.verbosity = if self.verbose > 0 { self.verbose } else { file.verbosity.unwrap_or(0) };
         if let Some(v) = self.backlog.or(file.listen_backlog) {

@@ -2,17 +2,28 @@
 //! `cachelets_per_worker` cachelets of the key space.
 //!
 //! * `config`: memcached's command line, mbal's options and the TOML file.
-//! * `worker`: the per-thread event loop: listeners, connections, routing,
-//!   cross-worker messages.
+//! * `worker`: the per-thread event loop: connections, reads and writes,
+//!   the inbox.
+//! * `dispatch`: the one place that routes a parsed request (execute here,
+//!   forward to the owning worker, redirect, or answer for another server).
 //! * `exec`: executes text, meta and binary requests against the store.
+//! * `msg`: the messages between workers (batched per destination and round)
+//!   and the mailbox that wakes a sleeping worker.
+//! * `output`: a connection's ordered output (replies in request order).
+//! * `moves`: the server-local move protocol (release, adopt, owner notices).
 //! * `stats`: counters and memcached-named stats.
 //!
-//! Ports: every worker listens on the main port (SO_REUSEPORT, so the kernel
-//! spreads standard clients over workers) and on a port of its own (routed
-//! clients talk to the owning worker directly, MBal §2.3).
+//! Threads and ports: one acceptor thread owns the main port and hands each
+//! connection to the worker with the fewest (as memcached's listener hands
+//! them out round-robin); each worker also listens on a port of its own
+//! (routed clients talk to the owning worker directly, MBal §2.3).
 
 pub mod config;
+mod dispatch;
 mod exec;
+mod moves;
+mod msg;
+mod output;
 pub mod stats;
 mod worker;
 
@@ -20,12 +31,13 @@ use anyhow::{Context, Result};
 use config::Settings;
 use mbal_cluster::{ClusterMap, Layout, ServerInfo};
 use mbal_store::{GlobalPool, StoreConfig, WorkerStore};
+use msg::{Envelope, Mailbox, Peers};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
-use worker::{bind_listener, Envelope, Shared, Worker};
+use worker::{bind_listener, Shared, Worker};
 
 /// The version string reported by `version` and `stats`.
 pub const VERSION: &str = concat!("1.6.18-mbal-", env!("CARGO_PKG_VERSION"));
@@ -35,6 +47,7 @@ pub struct ServerHandle {
     pub main_addr: SocketAddr,
     pub worker_addrs: Vec<SocketAddr>,
     shared: Arc<Shared>,
+    acceptor_waker: Arc<mio::Waker>,
     threads: Vec<JoinHandle<()>>,
 }
 
@@ -47,6 +60,7 @@ impl ServerHandle {
     fn stop(&mut self) {
         self.shared.shutdown.store(true, Ordering::Relaxed);
         self.shared.wake_all();
+        let _ = self.acceptor_waker.wake();
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
@@ -67,18 +81,19 @@ impl ServerHandle {
     /// A token that can stop the server from another thread (a signal
     /// handler) without owning the handle.
     pub fn stop_token(&self) -> StopToken {
-        StopToken(self.shared.clone())
+        StopToken(self.shared.clone(), self.acceptor_waker.clone())
     }
 }
 
 /// Stops a server from any thread.
 #[derive(Clone)]
-pub struct StopToken(Arc<Shared>);
+pub struct StopToken(Arc<Shared>, Arc<mio::Waker>);
 
 impl StopToken {
     pub fn stop(&self) {
         self.0.shutdown.store(true, Ordering::Relaxed);
         self.0.wake_all();
+        let _ = self.1.wake();
     }
 }
 
@@ -92,18 +107,8 @@ impl Drop for ServerHandle {
 pub fn start(settings: Settings) -> Result<ServerHandle> {
     let workers = settings.threads;
     let main_addr = SocketAddr::new(settings.listen, settings.port);
-    // Bind the main port once to learn the real port when 0 was asked for;
-    // every worker then binds the same port with SO_REUSEPORT.
-    let first =
-        bind_listener(main_addr, true, settings.backlog).with_context(|| format!("binding main port {main_addr}"))?;
-    let main_addr = first.local_addr()?;
-    let mut mains = vec![first];
-    for _ in 1..workers {
-        mains.push(
-            bind_listener(main_addr, true, settings.backlog)
-                .with_context(|| format!("binding main port {main_addr} (reuseport)"))?,
-        );
-    }
+    let main = bind_listener(main_addr, settings.backlog).with_context(|| format!("binding main port {main_addr}"))?;
+    let main_addr = main.local_addr()?;
     let mut owns = Vec::new();
     for i in 0..workers {
         let port = match settings.worker_port_base {
@@ -112,9 +117,7 @@ pub fn start(settings: Settings) -> Result<ServerHandle> {
             None => main_addr.port().checked_add(1 + i as u16).context("worker port overflows")?,
         };
         let addr = SocketAddr::new(settings.listen, port);
-        owns.push(
-            bind_listener(addr, false, settings.backlog).with_context(|| format!("binding worker {i} port {addr}"))?,
-        );
+        owns.push(bind_listener(addr, settings.backlog).with_context(|| format!("binding worker {i} port {addr}"))?);
     }
     let worker_addrs: Vec<SocketAddr> = owns.iter().map(|l| l.local_addr()).collect::<std::io::Result<_>>()?;
     let (map, server_id) = match &settings.cluster {
@@ -136,10 +139,11 @@ pub fn start(settings: Settings) -> Result<ServerHandle> {
         start: Instant::now(),
         start_unix,
         curr_conns: AtomicUsize::new(0),
+        worker_conns: (0..workers).map(|_| AtomicUsize::new(0)).collect(),
+        rejected_conns: AtomicU64::new(0),
         shutdown: AtomicBool::new(false),
-        senders: OnceLock::new(),
-        wakers: OnceLock::new(),
-        main_port: main_addr.port(),
+        peers: OnceLock::new(),
+        main_addr,
         worker_ports: OnceLock::new(),
         next_conn_id: AtomicU64::new(1),
         settings: settings.clone(),
@@ -147,9 +151,9 @@ pub fn start(settings: Settings) -> Result<ServerHandle> {
     let _ = shared.worker_ports.set(worker_addrs.iter().map(|a| a.port()).collect());
 
     let mut senders = Vec::new();
-    let mut wakers = Vec::new();
+    let mut mailboxes = Vec::new();
     let mut built = Vec::new();
-    for (i, (main, own)) in mains.into_iter().zip(owns).enumerate() {
+    for (i, own) in owns.into_iter().enumerate() {
         let (tx, rx) = crossbeam_channel::unbounded::<Envelope>();
         let cfg = StoreConfig {
             mem_limit: settings.memory_limit,
@@ -166,17 +170,96 @@ pub fn start(settings: Settings) -> Result<ServerHandle> {
         for c in layout.cachelets_of(server_id, i as u16) {
             store.insert_cachelet(mbal_store::Cachelet::new(c));
         }
-        let (w, waker) = Worker::new(i, shared.clone(), main, own, rx, store)?;
+        let poll = mio::Poll::new()?;
+        let mailbox = Arc::new(Mailbox::new(mio::Waker::new(poll.registry(), worker::WAKER)?));
+        built.push(Worker::new(i, shared.clone(), poll, mailbox.clone(), own, rx, store)?);
         senders.push(tx);
-        wakers.push(waker);
-        built.push(w);
+        mailboxes.push(mailbox);
     }
-    let _ = shared.senders.set(senders);
-    let _ = shared.wakers.set(wakers);
+    let _ = shared.peers.set(Peers { senders, mailboxes });
     let mut threads = Vec::new();
     for (i, w) in built.into_iter().enumerate() {
         threads.push(std::thread::Builder::new().name(format!("mbal-worker-{i}")).spawn(move || w.run())?);
     }
+    let acceptor = Acceptor::new(main, shared.clone())?;
+    let acceptor_waker = acceptor.waker.clone();
+    threads.push(std::thread::Builder::new().name("mbal-acceptor".into()).spawn(move || acceptor.run())?);
     tracing::info!(%main_addr, ?worker_addrs, workers, "mbal server ready");
-    Ok(ServerHandle { main_addr, worker_addrs, shared, threads })
+    Ok(ServerHandle { main_addr, worker_addrs, shared, acceptor_waker, threads })
+}
+
+/// The main port's listener thread: accepts connections and hands each to
+/// the worker serving the fewest (ties go round-robin), as memcached's
+/// listener hands connections to its threads. The kernel's SO_REUSEPORT hash
+/// would spread them unevenly.
+struct Acceptor {
+    poll: mio::Poll,
+    listener: mio::net::TcpListener,
+    waker: Arc<mio::Waker>,
+    shared: Arc<Shared>,
+    next: usize,
+}
+
+const ACCEPT: mio::Token = mio::Token(0);
+const ACCEPT_WAKER: mio::Token = mio::Token(1);
+
+impl Acceptor {
+    fn new(listener: std::net::TcpListener, shared: Arc<Shared>) -> Result<Acceptor> {
+        let poll = mio::Poll::new()?;
+        let mut listener = mio::net::TcpListener::from_std(listener);
+        poll.registry().register(&mut listener, ACCEPT, mio::Interest::READABLE)?;
+        let waker = Arc::new(mio::Waker::new(poll.registry(), ACCEPT_WAKER)?);
+        Ok(Acceptor { poll, listener, waker, shared, next: 0 })
+    }
+
+    fn run(mut self) {
+        let mut events = mio::Events::with_capacity(8);
+        while !self.shared.shutdown.load(Ordering::Relaxed) {
+            if let Err(e) = self.poll.poll(&mut events, None) {
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    tracing::error!("acceptor poll failed: {e}");
+                    return;
+                }
+            }
+            self.accept_all();
+        }
+    }
+
+    fn accept_all(&mut self) {
+        loop {
+            let (sock, peer) = match self.listener.accept() {
+                Ok(x) => x,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+                Err(e) => {
+                    // EMFILE and the like: say so, and let the next poll
+                    // retry rather than spin.
+                    tracing::warn!("accept: {e}");
+                    return;
+                }
+            };
+            let shared = &self.shared;
+            if shared.curr_conns.fetch_add(1, Ordering::Relaxed) >= shared.settings.max_conns {
+                shared.curr_conns.fetch_sub(1, Ordering::Relaxed);
+                shared.rejected_conns.fetch_add(1, Ordering::Relaxed);
+                let mut sock = sock;
+                // memcached's answer to one connection too many.
+                let _ = std::io::Write::write(&mut sock, b"ERROR Too many open connections\r\n");
+                continue;
+            }
+            let n = shared.worker_conns.len();
+            let w = (0..n)
+                .map(|i| (self.next + i) % n)
+                .min_by_key(|&w| shared.worker_conns[w].load(Ordering::Relaxed))
+                .unwrap_or(0);
+            self.next = (w + 1) % n;
+            shared.worker_conns[w].fetch_add(1, Ordering::Relaxed);
+            // mio's stream is a plain non-blocking socket: it travels as a
+            // std stream and the worker registers it with its own poll.
+            let std_sock = std::net::TcpStream::from(sock);
+            let peers = shared.peers();
+            if peers.senders[w].send(Envelope::Conn(std_sock, peer)).is_ok() {
+                peers.mailboxes[w].wake();
+            }
+        }
+    }
 }

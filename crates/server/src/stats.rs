@@ -27,6 +27,9 @@ pub struct Counters {
     pub foreign_keys: u64,
     /// Cachelets this worker took over from another worker.
     pub cachelets_adopted: u64,
+    /// Times a connection stopped reading because the worker had
+    /// `max_inflight` forwarded requests unanswered.
+    pub inflight_stalls: u64,
 }
 
 impl Counters {
@@ -44,7 +47,8 @@ impl Counters {
             rejected_connections,
             redirects,
             foreign_keys,
-            cachelets_adopted
+            cachelets_adopted,
+            inflight_stalls
         );
     }
 }
@@ -117,6 +121,8 @@ pub struct ProcessInfo<'a> {
     pub now_unix: u64,
     pub main_port: u16,
     pub worker_ports: &'a [u16],
+    /// Connections the acceptor refused (over `-c`).
+    pub rejected_conns: u64,
 }
 
 fn rusage() -> (f64, f64) {
@@ -176,7 +182,7 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
             sink.stat("max_connections", &s.max_conns);
             sink.stat("curr_connections", &curr_conns);
             sink.stat("total_connections", &c.total_connections);
-            sink.stat("rejected_connections", &c.rejected_connections);
+            sink.stat("rejected_connections", &(c.rejected_connections + p.rejected_conns));
             sink.stat("connection_structures", &curr_conns);
             sink.stat("cmd_get", &st.cmd_get);
             sink.stat("cmd_set", &st.cmd_set);
@@ -308,6 +314,7 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
                 sink.stat(&format!("worker:{n}:curr_connections"), &w.curr_connections);
                 sink.stat(&format!("worker:{n}:forwarded_out"), &w.counters.forwarded_out);
                 sink.stat(&format!("worker:{n}:forwarded_in"), &w.counters.forwarded_in);
+                sink.stat(&format!("worker:{n}:inflight_stalls"), &w.counters.inflight_stalls);
             }
         }
         _ => return false,

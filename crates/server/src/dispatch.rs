@@ -1,0 +1,552 @@
+//! Dispatch: the one place that routes a parsed request. For each request
+//! (or each key of a multi-get) it decides whether this worker executes it
+//! (`exec`), passes it to the worker that owns the key's cachelet (a
+//! request in this round's batch for that worker, `msg`), redirects a
+//! routed client, or answers for a key another server holds. Keyless
+//! commands (stats, flush_all, `mbal ...`) are handled or broadcast here.
+
+use crate::exec::{self, locate, Ctx, Loc};
+use crate::moves::release;
+use crate::msg::{Envelope, FwdKind, Outbox, ReplyTo};
+use crate::output::{Output, Slot, StatsFormat};
+use crate::stats::Counters;
+use crate::worker::{Own, Shared};
+use mbal_cluster::Layout;
+use mbal_proto::binary::{opcode as op, status as st, write_response, BinReq};
+use mbal_proto::meta::{meta_key, MetaKind};
+use mbal_proto::text::{self, TextCmd};
+use mbal_proto::{Protocol, Request};
+use mbal_store::WorkerStore;
+use std::io::Write;
+use std::sync::atomic::Ordering;
+
+/// What the connection should do after a request.
+pub(crate) enum Action {
+    None,
+    Close,
+    Shutdown,
+    /// The connection opted in to routing hints (`mbal hello`).
+    Routed,
+}
+
+/// Routing state for one connection's request.
+pub(crate) struct Route<'a> {
+    pub worker: usize,
+    pub conn: usize,
+    pub gen: u64,
+    pub owner: &'a mut [Own],
+    pub server: u16,
+    /// The connection opted in to redirects.
+    pub routed: bool,
+    pub outbox: &'a mut [Outbox],
+    pub counters: &'a mut Counters,
+    /// Requests this worker forwarded and has no reply for yet.
+    pub inflight: &'a mut usize,
+    /// Stats gathers that still need this worker's own snapshot.
+    pub self_stats: &'a mut Vec<(usize, u64, bool)>,
+}
+
+impl Route<'_> {
+    fn dest(&self, at: Loc) -> Dest {
+        let Own { server: s, worker: w, .. } = self.owner[at.cachelet as usize];
+        if s != self.server {
+            Dest::Server(s, w)
+        } else if w as usize == self.worker {
+            Dest::Here
+        } else {
+            Dest::Worker(w as usize)
+        }
+    }
+
+    /// Reserve an output slot and append a request for worker `to` to this
+    /// round's batch; `write` puts its bytes straight into the batch.
+    fn forward(
+        &mut self,
+        output: &mut Output,
+        to: usize,
+        cachelet: u32,
+        kind: FwdKind,
+        write: impl FnOnce(&mut Vec<u8>),
+    ) {
+        let seq = output.push(Slot::Wait);
+        self.counters.forwarded_out += 1;
+        *self.inflight += 1;
+        let reply = ReplyTo { worker: self.worker, conn: self.conn, gen: self.gen, seq };
+        self.outbox[to].reqs().push(reply, cachelet, kind, write);
+    }
+
+    fn reply_to(&self, seq: u64) -> ReplyTo {
+        ReplyTo { worker: self.worker, conn: self.conn, gen: self.gen, seq }
+    }
+}
+
+/// The bytes of `all` from the start of `first` to the end of `last`, two
+/// keys that `all` (a get line's key list) contains, `first` not after `last`.
+fn span<'a>(all: &'a [u8], first: &[u8], last: &[u8]) -> &'a [u8] {
+    let start = first.as_ptr() as usize - all.as_ptr() as usize;
+    let end = last.as_ptr() as usize - all.as_ptr() as usize + last.len();
+    &all[start..end]
+}
+
+pub(crate) fn text_key<'a>(cmd: &TextCmd<'a>) -> Option<&'a [u8]> {
+    match *cmd {
+        TextCmd::Store { key, .. }
+        | TextCmd::Delete { key, .. }
+        | TextCmd::Arith { key, .. }
+        | TextCmd::Touch { key, .. } => Some(key),
+        _ => None,
+    }
+}
+
+/// Where a key's cachelet lives, seen from one worker.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Dest {
+    Here,
+    Worker(usize),
+    Server(u16, u16),
+}
+
+/// The one place that routes: decide for each request (or each key of a
+/// multi-get) whether this worker executes it, passes it to the owning
+/// worker, redirects a routed client, or answers for a key another server
+/// holds.
+pub(crate) fn handle(
+    shared: &Shared,
+    rt: &mut Route,
+    store: &mut WorkerStore,
+    now: u32,
+    output: &mut Output,
+    req: &Request,
+    raw: &[u8],
+) -> Action {
+    let layout = &shared.layout;
+    let settings = &shared.settings;
+    macro_rules! ctx {
+        () => {
+            Ctx { store: &mut *store, layout, settings, counters: &mut *rt.counters, now }
+        };
+    }
+    match req {
+        Request::Text(cmd) => match cmd {
+            TextCmd::Get { keys, cas, touch } => {
+                if rt.routed {
+                    // A routed client sends a get only to the owner of its
+                    // keys; if its map is stale, redirect the whole request.
+                    if let Some(d) = keys.iter().map(|k| rt.dest(locate(layout, k))).find(|d| *d != Dest::Here) {
+                        redirect(shared, rt, output, d);
+                        return Action::None;
+                    }
+                }
+                // Walk keys in order; local keys are answered at once, runs
+                // of consecutive keys of one cachelet another worker owns go
+                // to it as one message. END closes the reply after the last
+                // run. Keys another server holds are misses here.
+                // A run is (owner, cachelet, its first key, its last key);
+                // its bytes are the stretch of the key list between them,
+                // copied into the batch once the run ends.
+                type Run<'k> = Option<(usize, u32, &'k [u8], &'k [u8])>;
+                let kind = FwdKind::Values { cas: *cas, touch: *touch };
+                let all = keys.raw();
+                let send = |rt: &mut Route, output: &mut Output, run: Run| {
+                    if let Some((to, c, first, last)) = run {
+                        rt.forward(output, to, c, kind, |d| d.extend_from_slice(span(all, first, last)));
+                    }
+                };
+                let mut run: Run = None;
+                for key in keys.iter() {
+                    let at = locate(layout, key);
+                    match rt.dest(at) {
+                        Dest::Here => {
+                            send(rt, output, run.take());
+                            exec::text_get_one(&mut ctx!(), key, at, *cas, *touch, output.buf());
+                        }
+                        Dest::Worker(owner) => match &mut run {
+                            Some((_, c, _, last)) if *c == at.cachelet => *last = key,
+                            _ => {
+                                send(rt, output, run.take());
+                                run = Some((owner, at.cachelet, key, key));
+                            }
+                        },
+                        Dest::Server(..) => {
+                            send(rt, output, run.take());
+                            rt.counters.foreign_keys += 1
+                        }
+                    }
+                }
+                send(rt, output, run.take());
+                output.buf().extend_from_slice(text::END);
+                Action::None
+            }
+            TextCmd::Store { .. } | TextCmd::Delete { .. } | TextCmd::Arith { .. } | TextCmd::Touch { .. } => {
+                let key = text_key(cmd).unwrap();
+                let at = locate(layout, key);
+                let exec = |ctx: &mut Ctx, out: &mut Vec<u8>| exec::text_keyed(ctx, cmd, at, out);
+                route_keyed(shared, rt, store, now, output, at, Protocol::Text, raw, exec, |out| {
+                    foreign_text(cmd, out)
+                });
+                Action::None
+            }
+            TextCmd::FlushAll { delay, noreply } => {
+                if !settings.flush_enabled {
+                    output.buf().extend_from_slice(b"CLIENT_ERROR flush_all not allowed\r\n");
+                    return Action::None;
+                }
+                flush_all(shared, rt, store, now, *delay);
+                if !noreply {
+                    output.buf().extend_from_slice(text::OK);
+                }
+                Action::None
+            }
+            TextCmd::Version => {
+                mbal_proto::text::write_version(output.buf(), crate::VERSION);
+                Action::None
+            }
+            TextCmd::Verbosity { noreply } => {
+                if !noreply {
+                    output.buf().extend_from_slice(text::OK);
+                }
+                Action::None
+            }
+            TextCmd::Stats { args } => {
+                let group = String::from_utf8_lossy(args).trim().to_string();
+                match group.as_str() {
+                    "reset" => {
+                        reset_stats(rt, store);
+                        output.buf().extend_from_slice(b"RESET\r\n");
+                    }
+                    "" | "settings" | "items" | "slabs" | "conns" | "cachelets" | "workers" => {
+                        gather_stats(shared, rt, output, group, StatsFormat::Text)
+                    }
+                    _ => output.buf().extend_from_slice(b"ERROR\r\n"),
+                }
+                Action::None
+            }
+            TextCmd::Quit => Action::Close,
+            TextCmd::Shutdown => {
+                if settings.shutdown_enabled {
+                    output.buf().extend_from_slice(text::OK);
+                    Action::Shutdown
+                } else {
+                    output.buf().extend_from_slice(b"ERROR: shutdown not enabled\r\n");
+                    Action::None
+                }
+            }
+            TextCmd::Mbal { args } => admin(shared, rt, store, output, args),
+        },
+        Request::Meta(cmd) => {
+            if cmd.kind == MetaKind::Noop {
+                output.buf().extend_from_slice(b"MN\r\n");
+                return Action::None;
+            }
+            let mut scratch = [0u8; 256];
+            let key = match meta_key(cmd, &mut scratch) {
+                Ok(k) => k,
+                Err(e) => {
+                    e.write(output.buf());
+                    return Action::None;
+                }
+            };
+            let at = locate(layout, key);
+            let exec = |ctx: &mut Ctx, out: &mut Vec<u8>| exec::meta_keyed(ctx, cmd, key, at, out);
+            route_keyed(shared, rt, store, now, output, at, Protocol::Text, raw, exec, |out| foreign_meta(cmd, out));
+            Action::None
+        }
+        Request::Bin(breq) => handle_bin(shared, rt, store, now, output, breq, raw),
+    }
+}
+
+/// Route one single-key request: execute it here, redirect a routed client,
+/// pass it to the owning worker, or answer for a key another server holds.
+/// (Binary connections never opt in to routing, so they never redirect.)
+#[allow(clippy::too_many_arguments)]
+fn route_keyed(
+    shared: &Shared,
+    rt: &mut Route,
+    store: &mut WorkerStore,
+    now: u32,
+    output: &mut Output,
+    at: Loc,
+    proto: Protocol,
+    raw: &[u8],
+    exec: impl FnOnce(&mut Ctx, &mut Vec<u8>),
+    foreign: impl FnOnce(&mut Vec<u8>),
+) {
+    match rt.dest(at) {
+        Dest::Here => {
+            let mut ctx =
+                Ctx { store, layout: &shared.layout, settings: &shared.settings, counters: &mut *rt.counters, now };
+            exec(&mut ctx, output.buf())
+        }
+        d if rt.routed => redirect(shared, rt, output, d),
+        Dest::Worker(owner) => {
+            rt.forward(output, owner, at.cachelet, FwdKind::Raw(proto), |d| d.extend_from_slice(raw))
+        }
+        Dest::Server(..) => {
+            rt.counters.foreign_keys += 1;
+            foreign(output.buf())
+        }
+    }
+}
+
+/// `RD <epoch> <server> <worker>`: tell a routed client who owns the key.
+fn redirect(shared: &Shared, rt: &mut Route, output: &mut Output, d: Dest) {
+    let (s, w) = match d {
+        Dest::Here => unreachable!("no redirect to ourselves"),
+        Dest::Worker(w) => (rt.server, w as u16),
+        Dest::Server(s, w) => (s, w),
+    };
+    rt.counters.redirects += 1;
+    let epoch = shared.epoch.load(Ordering::Relaxed);
+    let _ = write!(output.buf(), "RD {epoch} {s} {w}\r\n");
+}
+
+const FOREIGN: &[u8] = b"SERVER_ERROR key is served by another mbal server\r\n";
+
+/// A plain client asked this server for a key another server of the
+/// cluster holds: answer as a memcached that does not hold the key would,
+/// and refuse writes rather than store them in the wrong partition.
+fn foreign_text(cmd: &TextCmd, out: &mut Vec<u8>) {
+    match *cmd {
+        TextCmd::Store { .. } => out.extend_from_slice(FOREIGN),
+        TextCmd::Delete { noreply: false, .. }
+        | TextCmd::Arith { noreply: false, .. }
+        | TextCmd::Touch { noreply: false, .. } => out.extend_from_slice(text::NOT_FOUND),
+        _ => {}
+    }
+}
+
+fn foreign_meta(cmd: &mbal_proto::meta::MetaCmd, out: &mut Vec<u8>) {
+    let quiet = cmd.flags.has(b'q');
+    match cmd.kind {
+        MetaKind::Set => out.extend_from_slice(FOREIGN),
+        MetaKind::Get | MetaKind::Debug if !quiet => out.extend_from_slice(b"EN\r\n"),
+        MetaKind::Delete | MetaKind::Arith if !quiet => out.extend_from_slice(b"NF\r\n"),
+        _ => {}
+    }
+}
+
+/// `mbal <args>`: the extension commands of docs/protocol.md.
+fn admin(shared: &Shared, rt: &mut Route, store: &mut WorkerStore, output: &mut Output, args: &[u8]) -> Action {
+    let args = String::from_utf8_lossy(args);
+    let mut it = args.split_whitespace();
+    match (it.next(), it.next(), it.next(), it.next()) {
+        (Some("hello"), Some(epoch), None, None) if epoch.parse::<u64>().is_ok() => {
+            let e = shared.epoch.load(Ordering::Relaxed);
+            let _ = write!(output.buf(), "MBAL {} {} {e}\r\n", rt.server, rt.worker);
+            Action::Routed
+        }
+        (Some("map"), None, ..) => {
+            let map = shared.map.lock().unwrap_or_else(|p| p.into_inner());
+            let json = map.to_json();
+            let buf = output.buf();
+            let _ = write!(buf, "MAP {} {}\r\n", map.epoch(), json.len());
+            buf.extend_from_slice(json.as_bytes());
+            buf.extend_from_slice(b"\r\n");
+            Action::None
+        }
+        (Some("move"), Some(c), Some(w), None) => {
+            let (Ok(c), Ok(to)) = (c.parse::<u32>(), w.parse::<usize>()) else {
+                output.buf().extend_from_slice(b"CLIENT_ERROR usage: mbal move <cachelet> <worker>\r\n");
+                return Action::None;
+            };
+            if c as usize >= rt.owner.len() || to >= shared.settings.threads {
+                output.buf().extend_from_slice(b"CLIENT_ERROR no such cachelet or worker\r\n");
+                return Action::None;
+            }
+            let Own { server: s, worker: from, .. } = rt.owner[c as usize];
+            if s != rt.server {
+                output.buf().extend_from_slice(b"CLIENT_ERROR cachelet is not on this server\r\n");
+                return Action::None;
+            }
+            if from as usize == to {
+                let e = shared.epoch.load(Ordering::Relaxed);
+                let _ = write!(output.buf(), "MOVED {e}\r\n");
+                return Action::None;
+            }
+            let reply = rt.reply_to(output.push(Slot::Wait));
+            *rt.inflight += 1;
+            if from as usize == rt.worker {
+                // `to != from` was checked above, so the adopter answers.
+                let epoch = shared.epoch.load(Ordering::Relaxed);
+                let done = release(rt.worker, store, rt.owner, rt.outbox, epoch, c, to, reply);
+                debug_assert!(done.is_none());
+            } else {
+                rt.outbox[from as usize].push(Envelope::Release { cachelet: c, to, reply });
+            }
+            Action::None
+        }
+        (Some("debug"), Some("stall"), Some(w), Some(ms)) if shared.settings.debug_commands => {
+            match (w.parse::<usize>(), ms.parse::<u64>()) {
+                (Ok(w), Ok(ms)) if w < shared.settings.threads && w != rt.worker => {
+                    rt.outbox[w].push(Envelope::Stall { ms });
+                    output.buf().extend_from_slice(text::OK);
+                }
+                _ => output.buf().extend_from_slice(b"CLIENT_ERROR usage: mbal debug stall <other worker> <ms>\r\n"),
+            }
+            Action::None
+        }
+        _ => {
+            output.buf().extend_from_slice(
+                b"CLIENT_ERROR unknown mbal command (hello <epoch> | map | move <cachelet> <worker>)\r\n",
+            );
+            Action::None
+        }
+    }
+}
+
+pub(crate) fn handle_bin(
+    shared: &Shared,
+    rt: &mut Route,
+    store: &mut WorkerStore,
+    now: u32,
+    output: &mut Output,
+    req: &BinReq,
+    raw: &[u8],
+) -> Action {
+    let h = &req.header;
+    let layout = &shared.layout;
+    let settings = &shared.settings;
+    match h.opcode {
+        op::NOOP => {
+            write_response(output.buf(), op::NOOP, st::NO_ERROR, h.opaque, 0, &[], &[], &[]);
+            Action::None
+        }
+        op::VERSION => {
+            write_response(output.buf(), op::VERSION, st::NO_ERROR, h.opaque, 0, &[], &[], crate::VERSION.as_bytes());
+            Action::None
+        }
+        op::VERBOSITY => {
+            write_response(output.buf(), op::VERBOSITY, st::NO_ERROR, h.opaque, 0, &[], &[], &[]);
+            Action::None
+        }
+        op::QUIT | op::QUITQ => {
+            if h.opcode == op::QUIT {
+                write_response(output.buf(), op::QUIT, st::NO_ERROR, h.opaque, 0, &[], &[], &[]);
+            }
+            Action::Close
+        }
+        op::FLUSH | op::FLUSHQ => {
+            if !settings.flush_enabled {
+                write_response(output.buf(), h.opcode, st::EINVAL, h.opaque, 0, &[], &[], b"Flush not allowed");
+                return Action::None;
+            }
+            let delay = match req.flush_delay() {
+                Ok(d) => d,
+                Err(e) => {
+                    e.write(output.buf());
+                    return Action::None;
+                }
+            };
+            flush_all(shared, rt, store, now, delay as i64);
+            if h.opcode == op::FLUSH {
+                write_response(output.buf(), op::FLUSH, st::NO_ERROR, h.opaque, 0, &[], &[], &[]);
+            }
+            Action::None
+        }
+        op::STAT => {
+            let group = String::from_utf8_lossy(req.key).to_string();
+            if group == "reset" {
+                reset_stats(rt, store);
+                write_response(output.buf(), op::STAT, st::NO_ERROR, h.opaque, 0, &[], &[], &[]);
+            } else {
+                gather_stats(shared, rt, output, group, StatsFormat::Binary { opaque: h.opaque });
+            }
+            Action::None
+        }
+        _ => {
+            let at = locate(layout, req.key);
+            let exec = |ctx: &mut Ctx, out: &mut Vec<u8>| exec::bin_keyed(ctx, req, at, out);
+            route_keyed(shared, rt, store, now, output, at, Protocol::Binary, raw, exec, |out| foreign_bin(req, out));
+            Action::None
+        }
+    }
+}
+
+fn foreign_bin(req: &BinReq, out: &mut Vec<u8>) {
+    let h = &req.header;
+    match h.opcode {
+        op::GETQ | op::GETKQ | op::GATQ | op::GATKQ => {}
+        o if mbal_proto::binary::is_store(o) => write_response(
+            out,
+            h.opcode,
+            st::NOT_STORED,
+            h.opaque,
+            0,
+            &[],
+            &[],
+            b"Key is served by another mbal server",
+        ),
+        _ => write_response(out, h.opcode, st::KEY_ENOENT, h.opaque, 0, &[], &[], b"Not found"),
+    }
+}
+
+/// `stats reset` on every worker of the server.
+fn reset_stats(rt: &mut Route, store: &mut WorkerStore) {
+    *rt.counters = Counters::default();
+    store.reset_stats();
+    for (w, ob) in rt.outbox.iter_mut().enumerate() {
+        if w != rt.worker {
+            ob.push(Envelope::ResetStats);
+        }
+    }
+}
+
+/// Delete a key wherever it lives in this server (no reply).
+pub(crate) fn unlink(
+    layout: &Layout,
+    rt: &mut Route,
+    store: &mut WorkerStore,
+    now: u32,
+    output: &mut Output,
+    key: &[u8],
+) {
+    let at = locate(layout, key);
+    match rt.dest(at) {
+        Dest::Here => {
+            store.delete(at.cachelet, at.hash, key, None, now);
+        }
+        Dest::Worker(owner) => {
+            rt.forward(output, owner, at.cachelet, FwdKind::Raw(Protocol::Text), |d| {
+                d.extend_from_slice(b"delete ");
+                d.extend_from_slice(key);
+                d.extend_from_slice(b" noreply\r\n");
+            });
+        }
+        Dest::Server(..) => {}
+    }
+}
+
+/// flush_all [delay]: every worker invalidates items set at or before
+/// `now + delay`; peers get the order through the same FIFO channel as
+/// this connection's forwarded requests, so later requests see it.
+fn flush_all(shared: &Shared, rt: &mut Route, store: &mut WorkerStore, now: u32, delay: i64) {
+    rt.counters.cmd_flush += 1;
+    let at = if delay <= 0 {
+        now
+    } else {
+        mbal_store::rel_exptime(delay, now, shared.start_unix).filter(|&t| t != 0).unwrap_or(now)
+    };
+    store.flush_all(at);
+    for (w, ob) in rt.outbox.iter_mut().enumerate() {
+        if w != rt.worker {
+            ob.push(Envelope::Flush { at });
+        }
+    }
+}
+
+fn gather_stats(shared: &Shared, rt: &mut Route, output: &mut Output, group: String, format: StatsFormat) {
+    let workers = shared.settings.threads;
+    let want_conns = group == "conns";
+    let seq = output.push(Slot::Gather { group, format, remaining: workers, snaps: Vec::with_capacity(workers) });
+    for (w, ob) in rt.outbox.iter_mut().enumerate() {
+        if w != rt.worker {
+            ob.push(Envelope::StatsReq {
+                to: ReplyTo { worker: rt.worker, conn: rt.conn, gen: rt.gen, seq },
+                want_conns,
+            });
+        }
+    }
+    // This worker's own snapshot is taken once the request is routed
+    // (`finish_self_stats`), when the worker is no longer borrowed.
+    rt.self_stats.push((rt.conn, seq, want_conns));
+}

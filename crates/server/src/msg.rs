@@ -1,0 +1,338 @@
+//! Messages between the workers of one server, and how they travel.
+//!
+//! Everything that crosses from one worker to another is an [`Envelope`] on
+//! the destination's FIFO channel. The data path's messages are batches:
+//! every request a worker forwards to a peer during one event-loop round
+//! (from any of its connections, every run of every multi-get) goes in one
+//! [`ReqBatch`]: descriptors in one `Vec`, the request bytes back to back in
+//! one buffer. The owner executes them in order and answers with one
+//! [`ReplyBatch`] per origin, built the same way. So a round costs one
+//! channel send per destination, no allocation per request, and at most one
+//! wake-up, only when the destination is asleep ([`Mailbox`]).
+//!
+//! Order: [`Outbox::push_req`] and [`Outbox::push_reply`] append to the last
+//! batch only if it is the newest envelope for that destination; a control
+//! envelope (flush_all, a cachelet move) queued in between starts a new
+//! batch after it. A connection's requests therefore reach each peer in the
+//! order the connection sent them, control messages included.
+
+use crate::stats::WorkerSnapshot;
+use crossbeam_channel::{Receiver, Sender};
+use mbal_proto::Protocol;
+use mbal_store::Cachelet;
+use mio::Waker;
+use std::sync::atomic::{fence, AtomicBool, Ordering};
+use std::sync::Arc;
+
+/// What a forwarded request asks the owner to do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FwdKind {
+    /// Parse and execute these bytes (one complete request).
+    Raw(Protocol),
+    /// Keys (space-separated) of a text multi-get, all of one cachelet:
+    /// answer VALUE blocks only (the origin writes END after the last run).
+    Values { cas: bool, touch: Option<i64> },
+}
+
+/// Where a reply goes: a connection's output slot on the origin worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ReplyTo {
+    pub worker: usize,
+    pub conn: usize,
+    pub gen: u64,
+    pub seq: u64,
+}
+
+/// One forwarded request: its bytes are `data[prev.end..end]` of its batch.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct FwdReq {
+    pub to: ReplyTo,
+    pub cachelet: u32,
+    pub kind: FwdKind,
+    end: u32,
+}
+
+/// Requests for one destination worker, in the order they were sent.
+#[derive(Default, Debug)]
+pub(crate) struct ReqBatch {
+    reqs: Vec<FwdReq>,
+    data: Vec<u8>,
+}
+
+impl ReqBatch {
+    /// Append a request whose bytes `write` produces.
+    pub fn push(&mut self, to: ReplyTo, cachelet: u32, kind: FwdKind, write: impl FnOnce(&mut Vec<u8>)) {
+        write(&mut self.data);
+        let end = u32::try_from(self.data.len()).expect("a request batch stays below 4 GiB");
+        self.reqs.push(FwdReq { to, cachelet, kind, end });
+    }
+
+    /// The requests with their bytes, in order.
+    pub fn iter(&self) -> impl Iterator<Item = (&FwdReq, &[u8])> {
+        let mut start = 0usize;
+        self.reqs.iter().map(move |r| {
+            let b = &self.data[start..r.end as usize];
+            start = r.end as usize;
+            (r, b)
+        })
+    }
+}
+
+/// One reply: its bytes are `data[prev.end..end]` of its batch.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ReplyItem {
+    pub to: ReplyTo,
+    end: u32,
+}
+
+/// Replies for one origin worker, in the order they were produced.
+#[derive(Default, Debug)]
+pub(crate) struct ReplyBatch {
+    items: Vec<ReplyItem>,
+    data: Vec<u8>,
+}
+
+impl ReplyBatch {
+    /// Append a reply written by `write` straight into the batch buffer.
+    pub fn push(&mut self, to: ReplyTo, write: impl FnOnce(&mut Vec<u8>)) {
+        write(&mut self.data);
+        let end = u32::try_from(self.data.len()).expect("a reply batch stays below 4 GiB");
+        self.items.push(ReplyItem { to, end });
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&ReplyItem, &[u8])> {
+        let mut start = 0usize;
+        self.items.iter().map(move |r| {
+            let b = &self.data[start..r.end as usize];
+            start = r.end as usize;
+            (r, b)
+        })
+    }
+}
+
+/// Messages between workers.
+pub(crate) enum Envelope {
+    /// Requests to execute here (or pass along if their cachelet moved on).
+    Reqs(ReqBatch),
+    /// Replies to requests this worker forwarded.
+    Replies(ReplyBatch),
+    /// A connection accepted on the main port, handed to this worker.
+    Conn(std::net::TcpStream, std::net::SocketAddr),
+    Flush {
+        at: u32,
+    },
+    StatsReq {
+        to: ReplyTo,
+        want_conns: bool,
+    },
+    StatsResp {
+        to: ReplyTo,
+        snap: Box<WorkerSnapshot>,
+    },
+    ResetStats,
+    /// Give cachelet `cachelet` to worker `to` (sent to its current owner).
+    Release {
+        cachelet: u32,
+        to: usize,
+        reply: ReplyTo,
+    },
+    /// Take ownership of a cachelet (its items come along, nothing is copied).
+    Adopt {
+        cachelet: Box<Cachelet>,
+        ver: u32,
+        reply: ReplyTo,
+    },
+    /// Cachelet `cachelet` is now owned by worker `worker` (move number `ver`).
+    Owner {
+        cachelet: u32,
+        worker: usize,
+        ver: u32,
+    },
+    /// Test hook (`--enable-debug`): stop serving for this long.
+    Stall {
+        ms: u64,
+    },
+}
+
+/// Envelopes queued for one destination during a round.
+#[derive(Default)]
+pub(crate) struct Outbox {
+    queue: Vec<Envelope>,
+}
+
+impl Outbox {
+    pub fn is_empty(&self) -> bool {
+        self.queue.is_empty()
+    }
+
+    pub fn push(&mut self, env: Envelope) {
+        self.queue.push(env);
+    }
+
+    /// The request batch to append to: the newest envelope if it is one.
+    pub fn reqs(&mut self) -> &mut ReqBatch {
+        if !matches!(self.queue.last(), Some(Envelope::Reqs(_))) {
+            self.queue.push(Envelope::Reqs(ReqBatch::default()));
+        }
+        match self.queue.last_mut() {
+            Some(Envelope::Reqs(b)) => b,
+            _ => unreachable!("just pushed"),
+        }
+    }
+
+    /// The reply batch to append to: the newest envelope if it is one.
+    pub fn replies(&mut self) -> &mut ReplyBatch {
+        if !matches!(self.queue.last(), Some(Envelope::Replies(_))) {
+            self.queue.push(Envelope::Replies(ReplyBatch::default()));
+        }
+        match self.queue.last_mut() {
+            Some(Envelope::Replies(b)) => b,
+            _ => unreachable!("just pushed"),
+        }
+    }
+
+    pub fn drain(&mut self) -> std::vec::Drain<'_, Envelope> {
+        self.queue.drain(..)
+    }
+}
+
+/// The receiving end of a worker's channel, plus whether it sleeps.
+///
+/// A worker that is about to block in `epoll_wait` sets `sleeping`, then
+/// looks at its channel once more; a sender pushes, then clears `sleeping`
+/// and wakes the worker only if it was set. The two SeqCst fences order each
+/// side's store before its load (the Dekker pattern), so one of them always
+/// sees the other: either the worker finds the message before sleeping, or
+/// the sender sees the flag and wakes it. A busy worker costs its senders no
+/// system call at all.
+pub(crate) struct Mailbox {
+    sleeping: AtomicBool,
+    waker: Waker,
+}
+
+impl Mailbox {
+    pub fn new(waker: Waker) -> Mailbox {
+        Mailbox { sleeping: AtomicBool::new(false), waker }
+    }
+
+    /// Sender side, after its envelopes are on the channel.
+    pub fn notify(&self) {
+        fence(Ordering::SeqCst);
+        if self.sleeping.load(Ordering::Relaxed) && self.sleeping.swap(false, Ordering::AcqRel) {
+            let _ = self.waker.wake();
+        }
+    }
+
+    /// Wake the worker whether or not it sleeps (shutdown, new connection).
+    pub fn wake(&self) {
+        let _ = self.waker.wake();
+    }
+
+    /// Worker side: may it block? Sets the flag, then checks the channel.
+    pub fn prepare_sleep(&self, inbox: &Receiver<Envelope>) -> bool {
+        self.sleeping.store(true, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        if inbox.is_empty() {
+            true
+        } else {
+            self.sleeping.store(false, Ordering::Relaxed);
+            false
+        }
+    }
+
+    /// Worker side, once awake.
+    pub fn awake(&self) {
+        self.sleeping.store(false, Ordering::Relaxed);
+    }
+}
+
+/// Every worker's channel and mailbox, indexed by worker.
+pub(crate) struct Peers {
+    pub senders: Vec<Sender<Envelope>>,
+    pub mailboxes: Vec<Arc<Mailbox>>,
+}
+
+impl Peers {
+    /// Send what `outboxes` holds, one channel send per envelope (a round
+    /// usually leaves one batch per destination), then notify each
+    /// destination once.
+    pub fn send_all(&self, me: usize, outboxes: &mut [Outbox]) {
+        for (w, ob) in outboxes.iter_mut().enumerate() {
+            if ob.is_empty() {
+                continue;
+            }
+            debug_assert_ne!(w, me, "a worker never queues envelopes for itself");
+            for env in ob.drain() {
+                let _ = self.senders[w].send(env);
+            }
+            self.mailboxes[w].notify();
+        }
+    }
+
+    pub fn wake_all(&self) {
+        for m in &self.mailboxes {
+            m.wake();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn to(seq: u64) -> ReplyTo {
+        ReplyTo { worker: 0, conn: 1, gen: 2, seq }
+    }
+
+    #[test]
+    fn batches_keep_order_and_bytes() {
+        let mut b = ReqBatch::default();
+        b.push(to(1), 7, FwdKind::Raw(Protocol::Text), |d| d.extend_from_slice(b"get a\r\n"));
+        b.push(to(2), 8, FwdKind::Values { cas: true, touch: None }, |d| d.extend_from_slice(b"k1 k2"));
+        b.push(to(3), 9, FwdKind::Raw(Protocol::Text), |_| {});
+        let got: Vec<(u64, u32, Vec<u8>)> = b.iter().map(|(r, d)| (r.to.seq, r.cachelet, d.to_vec())).collect();
+        assert_eq!(got, vec![(1, 7, b"get a\r\n".to_vec()), (2, 8, b"k1 k2".to_vec()), (3, 9, vec![])]);
+
+        let mut r = ReplyBatch::default();
+        r.push(to(5), |d| d.extend_from_slice(b"END\r\n"));
+        r.push(to(6), |_| {});
+        r.push(to(7), |d| d.extend_from_slice(b"STORED\r\n"));
+        let got: Vec<(u64, Vec<u8>)> = r.iter().map(|(i, d)| (i.to.seq, d.to_vec())).collect();
+        assert_eq!(got, vec![(5, b"END\r\n".to_vec()), (6, vec![]), (7, b"STORED\r\n".to_vec())]);
+    }
+
+    #[test]
+    fn outbox_coalesces_only_adjacent_batches() {
+        let mut ob = Outbox::default();
+        ob.reqs().push(to(1), 0, FwdKind::Raw(Protocol::Text), |d| d.push(b'a'));
+        ob.reqs().push(to(2), 0, FwdKind::Raw(Protocol::Text), |d| d.push(b'b'));
+        ob.push(Envelope::Flush { at: 3 });
+        ob.reqs().push(to(3), 0, FwdKind::Raw(Protocol::Text), |d| d.push(b'c'));
+        ob.replies().push(to(4), |d| d.push(b'r'));
+        let kinds: Vec<String> = ob
+            .drain()
+            .map(|e| match e {
+                Envelope::Reqs(b) => format!("reqs{}", b.iter().count()),
+                Envelope::Replies(b) => format!("replies{}", b.iter().count()),
+                Envelope::Flush { .. } => "flush".into(),
+                _ => "other".into(),
+            })
+            .collect();
+        assert_eq!(kinds, ["reqs2", "flush", "reqs1", "replies1"]);
+    }
+
+    #[test]
+    fn mailbox_wakes_only_a_sleeper() {
+        let poll = mio::Poll::new().unwrap();
+        let m = Mailbox::new(Waker::new(poll.registry(), mio::Token(0)).unwrap());
+        let (tx, rx) = crossbeam_channel::unbounded();
+        assert!(m.prepare_sleep(&rx));
+        m.notify(); // clears the flag (and wakes)
+        assert!(!m.sleeping.load(Ordering::Relaxed));
+        m.notify(); // not asleep: nothing to do
+        tx.send(Envelope::ResetStats).unwrap();
+        assert!(!m.prepare_sleep(&rx), "a queued message keeps the worker awake");
+        assert!(!m.sleeping.load(Ordering::Relaxed));
+        m.awake();
+    }
+}

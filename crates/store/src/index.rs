@@ -87,7 +87,10 @@ impl Index {
         }
         let (t, mask) = (tag(hash), self.mask());
         let mut b = hash as usize & mask;
-        loop {
+        // Every bucket can have `over > 0` at once (in a small table, items
+        // displaced both ways round the ring): a miss then stops after one
+        // lap instead of going round for ever.
+        for _ in 0..self.buckets.len() {
             let bk = &self.buckets[b];
             for &s in &bk.slot {
                 if slot_tag(s) == t {
@@ -102,6 +105,7 @@ impl Index {
             }
             b = (b + 1) & mask;
         }
+        None
     }
 
     /// Bucket and slot of the entry `(hash, seg, off)`.
@@ -111,7 +115,7 @@ impl Index {
         }
         let (want, mask) = (pack(hash, seg, off), self.mask());
         let mut b = hash as usize & mask;
-        loop {
+        for _ in 0..self.buckets.len() {
             let bk = &self.buckets[b];
             if let Some(i) = bk.slot.iter().position(|&s| s == want) {
                 return Some((b, i));
@@ -121,6 +125,7 @@ impl Index {
             }
             b = (b + 1) & mask;
         }
+        None
     }
 
     /// Add an entry (the caller knows the key is not indexed yet). `hash_of(seg, off)` gives
@@ -257,6 +262,32 @@ mod tests {
             assert_ne!(p, 0);
             assert_eq!(slot_tag(pack(0, s, o)), 1);
         }
+    }
+
+    #[test]
+    fn a_miss_ends_when_every_bucket_was_passed() {
+        // Two buckets, each holding items displaced from the other: both
+        // counts are non-zero, and a lookup of an absent key must still end.
+        let mut ix = Index::new();
+        ix.buckets = vec![Bucket::default(); 2];
+        for i in 0..SLOTS as u32 {
+            ix.place(pack(0x10, 0, i * 8), 0x10); // home 0
+        }
+        ix.place(pack(0x10, 1, 0), 0x10); // home 0, displaced into 1
+        for i in 1..4u32 {
+            ix.place(pack(0x11, 1, i * 8), 0x11); // home 1
+        }
+        ix.len = SLOTS + 4;
+        // Free a slot of bucket 0 and displace an item homed at 1 into it.
+        assert!(ix.remove(0x10, 0, 0));
+        for i in 4..7u32 {
+            ix.place(pack(0x11, 1, i * 8), 0x11);
+        }
+        ix.place(pack(0x11, 2, 0), 0x11); // bucket 1 full: goes round to 0
+        assert!(ix.buckets.iter().all(|b| b.over > 0), "both buckets passed");
+        assert_eq!(ix.find(0x5_0000_0000_0010, |_, _| true), None, "absent tag: a miss, in one lap");
+        assert_eq!(ix.find(0x10, |s, o| (s, o) == (1, 0)), Some((1, 0)));
+        assert!(ix.position(0x12, 9, 8).is_none());
     }
 
     #[test]

@@ -6,11 +6,11 @@
 //! commands (stats, flush_all, `mbal ...`) are handled or broadcast here.
 
 use crate::exec::{self, locate, Ctx, Loc};
-use crate::moves::release;
+use crate::moves::{release, Own, Parked, Tables};
 use crate::msg::{Envelope, FwdKind, Outbox, ReplyTo};
 use crate::output::{Output, Slot, StatsFormat};
 use crate::stats::Counters;
-use crate::worker::{Own, Shared};
+use crate::worker::Shared;
 use mbal_cluster::Layout;
 use mbal_proto::binary::{opcode as op, status as st, write_response, BinReq};
 use mbal_proto::meta::{meta_key, MetaKind};
@@ -34,7 +34,7 @@ pub(crate) struct Route<'a> {
     pub worker: usize,
     pub conn: usize,
     pub gen: u64,
-    pub owner: &'a mut [Own],
+    pub tables: &'a mut Tables,
     pub server: u16,
     /// The connection opted in to redirects.
     pub routed: bool,
@@ -48,7 +48,7 @@ pub(crate) struct Route<'a> {
 
 impl Route<'_> {
     fn dest(&self, at: Loc) -> Dest {
-        let Own { server: s, worker: w, .. } = self.owner[at.cachelet as usize];
+        let (s, w) = self.tables.route(at.cachelet);
         if s != self.server {
             Dest::Server(s, w)
         } else if w as usize == self.worker {
@@ -72,7 +72,17 @@ impl Route<'_> {
         self.counters.forwarded_out += 1;
         *self.inflight += 1;
         let reply = ReplyTo { worker: self.worker, conn: self.conn, gen: self.gen, seq };
-        self.outbox[to].reqs().push(reply, cachelet, kind, write);
+        if self.tables.is_parked(cachelet) {
+            // Earlier requests for this cachelet wait for its route to
+            // settle after a move: queue behind them (see `moves`).
+            let mut bytes = Vec::new();
+            write(&mut bytes);
+            self.tables.park(cachelet, Parked { to: reply, kind, bytes });
+        } else {
+            self.tables.sent(cachelet);
+            let stamp = self.tables.stamp(cachelet);
+            self.outbox[to].reqs().push(reply, cachelet, stamp, kind, write);
+        }
     }
 
     fn reply_to(&self, seq: u64) -> ReplyTo {
@@ -349,11 +359,11 @@ fn admin(shared: &Shared, rt: &mut Route, store: &mut WorkerStore, output: &mut 
                 output.buf().extend_from_slice(b"CLIENT_ERROR usage: mbal move <cachelet> <worker>\r\n");
                 return Action::None;
             };
-            if c as usize >= rt.owner.len() || to >= shared.settings.threads {
+            if c as usize >= rt.tables.len() || to >= shared.settings.threads {
                 output.buf().extend_from_slice(b"CLIENT_ERROR no such cachelet or worker\r\n");
                 return Action::None;
             }
-            let Own { server: s, worker: from, .. } = rt.owner[c as usize];
+            let Own { server: s, worker: from, .. } = rt.tables.owner[c as usize];
             if s != rt.server {
                 output.buf().extend_from_slice(b"CLIENT_ERROR cachelet is not on this server\r\n");
                 return Action::None;
@@ -368,7 +378,7 @@ fn admin(shared: &Shared, rt: &mut Route, store: &mut WorkerStore, output: &mut 
             if from as usize == rt.worker {
                 // `to != from` was checked above, so the adopter answers.
                 let epoch = shared.epoch.load(Ordering::Relaxed);
-                let done = release(rt.worker, store, rt.owner, rt.outbox, epoch, c, to, reply);
+                let done = release(rt.worker, store, rt.tables, rt.outbox, shared.peers(), epoch, c, to, reply);
                 debug_assert!(done.is_none());
             } else {
                 rt.outbox[from as usize].push(Envelope::Release { cachelet: c, to, reply });

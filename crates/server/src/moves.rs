@@ -1,18 +1,205 @@
-//! The server-local move protocol: a cachelet changes worker by messages
-//! (release at the old owner, adopt at the new one, owner notices to the
-//! rest), each ownership table versioned so a late notice never undoes a
-//! newer move. Driven by `mbal move` (`dispatch::admin`).
+//! The server-local move protocol, and each worker's view of who owns what.
+//!
+//! A cachelet changes worker by messages: `Release` at the old owner (it
+//! takes the cachelet out of its store and sends it on), `Adopt` at the new
+//! one (it puts it in its store and tells every other worker with `Owner`
+//! notices, once it really owns it). Tables are versioned (`ver` counts the
+//! cachelet's moves) so a late notice never undoes a newer one. Driven by
+//! `mbal move` (`dispatch::admin`) and, later, by the balancer.
+//!
+//! Ordering. A connection's requests for one cachelet must execute in the
+//! order sent, even when the cachelet moves while some are in flight. So:
+//! * every forwarded request carries the version of the cachelet's owner
+//!   its origin routed it by (`stamp`); a worker executes it only if it owns
+//!   the cachelet at exactly that version, and otherwise does not pass it on
+//!   but *bounces* it back to the origin (bytes and all). A worker learns
+//!   of an owner only after the owner has the cachelet (the adopter
+//!   announces itself; a releaser puts the `Adopt` on the adopter's channel
+//!   before it bounces anything), so a request stamped with a version never
+//!   reaches the owner before that version's adoption; and an owner at a
+//!   newer version (a cachelet that went away and came back) bounces the
+//!   stale stamps instead of running them ahead of their bounced elders;
+//! * the origin keeps, per cachelet, how many of its requests are in flight
+//!   (`Tables::inflight`) and the route it sends them on (`Tables::route`).
+//!   A newer owner it learns of becomes the route only when nothing is in
+//!   flight for that cachelet; until then bounced requests, and any newer
+//!   requests for the cachelet, wait parked in arrival order, and are sent
+//!   again, in order, on the new route.
+//!
+//! Every request of one origin for one cachelet therefore travels one FIFO
+//! channel to one worker at a time, and a route changes only between two
+//! requests none of which is still travelling.
 
-use crate::msg::{Envelope, Outbox, ReplyTo};
-use crate::worker::Own;
+use crate::msg::{Envelope, FwdKind, Outbox, Peers, ReplyTo};
+use mbal_cluster::Layout;
 use mbal_store::WorkerStore;
+use std::collections::{HashMap, VecDeque};
+
+/// Who owns a cachelet, as one worker knows it. `ver` counts the moves of
+/// the cachelet inside this server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Own {
+    pub server: u16,
+    pub worker: u16,
+    pub ver: u32,
+}
+
+/// A forwarded request waiting for its cachelet's route to settle.
+#[derive(Debug)]
+pub(crate) struct Parked {
+    pub to: ReplyTo,
+    pub kind: FwdKind,
+    pub bytes: Vec<u8>,
+}
+
+/// One worker's ownership tables. Only that worker touches them.
+pub(crate) struct Tables {
+    me: u16,
+    /// The newest owner this worker knows of, per cachelet.
+    pub owner: Vec<Own>,
+    /// The worker this worker sends a cachelet's requests to (itself: it
+    /// executes them) and the owner's version they are stamped with.
+    /// Follows `owner` when nothing is in flight.
+    route: Vec<(u16, u32)>,
+    /// This worker's forwarded requests in flight, per cachelet.
+    inflight: Vec<u32>,
+    /// Requests waiting for a route change, per cachelet (only while a
+    /// cachelet that moved still has requests in flight: rare): those that
+    /// bounced, in the order they come back (the order they were sent, as
+    /// all of them took one route), and newer ones that were never sent.
+    parked: HashMap<u32, (VecDeque<Parked>, VecDeque<Parked>)>,
+}
+
+impl Tables {
+    pub fn new(layout: &Layout, me: usize) -> Tables {
+        let owner: Vec<Own> = (0..layout.cachelet_count())
+            .map(|c| {
+                let (server, worker) = layout.owner(c);
+                Own { server, worker, ver: 0 }
+            })
+            .collect();
+        let route = owner.iter().map(|o| (o.worker, o.ver)).collect();
+        let n = owner.len();
+        Tables { me: me as u16, owner, route, inflight: vec![0; n], parked: HashMap::new() }
+    }
+
+    pub fn len(&self) -> usize {
+        self.owner.len()
+    }
+
+    /// The server owning cachelet `c` and the worker to send its requests
+    /// to now.
+    pub fn route(&self, c: u32) -> (u16, u16) {
+        (self.owner[c as usize].server, self.route[c as usize].0)
+    }
+
+    /// The owner version requests for `c` are stamped with now.
+    pub fn stamp(&self, c: u32) -> u32 {
+        self.route[c as usize].1
+    }
+
+    /// May this worker execute a request for `c` stamped `stamp`? (It owns
+    /// `c`, at that version.)
+    pub fn executes(&self, c: u32, stamp: u32) -> bool {
+        let own = self.owner[c as usize];
+        own.worker == self.me && own.ver == stamp
+    }
+
+    /// Must a new request for `c` wait behind parked ones?
+    pub fn is_parked(&self, c: u32) -> bool {
+        self.parked.contains_key(&c)
+    }
+
+    /// Queue a new request for `c` behind the ones waiting (`is_parked`).
+    pub fn park(&mut self, c: u32, p: Parked) {
+        self.parked.entry(c).or_default().1.push_back(p);
+    }
+
+    /// A request for `c` left for another worker.
+    pub fn sent(&mut self, c: u32) {
+        self.inflight[c as usize] += 1;
+    }
+
+    /// A newer owner (a notice, an adoption, a release, a bounce's hint).
+    /// Returns the parked requests to send again if the route changed.
+    /// A claim that this worker owns `c` is ignored: only `adopted` makes it
+    /// so, once the cachelet is in its store.
+    pub fn learn(&mut self, c: u32, worker: u16, ver: u32) -> Option<VecDeque<Parked>> {
+        let own = &mut self.owner[c as usize];
+        if ver > own.ver && worker != self.me {
+            own.worker = worker;
+            own.ver = ver;
+        }
+        self.settle(c)
+    }
+
+    /// The answer to a request for `c` came back.
+    pub fn answered(&mut self, c: u32) -> Option<VecDeque<Parked>> {
+        let n = &mut self.inflight[c as usize];
+        debug_assert!(*n > 0, "an answer nobody waits for");
+        *n = n.saturating_sub(1);
+        self.settle(c)
+    }
+
+    /// A request for `c` bounced (the worker it reached does not own `c`;
+    /// it believes `hint` does): park it and follow the hint.
+    pub fn bounced(&mut self, c: u32, hint: Own, p: Parked) -> Option<VecDeque<Parked>> {
+        // Sent before anything parked as new: it goes ahead of those.
+        self.parked.entry(c).or_default().0.push_back(p);
+        let n = &mut self.inflight[c as usize];
+        debug_assert!(*n > 0, "a bounce nobody waits for");
+        *n = n.saturating_sub(1);
+        self.learn(c, hint.worker, hint.ver)
+    }
+
+    /// Nothing in flight for `c`: the route follows the newest owner, and
+    /// what was parked goes out on it.
+    fn settle(&mut self, c: u32) -> Option<VecDeque<Parked>> {
+        if self.inflight[c as usize] != 0 {
+            return None;
+        }
+        let own = self.owner[c as usize];
+        self.route[c as usize] = (own.worker, own.ver);
+        let (mut bounced, newer) = self.parked.remove(&c)?;
+        bounced.extend(newer);
+        Some(bounced)
+    }
+
+    /// This worker takes `c` into its store: it owns it from now on.
+    pub fn adopted(&mut self, c: u32, ver: u32) -> Option<VecDeque<Parked>> {
+        let own = &mut self.owner[c as usize];
+        debug_assert!(ver >= own.ver, "an adoption is the newest move of its cachelet");
+        own.worker = self.me;
+        own.ver = ver;
+        self.settle(c)
+    }
+
+    /// This worker gave `c` to `to`; returns the move's version.
+    fn released(&mut self, c: u32, to: u16) -> u32 {
+        let own = &mut self.owner[c as usize];
+        own.worker = to;
+        own.ver += 1;
+        let ver = own.ver;
+        // Usually nothing is in flight (this worker executed its requests
+        // for `c` itself) and the route follows at once; but if it adopted
+        // `c` while its own requests for it still travelled the old route,
+        // those come back first, as everywhere else.
+        let parked = self.settle(c);
+        debug_assert!(parked.is_none(), "parked requests imply requests in flight");
+        ver
+    }
+}
 
 /// Hand a cachelet this worker owns to worker `to`: take it out of the
 /// store (its items come along; nothing is copied), point our own table at
-/// the new owner, send it there, and tell every other worker. The Adopt is
-/// queued before the Owner notices, and a worker that still has the old
-/// owner passes requests along its table, so every request reaches the
-/// cachelet wherever it is.
+/// the new owner and send it there; the adopter tells everyone else.
+///
+/// The `Adopt` goes onto the adopter's channel at once (behind whatever was
+/// queued for it, so this worker's messages to it keep their order), not at
+/// the end of the round: this worker bounces requests for the cachelet from
+/// now on, and an origin that follows a bounce to the adopter must find the
+/// cachelet there. Were the `Adopt` still queued, the adopter could bounce
+/// one request and execute the next one of the same connection.
 ///
 /// Returns the admin reply when it is already known (the cachelet is
 /// already at `to`); otherwise the adopting worker answers.
@@ -20,8 +207,9 @@ use mbal_store::WorkerStore;
 pub(crate) fn release(
     me: usize,
     store: &mut WorkerStore,
-    owner: &mut [Own],
+    tables: &mut Tables,
     outbox: &mut [Outbox],
+    peers: &Peers,
     epoch: u64,
     c: u32,
     to: usize,
@@ -33,20 +221,117 @@ pub(crate) fn release(
     }
     let Some(cachelet) = store.take_cachelet(c) else {
         // Not ours (any more): pass the request on to whoever is.
-        let w = owner[c as usize].worker as usize;
+        let w = tables.owner[c as usize].worker as usize;
         debug_assert_ne!(w, me, "owner table and store disagree");
         outbox[w].push(Envelope::Release { cachelet: c, to, reply });
         return None;
     };
-    let own = &mut owner[c as usize];
-    own.worker = to as u16;
-    own.ver += 1;
-    let ver = own.ver;
+    let ver = tables.released(c, to as u16);
     outbox[to].push(Envelope::Adopt { cachelet, ver, reply });
+    peers.send_now(to, &mut outbox[to]);
+    None
+}
+
+/// The notices an adopter sends: every worker but itself learns the owner.
+pub(crate) fn announce(me: usize, outbox: &mut [Outbox], c: u32, ver: u32) {
     for (w, ob) in outbox.iter_mut().enumerate() {
-        if w != me && w != to {
-            ob.push(Envelope::Owner { cachelet: c, worker: to, ver });
+        if w != me {
+            ob.push(Envelope::Owner { cachelet: c, worker: me, ver });
         }
     }
-    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tables(me: usize) -> Tables {
+        // One server, 2 workers x 2 cachelets, dealt round-robin: 0 and 2 on
+        // worker 0, 1 and 3 on worker 1.
+        Tables::new(&Layout::even(1, 2, 2, 64), me)
+    }
+
+    fn p(seq: u64) -> Parked {
+        Parked {
+            to: ReplyTo { worker: 0, conn: 0, gen: 1, seq },
+            kind: FwdKind::Raw(mbal_proto::Protocol::Text),
+            bytes: vec![],
+        }
+    }
+
+    fn seqs(q: Option<VecDeque<Parked>>) -> Vec<u64> {
+        q.map(|q| q.into_iter().map(|p| p.to.seq).collect()).unwrap_or_default()
+    }
+
+    #[test]
+    fn route_follows_a_notice_at_once_when_nothing_is_in_flight() {
+        let mut t = tables(0);
+        let c = 1;
+        assert_eq!(t.route(c), (0, 1));
+        // Worker 1 moved c to worker 2 (of a larger server, in this table).
+        assert!(t.learn(c, 5, 1).is_none());
+        assert_eq!(t.route(c), (0, 5), "sent to the new owner at once");
+        // A stale notice (older move) changes nothing.
+        assert!(t.learn(c, 1, 0).is_none());
+        assert_eq!(t.route(c), (0, 5));
+        // Nor does a claim that this worker owns it: only an adoption does.
+        assert!(t.learn(c, 0, 7).is_none());
+        assert_eq!(t.route(c), (0, 5));
+        assert!(!t.executes(c, 7));
+        assert!(t.adopted(c, 7).is_none());
+        assert_eq!(t.route(c), (0, 0), "worker 0 now executes it itself");
+        assert_eq!(t.stamp(c), 7);
+        assert!(t.executes(c, 7));
+        assert!(!t.executes(c, 5), "a request stamped with an older owner bounces");
+        assert_eq!(t.owner[c as usize], Own { server: 0, worker: 0, ver: 7 });
+    }
+
+    #[test]
+    fn route_waits_for_requests_in_flight_and_parked_ones_keep_their_order() {
+        let mut t = tables(0);
+        let c = 3;
+        t.sent(c);
+        t.sent(c);
+        // Worker 1 gave c to worker 0 while two requests travel to it.
+        assert!(t.adopted(c, 1).is_none());
+        assert_eq!(t.route(c), (0, 1), "still the old route: requests are in flight");
+        // The first bounces; the second is still out: nothing moves yet.
+        assert!(t.bounced(c, Own { server: 0, worker: 0, ver: 1 }, p(10)).is_none());
+        assert!(t.is_parked(c));
+        // A newer request of the same connection queues behind it.
+        t.park(c, p(12));
+        // The second bounces too: nothing in flight, the route switches and
+        // everything parked comes back in order.
+        assert_eq!(seqs(t.bounced(c, Own { server: 0, worker: 0, ver: 1 }, p(11))), vec![10, 11, 12]);
+        assert_eq!(t.route(c), (0, 0));
+        assert!(!t.is_parked(c));
+    }
+
+    #[test]
+    fn an_answer_that_empties_the_flight_switches_the_route() {
+        let mut t = tables(0);
+        let c = 1;
+        t.sent(c);
+        assert!(t.learn(c, 4, 3).is_none());
+        assert_eq!(t.route(c), (0, 1));
+        assert!(t.answered(c).is_none(), "nothing parked");
+        assert_eq!(t.route(c), (0, 4));
+    }
+
+    #[test]
+    fn release_then_adopt_round_trip() {
+        let mut t0 = tables(0);
+        let mut t1 = tables(1);
+        let v = t0.released(0, 1);
+        assert_eq!(v, 1);
+        assert_eq!(t0.route(0), (0, 1));
+        assert!(t1.adopted(0, v).is_none());
+        assert_eq!(t1.route(0), (0, 1));
+        assert_eq!(t1.owner[0].ver, 1);
+        // And back: versions keep growing.
+        let v2 = t1.released(0, 0);
+        assert_eq!(v2, 2);
+        assert!(t0.adopted(0, v2).is_none());
+        assert_eq!(t0.route(0), (0, 0));
+    }
 }

@@ -16,6 +16,7 @@
 //! batch after it. A connection's requests therefore reach each peer in the
 //! order the connection sent them, control messages included.
 
+use crate::moves::Own;
 use crate::stats::WorkerSnapshot;
 use crossbeam_channel::{Receiver, Sender};
 use mbal_proto::Protocol;
@@ -48,6 +49,8 @@ pub(crate) struct ReplyTo {
 pub(crate) struct FwdReq {
     pub to: ReplyTo,
     pub cachelet: u32,
+    /// The owner version the origin routed it by (see `moves`).
+    pub stamp: u32,
     pub kind: FwdKind,
     end: u32,
 }
@@ -61,10 +64,10 @@ pub(crate) struct ReqBatch {
 
 impl ReqBatch {
     /// Append a request whose bytes `write` produces.
-    pub fn push(&mut self, to: ReplyTo, cachelet: u32, kind: FwdKind, write: impl FnOnce(&mut Vec<u8>)) {
+    pub fn push(&mut self, to: ReplyTo, cachelet: u32, stamp: u32, kind: FwdKind, write: impl FnOnce(&mut Vec<u8>)) {
         write(&mut self.data);
         let end = u32::try_from(self.data.len()).expect("a request batch stays below 4 GiB");
-        self.reqs.push(FwdReq { to, cachelet, kind, end });
+        self.reqs.push(FwdReq { to, cachelet, stamp, kind, end });
     }
 
     /// The requests with their bytes, in order.
@@ -78,11 +81,22 @@ impl ReqBatch {
     }
 }
 
-/// One reply: its bytes are `data[prev.end..end]` of its batch.
+/// One reply: its bytes are `data[prev.end..end]` of its batch. A bounce
+/// carries the request's own bytes back instead (see `moves`).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct ReplyItem {
     pub to: ReplyTo,
+    pub cachelet: u32,
+    pub bounce: Option<Bounce>,
     end: u32,
+}
+
+/// A request returned to its origin: the worker it reached does not own
+/// its cachelet, and believes `hint` does.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Bounce {
+    pub kind: FwdKind,
+    pub hint: Own,
 }
 
 /// Replies for one origin worker, in the order they were produced.
@@ -94,10 +108,18 @@ pub(crate) struct ReplyBatch {
 
 impl ReplyBatch {
     /// Append a reply written by `write` straight into the batch buffer.
-    pub fn push(&mut self, to: ReplyTo, write: impl FnOnce(&mut Vec<u8>)) {
+    pub fn push(&mut self, to: ReplyTo, cachelet: u32, write: impl FnOnce(&mut Vec<u8>)) {
         write(&mut self.data);
         let end = u32::try_from(self.data.len()).expect("a reply batch stays below 4 GiB");
-        self.items.push(ReplyItem { to, end });
+        self.items.push(ReplyItem { to, cachelet, bounce: None, end });
+    }
+
+    /// Return a request to its origin.
+    pub fn bounce(&mut self, req: &FwdReq, bytes: &[u8], hint: Own) {
+        self.data.extend_from_slice(bytes);
+        let end = u32::try_from(self.data.len()).expect("a reply batch stays below 4 GiB");
+        let bounce = Some(Bounce { kind: req.kind, hint });
+        self.items.push(ReplyItem { to: req.to, cachelet: req.cachelet, bounce, end });
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (&ReplyItem, &[u8])> {
@@ -269,6 +291,14 @@ impl Peers {
         }
     }
 
+    /// Send what is queued for worker `w` now, not at the end of the round.
+    pub fn send_now(&self, w: usize, ob: &mut Outbox) {
+        for env in ob.drain() {
+            let _ = self.senders[w].send(env);
+        }
+        self.mailboxes[w].notify();
+    }
+
     pub fn wake_all(&self) {
         for m in &self.mailboxes {
             m.wake();
@@ -287,16 +317,16 @@ mod tests {
     #[test]
     fn batches_keep_order_and_bytes() {
         let mut b = ReqBatch::default();
-        b.push(to(1), 7, FwdKind::Raw(Protocol::Text), |d| d.extend_from_slice(b"get a\r\n"));
-        b.push(to(2), 8, FwdKind::Values { cas: true, touch: None }, |d| d.extend_from_slice(b"k1 k2"));
-        b.push(to(3), 9, FwdKind::Raw(Protocol::Text), |_| {});
+        b.push(to(1), 7, 0, FwdKind::Raw(Protocol::Text), |d| d.extend_from_slice(b"get a\r\n"));
+        b.push(to(2), 8, 0, FwdKind::Values { cas: true, touch: None }, |d| d.extend_from_slice(b"k1 k2"));
+        b.push(to(3), 9, 0, FwdKind::Raw(Protocol::Text), |_| {});
         let got: Vec<(u64, u32, Vec<u8>)> = b.iter().map(|(r, d)| (r.to.seq, r.cachelet, d.to_vec())).collect();
         assert_eq!(got, vec![(1, 7, b"get a\r\n".to_vec()), (2, 8, b"k1 k2".to_vec()), (3, 9, vec![])]);
 
         let mut r = ReplyBatch::default();
-        r.push(to(5), |d| d.extend_from_slice(b"END\r\n"));
-        r.push(to(6), |_| {});
-        r.push(to(7), |d| d.extend_from_slice(b"STORED\r\n"));
+        r.push(to(5), 1, |d| d.extend_from_slice(b"END\r\n"));
+        r.push(to(6), 1, |_| {});
+        r.push(to(7), 1, |d| d.extend_from_slice(b"STORED\r\n"));
         let got: Vec<(u64, Vec<u8>)> = r.iter().map(|(i, d)| (i.to.seq, d.to_vec())).collect();
         assert_eq!(got, vec![(5, b"END\r\n".to_vec()), (6, vec![]), (7, b"STORED\r\n".to_vec())]);
     }
@@ -304,11 +334,11 @@ mod tests {
     #[test]
     fn outbox_coalesces_only_adjacent_batches() {
         let mut ob = Outbox::default();
-        ob.reqs().push(to(1), 0, FwdKind::Raw(Protocol::Text), |d| d.push(b'a'));
-        ob.reqs().push(to(2), 0, FwdKind::Raw(Protocol::Text), |d| d.push(b'b'));
+        ob.reqs().push(to(1), 0, 0, FwdKind::Raw(Protocol::Text), |d| d.push(b'a'));
+        ob.reqs().push(to(2), 0, 0, FwdKind::Raw(Protocol::Text), |d| d.push(b'b'));
         ob.push(Envelope::Flush { at: 3 });
-        ob.reqs().push(to(3), 0, FwdKind::Raw(Protocol::Text), |d| d.push(b'c'));
-        ob.replies().push(to(4), |d| d.push(b'r'));
+        ob.reqs().push(to(3), 0, 0, FwdKind::Raw(Protocol::Text), |d| d.push(b'c'));
+        ob.replies().push(to(4), 0, |d| d.push(b'r'));
         let kinds: Vec<String> = ob
             .drain()
             .map(|e| match e {

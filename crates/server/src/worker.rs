@@ -26,6 +26,7 @@
 use crate::config::{Binding, Settings};
 use crate::dispatch::{self, text_key, Action, Route};
 use crate::exec::{self, locate, Ctx};
+use crate::moves::{self, Parked, Tables};
 use crate::msg::{Envelope, FwdKind, FwdReq, Mailbox, Outbox, Peers, ReplyTo};
 use crate::output::{Output, Slot, StatsFormat};
 use crate::stats::{self, BinSink, CacheletInfo, ConnInfo, Counters, ProcessInfo, TextSink, WorkerSnapshot};
@@ -48,6 +49,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 const OWN_LISTENER: Token = Token(0);
 pub(crate) const WAKER: Token = Token(1);
 const FIRST_CONN: usize = 2;
+/// The cachelet of a reply that answers no forwarded request (an admin
+/// command's reply from another worker).
+const NO_CACHELET: u32 = u32::MAX;
 
 /// Read in chunks of this size; a connection's buffer grows only as far as
 /// one request needs (bounded by the parser's limits).
@@ -106,16 +110,6 @@ impl Shared {
     }
 }
 
-/// Who owns a cachelet, as one worker knows it. `ver` counts the moves of
-/// the cachelet inside this server, so a late notice of an older move
-/// never overwrites a newer one.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Own {
-    pub server: u16,
-    pub worker: u16,
-    pub ver: u32,
-}
-
 struct Conn {
     sock: TcpStream,
     id: u64,
@@ -150,9 +144,9 @@ pub(crate) struct Worker {
     inbox: Receiver<Envelope>,
     mailbox: Arc<Mailbox>,
     store: WorkerStore,
-    /// cachelet -> owner. This worker's own copy: it changes only by
-    /// message, so reading it needs no synchronisation.
-    owner: Vec<Own>,
+    /// cachelet -> owner and route. This worker's own copy: it changes only
+    /// by message, so reading it needs no synchronisation.
+    tables: Tables,
     conns: Slab<Conn>,
     counters: Counters,
     /// Envelopes for each peer, sent at the end of the round.
@@ -198,12 +192,7 @@ impl Worker {
     ) -> io::Result<Worker> {
         let mut own_listener = TcpListener::from_std(own_listener);
         poll.registry().register(&mut own_listener, OWN_LISTENER, Interest::READABLE)?;
-        let owner = (0..shared.layout.cachelet_count())
-            .map(|c| {
-                let (server, worker) = shared.layout.owner(c);
-                Own { server, worker, ver: 0 }
-            })
-            .collect();
+        let tables = Tables::new(&shared.layout, id);
         let workers = shared.settings.threads;
         let cachelets = shared.layout.cachelet_count() as usize;
         let limits = Limits { max_item_size: shared.settings.max_item_size, ..Limits::default() };
@@ -214,7 +203,7 @@ impl Worker {
             inbox,
             mailbox,
             store,
-            owner,
+            tables,
             conns: Slab::with_capacity(64),
             counters: Counters::default(),
             outbox: (0..workers).map(|_| Outbox::default()).collect(),
@@ -519,7 +508,7 @@ impl Worker {
                 worker,
                 conn: ci,
                 gen: *gen,
-                owner: &mut self.owner,
+                tables: &mut self.tables,
                 server: self.shared.server_id,
                 routed: *routed,
                 outbox: &mut self.outbox,
@@ -638,7 +627,20 @@ impl Worker {
                 }
                 Envelope::Replies(batch) => {
                     for (item, bytes) in batch.iter() {
-                        self.deliver(item.to, bytes);
+                        let c = item.cachelet;
+                        let resend = match item.bounce {
+                            None => {
+                                self.deliver(item.to, bytes);
+                                (c != NO_CACHELET).then(|| self.tables.answered(c)).flatten()
+                            }
+                            Some(b) => {
+                                let p = Parked { to: item.to, kind: b.kind, bytes: bytes.to_vec() };
+                                self.tables.bounced(c, b.hint, p)
+                            }
+                        };
+                        if let Some(q) = resend {
+                            self.resend(c, q);
+                        }
                     }
                     if self.inflight < self.max_inflight {
                         for ci in std::mem::take(&mut self.blocked) {
@@ -652,11 +654,12 @@ impl Worker {
                 }
                 Envelope::Release { cachelet, to, reply } => {
                     let epoch = self.shared.epoch.load(Ordering::Relaxed);
-                    let done = crate::moves::release(
+                    let done = moves::release(
                         self.id,
                         &mut self.store,
-                        &mut self.owner,
+                        &mut self.tables,
                         &mut self.outbox,
+                        self.shared.peers(),
                         epoch,
                         cachelet,
                         to,
@@ -669,9 +672,10 @@ impl Worker {
                 Envelope::Adopt { cachelet, ver, reply } => {
                     let c = cachelet.id();
                     self.store.insert_cachelet(cachelet);
-                    let own = &mut self.owner[c as usize];
-                    own.worker = self.id as u16;
-                    own.ver = own.ver.max(ver);
+                    moves::announce(self.id, &mut self.outbox, c, ver);
+                    if let Some(q) = self.tables.adopted(c, ver) {
+                        self.resend(c, q);
+                    }
                     let epoch = {
                         let mut map = self.shared.map.lock().unwrap_or_else(|p| p.into_inner());
                         map.move_cachelet(c, (self.shared.server_id, self.id as u16))
@@ -681,10 +685,8 @@ impl Worker {
                     self.reply_to(reply, format!("MOVED {epoch}\r\n").as_bytes());
                 }
                 Envelope::Owner { cachelet, worker, ver } => {
-                    let own = &mut self.owner[cachelet as usize];
-                    if ver > own.ver {
-                        own.worker = worker as u16;
-                        own.ver = ver;
+                    if let Some(q) = self.tables.learn(cachelet, worker as u16, ver) {
+                        self.resend(cachelet, q);
                     }
                 }
                 Envelope::Flush { at } => self.store.flush_all(at),
@@ -707,12 +709,14 @@ impl Worker {
     }
 
     /// A request another worker forwarded: execute it here and queue the
-    /// reply in the batch for its origin, or pass it on if its cachelet
-    /// has moved on since the sender looked (our table is newer).
+    /// reply in the batch for its origin, or bounce it back to the origin if
+    /// its cachelet is not here (it moved on since the sender looked).
     fn exec_forwarded(&mut self, req: &FwdReq, bytes: &[u8]) {
-        let owner = self.owner[req.cachelet as usize].worker as usize;
-        if owner != self.id {
-            self.outbox[owner].reqs().push(req.to, req.cachelet, req.kind, |d| d.extend_from_slice(bytes));
+        debug_assert_ne!(req.to.worker, self.id, "a worker never forwards to itself");
+        if !self.tables.executes(req.cachelet, req.stamp) {
+            debug_assert!(!self.store.owns(req.cachelet) || self.tables.owner[req.cachelet as usize].ver > req.stamp);
+            let hint = self.tables.owner[req.cachelet as usize];
+            self.outbox[req.to.worker].replies().bounce(req, bytes, hint);
             return;
         }
         self.counters.forwarded_in += 1;
@@ -724,14 +728,31 @@ impl Worker {
             now: self.now,
         };
         let limits = &self.limits;
-        let mut run = |out: &mut Vec<u8>| execute(&mut ctx, limits, req.kind, bytes, out);
-        if req.to.worker == self.id {
-            // It came back to its origin (the cachelet moved here).
-            let mut out = Vec::new();
-            run(&mut out);
-            self.deliver(req.to, &out);
-        } else {
-            self.outbox[req.to.worker].replies().push(req.to, run);
+        let run = |out: &mut Vec<u8>| execute(&mut ctx, limits, req.kind, bytes, out);
+        self.outbox[req.to.worker].replies().push(req.to, req.cachelet, run);
+    }
+
+    /// Send requests parked for cachelet `c` again, in order, on its new
+    /// route (or execute them here if this worker owns it now).
+    fn resend(&mut self, c: u32, parked: VecDeque<Parked>) {
+        let (_, w) = self.tables.route(c);
+        for p in parked {
+            if w as usize == self.id {
+                let mut out = Vec::new();
+                let mut ctx = Ctx {
+                    store: &mut self.store,
+                    layout: &self.shared.layout,
+                    settings: &self.shared.settings,
+                    counters: &mut self.counters,
+                    now: self.now,
+                };
+                execute(&mut ctx, &self.limits, p.kind, &p.bytes, &mut out);
+                self.deliver(p.to, &out);
+            } else {
+                self.tables.sent(c);
+                let stamp = self.tables.stamp(c);
+                self.outbox[w as usize].reqs().push(p.to, c, stamp, p.kind, |d| d.extend_from_slice(&p.bytes));
+            }
         }
     }
 
@@ -740,7 +761,7 @@ impl Worker {
         if to.worker == self.id {
             self.deliver(to, data);
         } else {
-            self.outbox[to.worker].replies().push(to, |d| d.extend_from_slice(data));
+            self.outbox[to.worker].replies().push(to, NO_CACHELET, |d| d.extend_from_slice(data));
         }
     }
 

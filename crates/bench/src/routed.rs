@@ -2,9 +2,13 @@
 //!
 //! [`RoutedFactory`] holds a [`ClusterMap`] (fetched with `mbal map` from any one server by
 //! [`RoutedFactory::connect`], or given by the caller with [`RoutedFactory::with_map`], e.g. an
-//! older map to exercise redirects). Each client thread's [`RoutedDriver`] opens, per logical
-//! client, one connection to EVERY worker's own port (`map.worker_addr(s, w)`), opts in with
-//! `mbal hello <epoch>` and checks the `MBAL <server> <worker> <epoch>` answer.
+//! older map to exercise redirects). Each client thread's [`RoutedDriver`] opens one connection
+//! to EVERY worker's own port (`map.worker_addr(s, w)`), shared by all its logical clients (a
+//! routing client's connection pool), opts in with `mbal hello <epoch>` and checks the
+//! `MBAL <server> <worker> <epoch>` answer. Sharing is what keeps the cost per request flat as
+//! workers are added: with a connection per (logical client, worker), a logical client's
+//! pipeline would be spread over one socket per worker, and each write would carry
+//! `pipeline / workers` requests.
 //!
 //! Every op is routed by `key_hash(key)` → cachelet → owning (server, worker), from the map plus
 //! the owners this driver learned from redirects. A multiget is split per owning worker (one
@@ -125,7 +129,6 @@ impl DriverFactory for RoutedFactory {
         let a = spec.args;
         Ok(Box::new(RoutedDriver::connect(
             &self.map,
-            spec.slots,
             spec.max_in_flight,
             a.key_size,
             a.value_size_max.unwrap_or(a.value_size).max(a.value_size),
@@ -161,10 +164,10 @@ struct OpState {
     errors: u32,
 }
 
-/// Routed mbal driver: one connection per (logical client, worker), ops routed by the cluster map
-/// plus learned redirects. See the module docs.
+/// Routed mbal driver: one connection per worker, shared by the logical clients, ops routed by
+/// the cluster map plus learned redirects. See the module docs.
 pub struct RoutedDriver {
-    /// Connection `slot * targets + target`.
+    /// Connection `target`.
     conns: Conns<Part>,
     /// Everything but the connections (borrowed apart from them while replies are handled).
     r: Router,
@@ -187,14 +190,13 @@ struct Router {
     // scratch
     key_buf: Vec<u8>,
     grouped: Vec<(u32, u32)>,
-    resend: Vec<(usize, Part)>,
+    resend: Vec<Part>,
 }
 
 impl RoutedDriver {
-    /// Open `slots` connections to every worker of `map`, each opted in with `mbal hello`.
+    /// Open a connection to every worker of `map`, each opted in with `mbal hello`.
     pub fn connect(
         map: &ClusterMap,
-        slots: usize,
         max_in_flight: usize,
         key_size: usize,
         value_size_max: usize,
@@ -219,25 +221,23 @@ impl RoutedDriver {
             })
             .collect::<Result<Vec<u32>>>()?;
         let addrs = targets.iter().map(|&(_, a)| a).collect();
-        let mut conns = Conns::new("worker", addrs, slots * targets.len())?;
-        for _slot in 0..slots {
-            for (ti, &((s, w), addr)) in targets.iter().enumerate() {
-                let mut std = connect_std(addr)?;
-                std.set_read_timeout(Some(IO_TIMEOUT))?;
-                std.write_all(format!("mbal hello {}\r\n", map.epoch()).as_bytes())?;
-                let line = read_line(&mut std, 256).with_context(|| format!("mbal hello to {addr}"))?;
-                let f: Vec<&str> = line.split_whitespace().collect();
-                let ok = f.len() == 4
-                    && f[0] == "MBAL"
-                    && f[1].parse::<u16>().ok() == Some(s)
-                    && f[2].parse::<u16>().ok() == Some(w)
-                    && f[3].parse::<u64>().is_ok();
-                if !ok {
-                    bail!("{addr} (s{s}/w{w} in the map) answered `mbal hello` with {line:?}");
-                }
-                std.set_read_timeout(None)?;
-                conns.add(std, ti)?;
+        let mut conns = Conns::new("worker", addrs, targets.len())?;
+        for (ti, &((s, w), addr)) in targets.iter().enumerate() {
+            let mut std = connect_std(addr)?;
+            std.set_read_timeout(Some(IO_TIMEOUT))?;
+            std.write_all(format!("mbal hello {}\r\n", map.epoch()).as_bytes())?;
+            let line = read_line(&mut std, 256).with_context(|| format!("mbal hello to {addr}"))?;
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let ok = f.len() == 4
+                && f[0] == "MBAL"
+                && f[1].parse::<u16>().ok() == Some(s)
+                && f[2].parse::<u16>().ok() == Some(w)
+                && f[3].parse::<u64>().is_ok();
+            if !ok {
+                bail!("{addr} (s{s}/w{w} in the map) answered `mbal hello` with {line:?}");
             }
+            std.set_read_timeout(None)?;
+            conns.add(std, ti)?;
         }
         let n = targets.len();
         let r = Router {
@@ -270,10 +270,10 @@ impl Router {
         self.owner[c as usize] as usize
     }
 
-    /// Write request `part` of its op to target `t` on logical client `slot`.
-    fn send_part(&mut self, conns: &mut Conns<Part>, slot: usize, t: usize, part: Part) {
+    /// Write request `part` of its op to target `t`.
+    fn send_part(&mut self, conns: &mut Conns<Part>, t: usize, part: Part) {
         let op = &self.ops[part.token as usize];
-        let wbuf = conns.request(slot * self.targets.len() + t, part);
+        let wbuf = conns.request(t, part);
         let keys = &op.keys[part.start as usize..(part.start + part.len) as usize];
         match part.expect {
             Expect::Store => {
@@ -286,9 +286,9 @@ impl Router {
         self.target_reqs[t] += 1;
     }
 
-    /// Handle a redirect of `part` (received on logical client `slot`). Returns whether the op
-    /// is still waiting for this part (resent) or the part is finished (as an error).
-    fn on_redirect(&mut self, slot: usize, part: Part, server: u16, worker: u16) -> bool {
+    /// Handle a redirect of `part`. Returns whether the op is still waiting for this part
+    /// (resent) or the part is finished (as an error).
+    fn on_redirect(&mut self, part: Part, server: u16, worker: u16) -> bool {
         let target = self
             .server_base
             .get(server as usize)
@@ -304,19 +304,19 @@ impl Router {
             let key = self.ops[part.token as usize].keys[part.start as usize];
             let c = self.cachelet_of(key);
             self.owner[c as usize] = target as u32;
-            self.resend.push((slot, Part { hops, ..part }));
+            self.resend.push(Part { hops, ..part });
         } else {
             // which key moved is unknown: resend each key alone to its current route
             self.ops[part.token as usize].parts += part.len - 1;
             for i in 0..part.len {
-                self.resend.push((slot, Part { start: part.start + i, len: 1, hops, ..part }));
+                self.resend.push(Part { start: part.start + i, len: 1, hops, ..part });
             }
         }
         true
     }
 
-    /// Handle the reply to `part`, received on logical client `slot`.
-    fn on_reply(&mut self, slot: usize, part: Part, reply: Reply, out: &mut Vec<Completion>) {
+    /// Handle the reply to `part`.
+    fn on_reply(&mut self, part: Part, reply: Reply, out: &mut Vec<Completion>) {
         let token = part.token;
         let finished = match reply {
             Reply::Get { hits } => {
@@ -328,7 +328,7 @@ impl Router {
                 self.ops[token as usize].errors += 1;
                 true
             }
-            Reply::Redirect { server, worker, .. } => !self.on_redirect(slot, part, server, worker),
+            Reply::Redirect { server, worker, .. } => !self.on_redirect(part, server, worker),
         };
         if finished {
             let op = &mut self.ops[token as usize];
@@ -339,7 +339,7 @@ impl Router {
         }
     }
 
-    fn submit(&mut self, conns: &mut Conns<Part>, slot: usize, req: &Request<'_>) -> Result<()> {
+    fn submit(&mut self, conns: &mut Conns<Part>, req: &Request<'_>) -> Result<()> {
         if req.keys.is_empty() {
             bail!("an op needs a key");
         }
@@ -379,12 +379,7 @@ impl Router {
                 j += 1;
             }
             self.ops[token as usize].parts += 1;
-            self.send_part(
-                conns,
-                slot,
-                t as usize,
-                Part { token, expect, start: i as u32, len: (j - i) as u32, hops: 0 },
-            );
+            self.send_part(conns, t as usize, Part { token, expect, start: i as u32, len: (j - i) as u32, hops: 0 });
             i = j;
         }
         self.grouped = grouped;
@@ -397,8 +392,8 @@ impl Driver for RoutedDriver {
         self.r.targets.iter().map(|((s, w), _)| format!("s{s}/w{w}")).collect()
     }
 
-    fn submit(&mut self, slot: usize, req: &Request<'_>) -> Result<()> {
-        self.r.submit(&mut self.conns, slot, req)
+    fn submit(&mut self, _slot: usize, req: &Request<'_>) -> Result<()> {
+        self.r.submit(&mut self.conns, req)
     }
 
     fn flush(&mut self) -> Result<()> {
@@ -406,15 +401,14 @@ impl Driver for RoutedDriver {
     }
 
     fn poll(&mut self, timeout: Duration, out: &mut Vec<Completion>) -> Result<()> {
-        let nt = self.r.targets.len();
         let r = &mut self.r;
-        self.conns.poll(timeout, |ci, part, reply| r.on_reply(ci / nt, part, reply, out))?;
+        self.conns.poll(timeout, |_, part, reply| r.on_reply(part, reply, out))?;
         if !self.r.resend.is_empty() {
             let mut resend = std::mem::take(&mut self.r.resend);
-            for (slot, part) in resend.drain(..) {
+            for part in resend.drain(..) {
                 let key = self.r.ops[part.token as usize].keys[part.start as usize];
                 let t = self.r.route(key);
-                self.r.send_part(&mut self.conns, slot, t, part);
+                self.r.send_part(&mut self.conns, t, part);
             }
             self.r.resend = resend;
             self.conns.flush()?;

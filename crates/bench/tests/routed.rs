@@ -210,9 +210,11 @@ fn redirect_loops_are_bounded() {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
     let conns = 2;
+    // Logical clients share one connection per worker (per client thread).
+    let accepts = 1;
     let t = std::thread::spawn(move || {
         let mut hs = Vec::new();
-        for _ in 0..conns {
+        for _ in 0..accepts {
             let (s, _) = l.accept().unwrap();
             hs.push(std::thread::spawn(move || {
                 s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();

@@ -21,34 +21,8 @@ OUT=${OUT:-results/vs-memcached}
 MEM=${MEM:-1024}
 KEYS=${KEYS:-100000}
 ONLY=${ONLY:-}
+source scripts/lib/loopback.sh
 mkdir -p "$OUT"
-cargo build --release --bin mbal >/dev/null 2>&1 || cargo build --release --bin mbal
-BIN=${CARGO_TARGET_DIR:-$PWD/target}/release/mbal
-command -v memcached >/dev/null || { echo "memcached is not installed (apt-get install memcached)" >&2; exit 1; }
-user=(); [ "$(id -u)" = 0 ] && user=(-u nobody)
-HZ=$(getconf CLK_TCK)
-PID=""
-cleanup() { [ -n "$PID" ] && kill "$PID" 2>/dev/null && wait "$PID" 2>/dev/null; PID=""; }
-trap cleanup EXIT
-
-start_server() { # $1 = memcached|mbal; sets PID and PORT (retries on a busy port)
-  for _try in 1 2 3 4 5; do
-    PORT=$((21000 + RANDOM % 20000))
-    case $1 in
-      memcached) taskset -c "$SERVER_CPU" memcached "${user[@]}" -l 127.0.0.1 -p "$PORT" -U 0 -t 1 -m "$MEM" 2>/dev/null & ;;
-      mbal) taskset -c "$SERVER_CPU" "$BIN" server -l 127.0.0.1 -p "$PORT" -t 1 -m "$MEM" --worker-port-base $((PORT + 1)) 2>/dev/null & ;;
-    esac
-    PID=$!
-    for _ in $(seq 100); do
-      kill -0 "$PID" 2>/dev/null || break
-      (exec 3<>/dev/tcp/127.0.0.1/"$PORT") 2>/dev/null && return 0
-      sleep 0.05
-    done
-    cleanup
-  done
-  echo "$1 did not start" >&2; exit 1
-}
-cpu_ticks() { awk '{print $14+$15}' "/proc/$PID/stat"; }
 
 scenario() { # name, bench args...
   local name=$1; shift
@@ -56,7 +30,7 @@ scenario() { # name, bench args...
   echo "== $name: $*" >&2
   for r in $(seq "$RUNS"); do
     for sys in memcached mbal; do
-      start_server $sys
+      start_server $sys 1 "$SERVER_CPU"
       local port=$PORT
       taskset -c "$CLIENT_CPU" "$BIN" bench --server 127.0.0.1:$port --keys "$KEYS" --load-only --quiet >/dev/null
       local c0; c0=$(cpu_ticks)
@@ -64,7 +38,7 @@ scenario() { # name, bench args...
         --json "$OUT/$name.$sys.$r.json" "$@" >/dev/null
       local c1; c1=$(cpu_ticks)
       echo "$(( c1 - c0 ))" >"$OUT/$name.$sys.$r.cpu"
-      cleanup
+      stop_server
     done
   done
 }

@@ -617,8 +617,13 @@ impl Worker {
         }
     }
 
+    /// Handle what peers sent: as many envelopes as were queued when the
+    /// round got here (a peer that keeps sending cannot starve our own
+    /// connections), then resume connections paused on `max_inflight` if
+    /// the answers brought the count under it.
     fn drain_inbox(&mut self) {
-        while let Ok(env) = self.inbox.try_recv() {
+        for _ in 0..self.inbox.len() {
+            let Ok(env) = self.inbox.try_recv() else { break };
             match env {
                 Envelope::Reqs(batch) => {
                     for (req, bytes) in batch.iter() {
@@ -640,11 +645,6 @@ impl Worker {
                         };
                         if let Some(q) = resend {
                             self.resend(c, q);
-                        }
-                    }
-                    if self.inflight < self.max_inflight {
-                        for ci in std::mem::take(&mut self.blocked) {
-                            self.requeue(ci);
                         }
                     }
                 }
@@ -704,6 +704,11 @@ impl Worker {
                     self.store.reset_stats();
                 }
                 Envelope::Stall { ms } => std::thread::sleep(Duration::from_millis(ms)),
+            }
+        }
+        if self.inflight < self.max_inflight && !self.blocked.is_empty() {
+            for ci in std::mem::take(&mut self.blocked) {
+                self.requeue(ci);
             }
         }
     }

@@ -629,6 +629,15 @@ impl WorkerStore {
         Some(c)
     }
 
+    /// Start loading the index line a lookup of `hash` in cachelet `cl` will read (see
+    /// `Index::prefetch`); nothing if the cachelet is not here.
+    #[inline]
+    pub fn prefetch(&self, cl: u32, hash: u64) {
+        if let Some(Some(c)) = self.cachelets.get(cl as usize) {
+            c.index.prefetch(hash);
+        }
+    }
+
     pub fn owns(&self, id: u32) -> bool {
         matches!(self.cachelets.get(id as usize), Some(Some(_)))
     }

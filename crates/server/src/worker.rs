@@ -34,6 +34,7 @@ use crossbeam_channel::Receiver;
 use mbal_cluster::{ClusterMap, Layout};
 use mbal_proto::binary::{opcode as op, status as st, write_response};
 use mbal_proto::meta::meta_key;
+use mbal_proto::text::TextCmd;
 use mbal_proto::{Limits, Parsed, Protocol, Request};
 use mbal_store::WorkerStore;
 use mio::net::{TcpListener, TcpStream};
@@ -467,21 +468,16 @@ impl Worker {
     }
 
     /// Look ahead over the requests `process` is about to execute and start loading the index
-    /// lines of the keys this worker will look up, so the batch's cache misses overlap. Only
-    /// text gets (the bulk of a read-heavy pipeline); a prefetch is a hint, so a key that
-    /// turns out to be elsewhere costs nothing but the hash.
+    /// lines of the keys this worker will look up, so the batch's cache misses overlap. Text
+    /// gets and stores (`prefetch_keys`); a prefetch is a hint, so a key that turns out to be
+    /// elsewhere costs nothing but the hash.
     fn prefetch_batch(&self, ci: usize) {
         let conn = &self.conns[ci];
         let Some(proto @ Protocol::Text) = conn.proto else { return };
         let (mut pos, buf) = (0usize, &conn.rbuf[..]);
         for _ in 0..self.shared.settings.reqs_per_event {
             let Parsed::Req { req, consumed } = mbal_proto::parse(proto, &buf[pos..], &self.limits) else { break };
-            if let Request::Text(mbal_proto::text::TextCmd::Get { keys, .. }) = req {
-                for key in keys.iter() {
-                    let at = locate(&self.shared.layout, key);
-                    self.store.prefetch(at.cachelet, at.hash);
-                }
-            }
+            prefetch_keys(&self.store, &self.shared.layout, &req);
             pos += consumed;
         }
     }
@@ -649,11 +645,18 @@ impl Worker {
             let Ok(env) = self.inbox.try_recv() else { break };
             match env {
                 Envelope::Reqs(batch) => {
-                    // Overlap the index misses of the batch's GETs.
+                    // Overlap the index misses of the batch's gets and text stores.
                     for (req, bytes) in batch.iter() {
-                        if let FwdKind::Values { .. } = req.kind {
-                            for key in bytes.split(|&b| b == b' ').filter(|k| !k.is_empty()) {
-                                self.store.prefetch(req.cachelet, mbal_cluster::key_hash(key));
+                        match req.kind {
+                            FwdKind::Values { .. } => {
+                                for key in bytes.split(|&b| b == b' ').filter(|k| !k.is_empty()) {
+                                    self.store.prefetch(req.cachelet, mbal_cluster::key_hash(key));
+                                }
+                            }
+                            FwdKind::Raw(proto) => {
+                                if let Parsed::Req { req, .. } = mbal_proto::parse(proto, bytes, &self.limits) {
+                                    prefetch_keys(&self.store, &self.shared.layout, &req);
+                                }
                             }
                         }
                     }
@@ -877,6 +880,23 @@ impl Worker {
             let snap = self.snapshot(want_conns);
             self.gathered(ci, seq, snap);
         }
+    }
+}
+
+/// Prefetch the index lines of a text get's or store's keys that live in this worker's store.
+fn prefetch_keys(store: &WorkerStore, layout: &Layout, req: &Request) {
+    match req {
+        Request::Text(TextCmd::Get { keys, .. }) => {
+            for key in keys.iter() {
+                let at = locate(layout, key);
+                store.prefetch(at.cachelet, at.hash);
+            }
+        }
+        Request::Text(TextCmd::Store { key, .. }) => {
+            let at = locate(layout, key);
+            store.prefetch(at.cachelet, at.hash);
+        }
+        _ => {}
     }
 }
 

@@ -759,13 +759,7 @@ impl Worker {
             return;
         }
         self.counters.forwarded_in += 1;
-        let mut ctx = Ctx {
-            store: &mut self.store,
-            layout: &self.shared.layout,
-            settings: &self.shared.settings,
-            counters: &mut self.counters,
-            now: self.now,
-        };
+        let mut ctx = exec_ctx(&mut self.store, &self.shared, &mut self.counters, self.now);
         let limits = &self.limits;
         let run = |out: &mut Vec<u8>| execute(&mut ctx, limits, req.kind, bytes, out);
         self.outbox[req.to.worker].replies().push(req.to, req.cachelet, run);
@@ -778,13 +772,7 @@ impl Worker {
         for p in parked {
             if w as usize == self.id {
                 let mut out = Vec::new();
-                let mut ctx = Ctx {
-                    store: &mut self.store,
-                    layout: &self.shared.layout,
-                    settings: &self.shared.settings,
-                    counters: &mut self.counters,
-                    now: self.now,
-                };
+                let mut ctx = exec_ctx(&mut self.store, &self.shared, &mut self.counters, self.now);
                 execute(&mut ctx, &self.limits, p.kind, &p.bytes, &mut out);
                 self.deliver(p.to, &out);
             } else {
@@ -881,6 +869,12 @@ impl Worker {
             self.gathered(ci, seq, snap);
         }
     }
+}
+
+/// What `exec` needs, from a worker's parts (borrowed apart so the caller can
+/// still use its outbox).
+fn exec_ctx<'a>(store: &'a mut WorkerStore, shared: &'a Shared, counters: &'a mut Counters, now: u32) -> Ctx<'a> {
+    Ctx { store, layout: &shared.layout, settings: &shared.settings, counters, now }
 }
 
 /// Prefetch the index lines of a text get's or store's keys that live in this worker's store.

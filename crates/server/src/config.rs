@@ -61,6 +61,9 @@ pub struct Settings {
     pub max_inflight: usize,
     /// Accept the `mbal debug ...` test hooks (never in production).
     pub debug_commands: bool,
+    /// The controller's tick: how often it samples every worker's counters
+    /// into an epoch snapshot (the balancer's epoch, DESIGN.md §2).
+    pub epoch_ms: u64,
 }
 
 impl Default for Settings {
@@ -88,6 +91,7 @@ impl Default for Settings {
             cluster: None,
             max_inflight: 16384,
             debug_commands: false,
+            epoch_ms: 1000,
         }
     }
 }
@@ -193,6 +197,10 @@ pub struct ServerArgs {
     /// worker stops reading its connections until answers come in [default: 16384]
     #[arg(long = "max-inflight")]
     pub max_inflight: Option<usize>,
+    /// Milliseconds per balancer epoch: how often the controller samples every worker's counters
+    /// [default: 1000]
+    #[arg(long = "epoch-ms")]
+    pub epoch_ms: Option<u64>,
     /// Accept the `mbal debug` test hooks (stall a worker); for tests only
     #[arg(long = "enable-debug-commands", hide = true)]
     pub debug_commands: bool,
@@ -255,6 +263,7 @@ pub struct FileConfig {
     pub vn_count: Option<u32>,
     pub page_size_kb: Option<usize>,
     pub max_inflight: Option<usize>,
+    pub epoch_ms: Option<u64>,
 }
 
 /// Parse a memcached-style size: `1m`, `512k`, `2097152`, `1g`.
@@ -357,6 +366,12 @@ impl ServerArgs {
                 bail!("--max-inflight must be at least 1");
             }
             s.max_inflight = v;
+        }
+        if let Some(v) = self.epoch_ms.or(file.epoch_ms) {
+            if v == 0 {
+                bail!("--epoch-ms must be at least 1");
+            }
+            s.epoch_ms = v;
         }
         s.debug_commands = self.debug_commands;
         s.shutdown_enabled = self.enable_shutdown || file.enable_shutdown == Some(true);

@@ -5,8 +5,9 @@
 //! routed client, or answers for a key another server holds. Keyless
 //! commands (stats, flush_all, `mbal ...`) are handled or broadcast here.
 
+use crate::control::CtlMsg;
 use crate::exec::{self, locate, Ctx, Loc};
-use crate::moves::{release, Own, Parked, Tables};
+use crate::moves::{Own, Parked, Tables};
 use crate::msg::{Envelope, FwdKind, Outbox, ReplyTo};
 use crate::output::{Output, Slot, StatsFormat};
 use crate::stats::Counters;
@@ -87,6 +88,13 @@ impl Route<'_> {
 
     fn reply_to(&self, seq: u64) -> ReplyTo {
         ReplyTo { worker: self.worker, conn: self.conn, gen: self.gen, seq }
+    }
+
+    /// Reserve an output slot for the controller's answer and ask it.
+    fn ask_controller(&mut self, shared: &Shared, output: &mut Output, ask: impl FnOnce(ReplyTo) -> CtlMsg) {
+        let reply = self.reply_to(output.push(Slot::Wait));
+        *self.inflight += 1;
+        shared.tell_controller(ask(reply));
     }
 }
 
@@ -241,7 +249,7 @@ pub(crate) fn handle(
                     Action::None
                 }
             }
-            TextCmd::Mbal { args } => admin(shared, rt, store, output, args),
+            TextCmd::Mbal { args } => admin(shared, rt, output, args),
         },
         Request::Meta(cmd) => {
             if cmd.kind == MetaKind::Noop {
@@ -335,8 +343,10 @@ fn foreign_meta(cmd: &mbal_proto::meta::MetaCmd, out: &mut Vec<u8>) {
     }
 }
 
-/// `mbal <args>`: the extension commands of docs/protocol.md.
-fn admin(shared: &Shared, rt: &mut Route, store: &mut WorkerStore, output: &mut Output, args: &[u8]) -> Action {
+/// `mbal <args>`: the extension commands of docs/protocol.md. The map,
+/// moves and epoch snapshots belong to the controller: those commands wait
+/// in an output slot for its answer.
+fn admin(shared: &Shared, rt: &mut Route, output: &mut Output, args: &[u8]) -> Action {
     let args = String::from_utf8_lossy(args);
     let mut it = args.split_whitespace();
     match (it.next(), it.next(), it.next(), it.next()) {
@@ -346,12 +356,15 @@ fn admin(shared: &Shared, rt: &mut Route, store: &mut WorkerStore, output: &mut 
             Action::Routed
         }
         (Some("map"), None, ..) => {
-            let map = shared.map.lock().unwrap_or_else(|p| p.into_inner());
-            let json = map.to_json();
-            let buf = output.buf();
-            let _ = write!(buf, "MAP {} {}\r\n", map.epoch(), json.len());
-            buf.extend_from_slice(json.as_bytes());
-            buf.extend_from_slice(b"\r\n");
+            rt.ask_controller(shared, output, |reply| CtlMsg::Map { reply });
+            Action::None
+        }
+        (Some("load"), after, None, None) => {
+            let Ok(after) = after.map_or(Ok(0), str::parse::<u64>) else {
+                output.buf().extend_from_slice(b"CLIENT_ERROR usage: mbal load [<after epoch>]\r\n");
+                return Action::None;
+            };
+            rt.ask_controller(shared, output, |reply| CtlMsg::Load { after, reply });
             Action::None
         }
         (Some("move"), Some(c), Some(w), None) => {
@@ -363,26 +376,12 @@ fn admin(shared: &Shared, rt: &mut Route, store: &mut WorkerStore, output: &mut 
                 output.buf().extend_from_slice(b"CLIENT_ERROR no such cachelet or worker\r\n");
                 return Action::None;
             }
-            let Own { server: s, worker: from, .. } = rt.tables.owner[c as usize];
+            let Own { server: s, .. } = rt.tables.owner[c as usize];
             if s != rt.server {
                 output.buf().extend_from_slice(b"CLIENT_ERROR cachelet is not on this server\r\n");
                 return Action::None;
             }
-            if from as usize == to {
-                let e = shared.epoch.load(Ordering::Relaxed);
-                let _ = write!(output.buf(), "MOVED {e}\r\n");
-                return Action::None;
-            }
-            let reply = rt.reply_to(output.push(Slot::Wait));
-            *rt.inflight += 1;
-            if from as usize == rt.worker {
-                // `to != from` was checked above, so the adopter answers.
-                let epoch = shared.epoch.load(Ordering::Relaxed);
-                let done = release(rt.worker, store, rt.tables, rt.outbox, shared.peers(), epoch, c, to, reply);
-                debug_assert!(done.is_none());
-            } else {
-                rt.outbox[from as usize].push(Envelope::Release { cachelet: c, to, reply });
-            }
+            rt.ask_controller(shared, output, |reply| CtlMsg::Move { cachelet: c, to, reply });
             Action::None
         }
         (Some("debug"), Some("stall"), Some(w), Some(ms)) if shared.settings.debug_commands => {
@@ -397,7 +396,7 @@ fn admin(shared: &Shared, rt: &mut Route, store: &mut WorkerStore, output: &mut 
         }
         _ => {
             output.buf().extend_from_slice(
-                b"CLIENT_ERROR unknown mbal command (hello <epoch> | map | move <cachelet> <worker>)\r\n",
+                b"CLIENT_ERROR unknown mbal command (hello <epoch> | map | move <cachelet> <worker> | load [<after>])\r\n",
             );
             Action::None
         }

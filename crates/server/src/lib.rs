@@ -11,14 +11,18 @@
 //!   and the mailbox that wakes a sleeping worker.
 //! * `output`: a connection's ordered output (replies in request order).
 //! * `moves`: the server-local move protocol (release, adopt, owner notices).
+//! * `control`: the controller thread: the cluster map, every move, and the
+//!   epoch tick that samples the workers' counters for the balancer.
 //! * `stats`: counters and memcached-named stats.
 //!
 //! Threads and ports: one acceptor thread owns the main port and hands each
 //! connection to the worker with the fewest (as memcached's listener hands
 //! them out round-robin); each worker also listens on a port of its own
-//! (routed clients talk to the owning worker directly, MBal §2.3).
+//! (routed clients talk to the owning worker directly, MBal §2.3); one
+//! controller thread has no port, only a mailbox and a tick.
 
 pub mod config;
+mod control;
 mod dispatch;
 mod exec;
 mod moves;
@@ -128,14 +132,17 @@ pub fn start(settings: Settings) -> Result<ServerHandle> {
         }
     };
     let layout = map.layout().clone();
+    let epoch = map.epoch();
+    let (control_tx, control_rx) = crossbeam_channel::unbounded();
 
     let start_unix = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let pool = GlobalPool::new(settings.memory_limit, settings.page_size);
     let shared = Arc::new(Shared {
         layout: layout.clone(),
         server_id,
-        epoch: AtomicU64::new(map.epoch()),
-        map: Mutex::new(map),
+        epoch: AtomicU64::new(epoch),
+        control: control_tx,
+        latest: Mutex::new(None),
         start: Instant::now(),
         start_unix,
         curr_conns: AtomicUsize::new(0),
@@ -181,6 +188,8 @@ pub fn start(settings: Settings) -> Result<ServerHandle> {
     for (i, w) in built.into_iter().enumerate() {
         threads.push(std::thread::Builder::new().name(format!("mbal-worker-{i}")).spawn(move || w.run())?);
     }
+    let controller = control::Controller::new(shared.clone(), control_rx, map);
+    threads.push(std::thread::Builder::new().name("mbal-control".into()).spawn(move || controller.run())?);
     let acceptor = Acceptor::new(main, shared.clone())?;
     let acceptor_waker = acceptor.waker.clone();
     threads.push(std::thread::Builder::new().name("mbal-acceptor".into()).spawn(move || acceptor.run())?);

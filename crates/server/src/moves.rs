@@ -3,9 +3,10 @@
 //! A cachelet changes worker by messages: `Release` at the old owner (it
 //! takes the cachelet out of its store and sends it on), `Adopt` at the new
 //! one (it puts it in its store and tells every other worker with `Owner`
-//! notices, once it really owns it). Tables are versioned (`ver` counts the
-//! cachelet's moves) so a late notice never undoes a newer one. Driven by
-//! `mbal move` (`dispatch::admin`) and, later, by the balancer.
+//! notices, once it really owns it, and tells the controller). Tables are
+//! versioned (`ver` counts the cachelet's moves) so a late notice never
+//! undoes a newer one. Every move starts at the controller (`control`),
+//! whether `mbal move` or the balancer asked for it.
 //!
 //! Ordering. A connection's requests for one cachelet must execute in the
 //! order sent, even when the cachelet moves while some are in flight. So:
@@ -201,8 +202,8 @@ impl Tables {
 /// cachelet there. Were the `Adopt` still queued, the adopter could bounce
 /// one request and execute the next one of the same connection.
 ///
-/// Returns the admin reply when it is already known (the cachelet is
-/// already at `to`); otherwise the adopting worker answers.
+/// Returns true if the move is already done (the cachelet is at `to`);
+/// otherwise the adopting worker tells the controller (move `token`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn release(
     me: usize,
@@ -210,26 +211,26 @@ pub(crate) fn release(
     tables: &mut Tables,
     outbox: &mut [Outbox],
     peers: &Peers,
-    epoch: u64,
+    now_ns: u64,
     c: u32,
     to: usize,
-    reply: ReplyTo,
-) -> Option<(ReplyTo, Vec<u8>)> {
+    token: u64,
+) -> bool {
     if to == me && store.owns(c) {
-        // Already here (the requester's table was behind): nothing moves.
-        return Some((reply, format!("MOVED {epoch}\r\n").into_bytes()));
+        // Already here (the controller's map was behind): nothing moves.
+        return true;
     }
     let Some(cachelet) = store.take_cachelet(c) else {
         // Not ours (any more): pass the request on to whoever is.
         let w = tables.owner[c as usize].worker as usize;
         debug_assert_ne!(w, me, "owner table and store disagree");
-        outbox[w].push(Envelope::Release { cachelet: c, to, reply });
-        return None;
+        outbox[w].push(Envelope::Release { cachelet: c, to, token });
+        return false;
     };
     let ver = tables.released(c, to as u16);
-    outbox[to].push(Envelope::Adopt { cachelet, ver, reply });
-    peers.send_now(to, &mut outbox[to]);
-    None
+    outbox[to].push(Envelope::Adopt { cachelet, ver, token });
+    peers.send_now(to, &mut outbox[to], now_ns);
+    false
 }
 
 /// The notices an adopter sends: every worker but itself learns the owner.

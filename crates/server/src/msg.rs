@@ -35,6 +35,10 @@ pub(crate) enum FwdKind {
     Values { cas: bool, touch: Option<i64> },
 }
 
+/// The cachelet of a reply that answers no forwarded request (an admin
+/// command's reply from another worker or from the controller).
+pub(crate) const NO_CACHELET: u32 = u32::MAX;
+
 /// Where a reply goes: a connection's output slot on the origin worker.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct ReplyTo {
@@ -60,6 +64,9 @@ pub(crate) struct FwdReq {
 pub(crate) struct ReqBatch {
     reqs: Vec<FwdReq>,
     data: Vec<u8>,
+    /// When it was sent ([`Envelope::stamp`]): the receiver measures how
+    /// long it waited (the worker's queueing delay, for the balancer).
+    pub sent_ns: u64,
 }
 
 impl ReqBatch {
@@ -104,6 +111,7 @@ pub(crate) struct Bounce {
 pub(crate) struct ReplyBatch {
     items: Vec<ReplyItem>,
     data: Vec<u8>,
+    pub sent_ns: u64,
 }
 
 impl ReplyBatch {
@@ -152,17 +160,23 @@ pub(crate) enum Envelope {
         snap: Box<WorkerSnapshot>,
     },
     ResetStats,
-    /// Give cachelet `cachelet` to worker `to` (sent to its current owner).
+    /// Give cachelet `cachelet` to worker `to` (sent to its current owner
+    /// by the controller; `token` names the move in its reply).
     Release {
         cachelet: u32,
         to: usize,
-        reply: ReplyTo,
+        token: u64,
     },
-    /// Take ownership of a cachelet (its items come along, nothing is copied).
+    /// Take ownership of a cachelet (its items come along, nothing is
+    /// copied), then tell the controller.
     Adopt {
         cachelet: Box<Cachelet>,
         ver: u32,
-        reply: ReplyTo,
+        token: u64,
+    },
+    /// The controller's epoch tick: send it this worker's counters.
+    Sample {
+        seq: u64,
     },
     /// Cachelet `cachelet` is now owned by worker `worker` (move number `ver`).
     Owner {
@@ -174,6 +188,17 @@ pub(crate) enum Envelope {
     Stall {
         ms: u64,
     },
+}
+
+impl Envelope {
+    /// Mark a batch with the time it leaves its sender.
+    fn stamp(&mut self, now_ns: u64) {
+        match self {
+            Envelope::Reqs(b) => b.sent_ns = now_ns,
+            Envelope::Replies(b) => b.sent_ns = now_ns,
+            _ => {}
+        }
+    }
 }
 
 /// Envelopes queued for one destination during a round.
@@ -277,25 +302,30 @@ pub(crate) struct Peers {
 impl Peers {
     /// Send what `outboxes` holds, one channel send per envelope (a round
     /// usually leaves one batch per destination), then notify each
-    /// destination once.
-    pub fn send_all(&self, me: usize, outboxes: &mut [Outbox]) {
+    /// destination once. `now_ns` stamps the batches.
+    pub fn send_all(&self, me: usize, outboxes: &mut [Outbox], now_ns: u64) {
         for (w, ob) in outboxes.iter_mut().enumerate() {
             if ob.is_empty() {
                 continue;
             }
             debug_assert_ne!(w, me, "a worker never queues envelopes for itself");
-            for env in ob.drain() {
-                let _ = self.senders[w].send(env);
-            }
-            self.mailboxes[w].notify();
+            self.send_now(w, ob, now_ns);
         }
     }
 
     /// Send what is queued for worker `w` now, not at the end of the round.
-    pub fn send_now(&self, w: usize, ob: &mut Outbox) {
-        for env in ob.drain() {
+    pub fn send_now(&self, w: usize, ob: &mut Outbox, now_ns: u64) {
+        for mut env in ob.drain() {
+            env.stamp(now_ns);
             let _ = self.senders[w].send(env);
         }
+        self.mailboxes[w].notify();
+    }
+
+    /// Send one envelope to worker `w` at once (the controller's messages).
+    pub fn send_one(&self, w: usize, mut env: Envelope, now_ns: u64) {
+        env.stamp(now_ns);
+        let _ = self.senders[w].send(env);
         self.mailboxes[w].notify();
     }
 

@@ -24,14 +24,16 @@
 //! its peers' queues, or its own inbox, grow without bound.
 
 use crate::config::{Binding, Settings};
+use crate::control::CtlMsg;
 use crate::dispatch::{self, text_key, Action, Route};
 use crate::exec::{self, locate, Ctx};
 use crate::moves::{self, Parked, Tables};
-use crate::msg::{Envelope, FwdKind, FwdReq, Mailbox, Outbox, Peers, ReplyTo};
+use crate::msg::{Envelope, FwdKind, FwdReq, Mailbox, Outbox, Peers, ReplyTo, NO_CACHELET};
 use crate::output::{Output, Slot, StatsFormat};
 use crate::stats::{self, BinSink, CacheletInfo, ConnInfo, Counters, ProcessInfo, TextSink, WorkerSnapshot};
-use crossbeam_channel::Receiver;
-use mbal_cluster::{ClusterMap, Layout};
+use crossbeam_channel::{Receiver, Sender};
+use mbal_balance::{CacheletSample, EpochSnapshot, WorkerSample};
+use mbal_cluster::Layout;
 use mbal_proto::binary::{opcode as op, status as st, write_response};
 use mbal_proto::meta::meta_key;
 use mbal_proto::text::TextCmd;
@@ -50,9 +52,6 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 const OWN_LISTENER: Token = Token(0);
 pub(crate) const WAKER: Token = Token(1);
 const FIRST_CONN: usize = 2;
-/// The cachelet of a reply that answers no forwarded request (an admin
-/// command's reply from another worker).
-const NO_CACHELET: u32 = u32::MAX;
 
 /// Read in chunks of this size; a connection's buffer grows only as far as
 /// one request needs (bounded by the parser's limits).
@@ -75,11 +74,15 @@ pub(crate) struct Shared {
     pub layout: Layout,
     /// This server's id in the cluster map.
     pub server_id: u16,
-    /// The map epoch this server knows (read on redirects only).
+    /// The map epoch this server knows (read on redirects only; the
+    /// controller, which owns the map, raises it as moves finish).
     pub epoch: AtomicU64,
-    /// The full map, for `mbal map` and ownership changes. Locked only by
-    /// admin commands and cachelet moves, never on the data path.
-    pub map: Mutex<ClusterMap>,
+    /// The controller's mailbox (`control`).
+    pub control: Sender<CtlMsg>,
+    /// The controller's newest epoch snapshot, for `stats cachelets`.
+    /// Written once per epoch, read when stats are rendered: never on the
+    /// data path.
+    pub latest: Mutex<Option<Arc<EpochSnapshot>>>,
     pub start: Instant,
     pub start_unix: u64,
     pub curr_conns: AtomicUsize,
@@ -100,6 +103,17 @@ impl Shared {
         self.start.elapsed().as_secs() as u32
     }
 
+    /// Nanoseconds since the server started: the one clock of the
+    /// controller's samples and the workers' queueing measures.
+    pub fn clock_ns(&self) -> u64 {
+        self.start.elapsed().as_nanos() as u64
+    }
+
+    /// Send the controller a message.
+    pub fn tell_controller(&self, msg: CtlMsg) {
+        let _ = self.control.send(msg);
+    }
+
     pub fn peers(&self) -> &Peers {
         self.peers.get().expect("peers are set before workers start")
     }
@@ -108,6 +122,7 @@ impl Shared {
         if let Some(p) = self.peers.get() {
             p.wake_all();
         }
+        self.tell_controller(CtlMsg::Wake);
     }
 }
 
@@ -163,12 +178,14 @@ pub(crate) struct Worker {
     limits: Limits,
     next_gen: u64,
     now: u32,
-    /// Per cachelet (by id): (reads, writes) at the last rate tick, and the
-    /// rates over the last tick.
-    rate_base: Vec<(u64, u64)>,
-    rates: Vec<(u64, u64)>,
-    last_rate_tick: u32,
     self_stats: Vec<(usize, u64, bool)>,
+    /// For the controller's samples (`WorkerSample`): time spent working
+    /// (outside the poll wait), batches taken in from peers and how long
+    /// they waited in the inbox, the longest wait since the last sample.
+    busy_ns: u64,
+    inbox_batches: u64,
+    inbox_wait_ns: u64,
+    inbox_wait_max_ns: u64,
 }
 
 pub(crate) fn bind_listener(addr: SocketAddr, backlog: i32) -> io::Result<std::net::TcpListener> {
@@ -195,7 +212,6 @@ impl Worker {
         poll.registry().register(&mut own_listener, OWN_LISTENER, Interest::READABLE)?;
         let tables = Tables::new(&shared.layout, id);
         let workers = shared.settings.threads;
-        let cachelets = shared.layout.cachelet_count() as usize;
         let limits = Limits { max_item_size: shared.settings.max_item_size, ..Limits::default() };
         Ok(Worker {
             id,
@@ -216,10 +232,11 @@ impl Worker {
             limits,
             next_gen: 1,
             now: 0,
-            rate_base: vec![(0, 0); cachelets],
-            rates: vec![(0, 0); cachelets],
-            last_rate_tick: 0,
             self_stats: Vec::new(),
+            busy_ns: 0,
+            inbox_batches: 0,
+            inbox_wait_ns: 0,
+            inbox_wait_max_ns: 0,
             shared,
         })
     }
@@ -241,7 +258,8 @@ impl Worker {
                     return;
                 }
             }
-            self.now = self.shared.now();
+            let round_start = self.shared.clock_ns();
+            self.now = (round_start / 1_000_000_000) as u32;
             for ev in events.iter() {
                 match ev.token() {
                     OWN_LISTENER => self.accept(),
@@ -263,7 +281,9 @@ impl Worker {
             self.run_ready();
             self.drain_inbox();
             self.flush_dirty();
-            self.shared.peers().send_all(self.id, &mut self.outbox);
+            let round_end = self.shared.clock_ns();
+            self.busy_ns += round_end.saturating_sub(round_start);
+            self.shared.peers().send_all(self.id, &mut self.outbox, round_end);
             if self.shared.shutdown.load(Ordering::Relaxed) {
                 return;
             }
@@ -274,24 +294,9 @@ impl Worker {
         }
     }
 
-    /// Periodic work off the request path: expiry sweep, per-cachelet rates,
-    /// idle timeouts.
+    /// Periodic work off the request path: expiry sweep, idle timeouts.
     fn housekeeping(&mut self) {
         self.store.sweep(self.now, 256);
-        if self.now != self.last_rate_tick {
-            let elapsed = (self.now - self.last_rate_tick).max(1) as u64;
-            let ids: Vec<u32> = self.store.cachelet_ids().collect();
-            for id in ids {
-                let Some(s) = self.store.cachelet(id).map(|c| c.stats()) else { continue };
-                let (br, bw) = self.rate_base[id as usize];
-                // A cachelet adopted since the last tick has no base here.
-                let (br, bw) =
-                    if br > s.reads || bw > s.writes || (br, bw) == (0, 0) { (s.reads, s.writes) } else { (br, bw) };
-                self.rates[id as usize] = ((s.reads - br) / elapsed, (s.writes - bw) / elapsed);
-                self.rate_base[id as usize] = (s.reads, s.writes);
-            }
-            self.last_rate_tick = self.now;
-        }
         let idle = self.shared.settings.idle_timeout;
         if idle > 0 {
             let stale: Vec<usize> = self
@@ -641,10 +646,13 @@ impl Worker {
     /// connections), then resume connections paused on `max_inflight` if
     /// the answers brought the count under it.
     fn drain_inbox(&mut self) {
-        for _ in 0..self.inbox.len() {
+        let n = self.inbox.len();
+        let now_ns = if n > 0 { self.shared.clock_ns() } else { 0 };
+        for _ in 0..n {
             let Ok(env) = self.inbox.try_recv() else { break };
             match env {
                 Envelope::Reqs(batch) => {
+                    self.waited(now_ns, batch.sent_ns);
                     // Overlap the index misses of the batch's gets and text stores.
                     for (req, bytes) in batch.iter() {
                         match req.kind {
@@ -665,6 +673,7 @@ impl Worker {
                     }
                 }
                 Envelope::Replies(batch) => {
+                    self.waited(now_ns, batch.sent_ns);
                     for (item, bytes) in batch.iter() {
                         let c = item.cachelet;
                         let resend = match item.bounce {
@@ -686,37 +695,28 @@ impl Worker {
                     let listen = self.shared.main_addr;
                     self.register(TcpStream::from_std(sock), peer, listen);
                 }
-                Envelope::Release { cachelet, to, reply } => {
-                    let epoch = self.shared.epoch.load(Ordering::Relaxed);
-                    let done = moves::release(
-                        self.id,
-                        &mut self.store,
-                        &mut self.tables,
-                        &mut self.outbox,
-                        self.shared.peers(),
-                        epoch,
-                        cachelet,
-                        to,
-                        reply,
-                    );
-                    if let Some((to, data)) = done {
-                        self.reply_to(to, &data);
+                Envelope::Release { cachelet, to, token } => {
+                    let peers = self.shared.peers();
+                    let now_ns = self.shared.clock_ns();
+                    let (store, tables, outbox) = (&mut self.store, &mut self.tables, &mut self.outbox);
+                    if moves::release(self.id, store, tables, outbox, peers, now_ns, cachelet, to, token) {
+                        // Already at `to`: the move is done as it stands.
+                        self.shared.tell_controller(CtlMsg::Moved { token, cachelet, worker: to });
                     }
                 }
-                Envelope::Adopt { cachelet, ver, reply } => {
+                Envelope::Adopt { cachelet, ver, token } => {
                     let c = cachelet.id();
                     self.store.insert_cachelet(cachelet);
                     moves::announce(self.id, &mut self.outbox, c, ver);
                     if let Some(q) = self.tables.adopted(c, ver) {
                         self.resend(c, q);
                     }
-                    let epoch = {
-                        let mut map = self.shared.map.lock().unwrap_or_else(|p| p.into_inner());
-                        map.move_cachelet(c, (self.shared.server_id, self.id as u16))
-                    };
-                    self.shared.epoch.fetch_max(epoch, Ordering::Relaxed);
                     self.counters.cachelets_adopted += 1;
-                    self.reply_to(reply, format!("MOVED {epoch}\r\n").as_bytes());
+                    self.shared.tell_controller(CtlMsg::Moved { token, cachelet: c, worker: self.id });
+                }
+                Envelope::Sample { seq } => {
+                    let sample = Box::new(self.sample());
+                    self.shared.tell_controller(CtlMsg::Sample { seq, sample });
                 }
                 Envelope::Owner { cachelet, worker, ver } => {
                     if let Some(q) = self.tables.learn(cachelet, worker as u16, ver) {
@@ -783,12 +783,44 @@ impl Worker {
         }
     }
 
-    /// Send reply bytes to a connection slot, on this worker or another.
-    fn reply_to(&mut self, to: ReplyTo, data: &[u8]) {
-        if to.worker == self.id {
-            self.deliver(to, data);
-        } else {
-            self.outbox[to.worker].replies().push(to, NO_CACHELET, |d| d.extend_from_slice(data));
+    /// A batch sent at `sent_ns` was taken in at `now_ns`.
+    fn waited(&mut self, now_ns: u64, sent_ns: u64) {
+        let w = now_ns.saturating_sub(sent_ns);
+        self.inbox_batches += 1;
+        self.inbox_wait_ns += w;
+        self.inbox_wait_max_ns = self.inbox_wait_max_ns.max(w);
+    }
+
+    /// This worker's counters for the controller's epoch tick.
+    fn sample(&mut self) -> WorkerSample {
+        let cachelets = self
+            .store
+            .cachelet_ids()
+            .filter_map(|id| {
+                let s = self.store.cachelet(id)?.stats();
+                Some(CacheletSample {
+                    id,
+                    reads: s.reads,
+                    writes: s.writes,
+                    items: s.items,
+                    bytes: s.bytes,
+                    pages: s.pages,
+                })
+            })
+            .collect();
+        WorkerSample {
+            worker: self.id as u16,
+            at_ns: self.shared.clock_ns(),
+            busy_ns: self.busy_ns,
+            inbox_batches: self.inbox_batches,
+            inbox_wait_ns: self.inbox_wait_ns,
+            inbox_wait_max_ns: std::mem::take(&mut self.inbox_wait_max_ns),
+            forwarded_out: self.counters.forwarded_out,
+            forwarded_in: self.counters.forwarded_in,
+            inbox_len: self.inbox.len() as u64,
+            ready_conns: self.ready.len() as u64,
+            connections: self.conns.len() as u64,
+            cachelets,
         }
     }
 
@@ -842,13 +874,12 @@ impl Worker {
         } else {
             Vec::new()
         };
-        let ids: Vec<u32> = self.store.cachelet_ids().collect();
-        let cachelets = ids
-            .into_iter()
+        let cachelets = self
+            .store
+            .cachelet_ids()
             .filter_map(|id| {
                 let stats = self.store.cachelet(id).map(|c| c.stats())?;
-                let (r, w) = self.rates[id as usize];
-                Some(CacheletInfo { id, owner: self.id, stats, reads_per_sec: r, writes_per_sec: w })
+                Some(CacheletInfo { id, owner: self.id, stats, reads_per_sec: 0, writes_per_sec: 0 })
             })
             .collect();
         WorkerSnapshot {
@@ -940,6 +971,21 @@ fn render_stats(
     out: &mut Vec<u8>,
 ) {
     let now_unix = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    if group == "cachelets" {
+        // Rates over the controller's last epoch (0 before the first).
+        let latest = shared.latest.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if let Some(epoch) = latest {
+            let rates: std::collections::HashMap<u32, (f64, f64)> = epoch
+                .workers
+                .iter()
+                .flat_map(|w| w.cachelets.iter().map(|c| (c.id, (c.reads_per_sec, c.writes_per_sec))))
+                .collect();
+            for c in snaps.iter_mut().flat_map(|w| w.cachelets.iter_mut()) {
+                let (r, w) = rates.get(&c.id).copied().unwrap_or_default();
+                (c.reads_per_sec, c.writes_per_sec) = (r.round() as u64, w.round() as u64);
+            }
+        }
+    }
     let p = ProcessInfo {
         settings: &shared.settings,
         uptime: shared.now(),

@@ -1,0 +1,285 @@
+//! The controller: the server's control plane (DESIGN.md §6, "Where the
+//! policy runs"). One thread beside the workers, with its own mailbox (a
+//! channel of [`CtlMsg`]) and a periodic tick, the balancer's epoch. It is
+//! to mbal what memcached's maintainer thread is to its slab automover: the
+//! place that decides, apart from the request path.
+//!
+//! It owns:
+//! * the cluster map. Workers route by their own tables (`moves`); the
+//!   controller keeps the map every client may fetch (`mbal map`) and bumps
+//!   its epoch as moves finish;
+//! * every cachelet move. `mbal move` asks the controller, and the balancer
+//!   will too; it sends `Release` to the owner and hears back from the
+//!   adopter (`moves` has the protocol). One move per cachelet at a time;
+//!   later requests for the same cachelet wait their turn;
+//! * the epoch tick: every `--epoch-ms` it asks each worker for a
+//!   [`WorkerSample`] (its counters; no client involved) and, once all have
+//!   answered, turns two consecutive rounds into an [`EpochSnapshot`], the
+//!   policy's input. The last one is published for `stats cachelets`; the
+//!   last [`HISTORY`] are kept for `mbal load` callers, so one that reads
+//!   them in turn misses none.
+//!
+//! It never touches a worker's store or tables: it talks to workers only by
+//! message, and they answer by message, so nothing here needs a lock but the
+//! published snapshot's (read by stats rendering, written once per epoch).
+
+use crate::msg::{Envelope, ReplyBatch, ReplyTo, NO_CACHELET};
+use crate::worker::Shared;
+use crossbeam_channel::{Receiver, RecvTimeoutError};
+use mbal_balance::{EpochSnapshot, WorkerSample};
+use mbal_cluster::ClusterMap;
+use std::collections::{HashMap, VecDeque};
+use std::io::Write;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Messages to the controller.
+pub(crate) enum CtlMsg {
+    /// A worker's counters for the sampling round `seq`.
+    Sample { seq: u64, sample: Box<WorkerSample> },
+    /// `mbal move <cachelet> <worker>`: answer `reply` once it is done.
+    Move { cachelet: u32, to: usize, reply: ReplyTo },
+    /// Move `token` finished: `worker` owns `cachelet` now.
+    Moved { token: u64, cachelet: u32, worker: usize },
+    /// `mbal map`: `MAP <epoch> <len>` and the map as JSON.
+    Map { reply: ReplyTo },
+    /// `mbal load [<after>]`: the oldest epoch snapshot kept that is
+    /// numbered above `after` (the next one, for a caller that keeps up),
+    /// as JSON, as soon as there is one.
+    Load { after: u64, reply: ReplyTo },
+    /// Look at the shutdown flag.
+    Wake,
+}
+
+/// Epoch snapshots kept for `mbal load`.
+const HISTORY: usize = 64;
+
+/// A move under way.
+struct Moving {
+    token: u64,
+    to: usize,
+    waiters: Vec<ReplyTo>,
+}
+
+pub(crate) struct Controller {
+    shared: Arc<Shared>,
+    inbox: Receiver<CtlMsg>,
+    map: ClusterMap,
+    epoch_len: Duration,
+    next_tick: Instant,
+    /// Sampling rounds started; the baseline round is 0.
+    round: u64,
+    /// The round being gathered: a slot per worker.
+    gathering: Option<Vec<Option<WorkerSample>>>,
+    /// The previous complete round.
+    prev: Vec<WorkerSample>,
+    /// The newest epoch snapshots, oldest first.
+    history: VecDeque<Arc<EpochSnapshot>>,
+    /// `mbal load` callers waiting for a newer epoch.
+    load_waiters: Vec<(u64, ReplyTo)>,
+    next_token: u64,
+    moving: HashMap<u32, Moving>,
+    /// Moves asked for while their cachelet was moving, in arrival order.
+    queued: VecDeque<(u32, usize, ReplyTo)>,
+}
+
+impl Controller {
+    pub(crate) fn new(shared: Arc<Shared>, inbox: Receiver<CtlMsg>, map: ClusterMap) -> Controller {
+        let epoch_len = Duration::from_millis(shared.settings.epoch_ms.max(1));
+        Controller {
+            inbox,
+            map,
+            epoch_len,
+            next_tick: Instant::now(),
+            round: 0,
+            gathering: None,
+            prev: Vec::new(),
+            history: VecDeque::with_capacity(HISTORY),
+            load_waiters: Vec::new(),
+            next_token: 1,
+            moving: HashMap::new(),
+            queued: VecDeque::new(),
+            shared,
+        }
+    }
+
+    pub(crate) fn run(mut self) {
+        // Round 0 is the baseline the first epoch is measured from.
+        self.start_round();
+        self.next_tick = Instant::now() + self.epoch_len;
+        while !self.shared.shutdown.load(Ordering::Relaxed) {
+            let wait = self.next_tick.saturating_duration_since(Instant::now());
+            match self.inbox.recv_timeout(wait) {
+                Ok(msg) => self.handle(msg),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return,
+            }
+            if Instant::now() >= self.next_tick {
+                self.next_tick += self.epoch_len;
+                // A tick that finds the last round still open (a worker
+                // stalled) skips: the next epoch is simply longer.
+                if self.gathering.is_none() {
+                    self.start_round();
+                }
+            }
+        }
+    }
+
+    fn handle(&mut self, msg: CtlMsg) {
+        match msg {
+            CtlMsg::Sample { seq, sample } => self.sampled(seq, *sample),
+            CtlMsg::Move { cachelet, to, reply } => self.request_move(cachelet, to, reply),
+            CtlMsg::Moved { token, cachelet, worker } => self.moved(token, cachelet, worker),
+            CtlMsg::Map { reply } => {
+                let json = self.map.to_json();
+                let mut b = Vec::with_capacity(json.len() + 32);
+                let _ = write!(b, "MAP {} {}\r\n", self.map.epoch(), json.len());
+                b.extend_from_slice(json.as_bytes());
+                b.extend_from_slice(b"\r\n");
+                self.answer(reply, &b);
+            }
+            CtlMsg::Load { after, reply } => match self.history.iter().find(|s| s.seq > after) {
+                Some(s) => {
+                    let b = load_reply(s);
+                    self.answer(reply, &b);
+                }
+                None => self.load_waiters.push((after, reply)),
+            },
+            CtlMsg::Wake => {}
+        }
+    }
+
+    fn now_ns(&self) -> u64 {
+        self.shared.clock_ns()
+    }
+
+    /// Send reply bytes to a client connection's waiting slot.
+    fn answer(&self, to: ReplyTo, bytes: &[u8]) {
+        let mut batch = ReplyBatch::default();
+        batch.push(to, NO_CACHELET, |d| d.extend_from_slice(bytes));
+        self.shared.peers().send_one(to.worker, Envelope::Replies(batch), self.now_ns());
+    }
+
+    // ---- the epoch tick --------------------------------------------------
+
+    fn start_round(&mut self) {
+        let workers = self.shared.settings.threads;
+        self.gathering = Some(vec![None; workers]);
+        let now = self.now_ns();
+        for w in 0..workers {
+            self.shared.peers().send_one(w, Envelope::Sample { seq: self.round }, now);
+        }
+    }
+
+    fn sampled(&mut self, seq: u64, sample: WorkerSample) {
+        if seq != self.round {
+            return;
+        }
+        let Some(slots) = &mut self.gathering else { return };
+        let w = sample.worker as usize;
+        if let Some(slot) = slots.get_mut(w) {
+            *slot = Some(sample);
+        }
+        if slots.iter().any(Option::is_none) {
+            return;
+        }
+        let cur: Vec<WorkerSample> = self.gathering.take().into_iter().flatten().flatten().collect();
+        if self.round > 0 {
+            let snap = Arc::new(EpochSnapshot::between(self.round, &self.prev, &cur));
+            *self.shared.latest.lock().unwrap_or_else(|p| p.into_inner()) = Some(snap.clone());
+            let ready: Vec<ReplyTo> = {
+                let (ready, wait): (Vec<_>, Vec<_>) = self.load_waiters.drain(..).partition(|(a, _)| snap.seq > *a);
+                self.load_waiters = wait;
+                ready.into_iter().map(|(_, r)| r).collect()
+            };
+            if !ready.is_empty() {
+                let b = load_reply(&snap);
+                for r in ready {
+                    self.answer(r, &b);
+                }
+            }
+            if self.history.len() == HISTORY {
+                self.history.pop_front();
+            }
+            self.history.push_back(snap);
+        }
+        self.prev = cur;
+        self.round += 1;
+    }
+
+    // ---- moves -----------------------------------------------------------
+
+    /// Start a move now, or queue it behind the cachelet's current one.
+    fn request_move(&mut self, c: u32, to: usize, reply: ReplyTo) {
+        if let Some(m) = self.moving.get_mut(&c) {
+            if m.to == to {
+                // The same move again: one answer when it is done.
+                m.waiters.push(reply);
+            } else {
+                self.queued.push_back((c, to, reply));
+            }
+            return;
+        }
+        self.start_move(c, to, vec![reply]);
+    }
+
+    fn start_move(&mut self, c: u32, to: usize, waiters: Vec<ReplyTo>) {
+        let (server, from) = self.map.layout().owner(c);
+        if server != self.shared.server_id || to >= self.shared.settings.threads {
+            for r in waiters {
+                self.answer(r, b"CLIENT_ERROR cachelet is not on this server\r\n");
+            }
+            return;
+        }
+        if from as usize == to {
+            let b = format!("MOVED {}\r\n", self.map.epoch());
+            for r in waiters {
+                self.answer(r, b.as_bytes());
+            }
+            return;
+        }
+        let token = self.next_token;
+        self.next_token += 1;
+        self.moving.insert(c, Moving { token, to, waiters });
+        let now = self.now_ns();
+        self.shared.peers().send_one(from as usize, Envelope::Release { cachelet: c, to, token }, now);
+    }
+
+    fn moved(&mut self, token: u64, c: u32, worker: usize) {
+        let epoch = self.map.move_cachelet(c, (self.shared.server_id, worker as u16));
+        self.shared.epoch.fetch_max(epoch, Ordering::Relaxed);
+        match self.moving.remove(&c) {
+            Some(m) if m.token == token => {
+                let b = format!("MOVED {epoch}\r\n");
+                for r in m.waiters {
+                    self.answer(r, b.as_bytes());
+                }
+            }
+            Some(m) => {
+                // Not the move we are waiting for: cannot happen while all
+                // moves start here; keep waiting for ours.
+                debug_assert!(false, "move {token} finished while {} was under way", m.token);
+                self.moving.insert(c, m);
+            }
+            None => debug_assert!(false, "a move nobody started"),
+        }
+        // The next moves asked for this cachelet, until one is under way
+        // (a move to where it already is is answered at once).
+        while !self.moving.contains_key(&c) {
+            let Some(i) = self.queued.iter().position(|q| q.0 == c) else { break };
+            let (c, to, reply) = self.queued.remove(i).expect("just found");
+            self.request_move(c, to, reply);
+        }
+    }
+}
+
+/// `LOAD <seq> <len>\r\n<json>\r\n`: an epoch snapshot for `mbal load`.
+fn load_reply(s: &EpochSnapshot) -> Vec<u8> {
+    let json = serde_json::to_string(s).expect("snapshots serialise");
+    let mut b = Vec::with_capacity(json.len() + 32);
+    let _ = write!(b, "LOAD {} {}\r\n", s.seq, json.len());
+    b.extend_from_slice(json.as_bytes());
+    b.extend_from_slice(b"\r\n");
+    b
+}

@@ -28,8 +28,8 @@ pub struct UpArgs {
     /// Item memory per server, MB
     #[arg(short = 'm', long, default_value_t = 64)]
     pub memory: usize,
-    /// First port: server i uses base + i*(workers+1) for its main port and the
-    /// next `workers` ports for its workers [default: find free ports]
+    /// First port: server i listens on base + i (one port per server; routed clients reach a
+    /// worker through it) [default: find free ports]
     #[arg(long)]
     pub base_port: Option<u16>,
     /// Where to write the cluster file
@@ -61,16 +61,12 @@ fn find_base(count: u32) -> Result<u16> {
 }
 
 pub fn spec_for(a: &UpArgs, base: u16) -> ClusterSpec {
-    let stride = a.workers + 1;
     ClusterSpec {
         vn_count: a.vn_count,
         cachelets_per_worker: a.cachelets_per_worker,
         workers: a.workers,
         servers: (0..a.servers)
-            .map(|i| {
-                let main = base + i * stride;
-                ServerSpec { addr: SocketAddr::from(([127, 0, 0, 1], main)), worker_port_base: main + 1 }
-            })
+            .map(|i| ServerSpec { addr: SocketAddr::from(([127, 0, 0, 1], base + i)), worker_port_base: None })
             .collect(),
     }
 }
@@ -104,7 +100,7 @@ pub fn run(a: UpArgs) -> Result<()> {
     if a.servers == 0 || a.workers == 0 {
         bail!("--servers and --workers must be at least 1");
     }
-    let count = a.servers as u32 * (a.workers as u32 + 1);
+    let count = a.servers as u32;
     let base = match a.base_port {
         Some(b) => b,
         None => find_base(count)?,
@@ -164,8 +160,7 @@ pub fn run(a: UpArgs) -> Result<()> {
     );
     for (id, (_, c)) in children.0.iter().enumerate() {
         let s = &spec.servers[id];
-        let ws: Vec<String> = (0..a.workers).map(|w| (s.worker_port_base + w).to_string()).collect();
-        println!("  server {id}: {} (pid {}), worker ports {}", s.addr, c.id(), ws.join(","));
+        println!("  server {id}: {} (pid {}), {} workers", s.addr, c.id(), a.workers);
     }
     println!("try: mbal bench --routed --server {} --load --workload a", spec.servers[0].addr);
     println!("Ctrl-C stops the cluster.");

@@ -225,7 +225,7 @@ impl RoutedDriver {
         for (ti, &((s, w), addr)) in targets.iter().enumerate() {
             let mut std = connect_std(addr)?;
             std.set_read_timeout(Some(IO_TIMEOUT))?;
-            std.write_all(format!("mbal hello {}\r\n", map.epoch()).as_bytes())?;
+            std.write_all(format!("mbal hello {} {w}\r\n", map.epoch()).as_bytes())?;
             let line = read_line(&mut std, 256).with_context(|| format!("mbal hello to {addr}"))?;
             let f: Vec<&str> = line.split_whitespace().collect();
             let ok = f.len() == 4

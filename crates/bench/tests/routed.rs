@@ -144,7 +144,7 @@ fn routed_three_server_cluster() {
                         break b;
                     }
                 };
-                ServerSpec { addr: format!("127.0.0.1:{}", free_port()).parse().unwrap(), worker_port_base: base }
+                ServerSpec { addr: format!("127.0.0.1:{}", free_port()).parse().unwrap(), worker_port_base: Some(base) }
             })
             .collect(),
     };

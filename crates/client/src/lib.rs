@@ -294,7 +294,7 @@ impl Client {
         }
         let peer = Peer::Worker { server: s, worker: w };
         let mut c = Conn::open(addr, peer, self.cfg.connect_timeout, self.cfg.io_timeout)?;
-        let hello = format!("mbal hello {}\r\n", self.map.epoch());
+        let hello = format!("mbal hello {} {w}\r\n", self.map.epoch());
         match c.call(hello.as_bytes(), Expect::Line)? {
             Reply::Hello { server, worker, .. } if (server, worker) == (s, w) => Ok(c),
             Reply::Hello { server, worker, .. } => Err(Error::Protocol {

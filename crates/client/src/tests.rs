@@ -17,7 +17,7 @@ fn spec_map(servers: u16, workers: u16) -> ClusterMap {
         servers: (0..servers)
             .map(|i| ServerSpec {
                 addr: format!("127.0.0.1:{}", 30000 + i * 10).parse().unwrap(),
-                worker_port_base: 30001 + i * 10,
+                worker_port_base: Some(30001 + i * 10),
             })
             .collect(),
     };

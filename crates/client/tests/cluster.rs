@@ -72,7 +72,7 @@ fn free_spec(n: usize) -> ClusterSpec {
         let (Ok(a), Ok(b)) = (TcpListener::bind(("127.0.0.1", p + 1)), TcpListener::bind(("127.0.0.1", p + 2))) else {
             continue;
         };
-        servers.push(ServerSpec { addr: format!("127.0.0.1:{p}").parse().unwrap(), worker_port_base: p + 1 });
+        servers.push(ServerSpec { addr: format!("127.0.0.1:{p}").parse().unwrap(), worker_port_base: Some(p + 1) });
         held.extend([l, a, b]);
     }
     ClusterSpec { vn_count: 1024, cachelets_per_worker: 4, workers: WORKERS, servers }

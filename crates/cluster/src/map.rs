@@ -35,8 +35,11 @@ fn default_cpw() -> u32 {
 pub struct ServerSpec {
     /// host:port of the main port.
     pub addr: SocketAddr,
-    /// First per-worker port; worker i listens on worker_port_base + i.
-    pub worker_port_base: u16,
+    /// First per-worker port, if the server has worker ports (worker i
+    /// listens on worker_port_base + i). Without them routed clients reach
+    /// worker i through the main port (`mbal hello <epoch> <i>`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker_port_base: Option<u16>,
 }
 
 impl ClusterSpec {
@@ -101,7 +104,12 @@ impl ClusterMap {
             .iter()
             .map(|s| ServerInfo {
                 main: s.addr,
-                workers: (0..spec.workers).map(|w| SocketAddr::new(s.addr.ip(), s.worker_port_base + w)).collect(),
+                workers: (0..spec.workers)
+                    .map(|w| match s.worker_port_base {
+                        Some(base) => SocketAddr::new(s.addr.ip(), base + w),
+                        None => s.addr,
+                    })
+                    .collect(),
             })
             .collect();
         ClusterMap { epoch: 1, layout, servers }
@@ -198,7 +206,7 @@ mod tests {
             servers: (0..n)
                 .map(|i| ServerSpec {
                     addr: format!("127.0.0.1:{}", 20000 + i * 100).parse().unwrap(),
-                    worker_port_base: 20001 + i * 100,
+                    worker_port_base: Some(20001 + i * 100),
                 })
                 .collect(),
         }

@@ -47,8 +47,9 @@ pub struct Settings {
     pub verbosity: u8,
     pub idle_timeout: u32,
     pub backlog: i32,
-    /// First per-worker port; worker `i` listens on `worker_port_base + i`.
-    /// `None`: `port + 1` (or ephemeral ports when `port` is 0).
+    /// First per-worker port; worker `i` listens on `worker_port_base + i`
+    /// (`Some(0)`: ephemeral ports). `None`: no worker ports, only the main
+    /// port (routed clients are handed to their worker by `mbal hello`).
     pub worker_port_base: Option<u16>,
     pub cachelets_per_worker: u32,
     pub vn_count: u32,
@@ -107,7 +108,7 @@ impl Settings {
             .with_context(|| format!("--id {id}: the cluster has {} servers", spec.servers.len()))?;
         self.port = me.addr.port();
         self.listen = me.addr.ip();
-        self.worker_port_base = Some(me.worker_port_base);
+        self.worker_port_base = me.worker_port_base;
         self.threads = spec.workers as usize;
         self.cachelets_per_worker = spec.cachelets_per_worker;
         self.vn_count = spec.vn_count;
@@ -168,7 +169,9 @@ pub struct ServerArgs {
     #[arg(short = 'o', long = "extended")]
     pub extended: Vec<String>,
 
-    /// First per-worker port (worker i listens on base+i) [default: port+1]
+    /// Give each worker a port of its own too (worker i listens on base+i; 0: ephemeral ports).
+    /// Without it, routed clients reach a worker through the main port (`mbal hello <epoch>
+    /// <worker>`) [default: no worker ports]
     #[arg(long = "worker-port-base")]
     pub worker_port_base: Option<u16>,
     /// Cachelets per worker [default: 16]

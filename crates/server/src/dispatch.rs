@@ -28,6 +28,9 @@ pub(crate) enum Action {
     Shutdown,
     /// The connection opted in to routing hints (`mbal hello`).
     Routed,
+    /// `mbal hello <epoch> <worker>`: serve this connection on that worker
+    /// from now on (it opts in to routing there).
+    HandOff(usize),
 }
 
 /// Routing state for one connection's request.
@@ -306,6 +309,12 @@ fn route_keyed(
     }
 }
 
+/// The answer to `mbal hello`: `MBAL <server> <worker> <epoch>`.
+pub(crate) fn hello(shared: &Shared, server: u16, worker: usize, out: &mut Vec<u8>) {
+    let e = shared.epoch.load(Ordering::Relaxed);
+    let _ = write!(out, "MBAL {server} {worker} {e}\r\n");
+}
+
 /// `RD <epoch> <server> <worker>`: tell a routed client who owns the key.
 fn redirect(shared: &Shared, rt: &mut Route, output: &mut Output, d: Dest) {
     let (s, w) = match d {
@@ -350,9 +359,26 @@ fn admin(shared: &Shared, rt: &mut Route, output: &mut Output, args: &[u8]) -> A
     let args = String::from_utf8_lossy(args);
     let mut it = args.split_whitespace();
     match (it.next(), it.next(), it.next(), it.next()) {
-        (Some("hello"), Some(epoch), None, None) if epoch.parse::<u64>().is_ok() => {
-            let e = shared.epoch.load(Ordering::Relaxed);
-            let _ = write!(output.buf(), "MBAL {} {} {e}\r\n", rt.server, rt.worker);
+        (Some("hello"), Some(epoch), w, None) if epoch.parse::<u64>().is_ok() => {
+            let to = match w.map(str::parse::<usize>) {
+                None => rt.worker,
+                Some(Ok(w)) if w < shared.settings.threads => w,
+                Some(_) => {
+                    output.buf().extend_from_slice(b"CLIENT_ERROR no such worker\r\n");
+                    return Action::None;
+                }
+            };
+            if to != rt.worker {
+                // The connection moves: nothing of it may be left behind.
+                if output.waiting() || output.unsent() > 0 {
+                    output.buf().extend_from_slice(
+                        b"CLIENT_ERROR mbal hello <epoch> <worker> must come before other requests\r\n",
+                    );
+                    return Action::None;
+                }
+                return Action::HandOff(to);
+            }
+            hello(shared, rt.server, rt.worker, output.buf());
             Action::Routed
         }
         (Some("map"), None, ..) => {

@@ -113,22 +113,30 @@ pub fn start(settings: Settings) -> Result<ServerHandle> {
     let main_addr = SocketAddr::new(settings.listen, settings.port);
     let main = bind_listener(main_addr, settings.backlog).with_context(|| format!("binding main port {main_addr}"))?;
     let main_addr = main.local_addr()?;
+    // Worker ports only when asked for (`--worker-port-base`); otherwise
+    // routed clients reach their worker through the main port.
     let mut owns = Vec::new();
     for i in 0..workers {
-        let port = match settings.worker_port_base {
-            Some(base) => base.checked_add(i as u16).context("worker port overflows")?,
-            None if settings.port == 0 => 0,
-            None => main_addr.port().checked_add(1 + i as u16).context("worker port overflows")?,
+        let Some(base) = settings.worker_port_base else {
+            owns.push(None);
+            continue;
         };
+        let port = if base == 0 { 0 } else { base.checked_add(i as u16).context("worker port overflows")? };
         let addr = SocketAddr::new(settings.listen, port);
-        owns.push(bind_listener(addr, settings.backlog).with_context(|| format!("binding worker {i} port {addr}"))?);
+        owns.push(Some(
+            bind_listener(addr, settings.backlog).with_context(|| format!("binding worker {i} port {addr}"))?,
+        ));
     }
-    let worker_addrs: Vec<SocketAddr> = owns.iter().map(|l| l.local_addr()).collect::<std::io::Result<_>>()?;
+    let worker_addrs: Vec<SocketAddr> =
+        owns.iter().flatten().map(|l| l.local_addr()).collect::<std::io::Result<_>>()?;
     let (map, server_id) = match &settings.cluster {
         Some((spec, id)) => (ClusterMap::from_spec(spec), *id),
         None => {
             let layout = Layout::even(1, workers as u16, settings.cachelets_per_worker, settings.vn_count);
-            (ClusterMap::new(layout, vec![ServerInfo { main: main_addr, workers: worker_addrs.clone() }]), 0)
+            // Without worker ports every worker is reached at the main port
+            // (`mbal hello <epoch> <worker>` hands the connection over).
+            let workers = if worker_addrs.is_empty() { vec![main_addr; workers] } else { worker_addrs.clone() };
+            (ClusterMap::new(layout, vec![ServerInfo { main: main_addr, workers }]), 0)
         }
     };
     let layout = map.layout().clone();

@@ -140,6 +140,15 @@ impl ReplyBatch {
     }
 }
 
+/// A connection changing worker, with what it had read but not served.
+pub(crate) struct HandOff {
+    pub sock: std::net::TcpStream,
+    pub peer: std::net::SocketAddr,
+    pub listen_addr: std::net::SocketAddr,
+    pub id: u64,
+    pub unread: Vec<u8>,
+}
+
 /// Messages between workers.
 pub(crate) enum Envelope {
     /// Requests to execute here (or pass along if their cachelet moved on).
@@ -148,6 +157,9 @@ pub(crate) enum Envelope {
     Replies(ReplyBatch),
     /// A connection accepted on the main port, handed to this worker.
     Conn(std::net::TcpStream, std::net::SocketAddr),
+    /// A routed connection handed over by the worker that had it (`mbal
+    /// hello <epoch> <worker>`): serve it here, answer its hello first.
+    HandOff(Box<HandOff>),
     Flush {
         at: u32,
     },

@@ -28,7 +28,7 @@ use crate::control::CtlMsg;
 use crate::dispatch::{self, text_key, Action, Route};
 use crate::exec::{self, locate, Ctx};
 use crate::moves::{self, Parked, Tables};
-use crate::msg::{Envelope, FwdKind, FwdReq, Mailbox, Outbox, Peers, ReplyTo, NO_CACHELET};
+use crate::msg::{Envelope, FwdKind, FwdReq, HandOff, Mailbox, Outbox, Peers, ReplyTo, NO_CACHELET};
 use crate::output::{Output, Slot, StatsFormat};
 use crate::stats::{self, BinSink, CacheletInfo, ConnInfo, Counters, ProcessInfo, TextSink, WorkerSnapshot};
 use crossbeam_channel::{Receiver, Sender};
@@ -156,7 +156,8 @@ pub(crate) struct Worker {
     id: usize,
     shared: Arc<Shared>,
     poll: Poll,
-    own_listener: TcpListener,
+    /// This worker's own port, if it has one (`--worker-port-base`).
+    own_listener: Option<TcpListener>,
     inbox: Receiver<Envelope>,
     mailbox: Arc<Mailbox>,
     store: WorkerStore,
@@ -204,12 +205,14 @@ impl Worker {
         shared: Arc<Shared>,
         poll: Poll,
         mailbox: Arc<Mailbox>,
-        own_listener: std::net::TcpListener,
+        own_listener: Option<std::net::TcpListener>,
         inbox: Receiver<Envelope>,
         store: WorkerStore,
     ) -> io::Result<Worker> {
-        let mut own_listener = TcpListener::from_std(own_listener);
-        poll.registry().register(&mut own_listener, OWN_LISTENER, Interest::READABLE)?;
+        let mut own_listener = own_listener.map(TcpListener::from_std);
+        if let Some(l) = &mut own_listener {
+            poll.registry().register(l, OWN_LISTENER, Interest::READABLE)?;
+        }
         let tables = Tables::new(&shared.layout, id);
         let workers = shared.settings.threads;
         let limits = Limits { max_item_size: shared.settings.max_item_size, ..Limits::default() };
@@ -314,7 +317,8 @@ impl Worker {
     /// Connections on this worker's own port.
     fn accept(&mut self) {
         loop {
-            let (sock, peer) = match self.own_listener.accept() {
+            let Some(listener) = &self.own_listener else { return };
+            let (sock, peer) = match listener.accept() {
                 Ok(x) => x,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) => {
@@ -332,14 +336,14 @@ impl Worker {
                 continue;
             }
             self.shared.worker_conns[self.id].fetch_add(1, Ordering::Relaxed);
-            let listen_addr = self.own_listener.local_addr().unwrap_or(peer);
+            let listen_addr = listener.local_addr().unwrap_or(peer);
             self.register(sock, peer, listen_addr);
         }
     }
 
     /// Serve a connection here. It is already counted in `curr_conns` and
     /// in this worker's `worker_conns`.
-    fn register(&mut self, mut sock: TcpStream, peer: SocketAddr, listen_addr: SocketAddr) {
+    fn register(&mut self, mut sock: TcpStream, peer: SocketAddr, listen_addr: SocketAddr) -> Option<usize> {
         let _ = sock.set_nodelay(true);
         let entry = self.conns.vacant_entry();
         let ci = entry.key();
@@ -347,7 +351,7 @@ impl Worker {
             tracing::warn!("register: {e}");
             self.shared.curr_conns.fetch_sub(1, Ordering::Relaxed);
             self.shared.worker_conns[self.id].fetch_sub(1, Ordering::Relaxed);
-            return;
+            return None;
         }
         self.counters.total_connections += 1;
         let gen = self.next_gen;
@@ -378,6 +382,25 @@ impl Worker {
         tracing::debug!(worker = self.id, %peer, "accepted");
         // Bytes may have arrived before the registration.
         self.requeue(ci);
+        Some(ci)
+    }
+
+    /// Give connection `ci` to worker `to`, with its input from `pos` on
+    /// (`mbal hello <epoch> <to>`; its output is empty, `dispatch` checked).
+    fn hand_off(&mut self, ci: usize, pos: usize, to: usize) {
+        let Some(mut c) = self.conns.try_remove(ci) else { return };
+        let _ = self.poll.registry().deregister(&mut c.sock);
+        self.shared.worker_conns[self.id].fetch_sub(1, Ordering::Relaxed);
+        self.shared.worker_conns[to].fetch_add(1, Ordering::Relaxed);
+        let unread = c.rbuf.split_off(pos.min(c.rbuf.len()));
+        let h = HandOff {
+            sock: std::net::TcpStream::from(c.sock),
+            peer: c.peer,
+            listen_addr: c.listen_addr,
+            id: c.id,
+            unread,
+        };
+        self.outbox[to].push(Envelope::HandOff(Box::new(h)));
     }
 
     fn close(&mut self, ci: usize) {
@@ -496,6 +519,7 @@ impl Worker {
         let mut done = 0usize;
         let mut pos = 0usize;
         let worker = self.id;
+        let mut hand_off = None;
         loop {
             let conn = &mut self.conns[ci];
             if conn.closing {
@@ -568,6 +592,10 @@ impl Worker {
                     match action {
                         Action::None => {}
                         Action::Routed => conn.routed = true,
+                        Action::HandOff(to) => {
+                            hand_off = Some(to);
+                            break;
+                        }
                         Action::Close => conn.closing = true,
                         Action::Shutdown => {
                             conn.closing = true;
@@ -579,6 +607,10 @@ impl Worker {
             }
         }
         self.finish_self_stats();
+        if let Some(to) = hand_off {
+            self.hand_off(ci, pos, to);
+            return;
+        }
         let Some(conn) = self.conns.get_mut(ci) else { return };
         conn.rbuf.drain(..pos.min(conn.rbuf.len()));
         if conn.rbuf.capacity() > 4 * READ_CHUNK && conn.rbuf.len() < READ_CHUNK {
@@ -694,6 +726,19 @@ impl Worker {
                 Envelope::Conn(sock, peer) => {
                     let listen = self.shared.main_addr;
                     self.register(TcpStream::from_std(sock), peer, listen);
+                }
+                Envelope::HandOff(h) => {
+                    let HandOff { sock, peer, listen_addr, id, unread } = *h;
+                    if let Some(ci) = self.register(TcpStream::from_std(sock), peer, listen_addr) {
+                        // Counted once, by the worker that accepted it.
+                        self.counters.total_connections -= 1;
+                        let c = &mut self.conns[ci];
+                        c.id = id;
+                        c.rbuf = unread;
+                        c.routed = true;
+                        c.proto = Some(Protocol::Text);
+                        dispatch::hello(&self.shared, self.shared.server_id, self.id, c.output.buf());
+                    }
                 }
                 Envelope::Release { cachelet, to, token } => {
                     let peers = self.shared.peers();

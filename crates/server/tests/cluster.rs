@@ -144,7 +144,7 @@ fn three_server_cluster_serves_only_its_partition() {
         servers: (0..3)
             .map(|i| ServerSpec {
                 addr: format!("127.0.0.1:{}", ports[i * 3]).parse().unwrap(),
-                worker_port_base: ports[i * 3 + 1],
+                worker_port_base: Some(ports[i * 3 + 1]),
             })
             .collect(),
     };
@@ -188,7 +188,7 @@ fn consecutive(mut spec: ClusterSpec) -> ClusterSpec {
         loop {
             let base = free_ports(1)[0];
             if base < 65000 && std::net::TcpListener::bind(("127.0.0.1", base + 1)).is_ok() {
-                s.worker_port_base = base;
+                s.worker_port_base = Some(base);
                 break;
             }
         }

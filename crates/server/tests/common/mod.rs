@@ -9,7 +9,8 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
 pub fn settings(threads: usize) -> Settings {
-    Settings { port: 0, threads, memory_limit: 32 << 20, ..Settings::default() }
+    // Ephemeral worker ports too: tests talk to workers directly.
+    Settings { port: 0, threads, memory_limit: 32 << 20, worker_port_base: Some(0), ..Settings::default() }
 }
 
 pub fn start(s: Settings) -> ServerHandle {

@@ -464,12 +464,13 @@ impl Mem {
                 return Some((s, off as u32));
             }
         }
-        let page = self.get_page()?;
-        if let Some(old) = c.open.take() {
-            if c.seg(old).live_items == 0 {
-                self.free_seg(c, old);
-            }
+        // An open segment whose items all died gives its page back first, so
+        // that a full store (memcached -M) can reuse it.
+        if let Some(old) = c.open.filter(|&old| c.seg(old).live_items == 0) {
+            self.free_seg(c, old); // (clears c.open)
         }
+        let page = self.get_page()?;
+        c.open = None;
         let s = self.new_segment(c, page, 0);
         c.open = Some(s);
         let seg = c.seg_mut(s);
@@ -694,6 +695,36 @@ impl WorkerStore {
     /// to evict.
     fn evict_segment(&mut self, retain: bool) -> bool {
         let pick = if retain { self.compaction_candidate() } else { None };
+        self.empty_segment(pick, retain)
+    }
+
+    /// Make room without dropping a live item (memcached `-M`): compact the
+    /// most-dead segment if one is at least `COMPACT_BUCKET` tenths dead,
+    /// else compact the oldest segment if it holds an expired or flushed
+    /// item (memcached reclaims those at its LRU tail before failing a
+    /// store). False if neither frees anything.
+    fn reclaim_dead(&mut self) -> bool {
+        if let Some(pick) = self.compaction_candidate() {
+            return self.empty_segment(Some(pick), true);
+        }
+        let Some(&(seq, cl, s)) = self.m.order.first() else { return false };
+        let c = self.cachelets[cl as usize].as_deref().expect("segment of owned cachelet");
+        let (seg, now) = (c.seg(s), self.m.last_now);
+        if c.open == Some(s) || seg.large_pages > 0 {
+            return false;
+        }
+        let mut offs = std::mem::take(&mut self.m.offs);
+        offs.clear();
+        seg.live_offsets(&mut offs);
+        let reclaimable = offs.iter().any(|&o| c.liveness(s, o, now) != Liveness::Live);
+        self.m.offs = offs;
+        reclaimable && self.empty_segment(Some((seq, cl, s)), true)
+    }
+
+    /// Empty `pick` keeping all its live items (compaction), or with `None`
+    /// the oldest segment keeping the items read since written (CLOCK) if
+    /// `retain`, else none.
+    fn empty_segment(&mut self, pick: Option<(u64, u32, u32)>, retain: bool) -> bool {
         let compacting = pick.is_some();
         let Some((_, cl, s)) = pick.or_else(|| self.m.order.first().copied()) else {
             return false;
@@ -793,7 +824,8 @@ impl WorkerStore {
                 // Evicting while below our share: ask workers above theirs to shed.
                 self.m.global.want(self.m.cfg.refill_pages.max(1));
             }
-            if !self.m.cfg.evict || !self.evict_one() {
+            let made_room = if self.m.cfg.evict { self.evict_one() } else { self.reclaim_dead() };
+            if !made_room {
                 if self.m.cfg.evict {
                     // Nothing of ours to evict: ask the other workers to shed pages.
                     self.m.global.want(self.m.cfg.refill_pages.max(1));
@@ -991,6 +1023,9 @@ impl WorkerStore {
             return StoreResult::TooLarge;
         }
         if footprint(key.len(), value.len()) > self.m.cfg.max_item_size {
+            if mode == Mode::Set && opts.compare.is_none() {
+                self.forget_after_failed_set(cl, hash, key, now);
+            }
             return StoreResult::TooLarge;
         }
         self.m.st.cmd_set += 1;
@@ -1059,7 +1094,23 @@ impl WorkerStore {
         };
         match res {
             Ok(cas) => StoreResult::Stored { cas: self.m.shown_cas(cas) },
-            Err(e) => e,
+            Err(e) => {
+                if mode == Mode::Set && opts.compare.is_none() {
+                    self.forget_after_failed_set(cl, hash, key, now);
+                }
+                e
+            }
+        }
+    }
+
+    /// A `set` that could not be stored (too large, out of memory) removes
+    /// the old value, as memcached does ("avoid stale data persisting in
+    /// cache because we failed alloc"): a reader never gets the value the
+    /// client meant to replace.
+    fn forget_after_failed_set(&mut self, cl: u32, hash: u64, key: &[u8], now: u32) {
+        let c = self.cachelets[cl as usize].as_deref_mut().expect("owned");
+        if let Found::Hit(s, o) = self.m.find_live(c, hash, key, now) {
+            self.m.unlink(c, s, o, true);
         }
     }
 

@@ -251,7 +251,8 @@ pub struct WorkerStats {
     pub reclaimed: u64,
     pub expired_unfetched: u64,
     pub out_of_memory: u64,
-    /// Items re-appended on a GET hit (second chance).
+    /// Items an eviction kept because they were read since written (CLOCK
+    /// second chance) and re-appended to their cachelet's open segment.
     pub items_relocated: u64,
     /// Items moved by compaction.
     pub items_compacted: u64,
@@ -305,7 +306,7 @@ impl Mem {
         if !empty && seg.large_pages == 0 {
             let len = seg.buf.len();
             let (b, a) = (before * DEAD_BUCKETS / len, (seg.dead_bytes * DEAD_BUCKETS / len).min(DEAD_BUCKETS - 1));
-            if a > b && a >= COMPACT_BUCKET {
+            if a > b && a >= self.compact_bucket() {
                 let list = &mut self.dead[a];
                 list.push((seg.seq, c.id, s));
                 if list.len() > 4 * (self.seg_pages + 16) {
@@ -315,6 +316,17 @@ impl Mem {
             }
         }
         empty
+    }
+
+    /// Dead tenths from which a segment is worth compacting: `COMPACT_BUCKET`,
+    /// or one tenth with `-M`, where compaction is the only way to reuse the
+    /// room of overwritten and deleted items.
+    fn compact_bucket(&self) -> usize {
+        if self.cfg.evict {
+            COMPACT_BUCKET
+        } else {
+            1
+        }
     }
 
     fn held(&self) -> usize {
@@ -540,19 +552,6 @@ fn parse_u64(v: &[u8]) -> Option<u64> {
     Some(x)
 }
 
-fn fmt_u64(mut x: u64, buf: &mut [u8; 20]) -> &[u8] {
-    let mut i = 20;
-    loop {
-        i -= 1;
-        buf[i] = b'0' + (x % 10) as u8;
-        x /= 10;
-        if x == 0 {
-            break;
-        }
-    }
-    &buf[i..]
-}
-
 impl WorkerStore {
     pub fn new(global: Arc<GlobalPool>, cfg: StoreConfig, cachelet_count: u32) -> Self {
         assert_eq!(cfg.page_size, global.page_size(), "config page_size != pool page_size");
@@ -669,9 +668,9 @@ impl WorkerStore {
         self.evict_segment(true)
     }
 
-    /// The most-dead segment that is at least `COMPACT_BUCKET` tenths dead.
+    /// The most-dead segment that is at least `compact_bucket()` tenths dead.
     fn compaction_candidate(&mut self) -> Option<(u64, u32, u32)> {
-        for b in (COMPACT_BUCKET..DEAD_BUCKETS).rev() {
+        for b in (self.m.compact_bucket()..DEAD_BUCKETS).rev() {
             while let Some((seq, cl, s)) = self.m.dead[b].pop() {
                 let Some(c) = self.cachelets.get(cl as usize).and_then(|c| c.as_deref()) else { continue };
                 let Some(seg) = c.segs.get(s as usize).and_then(|x| x.as_ref()) else { continue };
@@ -699,7 +698,7 @@ impl WorkerStore {
     }
 
     /// Make room without dropping a live item (memcached `-M`): compact the
-    /// most-dead segment if one is at least `COMPACT_BUCKET` tenths dead,
+    /// most-dead segment if one is at least a tenth dead,
     /// else compact the oldest segment if it holds an expired or flushed
     /// item (memcached reclaims those at its LRU tail before failing a
     /// store). False if neither frees anything.
@@ -1165,8 +1164,8 @@ impl WorkerStore {
             self.m.st.decr_hits += 1;
         }
         let new = if incr { cur.wrapping_add(delta) } else { cur.saturating_sub(delta) };
-        let mut nb = [0u8; 20];
-        let digits = fmt_u64(new, &mut nb);
+        let mut nb = itoa::Buffer::new();
+        let digits = nb.format(new).as_bytes();
         if digits.len() <= vlen && slack + (vlen - digits.len()) <= u16::MAX as usize {
             let cas = self.m.next_cas();
             let seg = c.seg_mut(s);

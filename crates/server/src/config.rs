@@ -1033,6 +1033,22 @@ mod tests {
         assert!(e.contains("at least 1k"), "{e}");
     }
 
+    /// `-o sock_cookie_id=N` marks the listening sockets (SO_MARK needs CAP_NET_ADMIN; without
+    /// it, the start fails with a line naming the option).
+    #[test]
+    fn sock_cookie_id_marks_listeners() {
+        let addr: std::net::SocketAddr = "127.0.0.1:0".parse().unwrap();
+        match crate::worker::bind_listener(addr, 16, 42) {
+            Ok(l) => assert_eq!(socket2::SockRef::from(&l).mark().unwrap(), 42),
+            Err(e) => {
+                assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}");
+                assert!(e.to_string().contains("-o sock_cookie_id=42"), "{e}");
+            }
+        }
+        let l = crate::worker::bind_listener(addr, 16, 0).unwrap();
+        assert_eq!(socket2::SockRef::from(&l).mark().unwrap(), 0, "no mark unless asked");
+    }
+
     #[test]
     fn layers_merge_key_by_key() {
         let dir = std::env::temp_dir().join(format!("mbal-cfg-layers-{}", std::process::id()));

@@ -47,11 +47,38 @@ enum ClusterCmd {
     Up(cluster_up::UpArgs),
 }
 
-fn main() -> Result<()> {
-    let cli = Cli::parse();
+/// An error that stops the program is one line on stderr (`mbal: ...`, the
+/// causes joined with `: `) and exit status 1 — never a backtrace, whatever
+/// RUST_BACKTRACE says; so is a command-line error (clap's usage text stays
+/// for `--help`). A panic, which is a bug, keeps Rust's default report.
+fn main() {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) if !e.use_stderr() => e.exit(), // --help, --version: stdout, status 0
+        Err(e) => {
+            let text = e.to_string();
+            let first = text.lines().next().unwrap_or("bad command line");
+            let first = first.strip_prefix("error: ").unwrap_or(first);
+            eprintln!("mbal: {first} (see --help)");
+            std::process::exit(2);
+        }
+    };
+    if let Err(e) = run(cli) {
+        eprintln!("mbal: {}", one_line(&e));
+        std::process::exit(1);
+    }
+}
+
+/// An error and its causes on one line.
+fn one_line(e: &anyhow::Error) -> String {
+    let text = format!("{e:#}");
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Server(args) => {
-            let settings = args.resolve()?;
+            let (settings, notes) = args.resolve()?;
             let level = match settings.verbosity {
                 0 => "warn",
                 1 => "info",
@@ -62,10 +89,13 @@ fn main() -> Result<()> {
                 .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| level.into()))
                 .with_writer(std::io::stderr)
                 .init();
+            for note in notes {
+                tracing::warn!("{note}");
+            }
             let handle = mbal_server::start(settings)?;
             if args.print_ports {
-                let workers: Vec<String> = handle.worker_addrs.iter().map(|a| format!("\"{a}\"")).collect();
-                println!("{{\"main\":\"{}\",\"workers\":[{}]}}", handle.main_addr, workers.join(","));
+                let ports = serde_json::json!({ "main": handle.main_addr, "workers": handle.worker_addrs });
+                println!("{ports}");
             }
             let stopper = handle_stopper(&handle);
             ctrlc::set_handler(stopper)?;

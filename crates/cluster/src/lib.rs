@@ -3,10 +3,12 @@
 //! * [`key_hash`] is the single stable 64-bit hash of key bytes used by the
 //!   client, the server, the proxy and the simulator.
 //! * A key's virtual node (VN) is taken from the *high* 32 bits of that hash
-//!   ([`vn_of`]), so the low bits and the top 7 bits, which a SwissTable-style
-//!   index uses for bucket choice and tag, stay independent of the VN. Every
-//!   key of one cachelet shares a small set of VNs; deriving the VN from the
-//!   bits the index uses would crowd those keys into the same buckets.
+//!   ([`vn_of`]), so the low bits, from which a cachelet's index picks a
+//!   key's home bucket, stay independent of the VN (the index's 16-bit tag
+//!   is the top 16 bits, above the VN's bits for any power-of-two VN count up
+//!   to 65,536). Every key of one cachelet shares a small set of VNs;
+//!   deriving the VN from the bits the index uses would crowd those keys
+//!   into the same buckets.
 //! * VNs map to cachelets and cachelets to (server, worker) through a
 //!   [`Layout`]; the initial assignment is deterministic and even.
 

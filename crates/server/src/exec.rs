@@ -79,10 +79,9 @@ pub(crate) fn text_keyed(ctx: &mut Ctx, cmd: &TextCmd, at: Loc, out: &mut Vec<u8
                 StoreResult::TooLarge => b"SERVER_ERROR object too large for cache\r\n",
                 StoreResult::OutOfMemory => b"SERVER_ERROR out of memory storing object\r\n",
             };
-            // memcached sends SERVER_ERRORs even with noreply.
-            if !noreply || line.starts_with(b"SERVER_ERROR") {
-                out.extend_from_slice(line);
-            }
+            // noreply hides the SERVER_ERRORs too, as in memcached 1.6 (out_string
+            // skips every reply of a noreply command).
+            reply(out, noreply, line);
         }
         TextCmd::Delete { key, noreply } => {
             let line = match ctx.store.delete(at.cachelet, at.hash, key, None, ctx.now) {

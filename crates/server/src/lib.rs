@@ -111,7 +111,8 @@ impl Drop for ServerHandle {
 pub fn start(settings: Settings) -> Result<ServerHandle> {
     let workers = settings.threads;
     let main_addr = SocketAddr::new(settings.listen, settings.port);
-    let main = bind_listener(main_addr, settings.backlog).with_context(|| format!("binding main port {main_addr}"))?;
+    let main = bind_listener(main_addr, settings.backlog, settings.sock_cookie_id)
+        .with_context(|| format!("binding main port {main_addr}"))?;
     let main_addr = main.local_addr()?;
     // Worker ports only when asked for (`--worker-port-base`); otherwise
     // routed clients reach their worker through the main port.
@@ -124,7 +125,8 @@ pub fn start(settings: Settings) -> Result<ServerHandle> {
         let port = if base == 0 { 0 } else { base.checked_add(i as u16).context("worker port overflows")? };
         let addr = SocketAddr::new(settings.listen, port);
         owns.push(Some(
-            bind_listener(addr, settings.backlog).with_context(|| format!("binding worker {i} port {addr}"))?,
+            bind_listener(addr, settings.backlog, settings.sock_cookie_id)
+                .with_context(|| format!("binding worker {i} port {addr}"))?,
         ));
     }
     let worker_addrs: Vec<SocketAddr> =
@@ -161,6 +163,8 @@ pub fn start(settings: Settings) -> Result<ServerHandle> {
         main_addr,
         worker_ports: OnceLock::new(),
         next_conn_id: AtomicU64::new(1),
+        accept_paused: AtomicBool::new(false),
+        accept_waker: OnceLock::new(),
         settings: settings.clone(),
     });
     let _ = shared.worker_ports.set(worker_addrs.iter().map(|a| a.port()).collect());
@@ -200,6 +204,7 @@ pub fn start(settings: Settings) -> Result<ServerHandle> {
     threads.push(std::thread::Builder::new().name("mbal-control".into()).spawn(move || controller.run())?);
     let acceptor = Acceptor::new(main, shared.clone())?;
     let acceptor_waker = acceptor.waker.clone();
+    let _ = shared.accept_waker.set(acceptor_waker.clone());
     threads.push(std::thread::Builder::new().name("mbal-acceptor".into()).spawn(move || acceptor.run())?);
     tracing::info!(%main_addr, ?worker_addrs, workers, "mbal server ready");
     Ok(ServerHandle { main_addr, worker_addrs, shared, acceptor_waker, threads })
@@ -244,6 +249,11 @@ impl Acceptor {
 
     fn accept_all(&mut self) {
         loop {
+            if !self.shared.settings.maxconns_fast && self.at_limit() {
+                // memcached without maxconns_fast: stop accepting; clients
+                // wait in the listen backlog until a connection closes.
+                return;
+            }
             let (sock, peer) = match self.listener.accept() {
                 Ok(x) => x,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
@@ -255,7 +265,7 @@ impl Acceptor {
                 }
             };
             let shared = &self.shared;
-            if shared.curr_conns.fetch_add(1, Ordering::Relaxed) >= shared.settings.max_conns {
+            if shared.curr_conns.fetch_add(1, Ordering::SeqCst) >= shared.settings.max_conns {
                 shared.curr_conns.fetch_sub(1, Ordering::Relaxed);
                 shared.rejected_conns.fetch_add(1, Ordering::Relaxed);
                 let mut sock = sock;
@@ -278,5 +288,24 @@ impl Acceptor {
                 peers.mailboxes[w].wake();
             }
         }
+    }
+
+    /// At `-c` (the paused flag is raised first, so that a close racing
+    /// with this check wakes the acceptor: see `Shared::conn_closed`).
+    fn at_limit(&self) -> bool {
+        let shared = &self.shared;
+        let max = shared.settings.max_conns;
+        if shared.curr_conns.load(Ordering::SeqCst) < max {
+            if shared.accept_paused.load(Ordering::Relaxed) {
+                shared.accept_paused.store(false, Ordering::SeqCst);
+            }
+            return false;
+        }
+        shared.accept_paused.store(true, Ordering::SeqCst);
+        if shared.curr_conns.load(Ordering::SeqCst) < max {
+            shared.accept_paused.store(false, Ordering::SeqCst);
+            return false;
+        }
+        true
     }
 }

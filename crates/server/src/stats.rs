@@ -78,7 +78,8 @@ impl AddStats for WorkerStats {
             cas_badval,
             touch_hits,
             touch_misses,
-            hash_bytes
+            hash_bytes,
+            out_of_memory
         );
     }
 }
@@ -220,6 +221,8 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
             sink.stat("reclaimed", &reclaimed);
             sink.stat("expired_unfetched", &expired_unfetched);
             sink.stat("evicted_unfetched", &evicted_unfetched);
+            // memcached's name for stores refused with -M (or too big for the budget)
+            sink.stat("store_no_memory", &st.out_of_memory);
             sink.stat("cross_worker_requests", &c.forwarded_out);
             sink.stat("redirects", &c.redirects);
             sink.stat("foreign_keys", &c.foreign_keys);

@@ -96,6 +96,10 @@ pub(crate) struct Shared {
     pub main_addr: SocketAddr,
     pub worker_ports: OnceLock<Vec<u16>>,
     pub next_conn_id: AtomicU64,
+    /// With `-o no_maxconns_fast`: the acceptor stopped accepting at `-c`
+    /// and waits for a close to wake it (`accept_waker`).
+    pub accept_paused: AtomicBool,
+    pub accept_waker: OnceLock<Arc<mio::Waker>>,
 }
 
 impl Shared {
@@ -123,6 +127,20 @@ impl Shared {
             p.wake_all();
         }
         self.tell_controller(CtlMsg::Wake);
+    }
+
+    /// A connection of `worker` closed. Wakes the acceptor if it stopped
+    /// accepting at the connection limit (`-o no_maxconns_fast`); SeqCst
+    /// pairs with the acceptor's store of `accept_paused` then load of
+    /// `curr_conns`, so one of the two sees the other.
+    pub fn conn_closed(&self, worker: usize) {
+        self.worker_conns[worker].fetch_sub(1, Ordering::Relaxed);
+        self.curr_conns.fetch_sub(1, Ordering::SeqCst);
+        if self.accept_paused.load(Ordering::SeqCst) {
+            if let Some(w) = self.accept_waker.get() {
+                let _ = w.wake();
+            }
+        }
     }
 }
 
@@ -189,9 +207,14 @@ pub(crate) struct Worker {
     inbox_wait_max_ns: u64,
 }
 
-pub(crate) fn bind_listener(addr: SocketAddr, backlog: i32) -> io::Result<std::net::TcpListener> {
+/// A listening socket; `mark` (`-o sock_cookie_id`, 0: none) is set as its
+/// `SO_MARK`, as memcached does, for firewall rules.
+pub(crate) fn bind_listener(addr: SocketAddr, backlog: i32, mark: u32) -> io::Result<std::net::TcpListener> {
     use socket2::{Domain, Socket, Type};
     let s = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    if mark != 0 {
+        s.set_mark(mark).map_err(|e| io::Error::new(e.kind(), format!("-o sock_cookie_id={mark} (SO_MARK): {e}")))?;
+    }
     s.set_reuse_address(true)?;
     s.set_nonblocking(true)?;
     s.bind(&addr.into())?;
@@ -349,8 +372,7 @@ impl Worker {
         let ci = entry.key();
         if let Err(e) = self.poll.registry().register(&mut sock, Token(ci + FIRST_CONN), Interest::READABLE) {
             tracing::warn!("register: {e}");
-            self.shared.curr_conns.fetch_sub(1, Ordering::Relaxed);
-            self.shared.worker_conns[self.id].fetch_sub(1, Ordering::Relaxed);
+            self.shared.conn_closed(self.id);
             return None;
         }
         self.counters.total_connections += 1;
@@ -406,8 +428,7 @@ impl Worker {
     fn close(&mut self, ci: usize) {
         if let Some(mut c) = self.conns.try_remove(ci) {
             let _ = self.poll.registry().deregister(&mut c.sock);
-            self.shared.curr_conns.fetch_sub(1, Ordering::Relaxed);
-            self.shared.worker_conns[self.id].fetch_sub(1, Ordering::Relaxed);
+            self.shared.conn_closed(self.id);
         }
     }
 

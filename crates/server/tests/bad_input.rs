@@ -177,6 +177,30 @@ fn more_connections_than_c_are_refused() {
     srv.shutdown();
 }
 
+/// `-o no_maxconns_fast`: a connection over `-c` is not refused; it waits in the listen
+/// backlog, unserved, until another closes, as in memcached.
+#[test]
+fn without_maxconns_fast_connections_over_c_wait() {
+    let srv = start(mbal_server::config::Settings { max_conns: 2, maxconns_fast: false, ..settings(1) });
+    let mut held: Vec<Conn> = (0..2).map(|_| Conn::open(srv.main_addr)).collect();
+    for c in held.iter_mut() {
+        assert!(c.cmd("version\r\n").starts_with("VERSION"));
+    }
+    let mut waiting = Conn::open(srv.main_addr);
+    waiting.send(b"version\r\n");
+    // Nothing comes while the limit holds: no error line, no close.
+    waiting.w.set_read_timeout(Some(std::time::Duration::from_millis(300))).unwrap();
+    let mut b = [0u8; 64];
+    match std::io::Read::read(&mut waiting.r, &mut b) {
+        Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+        other => panic!("served or refused over -c: {other:?}"),
+    }
+    waiting.w.set_read_timeout(Some(std::time::Duration::from_secs(10))).unwrap();
+    drop(held.pop());
+    assert!(waiting.line().starts_with("VERSION"), "served once a slot frees");
+    srv.shutdown();
+}
+
 #[test]
 fn many_half_sent_requests_held_open() {
     let srv = start(settings(2));

@@ -41,7 +41,10 @@
 //! come back without losing an item). Eviction is CLOCK-like: a GET sets the item's accessed
 //! bit (writing the header only if a mark changes); evicting a segment keeps its accessed
 //! items (up to half a page, bit cleared) by copying them forward, and drops the rest.
-//! With `evict = false` (memcached `-M`) a full store answers `OutOfMemory`.
+//! With `evict = false` (memcached `-M`) a full store never drops a live item: it compacts a
+//! segment at least a tenth dead, or the oldest segment if it holds expired or flushed items,
+//! and otherwise answers `OutOfMemory`. A `set` that fails (too large, out of memory) removes
+//! the value it was to replace, as memcached does.
 //! A worker that finds no page anywhere and owns no segment to evict (e.g. it just got fresh
 //! cachelets while other workers filled the budget) answers `OutOfMemory` and records the
 //! request in the pool ([`GlobalPool::pages_wanted`]); the other workers notice it the next

@@ -251,7 +251,8 @@ pub struct WorkerStats {
     pub reclaimed: u64,
     pub expired_unfetched: u64,
     pub out_of_memory: u64,
-    /// Items re-appended on a GET hit (second chance).
+    /// Items an eviction kept because they were read since written (CLOCK
+    /// second chance) and re-appended to their cachelet's open segment.
     pub items_relocated: u64,
     /// Items moved by compaction.
     pub items_compacted: u64,
@@ -305,7 +306,7 @@ impl Mem {
         if !empty && seg.large_pages == 0 {
             let len = seg.buf.len();
             let (b, a) = (before * DEAD_BUCKETS / len, (seg.dead_bytes * DEAD_BUCKETS / len).min(DEAD_BUCKETS - 1));
-            if a > b && a >= COMPACT_BUCKET {
+            if a > b && a >= self.compact_bucket() {
                 let list = &mut self.dead[a];
                 list.push((seg.seq, c.id, s));
                 if list.len() > 4 * (self.seg_pages + 16) {
@@ -315,6 +316,17 @@ impl Mem {
             }
         }
         empty
+    }
+
+    /// Dead tenths from which a segment is worth compacting: `COMPACT_BUCKET`,
+    /// or one tenth with `-M`, where compaction is the only way to reuse the
+    /// room of overwritten and deleted items.
+    fn compact_bucket(&self) -> usize {
+        if self.cfg.evict {
+            COMPACT_BUCKET
+        } else {
+            1
+        }
     }
 
     fn held(&self) -> usize {
@@ -464,12 +476,13 @@ impl Mem {
                 return Some((s, off as u32));
             }
         }
-        let page = self.get_page()?;
-        if let Some(old) = c.open.take() {
-            if c.seg(old).live_items == 0 {
-                self.free_seg(c, old);
-            }
+        // An open segment whose items all died gives its page back first, so
+        // that a full store (memcached -M) can reuse it.
+        if let Some(old) = c.open.filter(|&old| c.seg(old).live_items == 0) {
+            self.free_seg(c, old); // (clears c.open)
         }
+        let page = self.get_page()?;
+        c.open = None;
         let s = self.new_segment(c, page, 0);
         c.open = Some(s);
         let seg = c.seg_mut(s);
@@ -537,19 +550,6 @@ fn parse_u64(v: &[u8]) -> Option<u64> {
         x = x.checked_mul(10)?.checked_add((ch - b'0') as u64)?;
     }
     Some(x)
-}
-
-fn fmt_u64(mut x: u64, buf: &mut [u8; 20]) -> &[u8] {
-    let mut i = 20;
-    loop {
-        i -= 1;
-        buf[i] = b'0' + (x % 10) as u8;
-        x /= 10;
-        if x == 0 {
-            break;
-        }
-    }
-    &buf[i..]
 }
 
 impl WorkerStore {
@@ -668,9 +668,9 @@ impl WorkerStore {
         self.evict_segment(true)
     }
 
-    /// The most-dead segment that is at least `COMPACT_BUCKET` tenths dead.
+    /// The most-dead segment that is at least `compact_bucket()` tenths dead.
     fn compaction_candidate(&mut self) -> Option<(u64, u32, u32)> {
-        for b in (COMPACT_BUCKET..DEAD_BUCKETS).rev() {
+        for b in (self.m.compact_bucket()..DEAD_BUCKETS).rev() {
             while let Some((seq, cl, s)) = self.m.dead[b].pop() {
                 let Some(c) = self.cachelets.get(cl as usize).and_then(|c| c.as_deref()) else { continue };
                 let Some(seg) = c.segs.get(s as usize).and_then(|x| x.as_ref()) else { continue };
@@ -694,6 +694,36 @@ impl WorkerStore {
     /// to evict.
     fn evict_segment(&mut self, retain: bool) -> bool {
         let pick = if retain { self.compaction_candidate() } else { None };
+        self.empty_segment(pick, retain)
+    }
+
+    /// Make room without dropping a live item (memcached `-M`): compact the
+    /// most-dead segment if one is at least a tenth dead,
+    /// else compact the oldest segment if it holds an expired or flushed
+    /// item (memcached reclaims those at its LRU tail before failing a
+    /// store). False if neither frees anything.
+    fn reclaim_dead(&mut self) -> bool {
+        if let Some(pick) = self.compaction_candidate() {
+            return self.empty_segment(Some(pick), true);
+        }
+        let Some(&(seq, cl, s)) = self.m.order.first() else { return false };
+        let c = self.cachelets[cl as usize].as_deref().expect("segment of owned cachelet");
+        let (seg, now) = (c.seg(s), self.m.last_now);
+        if c.open == Some(s) || seg.large_pages > 0 {
+            return false;
+        }
+        let mut offs = std::mem::take(&mut self.m.offs);
+        offs.clear();
+        seg.live_offsets(&mut offs);
+        let reclaimable = offs.iter().any(|&o| c.liveness(s, o, now) != Liveness::Live);
+        self.m.offs = offs;
+        reclaimable && self.empty_segment(Some((seq, cl, s)), true)
+    }
+
+    /// Empty `pick` keeping all its live items (compaction), or with `None`
+    /// the oldest segment keeping the items read since written (CLOCK) if
+    /// `retain`, else none.
+    fn empty_segment(&mut self, pick: Option<(u64, u32, u32)>, retain: bool) -> bool {
         let compacting = pick.is_some();
         let Some((_, cl, s)) = pick.or_else(|| self.m.order.first().copied()) else {
             return false;
@@ -793,7 +823,8 @@ impl WorkerStore {
                 // Evicting while below our share: ask workers above theirs to shed.
                 self.m.global.want(self.m.cfg.refill_pages.max(1));
             }
-            if !self.m.cfg.evict || !self.evict_one() {
+            let made_room = if self.m.cfg.evict { self.evict_one() } else { self.reclaim_dead() };
+            if !made_room {
                 if self.m.cfg.evict {
                     // Nothing of ours to evict: ask the other workers to shed pages.
                     self.m.global.want(self.m.cfg.refill_pages.max(1));
@@ -991,6 +1022,9 @@ impl WorkerStore {
             return StoreResult::TooLarge;
         }
         if footprint(key.len(), value.len()) > self.m.cfg.max_item_size {
+            if mode == Mode::Set && opts.compare.is_none() {
+                self.forget_after_failed_set(cl, hash, key, now);
+            }
             return StoreResult::TooLarge;
         }
         self.m.st.cmd_set += 1;
@@ -1059,7 +1093,23 @@ impl WorkerStore {
         };
         match res {
             Ok(cas) => StoreResult::Stored { cas: self.m.shown_cas(cas) },
-            Err(e) => e,
+            Err(e) => {
+                if mode == Mode::Set && opts.compare.is_none() {
+                    self.forget_after_failed_set(cl, hash, key, now);
+                }
+                e
+            }
+        }
+    }
+
+    /// A `set` that could not be stored (too large, out of memory) removes
+    /// the old value, as memcached does ("avoid stale data persisting in
+    /// cache because we failed alloc"): a reader never gets the value the
+    /// client meant to replace.
+    fn forget_after_failed_set(&mut self, cl: u32, hash: u64, key: &[u8], now: u32) {
+        let c = self.cachelets[cl as usize].as_deref_mut().expect("owned");
+        if let Found::Hit(s, o) = self.m.find_live(c, hash, key, now) {
+            self.m.unlink(c, s, o, true);
         }
     }
 
@@ -1114,8 +1164,8 @@ impl WorkerStore {
             self.m.st.decr_hits += 1;
         }
         let new = if incr { cur.wrapping_add(delta) } else { cur.saturating_sub(delta) };
-        let mut nb = [0u8; 20];
-        let digits = fmt_u64(new, &mut nb);
+        let mut nb = itoa::Buffer::new();
+        let digits = nb.format(new).as_bytes();
         if digits.len() <= vlen && slack + (vlen - digits.len()) <= u16::MAX as usize {
             let cas = self.m.next_cas();
             let seg = c.seg_mut(s);

@@ -365,7 +365,7 @@ fn moving_cachelet_keeps_items_and_pages() {
 }
 
 #[test]
-#[should_panic]
+#[should_panic(expected = "cachelet 2 not owned by this worker")]
 #[cfg(debug_assertions)]
 fn get_on_unowned_cachelet_panics_in_debug() {
     let mut w = mk(1 << 20, |_| {});
@@ -511,16 +511,127 @@ fn drop_and_discard_return_pages_to_the_pool() {
     assert_eq!(ps.available_pages, ps.total_pages);
 }
 
+/// Eviction keeps (relocates) only items read since they were written: a
+/// write-only load under memory pressure relocates nothing, and once some
+/// items are read, those are the ones kept.
 #[test]
-fn no_relocation_without_memory_pressure() {
-    let mut w = mk(1 << 20, |_| {});
-    for i in 0..500 {
-        set(&mut w, &format!("k{i}"), &"v".repeat(100), 0, 0);
+fn eviction_keeps_only_items_read_since_written() {
+    let mut w = mk(16 * PAGE, |_| {});
+    let val = "v".repeat(100);
+    for i in 0..2_000 {
+        set(&mut w, &format!("w{i}"), &val, 0, 0);
     }
-    for i in 0..500 {
-        assert!(get(&mut w, &format!("k{i}"), 0).is_some());
+    assert!(w.stats().evictions > 1000, "memory pressure");
+    assert_eq!(w.stats().items_relocated, 0, "nothing was read, nothing is kept");
+    let survivors: Vec<String> = (0..2_000).map(|i| format!("w{i}")).filter(|k| get(&mut w, k, 0).is_some()).collect();
+    assert!(!survivors.is_empty());
+    for i in 0..2_000 {
+        set(&mut w, &format!("x{i}"), &val, 0, 0);
     }
-    assert_eq!(w.stats().items_relocated, 0);
+    assert!(w.stats().items_relocated > 0, "the items just read got a second chance");
+}
+
+/// memcached -M: a full store refuses new items, drops no live item, and
+/// reuses the room of deleted, overwritten, expired and flushed items.
+#[test]
+fn no_evict_never_drops_a_live_item_and_reuses_dead_room() {
+    let mut w = mk(8 * PAGE, |c| c.evict = false);
+    let val = "v".repeat(500);
+    let mut stored = Vec::new();
+    for i in 0..200 {
+        match set(&mut w, &format!("k{i}"), &val, 0, 0) {
+            StoreResult::Stored { .. } => stored.push(i),
+            StoreResult::OutOfMemory => {}
+            o => panic!("{o:?}"),
+        }
+    }
+    let full = stored.len();
+    assert!(full > 10 && full < 200, "{full}");
+    assert_eq!(w.stats().evictions, 0);
+    assert_eq!(w.stats().out_of_memory, 200 - full as u64);
+    for &i in &stored {
+        assert!(get(&mut w, &format!("k{i}"), 0).is_some(), "k{i} was dropped");
+    }
+    // deletes make room for as many new items
+    for &i in &stored[..full / 2] {
+        assert_eq!(
+            w.delete(0, key_hash(format!("k{i}").as_bytes()), format!("k{i}").as_bytes(), None, 0),
+            DeleteResult::Deleted
+        );
+    }
+    for i in 0..full / 2 {
+        assert!(matches!(set(&mut w, &format!("d{i}"), &val, 0, 0), StoreResult::Stored { .. }), "d{i}");
+    }
+    // overwrites of a full store: as in memcached, a set that finds no room fails and drops
+    // the old copy, whose room the next set reuses (here by compaction)
+    let (mut ok, mut failed) = (0, 0);
+    for round in 0..5 {
+        for i in 0..full / 2 {
+            let v = format!("{round}{}", &val[1..]);
+            match set(&mut w, &format!("d{i}"), &v, 0, 0) {
+                StoreResult::Stored { .. } => {
+                    ok += 1;
+                    assert_eq!(get(&mut w, &format!("d{i}"), 0).unwrap(), v.as_bytes());
+                }
+                StoreResult::OutOfMemory => {
+                    failed += 1;
+                    assert!(get(&mut w, &format!("d{i}"), 0).is_none(), "no stale value");
+                }
+                o => panic!("{o:?}"),
+            }
+        }
+    }
+    // (memcached alternates exactly; segment tails cost mbal a few more failures)
+    assert!(ok * 2 >= failed, "room is reused: {ok} stored, {failed} failed");
+    for &i in &stored[full / 2..] {
+        assert!(get(&mut w, &format!("k{i}"), 0).is_some(), "k{i} was dropped");
+    }
+    assert_eq!(w.stats().evictions, 0);
+    // expired and flushed items are reclaimed too
+    for i in 0..full {
+        set(&mut w, &format!("d{i}"), &val, 1, 0);
+    }
+    w.flush_all(0);
+    for i in 0..full / 2 {
+        assert!(matches!(set(&mut w, &format!("e{i}"), &val, 0, 2), StoreResult::Stored { .. }), "e{i}");
+    }
+}
+
+/// A `set` that cannot be stored removes the value it meant to replace (memcached: no stale
+/// data after a failed set); a failed `cas`, `add` or `append` leaves it.
+#[test]
+fn failed_set_forgets_the_old_value() {
+    let mut w = mk(8 * PAGE, |c| {
+        c.evict = false;
+        c.max_item_size = 2048;
+    });
+    cas_of(set(&mut w, "a", "old", 0, 0));
+    assert_eq!(set(&mut w, "a", &"x".repeat(4096), 0, 0), StoreResult::TooLarge);
+    assert!(get(&mut w, "a", 0).is_none(), "too large: the old value is gone");
+    let c = cas_of(set(&mut w, "b", "old", 0, 0));
+    assert_eq!(st(&mut w, "b", &"x".repeat(4096), Mode::Append, None, 0), StoreResult::TooLarge);
+    assert_eq!(st(&mut w, "b", &"x".repeat(4096), Mode::Set, Some(c), 0), StoreResult::TooLarge);
+    assert_eq!(get(&mut w, "b", 0).unwrap(), b"old", "append and cas keep it");
+    // out of memory: fill, then overwrite one key with a value that does not fit
+    let mut i = 0;
+    while matches!(set(&mut w, &format!("f{i}"), &"v".repeat(1000), 0, 0), StoreResult::Stored { .. }) {
+        i += 1;
+    }
+    cas_of(set(&mut w, "f0", "small", 0, 0));
+    let big = "z".repeat(2000);
+    let mut forgot = false;
+    for _ in 0..3 {
+        match set(&mut w, &format!("f{}", i - 1), &big, 0, 0) {
+            StoreResult::OutOfMemory => {
+                assert!(get(&mut w, &format!("f{}", i - 1), 0).is_none());
+                forgot = true;
+                break;
+            }
+            StoreResult::Stored { .. } => i -= 1,
+            o => panic!("{o:?}"),
+        }
+    }
+    assert!(forgot, "a full -M store refused a set");
 }
 
 #[test]

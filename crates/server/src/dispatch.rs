@@ -232,14 +232,21 @@ pub(crate) fn handle(
                 Action::None
             }
             TextCmd::Quit => Action::Close,
-            TextCmd::Shutdown => {
-                if settings.shutdown_enabled {
-                    output.buf().extend_from_slice(text::OK);
-                    Action::Shutdown
-                } else {
+            TextCmd::Shutdown { args } => {
+                // memcached hangs up on the asker, writing nothing, as it shuts down.
+                if !settings.shutdown_enabled {
                     output.buf().extend_from_slice(b"ERROR: shutdown not enabled\r\n");
                     Action::None
+                } else if args.is_empty() || *args == b"graceful" {
+                    Action::Shutdown
+                } else {
+                    output.buf().extend_from_slice(b"CLIENT_ERROR invalid shutdown mode\r\n");
+                    Action::None
                 }
+            }
+            TextCmd::Tune { cmd, args } => {
+                crate::tune::tune(*cmd, args, output.buf());
+                Action::None
             }
             TextCmd::Mbal { args } => admin(shared, rt, store, output, args),
         },

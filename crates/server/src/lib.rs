@@ -25,6 +25,7 @@ mod moves;
 mod msg;
 mod output;
 pub mod stats;
+mod tune;
 mod worker;
 
 use anyhow::{Context, Result};

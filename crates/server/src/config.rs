@@ -61,6 +61,8 @@ pub struct Settings {
     pub max_inflight: usize,
     /// Accept the `mbal debug ...` test hooks (never in production).
     pub debug_commands: bool,
+    /// `-D`: the byte that ends a key's prefix for `stats detail` (memcached's default `:`).
+    pub prefix_delimiter: u8,
 }
 
 impl Default for Settings {
@@ -88,6 +90,7 @@ impl Default for Settings {
             cluster: None,
             max_inflight: 16384,
             debug_commands: false,
+            prefix_delimiter: b':',
         }
     }
 }
@@ -216,7 +219,8 @@ pub struct ServerArgs {
     pub x_min_size: Option<String>,
     #[arg(short = 'L', long = "enable-largepages", hide = true)]
     pub x_large_pages: bool,
-    #[arg(short = 'D', hide = true)]
+    /// Key prefix delimiter for `stats detail` [default: ':']
+    #[arg(short = 'D')]
     pub x_delimiter: Option<String>,
     #[arg(short = 'k', long = "lock-memory", hide = true)]
     pub x_lock_memory: bool,
@@ -359,6 +363,13 @@ impl ServerArgs {
             s.max_inflight = v;
         }
         s.debug_commands = self.debug_commands;
+        if let Some(d) = &self.x_delimiter {
+            // memcached takes the first character of -D.
+            match d.as_bytes().first() {
+                Some(&c) if c.is_ascii_graphic() => s.prefix_delimiter = c,
+                _ => bail!("-D must start with a printable ASCII character (got {d:?})"),
+            }
+        }
         s.shutdown_enabled = self.enable_shutdown || file.enable_shutdown == Some(true);
         s.verbosity = if self.verbose > 0 { self.verbose } else { file.verbosity.unwrap_or(0) };
         if let Some(v) = self.backlog.or(file.listen_backlog) {
@@ -448,9 +459,6 @@ impl ServerArgs {
         }
         if self.x_large_pages || self.x_lock_memory || self.x_memory_file.is_some() || self.x_coredumps {
             no("-L/-k/-e/-r", "memory placement options")?;
-        }
-        if self.x_delimiter.is_some() {
-            no("-D", "stats prefix delimiter")?;
         }
         Ok(())
     }

@@ -21,6 +21,17 @@ pub(crate) struct Ctx<'a> {
     pub counters: &'a mut Counters,
     /// Seconds since process start (the coarse clock).
     pub now: u32,
+    /// `stats detail on`: the key prefix delimiter (count this request per prefix).
+    pub detail: Option<u8>,
+}
+
+impl Ctx<'_> {
+    /// `stats detail`: count a get (and whether it hit), set or delete of `key`'s prefix.
+    fn detail(&mut self, key: &[u8], what: crate::stats::PrefixOp) {
+        if let Some(d) = self.detail {
+            self.counters.prefixes.record(key, d, what);
+        }
+    }
 }
 
 /// A key located in the key space: its hash (computed once) and cachelet.
@@ -54,9 +65,11 @@ pub(crate) fn text_get_one(ctx: &mut Ctx, key: &[u8], at: Loc, cas: bool, touch:
         Some(exp) => ctx.store.touch(at.cachelet, at.hash, key, exp, ctx.now),
         None => ctx.store.get(at.cachelet, at.hash, key, ctx.now),
     };
+    let hit = item.is_some();
     if let Some(it) = item {
         text::write_value(out, key, it.flags, it.value, cas.then_some(it.cas));
     }
+    ctx.detail(key, crate::stats::PrefixOp::Get { hit });
 }
 
 /// A single-key text command (everything but get, which is per key above,
@@ -64,6 +77,7 @@ pub(crate) fn text_get_one(ctx: &mut Ctx, key: &[u8], at: Loc, cas: bool, touch:
 pub(crate) fn text_keyed(ctx: &mut Ctx, cmd: &TextCmd, at: Loc, out: &mut Vec<u8>) {
     match *cmd {
         TextCmd::Store { mode, key, flags, exptime, data, cas_unique, noreply } => {
+            ctx.detail(key, crate::stats::PrefixOp::Set);
             let cas = (mode == StoreMode::Cas).then_some(cas_unique);
             if cas.is_some() && !ctx.settings.cas_enabled {
                 // memcached -C: every cas fails as if the item changed.
@@ -85,6 +99,7 @@ pub(crate) fn text_keyed(ctx: &mut Ctx, cmd: &TextCmd, at: Loc, out: &mut Vec<u8
             }
         }
         TextCmd::Delete { key, noreply } => {
+            ctx.detail(key, crate::stats::PrefixOp::Delete);
             let line = match ctx.store.delete(at.cachelet, at.hash, key, None, ctx.now) {
                 DeleteResult::Deleted => text::DELETED,
                 _ => text::NOT_FOUND,
@@ -524,6 +539,7 @@ pub(crate) fn bin_keyed(ctx: &mut Ctx, req: &BinReq, at: Loc, out: &mut Vec<u8>)
                 ctx.store.get(at.cachelet, at.hash, key, ctx.now)
             };
             let with_key = matches!(opc, op::GETK | op::GETKQ | op::GATK | op::GATKQ);
+            let hit = item.is_some();
             match item {
                 Some(it) => {
                     let flags = it.flags.to_be_bytes();
@@ -553,8 +569,10 @@ pub(crate) fn bin_keyed(ctx: &mut Ctx, req: &BinReq, at: Loc, out: &mut Vec<u8>)
                     }
                 }
             }
+            ctx.detail(key, crate::stats::PrefixOp::Get { hit });
         }
         o if mbal_proto::binary::is_store(o) => {
+            ctx.detail(key, crate::stats::PrefixOp::Set);
             let mode = match opc {
                 op::SET | op::SETQ => Mode::Set,
                 op::ADD | op::ADDQ => Mode::Add,
@@ -593,6 +611,7 @@ pub(crate) fn bin_keyed(ctx: &mut Ctx, req: &BinReq, at: Loc, out: &mut Vec<u8>)
             }
         }
         op::DELETE | op::DELETEQ => {
+            ctx.detail(key, crate::stats::PrefixOp::Delete);
             let cas = (h.cas != 0).then_some(h.cas);
             match ctx.store.delete(at.cachelet, at.hash, key, cas, ctx.now) {
                 DeleteResult::Deleted => {

@@ -18,8 +18,10 @@ pub use crate::reply::{write_b64, MetaReply};
 pub const MAX_META_FLAGS: usize = 24;
 /// Longest opaque (`O`) token memcached accepts.
 pub const MAX_OPAQUE_LEN: usize = 32;
-/// Longest key token when flag `b` is given (base64 of 250 bytes).
-pub const MAX_B64_KEY_LEN: usize = 4 * MAX_KEY_LEN.div_ceil(3);
+/// Most flags memcached accepts on `mg`, `md`, `ma` (its 20 tokens, less command, key and end).
+pub const MAX_FLAGS: usize = 17;
+/// Most flags memcached accepts on `ms` (one token fewer: the data length).
+pub const MAX_FLAGS_SET: usize = 16;
 
 /// Which meta command.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -110,7 +112,68 @@ pub fn meta_key<'k>(cmd: &MetaCmd<'k>, scratch: &'k mut [u8; 256]) -> Result<&'k
     Ok(&scratch[..n])
 }
 
+/// Flag letters memcached 1.6 accepts on `mg`/`ms`/`md`/`ma` (its `_meta_flag_preparse`),
+/// plus `E` (explicit CAS, from newer memcached releases; see docs/protocol.md).
+fn known_flag(f: u8) -> bool {
+    matches!(
+        f,
+        b'b' | b'N'
+            | b'T'
+            | b'R'
+            | b'l'
+            | b'O'
+            | b'P'
+            | b'L'
+            | b'k'
+            | b's'
+            | b't'
+            | b'c'
+            | b'f'
+            | b'v'
+            | b'h'
+            | b'u'
+            | b'q'
+            | b'F'
+            | b'C'
+            | b'M'
+            | b'J'
+            | b'D'
+            | b'I'
+            | b'E'
+    )
+}
+
+/// memcached's check of a flag's token (`safe_strtol`/`safe_strtoul`/`safe_strtoull`):
+/// the error it records for a bad one, if any.
+fn flag_token_error(f: u8, t: &[u8]) -> Option<&'static str> {
+    const BAD_TOKEN: &str = "CLIENT_ERROR bad token in command line format";
+    let ok = match f {
+        b'N' | b'T' | b'R' => num::<i64>(t).is_some(),
+        b'C' | b'E' => num::<u64>(t).is_some(),
+        // memcached parses F as an unsigned long and keeps the low 32 bits; a bad F
+        // leaves the default message.
+        b'F' => return num::<u64>(t).is_none().then_some(E_FORMAT),
+        b'M' => return (t.len() != 1).then_some("CLIENT_ERROR incorrect length for M token"),
+        b'J' => return num::<u64>(t).is_none().then_some("CLIENT_ERROR invalid numeric initial value"),
+        b'D' => return num::<u64>(t).is_none().then_some("CLIENT_ERROR invalid numeric delta value"),
+        _ => true,
+    };
+    (!ok).then_some(BAD_TOKEN)
+}
+
+/// Does a base64 key token decode to 1..=250 bytes?
+fn b64_key_ok(key: &[u8]) -> bool {
+    let mut scratch = [0u8; 256];
+    matches!(base64::engine::general_purpose::STANDARD.decode_slice(key, &mut scratch[..]), Ok(n) if n > 0)
+}
+
 /// Parse a meta command line (`m` + `which`), `rest` = the line after the command token.
+///
+/// Errors follow memcached 1.6.18 (`proto_text.c`): the key token (base64 or not) is at
+/// most 250 bytes; at most 17 flags (16 on `ms`); flags are checked in order, an unknown
+/// or repeated one ends the check at once, bad tokens are noted and the last one's message
+/// wins; `md` and `ma` say `invalid or duplicate flag` for all of these; then the opaque's
+/// length and `ms`/`ma`'s mode. `me` looks only at whether its first flag is `b`.
 pub(crate) fn parse_line<'a>(which: u8, rest: &'a [u8], buf: &'a [u8], line_len: usize, limits: &Limits) -> Parsed<'a> {
     let kind = match which {
         b'g' => MetaKind::Get,
@@ -128,61 +191,89 @@ pub(crate) fn parse_line<'a>(which: u8, rest: &'a [u8], buf: &'a [u8], line_len:
     let Some((key, mut rest)) = next_token(rest) else {
         return fail(if kind == MetaKind::Get { E_ERROR } else { E_FORMAT }, line_len);
     };
-    if key.len() > MAX_B64_KEY_LEN {
+    if key.len() > MAX_KEY_LEN {
         return fail(E_FORMAT, line_len);
+    }
+    if kind == MetaKind::Debug {
+        let mut flags = MetaFlags::default();
+        if next_token(rest).is_some_and(|(t, _)| t == b"b") {
+            if !b64_key_ok(key) {
+                return fail(E_FORMAT, line_len);
+            }
+            flags.letters[0] = b'b';
+            flags.len = 1;
+            flags.mask = bit(b'b').unwrap_or(0);
+        } else if !valid_key(key) {
+            return fail(E_FORMAT, line_len);
+        }
+        return Parsed::Req { req: Request::Meta(MetaCmd { kind, key, flags, data: &[] }), consumed: line_len };
     }
     let mut vlen = 0usize;
     if kind == MetaKind::Set {
         let Some((len_tok, r)) = next_token(rest) else {
             return fail(E_FORMAT, line_len);
         };
+        if split_spaces(r).count() > MAX_FLAGS_SET {
+            return fail("CLIENT_ERROR options flags too long", line_len);
+        }
         rest = r;
         match num::<i64>(len_tok) {
             Some(v) if (0..=(i32::MAX - 2) as i64).contains(&v) => vlen = v as usize,
             _ => return fail(E_FORMAT, line_len),
         }
-    }
-    let (e_invalid, e_dup) = match kind {
-        MetaKind::Delete | MetaKind::Arith => {
-            ("CLIENT_ERROR invalid or duplicate flag", "CLIENT_ERROR invalid or duplicate flag")
-        }
-        _ => ("CLIENT_ERROR invalid flag", "CLIENT_ERROR duplicate flag"),
-    };
-    if split_spaces(rest).count() > MAX_META_FLAGS {
-        // memcached's wording differs between ms and the others.
-        let msg = if kind == MetaKind::Set {
-            "CLIENT_ERROR options flags too long"
-        } else {
+    } else if split_spaces(rest).count() > MAX_FLAGS {
+        // memcached's wording differs between mg and the others.
+        let msg = if kind == MetaKind::Get {
             "CLIENT_ERROR options flags are too long"
+        } else {
+            "CLIENT_ERROR options flags too long"
         };
         return fail(msg, line_len);
     }
+    // md and ma report every flag error with one message.
+    let one_msg = matches!(kind, MetaKind::Delete | MetaKind::Arith);
     // Once ms has a valid length, memcached swallows its data block on flag errors.
     let flag_skip = if kind == MetaKind::Set { line_len + vlen + 2 } else { line_len };
+    let flag_fail =
+        |msg: &'static str| fail(if one_msg { "CLIENT_ERROR invalid or duplicate flag" } else { msg }, flag_skip);
     let mut flags = MetaFlags::default();
+    let mut noted: Option<&'static str> = None;
     for tok in split_spaces(rest) {
         let f = tok[0];
-        let Some(b) = bit(f) else {
-            return fail(e_invalid, flag_skip);
-        };
-        if flags.mask & b != 0 {
-            return fail(e_dup, flag_skip);
+        if f >= 127 || flags.has(f) {
+            return flag_fail("CLIENT_ERROR duplicate flag");
         }
+        let Some(b) = bit(f).filter(|_| known_flag(f)) else {
+            return flag_fail("CLIENT_ERROR invalid flag");
+        };
         let t = &tok[1..];
-        if f == b'O' && t.len() > MAX_OPAQUE_LEN {
-            return fail("CLIENT_ERROR opaque token too long", flag_skip);
+        if let Some(e) = flag_token_error(f, t) {
+            noted = Some(e);
+        }
+        if f == b'b' && !b64_key_ok(key) {
+            noted = Some("CLIENT_ERROR error decoding key");
         }
         flags.letters[flags.len as usize] = f;
         flags.toks[flags.len as usize] = t;
         flags.len += 1;
         flags.mask |= b;
     }
-    let key_ok = if flags.has(b'b') {
-        !key.is_empty() && key.len() <= MAX_B64_KEY_LEN && key.iter().all(|&c| c > b' ' && c != 0x7f)
-    } else {
-        valid_key(key)
-    };
-    if !key_ok {
+    if let Some(e) = noted {
+        return flag_fail(e);
+    }
+    if flags.token(b'O').is_some_and(|t| t.len() > MAX_OPAQUE_LEN) {
+        return fail("CLIENT_ERROR opaque token too long", flag_skip);
+    }
+    match (kind, flags.token(b'M')) {
+        (MetaKind::Set, Some(m)) if !matches!(m, b"E" | b"A" | b"P" | b"R" | b"S") => {
+            return fail("CLIENT_ERROR invalid mode for ms M token", flag_skip);
+        }
+        (MetaKind::Arith, Some(m)) if !matches!(m, b"I" | b"+" | b"D" | b"-") => {
+            return fail("CLIENT_ERROR invalid mode for ma M token", line_len);
+        }
+        _ => {}
+    }
+    if !flags.has(b'b') && !valid_key(key) {
         return fail(E_FORMAT, line_len);
     }
     let mut data: &[u8] = &[];
@@ -259,6 +350,7 @@ mod tests {
         assert_eq!(terr(b"mg a v v\r\n").0, "CLIENT_ERROR duplicate flag");
         assert_eq!(terr(b"mg a !\r\n").0, "CLIENT_ERROR invalid flag");
         assert_eq!(terr(b"md a 1\r\n").0, "CLIENT_ERROR invalid or duplicate flag");
+        assert_eq!(terr(b"ma a q T1 q\r\n").0, "CLIENT_ERROR invalid or duplicate flag");
         assert_eq!(terr(b"ma a q q\r\n").0, "CLIENT_ERROR invalid or duplicate flag");
         assert_eq!(terr(b"ms a\r\n").0, E_FORMAT);
         assert_eq!(terr(b"ms a x\r\n").0, E_FORMAT);
@@ -290,33 +382,55 @@ mod tests {
         let c = cmd(b"mg YWJj b v\r\n");
         let mut s = [0u8; 256];
         assert_eq!(meta_key(&c, &mut s), Ok(&b"abc"[..]));
-        let c = cmd(b"mg *** b v\r\n");
-        let mut s = [0u8; 256];
-        assert_eq!(meta_key(&c, &mut s), Err(ErrReply::Text("CLIENT_ERROR error decoding key")));
         let c = cmd(b"mg abc v\r\n");
         let mut s = [0u8; 256];
         assert_eq!(meta_key(&c, &mut s), Ok(&b"abc"[..]));
-        // 250 raw bytes encode to 336 chars: accepted with b, decoded back
-        let raw = [0xabu8; 250];
+        // memcached limits the key token to 250 bytes, base64 or not: 187 raw bytes
+        // (252 chars) are refused, 186 (248 chars) accepted and decoded back.
+        let mut enc = Vec::new();
+        write_b64(&mut enc, &[0xab; 187]);
+        let line = [b"mg ".as_slice(), &enc, b" b\r\n"].concat();
+        assert_eq!(terr(&line).0, E_FORMAT);
+        let raw = [0xabu8; 186];
         let mut enc = Vec::new();
         write_b64(&mut enc, &raw);
-        assert_eq!(enc.len(), MAX_B64_KEY_LEN);
         let line = [b"mg ".as_slice(), &enc, b" b\r\n"].concat();
         let c = cmd(&line);
         let mut s = [0u8; 256];
         assert_eq!(meta_key(&c, &mut s), Ok(&raw[..]));
-        // 251 raw bytes: too long after decoding
-        let mut enc = Vec::new();
-        write_b64(&mut enc, &[1u8; 251]);
-        let line = [b"mg ".as_slice(), &enc, b" b\r\n"].concat();
-        match p(T, &line) {
-            Parsed::Req { req: Request::Meta(c), .. } => {
-                let mut s = [0u8; 256];
-                assert_eq!(meta_key(&c, &mut s), Err(ErrReply::Text(E_FORMAT)));
-            }
-            Parsed::Err { reply, .. } => assert_eq!(reply, ErrReply::Text(E_FORMAT)),
-            other => panic!("{other:?}"),
-        }
+        // undecodable: mg/ms say so, md/ma report a flag error, me a format error
+        assert_eq!(terr(b"mg *** b\r\n").0, "CLIENT_ERROR error decoding key");
+        assert_eq!(terr(b"ms *** 1 b\r\nx\r\n"), ("CLIENT_ERROR error decoding key", 15, false));
+        assert_eq!(terr(b"md *** b\r\n").0, "CLIENT_ERROR invalid or duplicate flag");
+        assert_eq!(terr(b"me *** b\r\n").0, E_FORMAT);
+    }
+
+    #[test]
+    fn flag_checks_follow_memcached() {
+        // unknown letters, per command wording
+        assert_eq!(terr(b"mg a v z\r\n").0, "CLIENT_ERROR invalid flag");
+        assert_eq!(terr(b"ma a x\r\n").0, "CLIENT_ERROR invalid or duplicate flag");
+        // bad tokens: noted, the last one wins, a later duplicate overrides
+        assert_eq!(terr(b"mg a Tx\r\n").0, "CLIENT_ERROR bad token in command line format");
+        assert_eq!(terr(b"ms a 1 Fx\r\nx\r\n"), (E_FORMAT, 14, false));
+        assert_eq!(terr(b"ms a 1 Dx Jx\r\nx\r\n").0, "CLIENT_ERROR invalid numeric initial value");
+        assert_eq!(terr(b"ms a 1 Tx v v\r\nx\r\n").0, "CLIENT_ERROR duplicate flag");
+        assert_eq!(terr(b"ms a 1 MSS\r\nx\r\n").0, "CLIENT_ERROR incorrect length for M token");
+        assert_eq!(terr(b"ma a D18446744073709551616\r\n").0, "CLIENT_ERROR invalid or duplicate flag");
+        // modes are upper case (or +/- for ma)
+        assert_eq!(terr(b"ms a 1 Ms\r\nx\r\n"), ("CLIENT_ERROR invalid mode for ms M token", 14, false));
+        assert_eq!(terr(b"ma a Mi\r\n").0, "CLIENT_ERROR invalid mode for ma M token");
+        assert!(matches!(p(T, b"ma a M-\r\n"), Parsed::Req { .. }));
+        // F keeps the low 32 bits, as memcached's strtoul does
+        assert!(matches!(p(T, b"ms a 1 F4294967296\r\nx\r\n"), Parsed::Req { .. }));
+        // me ignores its flags but a leading b
+        assert!(matches!(p(T, b"me a x !\r\n"), Parsed::Req { .. }));
+        // at most 17 flags (16 on ms)
+        let f17 = " O1 k v c f s t h l q u b T1 N1 R1 C1 F1";
+        assert!(matches!(p(T, format!("mg YQ=={f17}\r\n").as_bytes()), Parsed::Req { .. }));
+        assert_eq!(terr(format!("mg a{f17} I\r\n").as_bytes()).0, "CLIENT_ERROR options flags are too long");
+        assert_eq!(terr(format!("md a{f17} I\r\n").as_bytes()).0, "CLIENT_ERROR options flags too long");
+        assert_eq!(terr(format!("ms a 1{f17}\r\nx\r\n").as_bytes()).0, "CLIENT_ERROR options flags too long");
     }
 
     #[test]

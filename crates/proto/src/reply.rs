@@ -33,6 +33,15 @@ impl ErrReply {
         }
     }
 
+    /// Is this the refusal of a value larger than the item size limit (text or binary)?
+    pub fn is_too_large(&self) -> bool {
+        match *self {
+            ErrReply::Text(t) => t == "SERVER_ERROR object too large for cache",
+            ErrReply::Bin { status, .. } => status == 0x03,
+            ErrReply::Silent => false,
+        }
+    }
+
     /// The text line, if this is a text error.
     pub fn text(&self) -> Option<&'static str> {
         match *self {

@@ -86,13 +86,30 @@ pub enum TextCmd<'a> {
         args: &'a [u8],
     },
     Quit,
-    /// `shutdown [graceful]` (whether it is allowed is the server's business).
-    Shutdown,
+    /// `shutdown [graceful]`; `args` is the rest of the line, trimmed (whether shutdown is
+    /// allowed and which modes exist is the server's business).
+    Shutdown {
+        args: &'a [u8],
+    },
+    /// memcached's tuning commands for its slab allocator and LRU (`slabs`, `lru`,
+    /// `cache_memlimit`); `args` is the rest of the line, trimmed.
+    Tune {
+        cmd: TuneCmd,
+        args: &'a [u8],
+    },
     /// `mbal <args>`: mbal's extension commands (docs/protocol.md); `args` is
     /// the rest of the line, trimmed. memcached answers ERROR to these.
     Mbal {
         args: &'a [u8],
     },
+}
+
+/// memcached's tuning commands ([`TextCmd::Tune`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TuneCmd {
+    Slabs,
+    Lru,
+    CacheMemlimit,
 }
 
 /// The keys of a get line (validated, at least one except for gat/gats).
@@ -218,8 +235,9 @@ pub fn parse<'a>(buf: &'a [u8], limits: &Limits) -> Parsed<'a> {
     }
     let req = |c: TextCmd<'a>| Parsed::Req { req: Request::Text(c), consumed: line_len };
     match cmd {
-        b"get" | b"gets" => {
-            let cas = cmd.len() == 4;
+        // `bget`: memcached's undocumented old alias of get.
+        b"get" | b"gets" | b"bget" => {
+            let cas = cmd == b"gets";
             match keys(rest) {
                 Ok(k) if k.count == 0 => fail(E_ERROR, line_len),
                 Ok(keys) => req(TextCmd::Get { keys, cas, touch: None }),
@@ -326,10 +344,43 @@ pub fn parse<'a>(buf: &'a [u8], limits: &Limits) -> Parsed<'a> {
         }
         b"stats" => req(TextCmd::Stats { args: trim(rest) }),
         b"quit" => req(TextCmd::Quit),
-        b"shutdown" => req(TextCmd::Shutdown),
+        b"shutdown" => req(TextCmd::Shutdown { args: trim(rest) }),
+        b"slabs" => req(TextCmd::Tune { cmd: TuneCmd::Slabs, args: trim(rest) }),
+        b"lru" => req(TextCmd::Tune { cmd: TuneCmd::Lru, args: trim(rest) }),
+        b"cache_memlimit" => req(TextCmd::Tune { cmd: TuneCmd::CacheMemlimit, args: trim(rest) }),
         b"mbal" => req(TextCmd::Mbal { args: trim(rest) }),
+        _ if looks_like_http(cmd, line) => Parsed::Err { reply: ErrReply::Silent, skip: line_len, close: true },
         _ => fail(E_ERROR, line_len),
     }
+}
+
+/// memcached's guard against cross-protocol requests (a browser tricked into sending an
+/// HTTP request to a cache): a line with a command it does not know, whose last token
+/// starts with `HTTP/` (`GET / HTTP/1.1`, `DELETE HTTP/1.1`), closes the connection with
+/// nothing written. memcached 1.6's exact rule (`process_command_ascii`): the command is at
+/// least two bytes, does not start with a lower-case letter it dispatches on (`g s a c i d t`,
+/// where an unknown command is a plain `ERROR`), is none of its other commands, and the last
+/// of the line's first 23 space-separated tokens starts with `HTTP/`.
+fn looks_like_http(cmd: &[u8], line: &[u8]) -> bool {
+    const MEMCACHED_COMMANDS: [&[u8]; 10] = [
+        b"replace",
+        b"prepend",
+        b"bget",
+        b"flush_all",
+        b"version",
+        b"quit",
+        b"lru_crawler",
+        b"watch",
+        b"verbosity",
+        b"lru",
+    ];
+    if cmd.len() < 2
+        || matches!(cmd[0], b'g' | b's' | b'a' | b'c' | b'i' | b'd' | b't')
+        || MEMCACHED_COMMANDS.contains(&cmd)
+    {
+        return false;
+    }
+    split_spaces(line).take(23).last().is_some_and(|t| t.starts_with(b"HTTP/"))
 }
 
 fn keys(rest: &[u8]) -> Result<Keys<'_>, ()> {
@@ -616,11 +667,46 @@ mod tests {
         assert_eq!(terr(b"verbosity x\r\n").0, E_FORMAT);
         assert_eq!(cmd(b"version\r\n"), TextCmd::Version);
         assert_eq!(cmd(b"quit\r\n"), TextCmd::Quit);
-        assert_eq!(cmd(b"shutdown\r\n"), TextCmd::Shutdown);
+        assert_eq!(cmd(b"shutdown\r\n"), TextCmd::Shutdown { args: b"" });
+        assert_eq!(cmd(b"shutdown  graceful \r\n"), TextCmd::Shutdown { args: b"graceful" });
+        assert_eq!(cmd(b"slabs automove 1\r\n"), TextCmd::Tune { cmd: TuneCmd::Slabs, args: b"automove 1" });
+        assert_eq!(cmd(b"lru mode flat\r\n"), TextCmd::Tune { cmd: TuneCmd::Lru, args: b"mode flat" });
+        assert_eq!(cmd(b"cache_memlimit 9\r\n"), TextCmd::Tune { cmd: TuneCmd::CacheMemlimit, args: b"9" });
+        assert!(matches!(cmd(b"bget a b\r\n"), TextCmd::Get { cas: false, touch: None, ref keys } if keys.len() == 2));
         assert_eq!(cmd(b"mbal hello 3\r\n"), TextCmd::Mbal { args: b"hello 3" });
         assert_eq!(cmd(b"stats\r\n"), TextCmd::Stats { args: b"" });
         assert_eq!(cmd(b"stats  slabs  \r\n"), TextCmd::Stats { args: b"slabs" });
         assert_eq!(cmd(b"stats detail on\n"), TextCmd::Stats { args: b"detail on" });
+    }
+
+    #[test]
+    fn http_request_lines_close_silently() {
+        let close = |b: &[u8]| p(T, b) == Parsed::Err { reply: ErrReply::Silent, skip: b.len(), close: true };
+        for line in [
+            &b"GET / HTTP/1.0\r\n"[..],
+            b"PUT /asdf HTTP/1.1\r\n",
+            b"DELETE HTTP/1.1\r\n",
+            b"HTTP/1.0\n",
+            b"POST /x HTTP/1.1 \r\n",
+            b"OPTIONS * HTTP/2\r\n",
+        ] {
+            assert!(close(line), "{:?}", String::from_utf8_lossy(line));
+        }
+        // memcached answers ERROR to these (or runs them)
+        assert_eq!(terr(b"X HTTP\r\n").0, "ERROR");
+        assert_eq!(terr(b"X http/1.1\r\n").0, "ERROR");
+        assert_eq!(terr(b"gxx HTTP/1.1\r\n").0, "ERROR");
+        assert_eq!(terr(b"delet HTTP/1.1\r\n").0, "ERROR");
+        assert_eq!(terr(b"G HTTP/1.1\r\n").0, "ERROR");
+        assert_eq!(terr(b"watch HTTP/1.1\r\n").0, "ERROR");
+        assert!(matches!(p(T, b"get / HTTP/1.0\r\n"), Parsed::Req { .. }));
+        // only the first 23 tokens count
+        let many = format!("GET {} HTTP/1.1\r\n", vec!["a"; 22].join(" "));
+        assert_eq!(terr(many.as_bytes()).0, "ERROR");
+        let at23 = format!("GET {} HTTP/1.1 b c\r\n", vec!["a"; 21].join(" "));
+        assert!(close(at23.as_bytes()));
+        // a prefix of the line is NeedMore
+        assert_eq!(p(T, b"GET / HTTP/1.1"), Parsed::NeedMore);
     }
 
     #[test]

@@ -147,6 +147,8 @@ pub struct Settings {
     /// The controller's tick: how often it samples every worker's counters
     /// into an epoch snapshot (the balancer's epoch, DESIGN.md §2).
     pub epoch_ms: u64,
+    /// `-D`: the byte that ends a key's prefix for `stats detail` (memcached's default `:`).
+    pub prefix_delimiter: u8,
 }
 
 impl Default for Settings {
@@ -177,6 +179,7 @@ impl Default for Settings {
             max_inflight: 16384,
             debug_commands: false,
             epoch_ms: 1000,
+            prefix_delimiter: b':',
         }
     }
 }
@@ -355,7 +358,8 @@ pub struct ServerArgs {
     #[arg(short = 'L', long = "enable-largepages", hide = true)]
     #[serde(skip)]
     pub x_large_pages: bool,
-    #[arg(short = 'D', hide = true)]
+    /// Key prefix delimiter for `stats detail` [default: ':']
+    #[arg(short = 'D')]
     #[serde(skip)]
     pub x_delimiter: Option<String>,
     #[arg(short = 'k', long = "lock-memory", hide = true)]
@@ -682,6 +686,13 @@ impl ServerArgs {
             s.epoch_ms = v;
         }
         s.debug_commands = self.debug_commands;
+        if let Some(d) = &self.x_delimiter {
+            // memcached takes the first character of -D.
+            match d.as_bytes().first() {
+                Some(&c) if c.is_ascii_graphic() => s.prefix_delimiter = c,
+                _ => bail!("-D must start with a printable ASCII character (got {d:?})"),
+            }
+        }
         s.shutdown_enabled = o.enable_shutdown;
         s.verbosity = o.verbosity;
         if let Some(v) = o.listen_backlog {
@@ -764,9 +775,6 @@ impl ServerArgs {
         }
         if self.x_large_pages || self.x_lock_memory || self.x_memory_file.is_some() || self.x_coredumps {
             no("-L/-k/-e/-r", "memory placement options")?;
-        }
-        if self.x_delimiter.is_some() {
-            no("-D", "stats prefix delimiter")?;
         }
         Ok(())
     }

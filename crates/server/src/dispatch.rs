@@ -144,7 +144,7 @@ pub(crate) fn handle(
     let settings = &shared.settings;
     macro_rules! ctx {
         () => {
-            Ctx { store: &mut *store, layout, settings, counters: &mut *rt.counters, now }
+            Ctx { store: &mut *store, layout, settings, counters: &mut *rt.counters, now, detail: shared.detail() }
         };
     }
     match req {
@@ -235,22 +235,36 @@ pub(crate) fn handle(
                         reset_stats(rt, store);
                         output.buf().extend_from_slice(b"RESET\r\n");
                     }
-                    "" | "settings" | "items" | "slabs" | "conns" | "cachelets" | "workers" => {
+                    "" | "settings" | "items" | "slabs" | "conns" | "cachelets" | "workers" | "detail dump" => {
                         gather_stats(shared, rt, output, group, StatsFormat::Text)
+                    }
+                    "detail on" | "detail off" => {
+                        shared.detail.store(group == "detail on", Ordering::Relaxed);
+                        output.buf().extend_from_slice(text::OK);
+                    }
+                    g if g == "detail" || g.starts_with("detail ") => {
+                        output.buf().extend_from_slice(b"CLIENT_ERROR usage: stats detail on|off|dump\r\n")
                     }
                     _ => output.buf().extend_from_slice(b"ERROR\r\n"),
                 }
                 Action::None
             }
             TextCmd::Quit => Action::Close,
-            TextCmd::Shutdown => {
-                if settings.shutdown_enabled {
-                    output.buf().extend_from_slice(text::OK);
-                    Action::Shutdown
-                } else {
+            TextCmd::Shutdown { args } => {
+                // memcached hangs up on the asker, writing nothing, as it shuts down.
+                if !settings.shutdown_enabled {
                     output.buf().extend_from_slice(b"ERROR: shutdown not enabled\r\n");
                     Action::None
+                } else if args.is_empty() || *args == b"graceful" {
+                    Action::Shutdown
+                } else {
+                    output.buf().extend_from_slice(b"CLIENT_ERROR invalid shutdown mode\r\n");
+                    Action::None
                 }
+            }
+            TextCmd::Tune { cmd, args } => {
+                crate::tune::tune(*cmd, args, output.buf());
+                Action::None
             }
             TextCmd::Mbal { args } => admin(shared, rt, output, args),
         },
@@ -294,8 +308,8 @@ fn route_keyed(
 ) {
     match rt.dest(at) {
         Dest::Here => {
-            let mut ctx =
-                Ctx { store, layout: &shared.layout, settings: &shared.settings, counters: &mut *rt.counters, now };
+            let (layout, settings, detail) = (&shared.layout, &shared.settings, shared.detail());
+            let mut ctx = Ctx { store, layout, settings, counters: &mut *rt.counters, now, detail };
             exec(&mut ctx, output.buf())
         }
         d if rt.routed => redirect(shared, rt, output, d),

@@ -21,6 +21,17 @@ pub(crate) struct Ctx<'a> {
     pub counters: &'a mut Counters,
     /// Seconds since process start (the coarse clock).
     pub now: u32,
+    /// `stats detail on`: the key prefix delimiter (count this request per prefix).
+    pub detail: Option<u8>,
+}
+
+impl Ctx<'_> {
+    /// `stats detail`: count a get (and whether it hit), set or delete of `key`'s prefix.
+    fn detail(&mut self, key: &[u8], what: crate::stats::PrefixOp) {
+        if let Some(d) = self.detail {
+            self.counters.prefixes.record(key, d, what);
+        }
+    }
 }
 
 /// A key located in the key space: its hash (computed once) and cachelet.
@@ -54,9 +65,11 @@ pub(crate) fn text_get_one(ctx: &mut Ctx, key: &[u8], at: Loc, cas: bool, touch:
         Some(exp) => ctx.store.touch(at.cachelet, at.hash, key, exp, ctx.now),
         None => ctx.store.get(at.cachelet, at.hash, key, ctx.now),
     };
+    let hit = item.is_some();
     if let Some(it) = item {
         text::write_value(out, key, it.flags, it.value, cas.then_some(it.cas));
     }
+    ctx.detail(key, crate::stats::PrefixOp::Get { hit });
 }
 
 /// A single-key text command (everything but get, which is per key above,
@@ -64,6 +77,7 @@ pub(crate) fn text_get_one(ctx: &mut Ctx, key: &[u8], at: Loc, cas: bool, touch:
 pub(crate) fn text_keyed(ctx: &mut Ctx, cmd: &TextCmd, at: Loc, out: &mut Vec<u8>) {
     match *cmd {
         TextCmd::Store { mode, key, flags, exptime, data, cas_unique, noreply } => {
+            ctx.detail(key, crate::stats::PrefixOp::Set);
             let cas = (mode == StoreMode::Cas).then_some(cas_unique);
             if cas.is_some() && !ctx.settings.cas_enabled {
                 // memcached -C: every cas fails as if the item changed.
@@ -84,6 +98,7 @@ pub(crate) fn text_keyed(ctx: &mut Ctx, cmd: &TextCmd, at: Loc, out: &mut Vec<u8
             reply(out, noreply, line);
         }
         TextCmd::Delete { key, noreply } => {
+            ctx.detail(key, crate::stats::PrefixOp::Delete);
             let line = match ctx.store.delete(at.cachelet, at.hash, key, None, ctx.now) {
                 DeleteResult::Deleted => text::DELETED,
                 _ => text::NOT_FOUND,
@@ -123,107 +138,142 @@ fn reply(out: &mut Vec<u8>, noreply: bool, line: &[u8]) {
 
 /// Execute a keyed meta command (mg, ms, md, ma, me) whose key is `key`
 /// (already base64-decoded when the b flag was given).
+///
+/// Replies follow memcached 1.6.18 byte for byte (`tests/vs_memcached.rs` compares them):
+/// flags are answered in request order; `k` is followed by ` b` when the key came in
+/// base64; `q` hides only the nominal reply (`HD` of ms/md, `EN` of mg, `HD`/`VA` of an
+/// ma that changed an existing item); `t` shows the TTL as of its place among the flags, so
+/// `t` before `T`/`N` shows the old one.
 pub(crate) fn meta_keyed(ctx: &mut Ctx, cmd: &MetaCmd, key: &[u8], at: Loc, out: &mut Vec<u8>) {
     ctx.counters.cmd_meta += 1;
     let f = &cmd.flags;
     let quiet = f.has(b'q');
+    let now = ctx.now;
     match cmd.kind {
         MetaKind::Get => {
-            let ttl_update = match f.num::<i64>(b'T') {
-                Ok(v) => v,
-                Err(()) => return bad_flag(out),
-            };
-            let vivify = match f.num::<i64>(b'N') {
-                Ok(v) => v,
-                Err(()) => return bad_flag(out),
-            };
-            let recache = match f.num::<u32>(b'R') {
-                Ok(v) => v,
-                Err(()) => return bad_flag(out),
-            };
-            let Ok(explicit) = explicit_cas(f, ctx.settings) else {
+            let (Ok(ttl_update), Ok(vivify), Ok(recache), Ok(explicit)) =
+                (f.num::<i64>(b'T'), f.num::<i64>(b'N'), f.num::<i64>(b'R'), explicit_cas(f, ctx.settings))
+            else {
                 return bad_flag(out);
             };
-            if let Some(exp) = ttl_update {
-                ctx.store.touch(at.cachelet, at.hash, key, exp, ctx.now);
-            }
-            let now = ctx.now;
-            let hit = ctx.store.get(at.cachelet, at.hash, key, now).is_some();
-            if !hit {
-                if let Some(ttl) = vivify {
-                    // Vivify: create an empty placeholder and hand this
-                    // client the win token; others see Z until it is set.
-                    ctx.store.store(at.cachelet, at.hash, key, b"", 0, ttl, Mode::Add, None, now);
-                    ctx.store.update(at.cachelet, at.hash, key, now, |m| {
-                        m.win = true;
-                        if let Some(e) = explicit {
-                            m.cas = e; // E: the vivified item's CAS
-                        }
-                    });
-                    if let Some(it) = ctx.store.peek(at.cachelet, at.hash, key, now) {
-                        write_mg_hit(out, cmd, key, &it, now, Some(b'W'));
-                        return;
+            // The item as it was before this request: h, l and a `t` ahead of `T` show it.
+            let before = ctx.store.peek(at.cachelet, at.hash, key, now).map(|it| Before::of(&it, now));
+            let hit = match (ttl_update, before.is_some()) {
+                (Some(exp), _) => ctx.store.touch(at.cachelet, at.hash, key, exp, now).is_some(),
+                (None, true) if f.has(b'u') => true, // no bump, no marks
+                (None, _) => ctx.store.get(at.cachelet, at.hash, key, now).is_some(),
+            };
+            let created = !hit && vivify.is_some() && {
+                // Vivify: an empty placeholder; this client wins the recache, later ones see Z.
+                let ttl = vivify.unwrap_or(0);
+                ctx.store.store(at.cachelet, at.hash, key, b"", 0, ttl, Mode::Add, None, now);
+                ctx.store.update(at.cachelet, at.hash, key, now, |m| {
+                    m.win = true;
+                    if let Some(e) = explicit {
+                        m.cas = e; // E: the vivified item's CAS
                     }
-                }
+                })
+            };
+            let Some(it) = ctx.store.peek(at.cachelet, at.hash, key, now) else {
                 if !quiet {
-                    MetaReply::begin(out, b"EN").finish(None);
+                    let mut w = MetaReply::begin(out, b"EN");
+                    echo_flags(&mut w, cmd);
+                    w.finish(None);
                 }
                 return;
-            }
-            // Win-token logic: a stale item, or one about to expire (R), gives
-            // the win to the first client to see it; later ones see Z.
-            let (stale, win, exptime) = {
-                let it = ctx.store.peek(at.cachelet, at.hash, key, now).expect("hit above");
-                (it.stale, it.win, it.exptime)
             };
-            let ttl_left = if exptime == 0 { None } else { Some(exptime.saturating_sub(now)) };
-            let wants_win = stale || matches!((recache, ttl_left), (Some(r), Some(left)) if left < r);
-            let token = if win {
-                Some(b'Z')
-            } else if wants_win {
-                ctx.store.update(at.cachelet, at.hash, key, now, |m| m.win = true);
-                Some(b'W')
+            // A new item: never fetched, no TTL until its N is reached among the flags.
+            let before = if created {
+                Before { fetched: false, last_access: now, ttl: -1 }
             } else {
-                None
+                before.unwrap_or(Before::of(&it, now))
             };
+            let (stale, token_sent, after_ttl) = (it.stale, it.win && !created, ttl_of(&it, now));
+            // R wins when the TTL left, as of R's place among the flags, is under its token.
+            let mut ttl = before.ttl;
+            let mut won = created || (stale && !token_sent);
+            for (fl, _) in f.iter() {
+                match fl {
+                    b'T' => ttl = after_ttl,
+                    b'N' if created => ttl = after_ttl,
+                    b'R' if !token_sent && !created && ttl >= 0 => won |= recache.is_some_and(|r| ttl < r),
+                    _ => {}
+                }
+            }
+            if won && !created {
+                ctx.store.update(at.cachelet, at.hash, key, now, |m| m.win = true);
+            }
             let it = ctx.store.peek(at.cachelet, at.hash, key, now).expect("hit above");
-            write_mg_hit(out, cmd, key, &it, now, token);
+            let with_value = f.has(b'v');
+            let mut w = MetaReply::begin(out, if with_value { b"VA" } else { b"HD" });
+            if with_value {
+                w.value_len(it.value.len());
+            }
+            let mut ttl = before.ttl;
+            for (fl, tok) in f.iter() {
+                match fl {
+                    b'T' => ttl = after_ttl,
+                    b'N' if created => ttl = after_ttl,
+                    b'c' => w.flag_num(b'c', it.cas),
+                    b'f' => w.flag_num(b'f', it.flags as u64),
+                    b'h' => w.flag_num(b'h', before.fetched as u64),
+                    b'l' => w.flag_num(b'l', now.saturating_sub(before.last_access) as u64),
+                    b's' => w.flag_num(b's', it.value.len() as u64),
+                    b't' => w.flag_signed(b't', ttl),
+                    b'O' => w.flag_bytes(b'O', tok),
+                    b'k' => echo_key(&mut w, cmd),
+                    _ => {}
+                }
+            }
+            // memcached's order: Z (win already handed out), X (stale), W (you win)
+            if token_sent {
+                w.flag(b'Z');
+            }
+            if stale {
+                w.flag(b'X');
+            }
+            if won {
+                w.flag(b'W');
+            }
+            w.finish(with_value.then_some(it.value));
         }
         MetaKind::Set => {
-            let (flags, ttl, cas) = match (f.num::<u32>(b'F'), f.num::<i64>(b'T'), f.num::<u64>(b'C')) {
-                (Ok(a), Ok(b), Ok(c)) => (a.unwrap_or(0), b.unwrap_or(0), c),
+            let (flags, ttl, cas) = match (f.num::<u64>(b'F'), f.num::<i64>(b'T'), f.num::<u64>(b'C')) {
+                // memcached keeps the low 32 bits of F.
+                (Ok(a), Ok(b), Ok(c)) => (a.unwrap_or(0) as u32, b.unwrap_or(0), c),
                 _ => return bad_flag(out),
             };
             let mode = match f.token(b'M') {
-                None => Mode::Set,
-                Some(m) => match m.first().map(|c| c.to_ascii_uppercase()) {
-                    Some(b'S') => Mode::Set,
-                    Some(b'E') => Mode::Add,
-                    Some(b'A') => Mode::Append,
-                    Some(b'P') => Mode::Prepend,
-                    Some(b'R') => Mode::Replace,
-                    _ => return out.extend_from_slice(b"CLIENT_ERROR invalid mode for ms\r\n"),
-                },
+                None | Some(b"S") => Mode::Set,
+                Some(b"E") => Mode::Add,
+                Some(b"A") => Mode::Append,
+                Some(b"P") => Mode::Prepend,
+                Some(b"R") => Mode::Replace,
+                Some(_) => return out.extend_from_slice(b"CLIENT_ERROR invalid mode for ms M token\r\n"),
             };
             let Ok(new_cas) = explicit_cas(f, ctx.settings) else {
                 return bad_flag(out);
             };
+            // memcached: add with a CAS works as a plain add.
+            let cas = cas.filter(|_| mode != Mode::Add);
             if cas.is_some() && !ctx.settings.cas_enabled {
                 MetaReply::begin(out, b"EX").finish(None);
                 return;
             }
             // I with an older C stores a stale value (memcached's "set-to-invalid").
             let opts = CasOpts { compare: cas, stale_if_older: f.has(b'I'), new_cas };
-            let mut r = ctx.store.store_with(at.cachelet, at.hash, key, cmd.data, flags, ttl, mode, opts, ctx.now);
+            let mut r = ctx.store.store_with(at.cachelet, at.hash, key, cmd.data, flags, ttl, mode, opts, now);
             if matches!(r, StoreResult::NotStored) && f.has(b'N') && matches!(mode, Mode::Append | Mode::Prepend) {
-                // Append/prepend with N: vivify the missing item first.
+                // Append/prepend with N (newer memcached): vivify the missing item first.
                 let ttl = f.num::<i64>(b'N').ok().flatten().unwrap_or(0);
                 let opts = CasOpts { new_cas, ..CasOpts::default() };
-                r = ctx.store.store_with(at.cachelet, at.hash, key, cmd.data, flags, ttl, Mode::Add, opts, ctx.now);
+                r = ctx.store.store_with(at.cachelet, at.hash, key, cmd.data, flags, ttl, Mode::Add, opts, now);
             }
             let (code, cas_out): (&[u8; 2], u64) = match r {
                 StoreResult::Stored { cas } => (b"HD", cas),
                 StoreResult::NotStored => (b"NS", 0),
+                // memcached: append/prepend with a CAS to a missing item is not stored.
+                StoreResult::NotFound if matches!(mode, Mode::Append | Mode::Prepend) => (b"NS", 0),
                 StoreResult::Exists => (b"EX", 0),
                 StoreResult::NotFound => (b"NF", 0),
                 StoreResult::TooLarge => return out.extend_from_slice(b"SERVER_ERROR object too large for cache\r\n"),
@@ -238,8 +288,7 @@ pub(crate) fn meta_keyed(ctx: &mut Ctx, cmd: &MetaCmd, key: &[u8], at: Loc, out:
             for (fl, tok) in f.iter() {
                 match fl {
                     b'O' => w.flag_bytes(b'O', tok),
-                    b'k' => w.flag_bytes(b'k', cmd.key),
-                    b'b' if f.has(b'k') => w.flag(b'b'),
+                    b'k' => echo_key(&mut w, cmd),
                     b'c' => w.flag_num(b'c', cas_out), // memcached answers `EX c0`, `NS c0`
                     _ => {}
                 }
@@ -259,7 +308,6 @@ pub(crate) fn meta_keyed(ctx: &mut Ctx, cmd: &MetaCmd, key: &[u8], at: Loc, out:
                 // the next mg hands out a win token so one client recaches it.
                 let ttl = f.num::<i64>(b'T').ok().flatten();
                 let start = ctx.settings_start_unix();
-                let now = ctx.now;
                 let fresh = match explicit {
                     Some(e) => e,
                     None => ctx.store.new_cas(),
@@ -280,103 +328,29 @@ pub(crate) fn meta_keyed(ctx: &mut Ctx, cmd: &MetaCmd, key: &[u8], at: Loc, out:
                     (true, true) => b"HD",
                 }
             } else {
-                match ctx.store.delete(at.cachelet, at.hash, key, cas, ctx.now) {
+                match ctx.store.delete(at.cachelet, at.hash, key, cas, now) {
                     DeleteResult::Deleted => b"HD",
                     DeleteResult::NotFound => b"NF",
                     DeleteResult::Exists => b"EX",
                 }
             };
-            if quiet && (code == b"HD" || code == b"NF") {
+            // q hides only HD (memcached still says NF and EX).
+            if quiet && code == b"HD" {
                 return;
             }
             let mut w = MetaReply::begin(out, code);
             echo_flags(&mut w, cmd);
             w.finish(None);
         }
-        MetaKind::Arith => {
-            let parsed = (f.num::<u64>(b'D'), f.num::<u64>(b'J'), f.num::<i64>(b'N'), f.num::<i64>(b'T'));
-            let (delta, initial, vivify, ttl) = match parsed {
-                (Ok(d), Ok(j), Ok(n), Ok(t)) => (d.unwrap_or(1), j.unwrap_or(0), n, t),
-                _ => return bad_flag(out),
-            };
-            let incr = match f.token(b'M').and_then(|m| m.first().copied()) {
-                None | Some(b'I' | b'i' | b'+') => true,
-                Some(b'D' | b'd' | b'-') => false,
-                Some(_) => return out.extend_from_slice(b"CLIENT_ERROR invalid mode for ma\r\n"),
-            };
-            let Ok(explicit) = explicit_cas(f, ctx.settings) else {
-                return bad_flag(out);
-            };
-            let now = ctx.now;
-            let mut result = ctx.store.arith(at.cachelet, at.hash, key, incr, delta, now);
-            if matches!(result, ArithResult::NotFound) {
-                if let Some(t) = vivify {
-                    let mut buf = itoa::Buffer::new();
-                    let s = buf.format(initial).as_bytes().to_vec();
-                    if let StoreResult::Stored { cas } =
-                        ctx.store.store(at.cachelet, at.hash, key, &s, 0, t, Mode::Add, None, now)
-                    {
-                        result = ArithResult::Value { value: initial, cas };
-                    }
-                }
-            }
-            match result {
-                ArithResult::Value { value, mut cas } => {
-                    if let Some(t) = ttl {
-                        ctx.store.touch(at.cachelet, at.hash, key, t, now);
-                    }
-                    if let Some(e) = explicit {
-                        ctx.store.update(at.cachelet, at.hash, key, now, |m| m.cas = e);
-                        cas = e;
-                    }
-                    if quiet && !f.has(b'v') {
-                        return;
-                    }
-                    let mut num = itoa::Buffer::new();
-                    let num = num.format(value).as_bytes();
-                    let mut w = MetaReply::begin(out, if f.has(b'v') { b"VA" } else { b"HD" });
-                    if f.has(b'v') {
-                        w.value_len(num.len());
-                    }
-                    for (fl, tok) in f.iter() {
-                        match fl {
-                            b'c' => w.flag_num(b'c', cas),
-                            b't' => {
-                                let left = ctx
-                                    .store
-                                    .peek(at.cachelet, at.hash, key, now)
-                                    .map(|it| ttl_of(&it, now))
-                                    .unwrap_or(-1);
-                                w.flag_signed(b't', left)
-                            }
-                            b'O' => w.flag_bytes(b'O', tok),
-                            b'k' => w.flag_bytes(b'k', cmd.key),
-                            b'b' if f.has(b'k') => w.flag(b'b'),
-                            _ => {}
-                        }
-                    }
-                    w.finish(f.has(b'v').then_some(num));
-                }
-                ArithResult::NotFound => {
-                    if !quiet {
-                        let mut w = MetaReply::begin(out, b"NF");
-                        echo_flags(&mut w, cmd);
-                        w.finish(None);
-                    }
-                }
-                ArithResult::NonNumeric => {
-                    out.extend_from_slice(b"CLIENT_ERROR cannot increment or decrement non-numeric value\r\n");
-                }
-            }
-        }
-        MetaKind::Debug => match ctx.store.peek(at.cachelet, at.hash, key, ctx.now) {
+        MetaKind::Arith => meta_arith(ctx, cmd, key, at, out),
+        MetaKind::Debug => match ctx.store.peek(at.cachelet, at.hash, key, now) {
             Some(it) => {
                 out.extend_from_slice(b"ME ");
                 out.extend_from_slice(cmd.key);
                 let line = format!(
                     " exp={} la={} cas={} fetch={} cls=1 size={}\r\n",
-                    ttl_of(&it, ctx.now),
-                    ctx.now.saturating_sub(it.last_access),
+                    ttl_of(&it, now),
+                    now.saturating_sub(it.last_access),
                     it.cas,
                     if it.fetched_before { "yes" } else { "no" },
                     it.key.len() + it.value.len(),
@@ -387,6 +361,116 @@ pub(crate) fn meta_keyed(ctx: &mut Ctx, cmd: &MetaCmd, key: &[u8], at: Loc, out:
         },
         MetaKind::Noop => out.extend_from_slice(b"MN\r\n"),
     }
+}
+
+/// What `mg`'s `h`, `l` and an early `t` report: the item before this request.
+#[derive(Clone, Copy)]
+struct Before {
+    fetched: bool,
+    last_access: u32,
+    ttl: i64,
+}
+
+impl Before {
+    fn of(it: &ItemView, now: u32) -> Before {
+        Before { fetched: it.fetched_before, last_access: it.last_access, ttl: ttl_of(it, now) }
+    }
+}
+
+/// `ma`: incr/decr with memcached's flags (`D` delta, `J` initial, `N` vivify, `M` mode,
+/// `C` compare CAS, `T` new TTL, `E` explicit CAS; `v`, `c`, `t`, `O`, `k` in the reply).
+fn meta_arith(ctx: &mut Ctx, cmd: &MetaCmd, key: &[u8], at: Loc, out: &mut Vec<u8>) {
+    let f = &cmd.flags;
+    let quiet = f.has(b'q');
+    let now = ctx.now;
+    let parsed = (f.num::<u64>(b'D'), f.num::<u64>(b'J'), f.num::<i64>(b'N'), f.num::<i64>(b'T'), f.num::<u64>(b'C'));
+    let (delta, initial, vivify, ttl, compare) = match parsed {
+        (Ok(d), Ok(j), Ok(n), Ok(t), Ok(c)) => (d.unwrap_or(1), j.unwrap_or(0), n, t, c),
+        _ => return bad_flag(out),
+    };
+    let incr = match f.token(b'M') {
+        None | Some(b"I" | b"+") => true,
+        Some(b"D" | b"-") => false,
+        Some(_) => return out.extend_from_slice(b"CLIENT_ERROR invalid mode for ma M token\r\n"),
+    };
+    let Ok(explicit) = explicit_cas(f, ctx.settings) else {
+        return bad_flag(out);
+    };
+    let before = ctx.store.peek(at.cachelet, at.hash, key, now).map(|it| (it.cas, ttl_of(&it, now)));
+    let mut result = match (compare, before) {
+        // C: change the value only if the item's CAS is the one given.
+        (Some(c), Some((have, _))) if c != have || !ctx.settings.cas_enabled => None,
+        _ => Some(ctx.store.arith(at.cachelet, at.hash, key, incr, delta, now)),
+    };
+    let mut created = false;
+    if matches!(result, Some(ArithResult::NotFound)) {
+        if let Some(t) = vivify {
+            let mut buf = itoa::Buffer::new();
+            let s = buf.format(initial).as_bytes().to_vec();
+            match ctx.store.store(at.cachelet, at.hash, key, &s, 0, t, Mode::Add, None, now) {
+                StoreResult::Stored { cas } => {
+                    result = Some(ArithResult::Value { value: initial, cas });
+                    created = true;
+                }
+                StoreResult::OutOfMemory | StoreResult::TooLarge => {
+                    return out.extend_from_slice(b"SERVER_ERROR Out of memory allocating new item\r\n")
+                }
+                _ => {
+                    let mut w = MetaReply::begin(out, b"NS");
+                    echo_flags(&mut w, cmd);
+                    return w.finish(None);
+                }
+            }
+        }
+    }
+    let (value, mut cas) = match result {
+        None => {
+            let mut w = MetaReply::begin(out, b"EX");
+            echo_flags(&mut w, cmd);
+            return w.finish(None);
+        }
+        Some(ArithResult::NotFound) => {
+            let mut w = MetaReply::begin(out, b"NF");
+            echo_flags(&mut w, cmd);
+            return w.finish(None);
+        }
+        Some(ArithResult::NonNumeric) => {
+            return out.extend_from_slice(b"CLIENT_ERROR cannot increment or decrement non-numeric value\r\n")
+        }
+        Some(ArithResult::Value { value, cas }) => (value, cas),
+    };
+    if let Some(t) = ttl {
+        ctx.store.touch(at.cachelet, at.hash, key, t, now);
+    }
+    if let Some(e) = explicit {
+        ctx.store.update(at.cachelet, at.hash, key, now, |m| m.cas = e);
+        cas = e;
+    }
+    // memcached hides a quiet success, but not the reply of an item it just created.
+    if quiet && !created {
+        return;
+    }
+    let after_ttl = ctx.store.peek(at.cachelet, at.hash, key, now).map(|it| ttl_of(&it, now)).unwrap_or(-1);
+    // `t` shows the TTL as of its place: a created item has none until its N.
+    let mut shown_ttl = if created { -1 } else { before.map_or(-1, |(_, t)| t) };
+    let mut num = itoa::Buffer::new();
+    let num = num.format(value).as_bytes();
+    let mut w = MetaReply::begin(out, if f.has(b'v') { b"VA" } else { b"HD" });
+    if f.has(b'v') {
+        w.value_len(num.len());
+    }
+    for (fl, tok) in f.iter() {
+        match fl {
+            b'T' => shown_ttl = after_ttl,
+            b'N' if created => shown_ttl = after_ttl,
+            b'c' => w.flag_num(b'c', cas),
+            b't' => w.flag_signed(b't', shown_ttl),
+            b'O' => w.flag_bytes(b'O', tok),
+            b'k' => echo_key(&mut w, cmd),
+            _ => {}
+        }
+    }
+    w.finish(f.has(b'v').then_some(num));
 }
 
 impl Ctx<'_> {
@@ -413,49 +497,23 @@ fn ttl_of(it: &ItemView, now: u32) -> i64 {
     }
 }
 
+/// `k<key>`, and ` b` right after it when the key came base64-encoded (memcached's META_KEY).
+fn echo_key(w: &mut MetaReply, cmd: &MetaCmd) {
+    w.flag_bytes(b'k', cmd.key);
+    if cmd.flags.has(b'b') {
+        w.flag(b'b');
+    }
+}
+
+/// The `O` and `k` flags of a reply that carries nothing else (`EN`, `NF`, `EX`, `NS`, md's `HD`).
 fn echo_flags(w: &mut MetaReply, cmd: &MetaCmd) {
     for (fl, tok) in cmd.flags.iter() {
         match fl {
             b'O' => w.flag_bytes(b'O', tok),
-            b'k' => w.flag_bytes(b'k', cmd.key),
-            b'b' if cmd.flags.has(b'k') => w.flag(b'b'),
+            b'k' => echo_key(w, cmd),
             _ => {}
         }
     }
-}
-
-fn write_mg_hit(out: &mut Vec<u8>, cmd: &MetaCmd, _key: &[u8], it: &ItemView, now: u32, token: Option<u8>) {
-    let f = &cmd.flags;
-    let with_value = f.has(b'v');
-    let mut w = MetaReply::begin(out, if with_value { b"VA" } else { b"HD" });
-    if with_value {
-        w.value_len(it.value.len());
-    }
-    for (fl, tok) in f.iter() {
-        match fl {
-            b'c' => w.flag_num(b'c', it.cas),
-            b'f' => w.flag_num(b'f', it.flags as u64),
-            b'h' => w.flag_num(b'h', it.fetched_before as u64),
-            b'l' => w.flag_num(b'l', now.saturating_sub(it.last_access) as u64),
-            b's' => w.flag_num(b's', it.value.len() as u64),
-            b't' => w.flag_signed(b't', ttl_of(it, now)),
-            b'O' => w.flag_bytes(b'O', tok),
-            b'k' => w.flag_bytes(b'k', cmd.key),
-            b'b' if f.has(b'k') => w.flag(b'b'),
-            _ => {}
-        }
-    }
-    // memcached's order: Z (win already handed out), X (stale), W (you win)
-    if token == Some(b'Z') {
-        w.flag(b'Z');
-    }
-    if it.stale {
-        w.flag(b'X');
-    }
-    if token == Some(b'W') {
-        w.flag(b'W');
-    }
-    w.finish(with_value.then_some(it.value));
 }
 
 // -------------------------------------------------------------- binary ----
@@ -480,6 +538,7 @@ pub(crate) fn bin_keyed(ctx: &mut Ctx, req: &BinReq, at: Loc, out: &mut Vec<u8>)
                 ctx.store.get(at.cachelet, at.hash, key, ctx.now)
             };
             let with_key = matches!(opc, op::GETK | op::GETKQ | op::GATK | op::GATKQ);
+            let hit = item.is_some();
             match item {
                 Some(it) => {
                     let flags = it.flags.to_be_bytes();
@@ -509,8 +568,10 @@ pub(crate) fn bin_keyed(ctx: &mut Ctx, req: &BinReq, at: Loc, out: &mut Vec<u8>)
                     }
                 }
             }
+            ctx.detail(key, crate::stats::PrefixOp::Get { hit });
         }
         o if mbal_proto::binary::is_store(o) => {
+            ctx.detail(key, crate::stats::PrefixOp::Set);
             let mode = match opc {
                 op::SET | op::SETQ => Mode::Set,
                 op::ADD | op::ADDQ => Mode::Add,
@@ -549,6 +610,7 @@ pub(crate) fn bin_keyed(ctx: &mut Ctx, req: &BinReq, at: Loc, out: &mut Vec<u8>)
             }
         }
         op::DELETE | op::DELETEQ => {
+            ctx.detail(key, crate::stats::PrefixOp::Delete);
             let cas = (h.cas != 0).then_some(h.cas);
             match ctx.store.delete(at.cachelet, at.hash, key, cas, ctx.now) {
                 DeleteResult::Deleted => {

@@ -29,6 +29,7 @@ mod moves;
 mod msg;
 mod output;
 pub mod stats;
+mod tune;
 mod worker;
 
 use anyhow::{Context, Result};
@@ -159,6 +160,7 @@ pub fn start(settings: Settings) -> Result<ServerHandle> {
         worker_conns: (0..workers).map(|_| AtomicUsize::new(0)).collect(),
         rejected_conns: AtomicU64::new(0),
         shutdown: AtomicBool::new(false),
+        detail: AtomicBool::new(false),
         peers: OnceLock::new(),
         main_addr,
         worker_ports: OnceLock::new(),

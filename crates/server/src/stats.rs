@@ -30,6 +30,65 @@ pub struct Counters {
     /// Times a connection stopped reading because the worker had
     /// `max_inflight` forwarded requests unanswered.
     pub inflight_stalls: u64,
+    /// Connections closed for being idle longer than `-o idle_timeout`.
+    pub idle_kicks: u64,
+    /// Values refused as larger than `-I` (memcached's `store_too_large`).
+    pub store_too_large: u64,
+    /// `stats detail`: per key prefix counts of what this worker executed.
+    pub prefixes: PrefixStats,
+}
+
+/// What `stats detail` counts.
+#[derive(Clone, Copy, Debug)]
+pub enum PrefixOp {
+    Get { hit: bool },
+    Set,
+    Delete,
+}
+
+/// memcached's per-prefix statistics (`stats detail on|off|dump`): for each key prefix (the
+/// bytes before the first delimiter, `-D`, default `:`; keys without one are not counted)
+/// the gets, hits, sets and deletes. Each worker counts what it executes; `stats detail dump`
+/// adds them up.
+#[derive(Clone, Default, Debug)]
+pub struct PrefixStats(std::collections::HashMap<Vec<u8>, [u64; 4]>);
+
+impl PrefixStats {
+    pub fn record(&mut self, key: &[u8], delimiter: u8, op: PrefixOp) {
+        let Some(end) = key.iter().position(|&b| b == delimiter) else { return };
+        let prefix = &key[..end];
+        let e = match self.0.get_mut(prefix) {
+            Some(e) => e,
+            None => self.0.entry(prefix.to_vec()).or_default(),
+        };
+        match op {
+            PrefixOp::Get { hit } => {
+                e[0] += 1;
+                e[1] += hit as u64;
+            }
+            PrefixOp::Set => e[2] += 1,
+            PrefixOp::Delete => e[3] += 1,
+        }
+    }
+
+    fn add(&mut self, o: &PrefixStats) {
+        for (k, v) in &o.0 {
+            let e = self.0.entry(k.clone()).or_default();
+            for i in 0..4 {
+                e[i] += v[i];
+            }
+        }
+    }
+
+    /// memcached's dump lines, `PREFIX <p> get <n> hit <n> set <n> del <n>`, by prefix.
+    fn dump(&self, out: &mut dyn StatSink) {
+        let mut all: Vec<_> = self.0.iter().collect();
+        all.sort();
+        for (p, [get, hit, set, del]) in all {
+            let p = String::from_utf8_lossy(p);
+            out.line(&format!("PREFIX {p} get {get} hit {hit} set {set} del {del}"));
+        }
+    }
 }
 
 impl Counters {
@@ -48,8 +107,11 @@ impl Counters {
             redirects,
             foreign_keys,
             cachelets_adopted,
-            inflight_stalls
+            inflight_stalls,
+            idle_kicks,
+            store_too_large
         );
+        self.prefixes.add(&o.prefixes);
     }
 }
 
@@ -124,6 +186,8 @@ pub struct ProcessInfo<'a> {
     pub worker_ports: &'a [u16],
     /// Connections the acceptor refused (over `-c`).
     pub rejected_conns: u64,
+    /// `stats detail on` is in effect.
+    pub detail_enabled: bool,
 }
 
 fn rusage() -> (f64, f64) {
@@ -138,7 +202,58 @@ fn rusage() -> (f64, f64) {
 /// protocols share one list of names.
 pub trait StatSink {
     fn stat(&mut self, name: &str, value: &dyn Display);
+    /// A raw reply line (`stats detail dump`); the binary protocol has none.
+    fn line(&mut self, _line: &str) {}
 }
+
+/// `stats` counters of memcached mechanisms mbal does not have; always 0.
+const NEVER_GENERAL: [&str; 29] = [
+    "listen_disabled_num",
+    "time_in_listen_disabled_us",
+    "hash_is_expanding",
+    "slab_reassign_rescues",
+    "slab_reassign_chunk_rescues",
+    "slab_reassign_evictions_nomem",
+    "slab_reassign_inline_reclaim",
+    "slab_reassign_busy_items",
+    "slab_reassign_busy_deletes",
+    "slab_reassign_running",
+    "slabs_moved",
+    "lru_crawler_running",
+    "lru_crawler_starts",
+    "lru_maintainer_juggles",
+    "malloc_fails",
+    "log_worker_dropped",
+    "log_worker_written",
+    "log_watcher_skipped",
+    "log_watcher_sent",
+    "log_watchers",
+    "unexpected_napi_ids",
+    "round_robin_fallback",
+    "lrutail_reflocked",
+    "moves_to_cold",
+    "moves_to_warm",
+    "moves_within_lru",
+    "direct_reclaims",
+    "lru_bumps_dropped",
+    "response_obj_oom",
+];
+
+/// `stats items` fields of memcached's LRU segments and maintainer; always 0 in mbal.
+const NEVER_ITEMS: [&str; 12] = [
+    "number_hot",
+    "number_warm",
+    "age_hot",
+    "age_warm",
+    "tailrepairs",
+    "lrutail_reflocked",
+    "moves_to_cold",
+    "moves_to_warm",
+    "moves_within_lru",
+    "hits_to_hot",
+    "hits_to_warm",
+    "hits_to_temp",
+];
 
 /// Render a `stats [group]` request. Returns false for an unknown group.
 pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: &mut dyn StatSink) -> bool {
@@ -205,8 +320,14 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
             sink.stat("cas_badval", &st.cas_badval);
             sink.stat("touch_hits", &st.touch_hits);
             sink.stat("touch_misses", &st.touch_misses);
+            sink.stat("store_too_large", &c.store_too_large);
+            sink.stat("store_no_memory", &snaps.iter().map(|w| w.store.out_of_memory).sum::<u64>());
             sink.stat("auth_cmds", &0);
             sink.stat("auth_errors", &0);
+            if s.idle_timeout > 0 {
+                // memcached lists it whenever an idle timeout is set, from the start.
+                sink.stat("idle_kicks", &c.idle_kicks);
+            }
             sink.stat("bytes_read", &c.bytes_read);
             sink.stat("bytes_written", &c.bytes_written);
             sink.stat("limit_maxbytes", &s.memory_limit);
@@ -223,6 +344,12 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
             sink.stat("evicted_unfetched", &evicted_unfetched);
             // memcached's name for stores refused with -M (or too big for the budget)
             sink.stat("store_no_memory", &st.out_of_memory);
+            // memcached mechanisms mbal does not have (listener throttling, slab page
+            // moves, the LRU crawler and maintainer, segmented LRU queues, the logger, NAPI):
+            // their counters exist for exporters and stay 0 (docs/protocol.md).
+            for name in NEVER_GENERAL {
+                sink.stat(name, &0);
+            }
             sink.stat("cross_worker_requests", &c.forwarded_out);
             sink.stat("redirects", &c.redirects);
             sink.stat("foreign_keys", &c.foreign_keys);
@@ -235,6 +362,17 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
             sink.stat("tcpport", &p.main_port);
             sink.stat("udpport", &0);
             sink.stat("interface", &s.listen);
+            sink.stat("inter", &s.listen);
+            sink.stat("domain_socket", &"NULL");
+            sink.stat("stat_key_prefix", &(s.prefix_delimiter as char));
+            sink.stat("detail_enabled", &if p.detail_enabled { "yes" } else { "no" });
+            sink.stat("num_threads_per_udp", &s.threads);
+            sink.stat("auth_enabled_sasl", &"no");
+            sink.stat("auth_enabled_ascii", &"no");
+            sink.stat("maxconns_fast", &"yes");
+            sink.stat("dump_enabled", &"no");
+            sink.stat("track_sizes", &"no");
+            sink.stat("ssl_enabled", &"no");
             sink.stat("verbosity", &s.verbosity);
             sink.stat("evictions", &if s.evictions { "on" } else { "off" });
             sink.stat("num_threads", &s.threads);
@@ -263,6 +401,13 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
                 sink.stat(&format!("items:{n}:expired_unfetched"), &w.store.expired_unfetched);
                 sink.stat(&format!("items:{n}:reclaimed"), &w.store.reclaimed);
                 sink.stat(&format!("items:{n}:outofmemory"), &w.store.out_of_memory);
+                // One queue per worker, no hot/warm/temp LRU segments: everything is "cold".
+                sink.stat(&format!("items:{n}:number_cold"), &w.store.curr_items);
+                sink.stat(&format!("items:{n}:mem_requested"), &w.store.bytes);
+                sink.stat(&format!("items:{n}:hits_to_cold"), &w.store.get_hits);
+                for name in NEVER_ITEMS {
+                    sink.stat(&format!("items:{n}:{name}"), &0);
+                }
             }
         }
         "slabs" => {
@@ -273,6 +418,14 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
                 sink.stat(&format!("{n}:total_pages"), &w.store.pages_held);
                 sink.stat(&format!("{n}:used_chunks"), &w.store.curr_items);
                 sink.stat(&format!("{n}:mem_requested"), &w.store.bytes);
+                sink.stat(&format!("{n}:get_hits"), &w.store.get_hits);
+                sink.stat(&format!("{n}:cmd_set"), &w.store.cmd_set);
+                sink.stat(&format!("{n}:delete_hits"), &w.store.delete_hits);
+                sink.stat(&format!("{n}:incr_hits"), &w.store.incr_hits);
+                sink.stat(&format!("{n}:decr_hits"), &w.store.decr_hits);
+                sink.stat(&format!("{n}:cas_hits"), &w.store.cas_hits);
+                sink.stat(&format!("{n}:cas_badval"), &w.store.cas_badval);
+                sink.stat(&format!("{n}:touch_hits"), &w.store.touch_hits);
                 total_pages += w.store.pages_held;
             }
             sink.stat("active_slabs", &snaps.len());
@@ -320,6 +473,13 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
                 sink.stat(&format!("worker:{n}:inflight_stalls"), &w.counters.inflight_stalls);
             }
         }
+        "detail dump" => {
+            let mut all = PrefixStats::default();
+            for w in snaps.iter() {
+                all.add(&w.counters.prefixes);
+            }
+            all.dump(sink);
+        }
         _ => return false,
     }
     true
@@ -332,6 +492,10 @@ impl StatSink for TextSink<'_> {
     fn stat(&mut self, name: &str, value: &dyn Display) {
         use std::io::Write;
         let _ = write!(self.0, "STAT {name} {value}\r\n");
+    }
+    fn line(&mut self, line: &str) {
+        self.0.extend_from_slice(line.as_bytes());
+        self.0.extend_from_slice(b"\r\n");
     }
 }
 

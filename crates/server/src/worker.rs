@@ -92,6 +92,8 @@ pub(crate) struct Shared {
     /// Connections the acceptor refused (over `-c`).
     pub rejected_conns: AtomicU64,
     pub shutdown: AtomicBool,
+    /// `stats detail on`: workers count gets, sets and deletes per key prefix.
+    pub detail: AtomicBool,
     pub peers: OnceLock<Peers>,
     pub main_addr: SocketAddr,
     pub worker_ports: OnceLock<Vec<u16>>,
@@ -103,6 +105,11 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// The prefix delimiter while `stats detail` is on.
+    pub fn detail(&self) -> Option<u8> {
+        self.detail.load(Ordering::Relaxed).then_some(self.settings.prefix_delimiter)
+    }
+
     pub fn now(&self) -> u32 {
         self.start.elapsed().as_secs() as u32
     }
@@ -332,6 +339,7 @@ impl Worker {
                 .map(|(i, _)| i)
                 .collect();
             for ci in stale {
+                self.counters.idle_kicks += 1;
                 self.close(ci);
             }
         }
@@ -588,6 +596,9 @@ impl Worker {
             match mbal_proto::parse(proto, buf, &self.limits) {
                 Parsed::NeedMore => break,
                 Parsed::Err { reply, skip, close } => {
+                    if reply.is_too_large() {
+                        rt.counters.store_too_large += 1;
+                    }
                     // memcached drops the old value of a key whose new value
                     // was refused as too large; so do we.
                     if let Some(key) = mbal_proto::key_to_unlink_on_too_large(buf) {
@@ -971,7 +982,8 @@ impl Worker {
 /// What `exec` needs, from a worker's parts (borrowed apart so the caller can
 /// still use its outbox).
 fn exec_ctx<'a>(store: &'a mut WorkerStore, shared: &'a Shared, counters: &'a mut Counters, now: u32) -> Ctx<'a> {
-    Ctx { store, layout: &shared.layout, settings: &shared.settings, counters, now }
+    let detail = shared.detail();
+    Ctx { store, layout: &shared.layout, settings: &shared.settings, counters, now, detail }
 }
 
 /// Prefetch the index lines of a text get's or store's keys that live in this worker's store.
@@ -1059,6 +1071,7 @@ fn render_stats(
         main_port: shared.main_addr.port(),
         rejected_conns: shared.rejected_conns.load(Ordering::Relaxed),
         worker_ports: ports,
+        detail_enabled: shared.detail().is_some(),
     };
     match format {
         StatsFormat::Text => {

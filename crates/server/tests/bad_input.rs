@@ -264,3 +264,45 @@ fn too_large_set_drops_the_old_value_like_memcached() {
     }
     srv.shutdown();
 }
+
+/// Read to EOF; the bytes the server wrote before hanging up.
+fn rest_until_eof(c: &mut Conn) -> Vec<u8> {
+    let mut got = Vec::new();
+    std::io::Read::read_to_end(&mut c.r, &mut got).expect("server closes, read does not time out");
+    got
+}
+
+#[test]
+fn http_request_lines_are_hung_up_on_every_port() {
+    // memcached 1.6 closes the connection, writing nothing, when an unknown command's line
+    // ends in an HTTP version: a browser tricked into posting to a cache gets nothing back
+    // and runs nothing after its request line.
+    let srv = start(settings(2));
+    let mut c = Conn::open(srv.main_addr);
+    assert_eq!(c.set("sentinel", b"intact"), "STORED\r\n");
+    let lines: [&[u8]; 4] = [
+        b"GET / HTTP/1.0\r\n",
+        b"PUT /asdf HTTP/1.1\r\n",
+        b"DELETE HTTP/1.1\r\n",
+        b"POST /x HTTP/1.1\r\nHost: a\r\n\r\nset sentinel 0 0 4\r\nevil\r\n",
+    ];
+    let mut ports: Vec<(&str, std::net::SocketAddr, bool)> = vec![("main", srv.main_addr, false)];
+    for (i, w) in srv.worker_addrs.iter().enumerate() {
+        ports.push(if i == 0 { ("worker", *w, false) } else { ("routed", *w, true) });
+    }
+    for (name, addr, routed) in ports {
+        for line in lines {
+            let mut c = Conn::open(addr);
+            if routed {
+                assert!(c.cmd("mbal hello 0\r\n").starts_with("MBAL "), "{name}");
+            }
+            c.send(line);
+            assert_eq!(rest_until_eof(&mut c), b"", "{name}: {:?}", String::from_utf8_lossy(line));
+        }
+        // Not HTTP: the usual ERROR, and the connection stays open.
+        let mut c = Conn::open(addr);
+        assert_eq!(exchange(&mut c, b"X HTTP\r\nGET /\r\ntouch HTTP/1.1\r\n"), "ERROR\r\nERROR\r\nERROR\r\n", "{name}");
+    }
+    assert_alive_and_intact(srv.main_addr);
+    srv.shutdown();
+}

@@ -212,10 +212,9 @@ impl RoutedDriver {
         if targets.is_empty() {
             bail!("the map has no workers");
         }
-        let layout = map.layout();
-        let owner = (0..layout.cachelet_count())
+        let owner = (0..map.cachelet_count())
             .map(|c| {
-                let (s, w) = layout.owner(c);
+                let (s, w) = map.owner(c);
                 let t = server_base.get(s as usize).map(|b| b + w as usize).filter(|&t| t < targets.len());
                 t.map(|t| t as u32).with_context(|| format!("cachelet {c} owned by unknown worker s{s}/w{w}"))
             })
@@ -262,7 +261,7 @@ impl Router {
     fn cachelet_of(&mut self, key: u32) -> CacheletId {
         self.key_buf.clear();
         write_key(&mut self.key_buf, key, self.key_size);
-        self.map.layout().cachelet_of_hash(key_hash(&self.key_buf))
+        self.map.keyspace().cachelet_of_hash(key_hash(&self.key_buf))
     }
 
     fn route(&mut self, key: u32) -> usize {

@@ -363,7 +363,7 @@ impl Client {
                 });
             }
             if let Some(c) = r.cachelet {
-                if c < self.map.layout().cachelet_count() {
+                if c < self.map.cachelet_count() {
                     self.overrides.insert(c, Override { owner: r.to, epoch: r.epoch });
                 }
             }
@@ -599,7 +599,7 @@ impl Client {
                         }
                         Ok(Reply::Redirect { epoch, server, worker }) => {
                             let cl: Vec<u32> =
-                                b.iter().map(|&i| self.map.layout().cachelet_of_hash(hashes[i])).collect();
+                                b.iter().map(|&i| self.map.keyspace().cachelet_of_hash(hashes[i])).collect();
                             let one = cl.iter().all(|&c| c == cl[0]);
                             if !one {
                                 for &i in &b {

@@ -3,7 +3,7 @@
 //! loops, non-mbal servers, mismatched hello, timeouts, reconnects).
 
 use super::*;
-use mbal_cluster::{Layout, ServerInfo, ServerSpec};
+use mbal_cluster::{ServerInfo, ServerSpec};
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpListener;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -138,8 +138,7 @@ fn fake(
 }
 
 fn one_server_map(main: SocketAddr, workers: Vec<SocketAddr>) -> ClusterMap {
-    let n = workers.len() as u16;
-    ClusterMap::new(Layout::even(1, n, 1, 64), vec![ServerInfo { main, workers }])
+    ClusterMap::even(vec![ServerInfo { main, workers }], 1, 64)
 }
 
 fn quick() -> Config {

@@ -29,7 +29,7 @@ mod worker;
 
 use anyhow::{Context, Result};
 use config::Settings;
-use mbal_cluster::{ClusterMap, Layout, ServerInfo};
+use mbal_cluster::{ClusterMap, ServerInfo};
 use mbal_store::{GlobalPool, StoreConfig, WorkerStore};
 use msg::{Envelope, Mailbox, Peers};
 use std::net::SocketAddr;
@@ -123,11 +123,12 @@ pub fn start(settings: Settings) -> Result<ServerHandle> {
     let (map, server_id) = match &settings.cluster {
         Some((spec, id)) => (ClusterMap::from_spec(spec), *id),
         None => {
-            let layout = Layout::even(1, workers as u16, settings.cachelets_per_worker, settings.vn_count);
-            (ClusterMap::new(layout, vec![ServerInfo { main: main_addr, workers: worker_addrs.clone() }]), 0)
+            let info = ServerInfo { main: main_addr, workers: worker_addrs.clone() };
+            (ClusterMap::even(vec![info], settings.cachelets_per_worker, settings.vn_count), 0)
         }
     };
-    let layout = map.layout().clone();
+    let layout = map.keyspace().clone();
+    let initial: Vec<Vec<u32>> = (0..workers).map(|i| map.cachelets_of(server_id, i as u16)).collect();
 
     let start_unix = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let pool = GlobalPool::new(settings.memory_limit, settings.page_size);
@@ -167,7 +168,7 @@ pub fn start(settings: Settings) -> Result<ServerHandle> {
             ..StoreConfig::default()
         };
         let mut store = WorkerStore::new(pool.clone(), cfg, layout.cachelet_count());
-        for c in layout.cachelets_of(server_id, i as u16) {
+        for &c in &initial[i] {
             store.insert_cachelet(mbal_store::Cachelet::new(c));
         }
         let poll = mio::Poll::new()?;

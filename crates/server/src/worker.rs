@@ -31,7 +31,7 @@ use crate::msg::{Envelope, FwdKind, FwdReq, Mailbox, Outbox, Peers, ReplyTo};
 use crate::output::{Output, Slot, StatsFormat};
 use crate::stats::{self, BinSink, CacheletInfo, ConnInfo, Counters, ProcessInfo, TextSink, WorkerSnapshot};
 use crossbeam_channel::Receiver;
-use mbal_cluster::{ClusterMap, Layout};
+use mbal_cluster::{ClusterMap, KeySpace};
 use mbal_proto::binary::{opcode as op, status as st, write_response};
 use mbal_proto::meta::meta_key;
 use mbal_proto::text::TextCmd;
@@ -71,8 +71,9 @@ const EARLY_FLUSH: usize = 32 << 10;
 /// close and shutdown only.
 pub(crate) struct Shared {
     pub settings: Settings,
-    /// VN -> cachelet (fixed for the cluster's life) and the initial owners.
-    pub layout: Layout,
+    /// VN -> cachelet (fixed for the cluster's life). Owners are in `map`
+    /// (and each worker's `Tables`).
+    pub layout: KeySpace,
     /// This server's id in the cluster map.
     pub server_id: u16,
     /// The map epoch this server knows (read on redirects only).
@@ -193,7 +194,7 @@ impl Worker {
     ) -> io::Result<Worker> {
         let mut own_listener = TcpListener::from_std(own_listener);
         poll.registry().register(&mut own_listener, OWN_LISTENER, Interest::READABLE)?;
-        let tables = Tables::new(&shared.layout, id);
+        let tables = Tables::new(shared.map.lock().unwrap_or_else(|p| p.into_inner()).owners(), id);
         let workers = shared.settings.threads;
         let cachelets = shared.layout.cachelet_count() as usize;
         let limits = Limits { max_item_size: shared.settings.max_item_size, ..Limits::default() };
@@ -878,7 +879,7 @@ fn exec_ctx<'a>(store: &'a mut WorkerStore, shared: &'a Shared, counters: &'a mu
 }
 
 /// Prefetch the index lines of a text get's or store's keys that live in this worker's store.
-fn prefetch_keys(store: &WorkerStore, layout: &Layout, req: &Request) {
+fn prefetch_keys(store: &WorkerStore, layout: &KeySpace, req: &Request) {
     match req {
         Request::Text(TextCmd::Get { keys, .. }) => {
             for key in keys.iter() {

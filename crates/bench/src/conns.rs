@@ -18,7 +18,7 @@ use anyhow::{bail, Context, Result};
 use mio::net::TcpStream;
 use mio::{Events, Interest, Poll, Token};
 
-use crate::reply::{Expect, Reply, ReplyParser};
+use mbal_proto::client::{Decoder, Expect, Frame};
 
 /// Timeout of a blocking connect (and of the routed driver's handshake reads).
 pub(crate) const IO_TIMEOUT: Duration = Duration::from_secs(5);
@@ -34,6 +34,18 @@ impl Pending for (u32, Expect) {
     }
 }
 
+/// The replies the bench's requests allow: a get (read with [`Expect::Hits`]) ends with `END`,
+/// a set with a status line; either may be an error or a redirect.
+#[inline]
+fn fits(expect: Expect, f: &Frame<'_>) -> bool {
+    match f {
+        Frame::Error(_) | Frame::Redirect { .. } => true,
+        Frame::End { .. } => expect == Expect::Hits,
+        Frame::Stored | Frame::NotStored | Frame::Exists | Frame::NotFound => expect == Expect::Line,
+        _ => false,
+    }
+}
+
 struct Conn<P> {
     stream: TcpStream,
     target: usize,
@@ -42,7 +54,7 @@ struct Conn<P> {
     rbuf: Vec<u8>,
     rstart: usize,
     rend: usize,
-    parser: ReplyParser,
+    decoder: Decoder,
     /// In-flight requests on this connection, in send order.
     pending: VecDeque<P>,
 }
@@ -96,7 +108,7 @@ impl<P: Pending> Conns<P> {
             rbuf: vec![0; 256 * 1024],
             rstart: 0,
             rend: 0,
-            parser: ReplyParser::new(),
+            decoder: Decoder::new(),
             pending: VecDeque::new(),
         });
         Ok(())
@@ -122,8 +134,9 @@ impl<P: Pending> Conns<P> {
 
     /// Wait up to `timeout` for events, write what is pending, and call `on_reply(ci, p, reply)`
     /// for each reply read, in order per connection (`p` is the request it answers, already
-    /// removed from the connection's queue).
-    pub(crate) fn poll(&mut self, timeout: Duration, mut on_reply: impl FnMut(usize, P, Reply)) -> Result<()> {
+    /// removed from the connection's queue; `reply` is the frame that completed it: `End` of a
+    /// get, a status line, an error or a redirect — anything else is a protocol error).
+    pub(crate) fn poll(&mut self, timeout: Duration, mut on_reply: impl FnMut(usize, P, Frame<'_>)) -> Result<()> {
         match self.poll.poll(&mut self.events, Some(timeout)) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::Interrupted => return Ok(()),
@@ -144,7 +157,7 @@ impl<P: Pending> Conns<P> {
         Ok(())
     }
 
-    fn read_conn(&mut self, ci: usize, on_reply: &mut impl FnMut(usize, P, Reply)) -> Result<()> {
+    fn read_conn(&mut self, ci: usize, on_reply: &mut impl FnMut(usize, P, Frame<'_>)) -> Result<()> {
         let c = &mut self.conns[ci];
         let addr = self.addrs[c.target];
         let label = self.label;
@@ -177,11 +190,14 @@ impl<P: Pending> Conns<P> {
                     break;
                 };
                 let (used, reply) = c
-                    .parser
-                    .parse(&c.rbuf[c.rstart..c.rend], p.expect())
+                    .decoder
+                    .decode(&c.rbuf[c.rstart..c.rend], p.expect())
                     .map_err(|e| anyhow::anyhow!("{addr}: {e}"))?;
                 c.rstart += used;
                 let Some(reply) = reply else { break };
+                if !fits(p.expect(), &reply) {
+                    bail!("{label} {addr}: unexpected reply {reply:?} to a {:?} request", p.expect());
+                }
                 c.pending.pop_front();
                 on_reply(ci, p, reply);
             }

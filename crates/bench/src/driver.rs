@@ -9,8 +9,8 @@ use std::time::Duration;
 use anyhow::{bail, Result};
 
 use crate::conns::{connect_std, Conns};
-use crate::reply::{Expect, Reply};
 use crate::workload::write_key;
+use mbal_proto::client::{Expect, Frame};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OpKind {
@@ -173,7 +173,7 @@ impl Driver for PlainDriver {
                 if n > self.value.len() {
                     bail!("value size {n} above the driver's maximum {}", self.value.len());
                 }
-                let wbuf = self.conns.request(ci, (req.token, Expect::Store));
+                let wbuf = self.conns.request(ci, (req.token, Expect::Line));
                 write_set(wbuf, &self.key_buf, &self.value, n);
                 op.parts = 1;
                 self.target_reqs[s] += 1;
@@ -183,7 +183,7 @@ impl Driver for PlainDriver {
                     bail!("get needs a key");
                 }
                 if n == 1 {
-                    let wbuf = self.conns.request(slot, (req.token, Expect::Get));
+                    let wbuf = self.conns.request(slot, (req.token, Expect::Hits));
                     write_get(wbuf, req.keys.iter().copied(), self.key_size);
                     op.parts = 1;
                     self.target_reqs[0] += 1;
@@ -199,7 +199,7 @@ impl Driver for PlainDriver {
                         if !self.key_server.contains(&(s as u16)) {
                             continue;
                         }
-                        let wbuf = self.conns.request(slot * n + s, (req.token, Expect::Get));
+                        let wbuf = self.conns.request(slot * n + s, (req.token, Expect::Hits));
                         let key_server = &self.key_server;
                         let keys = req.keys.iter().enumerate().filter(|&(i, _)| key_server[i] as usize == s);
                         write_get(wbuf, keys.map(|(_, &k)| k), self.key_size);
@@ -222,10 +222,10 @@ impl Driver for PlainDriver {
         self.conns.poll(timeout, |_, (token, _), reply| {
             let op = &mut ops[token as usize];
             match reply {
-                Reply::Get { hits } => op.hits += hits,
-                Reply::Stored | Reply::Exists | Reply::NotFound => {}
+                Frame::End { items } => op.hits += items,
+                Frame::Stored | Frame::Exists | Frame::NotFound => {}
                 // a plain connection never opted in to redirects: count one as an error
-                Reply::NotStored | Reply::Error | Reply::Redirect { .. } => op.errors += 1,
+                _ => op.errors += 1,
             }
             op.parts -= 1;
             if op.parts == 0 {

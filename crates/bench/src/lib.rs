@@ -26,7 +26,9 @@
 //! * `conns` (private): the mio connection set both drivers are built on (poll, events, per
 //!   connection write/read buffers, reply parser and queue of requests awaiting replies; write,
 //!   read and poll loops). A driver keeps only its routing, request encoding and reply handling.
-//! * [`reply`]: an incremental, allocation-free reply parser (VALUE/END, STORED, errors, `RD`).
+//! * Replies are decoded by `mbal_proto::client::Decoder` (the client-side codec shared with
+//!   the routing client), reading gets with `Expect::Hits`: values' data is skipped as it
+//!   arrives, only hits are counted, nothing is allocated.
 //! * SET values are `--value-size` bytes, or uniform in `[--value-size, --value-size-max]`
 //!   drawn per op from the thread's seeded generator (deterministic for a seed).
 //! * Results: HdrHistograms per op type (ns) and per second (µs), per-target request counts with
@@ -42,7 +44,6 @@ mod conns;
 pub mod driver;
 pub mod engine;
 mod plot;
-pub mod reply;
 pub mod routed;
 pub mod stub;
 pub mod workload;

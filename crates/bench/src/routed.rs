@@ -10,80 +10,73 @@
 //! pipeline would be spread over one socket per worker, and each write would carry
 //! `pipeline / workers` requests.
 //!
-//! Every op is routed by `key_hash(key)` → cachelet → owning (server, worker), from the map plus
-//! the owners this driver learned from redirects. A multiget is split per owning worker (one
+//! Routing is an [`mbal_cluster::Router`], the one the routing client uses: every op is routed
+//! by `key_hash(key)` → cachelet → owning (server, worker), from the map plus the owners learned
+//! from redirects. A multiget is split per owning worker ([`Router::split`]: one
 //! `get k1 k2 ..` per worker; the op's keys are regrouped by owner so each part is a contiguous
 //! range of the op's key list) and counts as one op.
 //!
-//! A reply `RD <epoch> <server> <worker>` replaces the whole reply of a request:
-//! * single-key request: the key's cachelet is now owned by (`server`, `worker`); the driver
-//!   records that and resends the request there;
-//! * multi-key get: the server names the owner of the *first* key it does not own, which the
-//!   client cannot identify, so each key of that part is resent as its own `get` to its current
-//!   route; the keys that moved are then redirected one by one and learned exactly.
+//! A reply `RD <epoch> <server> <worker>` replaces the whole reply of a request; what it teaches
+//! is the router's rule ([`Router::learn`]), the same as the client's:
+//! * a request whose keys are all of one cachelet (any single-key request): the cachelet is now
+//!   owned by (`server`, `worker`); the driver records that and resends the request there;
+//! * a multi-key get spanning several cachelets: the server names the owner of the *first* key
+//!   it does not own, which cannot be attributed, so nothing is recorded and the part's keys are
+//!   resent split per cachelet; the next redirects are then learned exactly.
 //!
-//! Each request chain follows at most [`MAX_REDIRECTS`] redirects (for a multiget: per key),
-//! then the part counts as an error. Per-worker request counts are reported as targets named
-//! `s<server>/w<worker>`, and followed redirects in `Totals::redirects`.
+//! The bench does not refetch the map when a redirect names a newer epoch (the client does):
+//! overrides are enough for a run, and a redirect to a worker its map does not have counts as
+//! an error.
+//!
+//! Each request chain follows at most [`MAX_REDIRECTS`] redirects, then the part counts as an
+//! error. Per-worker request counts are reported as targets named `s<server>/w<worker>`, and
+//! followed redirects in `Totals::redirects`.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{SocketAddr, TcpStream as StdStream};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use mbal_cluster::{key_hash, CacheletId, ClusterMap};
+use mbal_cluster::{key_hash, ClusterMap, Redirect, Router, Split};
+use mbal_proto::client::{Expect, Frame, Reply, ReplyReader};
 
 use crate::conns::{connect_std, Conns, Pending, IO_TIMEOUT};
 use crate::driver::{value_buffer, write_get, write_set, Completion, Driver, OpKind, Request};
-use crate::reply::{Expect, Reply};
 use crate::workload::write_key;
 use crate::{DriverFactory, DriverSpec};
 
 /// Redirects one request chain may follow before it counts as an error.
 pub const MAX_REDIRECTS: u8 = 3;
 
-/// Read one `\n`-terminated line from a blocking stream (byte by byte: the line is the only
-/// thing the server sends, and nothing after it may be consumed).
-fn read_line(s: &mut StdStream, max: usize) -> Result<String> {
-    let mut line = Vec::new();
-    let mut b = [0u8; 1];
+/// Send `req` on a blocking stream and read its one reply (the server sends nothing else on
+/// this connection until asked, so reading ahead is safe).
+fn call(s: &mut StdStream, req: &[u8]) -> Result<Reply> {
+    s.write_all(req).context("write")?;
+    let mut r = ReplyReader::new();
     loop {
-        let n = s.read(&mut b).context("read")?;
-        if n == 0 {
-            bail!("connection closed (got {:?})", String::from_utf8_lossy(&line));
+        if let Some(reply) = r.next(Expect::Line)? {
+            if r.buffered() > 0 {
+                bail!("unexpected bytes after the reply");
+            }
+            return Ok(reply);
         }
-        line.push(b[0]);
-        if b[0] == b'\n' {
-            break;
-        }
-        if line.len() > max {
-            bail!("reply line too long");
+        if r.read_from(s).context("read")? == 0 {
+            bail!("connection closed");
         }
     }
-    Ok(String::from_utf8_lossy(&line).trim_end().to_string())
 }
 
 /// Fetch the cluster map from any mbal server with `mbal map`.
 pub fn fetch_map(addr: SocketAddr) -> Result<ClusterMap> {
     let mut s = StdStream::connect_timeout(&addr, IO_TIMEOUT).with_context(|| format!("connect to {addr}"))?;
     s.set_read_timeout(Some(IO_TIMEOUT))?;
-    s.write_all(b"mbal map\r\n")?;
-    let line = read_line(&mut s, 4096).with_context(|| format!("mbal map from {addr}"))?;
-    let mut it = line.split_whitespace();
-    let (Some("MAP"), Some(_epoch), Some(n), None) = (it.next(), it.next(), it.next(), it.next()) else {
-        bail!("{addr} answered `mbal map` with {line:?}: not an mbal server?");
-    };
-    let n: usize = n.parse().with_context(|| format!("bad MAP line {line:?}"))?;
-    if n > 256 << 20 {
-        bail!("map of {n} bytes is implausible");
+    match call(&mut s, b"mbal map\r\n").with_context(|| format!("mbal map from {addr}"))? {
+        Reply::Map { json, .. } => {
+            let text = std::str::from_utf8(&json).context("map is not UTF-8")?;
+            ClusterMap::from_json(text).map_err(|e| anyhow::anyhow!("bad map from {addr}: {e}"))
+        }
+        r => bail!("{addr} answered `mbal map` with {r:?}: not an mbal server?"),
     }
-    let mut body = vec![0; n + 2];
-    s.read_exact(&mut body).context("read map body")?;
-    if &body[n..] != b"\r\n" {
-        bail!("map body not terminated by CRLF");
-    }
-    let text = std::str::from_utf8(&body[..n]).context("map is not UTF-8")?;
-    ClusterMap::from_json(text).map_err(|e| anyhow::anyhow!("bad map from {addr}: {e}"))
 }
 
 /// Makes [`RoutedDriver`]s over one cluster map.
@@ -136,7 +129,8 @@ impl DriverFactory for RoutedFactory {
     }
 }
 
-/// One request on the wire, waiting for its reply.
+/// One request on the wire, waiting for its reply (a get is read with [`Expect::Hits`], a set
+/// with [`Expect::Line`]).
 #[derive(Clone, Copy)]
 struct Part {
     token: u32,
@@ -157,8 +151,9 @@ impl Pending for Part {
 #[derive(Default)]
 struct OpState {
     value_size: u32,
-    /// The op's keys, grouped by owning worker at submit time.
+    /// The op's keys, grouped by owning worker at submit time, and their hashes.
     keys: Vec<u32>,
+    hashes: Vec<u64>,
     parts: u32,
     hits: u32,
     errors: u32,
@@ -170,26 +165,25 @@ pub struct RoutedDriver {
     /// Connection `target`.
     conns: Conns<Part>,
     /// Everything but the connections (borrowed apart from them while replies are handled).
-    r: Router,
+    r: State,
 }
 
-/// The routing state of a [`RoutedDriver`].
-struct Router {
-    /// (server, worker) of each target, and its address.
+/// The state of a [`RoutedDriver`] besides its connections.
+struct State {
+    /// (server, worker) of each target (= connection), and its address.
     targets: Vec<((u16, u16), SocketAddr)>,
     /// First target index of each server.
     server_base: Vec<usize>,
-    map: ClusterMap,
-    /// Cachelet -> target index (the map's owner, or what a redirect taught).
-    owner: Vec<u32>,
+    router: Router,
     key_size: usize,
     value: Vec<u8>,
     ops: Vec<OpState>,
     target_reqs: Vec<u64>,
-    redirects: u64,
     // scratch
     key_buf: Vec<u8>,
-    grouped: Vec<(u32, u32)>,
+    hashes: Vec<u64>,
+    split: Split,
+    regroup: Vec<(u32, u64)>,
     resend: Vec<Part>,
 }
 
@@ -212,62 +206,57 @@ impl RoutedDriver {
         if targets.is_empty() {
             bail!("the map has no workers");
         }
-        let layout = map.layout();
-        let owner = (0..layout.cachelet_count())
-            .map(|c| {
-                let (s, w) = layout.owner(c);
-                let t = server_base.get(s as usize).map(|b| b + w as usize).filter(|&t| t < targets.len());
-                t.map(|t| t as u32).with_context(|| format!("cachelet {c} owned by unknown worker s{s}/w{w}"))
-            })
-            .collect::<Result<Vec<u32>>>()?;
         let addrs = targets.iter().map(|&(_, a)| a).collect();
         let mut conns = Conns::new("worker", addrs, targets.len())?;
         for (ti, &((s, w), addr)) in targets.iter().enumerate() {
             let mut std = connect_std(addr)?;
             std.set_read_timeout(Some(IO_TIMEOUT))?;
-            std.write_all(format!("mbal hello {} {w}\r\n", map.epoch()).as_bytes())?;
-            let line = read_line(&mut std, 256).with_context(|| format!("mbal hello to {addr}"))?;
-            let f: Vec<&str> = line.split_whitespace().collect();
-            let ok = f.len() == 4
-                && f[0] == "MBAL"
-                && f[1].parse::<u16>().ok() == Some(s)
-                && f[2].parse::<u16>().ok() == Some(w)
-                && f[3].parse::<u64>().is_ok();
-            if !ok {
-                bail!("{addr} (s{s}/w{w} in the map) answered `mbal hello` with {line:?}");
+            let hello = format!("mbal hello {} {w}\r\n", map.epoch());
+            let reply = call(&mut std, hello.as_bytes()).with_context(|| format!("mbal hello to {addr}"))?;
+            if !matches!(reply, Reply::Hello { server, worker, .. } if (server, worker) == (s, w)) {
+                bail!("{addr} (s{s}/w{w} in the map) answered `mbal hello` with {reply:?}");
             }
             std.set_read_timeout(None)?;
             conns.add(std, ti)?;
         }
         let n = targets.len();
-        let r = Router {
+        let r = State {
             targets,
             server_base,
-            map: map.clone(),
-            owner,
+            router: Router::new(map.clone()),
             key_size,
             value: value_buffer(value_size_max),
             ops: (0..max_in_flight).map(|_| OpState::default()).collect(),
             target_reqs: vec![0; n],
-            redirects: 0,
             key_buf: Vec::with_capacity(256),
-            grouped: Vec::new(),
+            hashes: Vec::new(),
+            split: Split::new(),
+            regroup: Vec::new(),
             resend: Vec::new(),
         };
         Ok(RoutedDriver { conns, r })
     }
 }
 
-impl Router {
-    fn cachelet_of(&mut self, key: u32) -> CacheletId {
+impl State {
+    fn hash_of(&mut self, key: u32) -> u64 {
         self.key_buf.clear();
         write_key(&mut self.key_buf, key, self.key_size);
-        self.map.layout().cachelet_of_hash(key_hash(&self.key_buf))
+        key_hash(&self.key_buf)
     }
 
-    fn route(&mut self, key: u32) -> usize {
-        let c = self.cachelet_of(key);
-        self.owner[c as usize] as usize
+    /// The target (connection) of a (server, worker), if the map has it.
+    fn target_of(&self, (s, w): (u16, u16)) -> Option<usize> {
+        self.server_base
+            .get(s as usize)
+            .map(|b| b + w as usize)
+            .filter(|&t| t < self.targets.len() && self.targets[t].0 == (s, w))
+    }
+
+    /// The target a key hash is sent to now.
+    fn route(&self, hash: u64) -> usize {
+        let (_, owner) = self.router.route_hash(hash);
+        self.target_of(owner).expect("the router's owners are workers of the map")
     }
 
     /// Write request `part` of its op to target `t`.
@@ -276,59 +265,74 @@ impl Router {
         let wbuf = conns.request(t, part);
         let keys = &op.keys[part.start as usize..(part.start + part.len) as usize];
         match part.expect {
-            Expect::Store => {
+            Expect::Line => {
                 self.key_buf.clear();
                 write_key(&mut self.key_buf, keys[0], self.key_size);
                 write_set(wbuf, &self.key_buf, &self.value, op.value_size as usize);
             }
-            Expect::Get => write_get(wbuf, keys.iter().copied(), self.key_size),
+            _ => write_get(wbuf, keys.iter().copied(), self.key_size),
         }
         self.target_reqs[t] += 1;
     }
 
-    /// Handle a redirect of `part`. Returns whether the op is still waiting for this part
-    /// (resent) or the part is finished (as an error).
-    fn on_redirect(&mut self, part: Part, server: u16, worker: u16) -> bool {
-        let target = self
-            .server_base
-            .get(server as usize)
-            .map(|b| b + worker as usize)
-            .filter(|&t| t < self.targets.len() && self.targets[t].0 == (server, worker));
-        let (Some(target), true) = (target, part.hops < MAX_REDIRECTS) else {
-            self.ops[part.token as usize].errors += 1;
+    /// Handle a redirect of `part`, sent by target `from`. Returns whether the op is still
+    /// waiting for this part (resent) or the part is finished (as an error).
+    fn on_redirect(&mut self, from: usize, part: Part, epoch: u64, to: (u16, u16)) -> bool {
+        let token = part.token as usize;
+        let range = part.start as usize..(part.start + part.len) as usize;
+        if self.target_of(to).is_none() || part.hops >= MAX_REDIRECTS {
+            self.ops[token].errors += 1;
+            return false;
+        }
+        let rd = Redirect { epoch, to };
+        let learned =
+            self.router.learn(self.targets[from].0, rd, self.ops[token].hashes[range.clone()].iter().copied());
+        let Ok(learned) = learned else {
+            self.ops[token].errors += 1;
             return false;
         };
-        self.redirects += 1;
         let hops = part.hops + 1;
-        if part.len == 1 {
-            let key = self.ops[part.token as usize].keys[part.start as usize];
-            let c = self.cachelet_of(key);
-            self.owner[c as usize] = target as u32;
+        if learned.cachelet.is_some() {
             self.resend.push(Part { hops, ..part });
-        } else {
-            // which key moved is unknown: resend each key alone to its current route
-            self.ops[part.token as usize].parts += part.len - 1;
-            for i in 0..part.len {
-                self.resend.push(Part { start: part.start + i, len: 1, hops, ..part });
-            }
+            return true;
+        }
+        // Not attributable: resend the part's keys split per cachelet (the router's rule).
+        let op = &mut self.ops[token];
+        self.router.split(op.hashes[range.clone()].iter().copied(), true, &mut self.split);
+        self.regroup.clear();
+        self.regroup.extend(
+            self.split
+                .all_positions()
+                .iter()
+                .map(|&p| (op.keys[range.start + p as usize], op.hashes[range.start + p as usize])),
+        );
+        for (i, &(k, h)) in self.regroup.iter().enumerate() {
+            op.keys[range.start + i] = k;
+            op.hashes[range.start + i] = h;
+        }
+        op.parts += self.split.groups().len() as u32 - 1;
+        let mut start = part.start;
+        for g in self.split.groups() {
+            self.resend.push(Part { start, len: g.len() as u32, hops, ..part });
+            start += g.len() as u32;
         }
         true
     }
 
-    /// Handle the reply to `part`.
-    fn on_reply(&mut self, part: Part, reply: Reply, out: &mut Vec<Completion>) {
+    /// Handle the reply (from target `from`) to `part`.
+    fn on_reply(&mut self, from: usize, part: Part, reply: Frame<'_>, out: &mut Vec<Completion>) {
         let token = part.token;
         let finished = match reply {
-            Reply::Get { hits } => {
-                self.ops[token as usize].hits += hits;
+            Frame::End { items } => {
+                self.ops[token as usize].hits += items;
                 true
             }
-            Reply::Stored | Reply::Exists | Reply::NotFound => true,
-            Reply::NotStored | Reply::Error => {
+            Frame::Stored | Frame::Exists | Frame::NotFound => true,
+            Frame::Redirect { epoch, server, worker } => !self.on_redirect(from, part, epoch, (server, worker)),
+            _ => {
                 self.ops[token as usize].errors += 1;
                 true
             }
-            Reply::Redirect { server, worker, .. } => !self.on_redirect(part, server, worker),
         };
         if finished {
             let op = &mut self.ops[token as usize];
@@ -347,42 +351,42 @@ impl Router {
             bail!("value size {} above the driver's maximum {}", req.value_size, self.value.len());
         }
         let token = req.token;
-        let mut keys = std::mem::take(&mut self.ops[token as usize].keys);
-        keys.clear();
         let expect = match req.kind {
             OpKind::Set => {
                 if req.keys.len() != 1 {
                     bail!("set takes one key");
                 }
-                Expect::Store
+                Expect::Line
             }
-            OpKind::Get => Expect::Get,
+            OpKind::Get => Expect::Hits,
         };
-        // group the keys by owning worker (stable: request order within a worker)
-        let mut grouped = std::mem::take(&mut self.grouped);
-        grouped.clear();
+        let mut hashes = std::mem::take(&mut self.hashes);
+        hashes.clear();
         for &k in req.keys {
-            let t = self.route(k) as u32;
-            grouped.push((t, k));
+            hashes.push(self.hash_of(k));
         }
-        if grouped.len() > 1 {
-            grouped.sort_by_key(|&(t, _)| t);
-        }
-        keys.extend(grouped.iter().map(|&(_, k)| k));
+        // group the keys by owning worker (request order within a worker)
+        self.router.split(hashes.iter().copied(), false, &mut self.split);
         let op = &mut self.ops[token as usize];
-        *op = OpState { value_size: req.value_size, keys, parts: 0, hits: 0, errors: 0 };
-        let mut i = 0;
-        while i < grouped.len() {
-            let t = grouped[i].0;
-            let mut j = i + 1;
-            while j < grouped.len() && grouped[j].0 == t {
-                j += 1;
-            }
-            self.ops[token as usize].parts += 1;
-            self.send_part(conns, t as usize, Part { token, expect, start: i as u32, len: (j - i) as u32, hops: 0 });
-            i = j;
+        op.keys.clear();
+        op.hashes.clear();
+        for &p in self.split.all_positions() {
+            op.keys.push(req.keys[p as usize]);
+            op.hashes.push(hashes[p as usize]);
         }
-        self.grouped = grouped;
+        op.value_size = req.value_size;
+        op.parts = self.split.groups().len() as u32;
+        op.hits = 0;
+        op.errors = 0;
+        let mut start = 0;
+        for gi in 0..self.split.groups().len() {
+            let g = self.split.groups()[gi];
+            let t = self.target_of(g.owner).expect("the router's owners are workers of the map");
+            let len = g.len() as u32;
+            self.send_part(conns, t, Part { token, expect, start, len, hops: 0 });
+            start += len;
+        }
+        self.hashes = hashes;
         Ok(())
     }
 }
@@ -402,12 +406,12 @@ impl Driver for RoutedDriver {
 
     fn poll(&mut self, timeout: Duration, out: &mut Vec<Completion>) -> Result<()> {
         let r = &mut self.r;
-        self.conns.poll(timeout, |_, part, reply| r.on_reply(part, reply, out))?;
+        self.conns.poll(timeout, |ci, part, reply| r.on_reply(ci, part, reply, out))?;
         if !self.r.resend.is_empty() {
             let mut resend = std::mem::take(&mut self.r.resend);
             for part in resend.drain(..) {
-                let key = self.r.ops[part.token as usize].keys[part.start as usize];
-                let t = self.r.route(key);
+                let hash = self.r.ops[part.token as usize].hashes[part.start as usize];
+                let t = self.r.route(hash);
                 self.r.send_part(&mut self.conns, t, part);
             }
             self.r.resend = resend;
@@ -421,6 +425,6 @@ impl Driver for RoutedDriver {
     }
 
     fn redirects(&self) -> u64 {
-        self.r.redirects
+        self.r.router.redirects()
     }
 }

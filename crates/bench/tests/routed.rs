@@ -8,7 +8,7 @@ use std::time::Duration;
 use mbal_bench::routed::{fetch_map, RoutedFactory, MAX_REDIRECTS};
 use mbal_bench::workload::WorkloadKind;
 use mbal_bench::{run, run_with, BenchArgs, BenchReport};
-use mbal_cluster::{ClusterMap, ClusterSpec, Layout, ServerInfo, ServerSpec};
+use mbal_cluster::{ClusterMap, ClusterSpec, ServerInfo, ServerSpec};
 use mbal_server::config::Settings;
 use mbal_server::ServerHandle;
 
@@ -173,9 +173,9 @@ fn routed_follows_redirects_from_an_old_map() {
     let mut admin = Conn::open(srv.main_addr);
     let old = fetch_map(srv.main_addr).unwrap();
     // move a quarter of the cachelets to the other worker
-    let n = old.layout().cachelet_count();
+    let n = old.cachelet_count();
     for c in (0..n).step_by(4) {
-        let to = 1 - old.layout().owner(c).1;
+        let to = 1 - old.owner(c).1;
         let l = admin.cmd(&format!("mbal move {c} {to}\r\n"));
         assert!(l.starts_with("MOVED "), "{l}");
     }
@@ -189,7 +189,7 @@ fn routed_follows_redirects_from_an_old_map() {
     // multigets answered with RD are resent per the learned routing
     let mid = fetch_map(srv.main_addr).unwrap();
     for c in (0..n).step_by(3) {
-        let to = 1 - mid.layout().owner(c).1;
+        let to = 1 - mid.owner(c).1;
         assert!(admin.cmd(&format!("mbal move {c} {to}\r\n")).starts_with("MOVED "));
     }
     let f = RoutedFactory::with_map(mid);
@@ -232,7 +232,7 @@ fn redirect_loops_are_bounded() {
             h.join().unwrap();
         }
     });
-    let map = ClusterMap::new(Layout::even(1, 1, 1, 16), vec![ServerInfo { main: addr, workers: vec![addr] }]);
+    let map = ClusterMap::even(vec![ServerInfo { main: addr, workers: vec![addr] }], 1, 16);
     let args = BenchArgs {
         server: vec![addr.to_string()],
         routed: true,

@@ -1,15 +1,15 @@
 //! One blocking TCP connection to an mbal worker (or server main port) with
 //! its reply parser, and the mapping of I/O failures to [`Error`].
 
-use crate::reply::{Expect, Reply, ReplyParser};
 use crate::{Error, Peer, Result};
+use mbal_proto::client::{Expect, Reply, ReplyReader};
 use std::io::{self, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
 pub(crate) struct Conn {
     stream: TcpStream,
-    parser: ReplyParser,
+    parser: ReplyReader,
     pub addr: SocketAddr,
     pub peer: Peer,
 }
@@ -32,7 +32,7 @@ impl Conn {
             stream.set_write_timeout(Some(io_timeout))
         };
         setup().map_err(|e| io_err(addr, peer, e))?;
-        Ok(Conn { stream, parser: ReplyParser::new(), addr, peer })
+        Ok(Conn { stream, parser: ReplyReader::new(), addr, peer })
     }
 
     pub fn send(&mut self, bytes: &[u8]) -> Result<()> {

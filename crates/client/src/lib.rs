@@ -7,10 +7,12 @@
 //!   over blocking `std::net` sockets with connect and I/O timeouts. No async
 //!   API is provided; use one [`Client`] per thread (a `Client` is `Send`).
 //! * **Two-level lookup on the client.** `key_hash(key)` → VN → cachelet (the
-//!   [`ClusterMap`]'s layout) → (server, worker), where the owner comes from an
+//!   map's fixed key space) → (server, worker), where the owner comes from an
 //!   *override* learned from a redirect if there is one, else from the map.
-//!   The request goes to that worker's **own port** (`map.worker_addr(s, w)`),
-//!   so the server never forwards it between threads.
+//!   That routing state is an [`mbal_cluster::Router`], the one the bench and
+//!   the proxy use too. The request goes to that worker's **own port**
+//!   (`map.worker_addr(s, w)`), so the server never forwards it between
+//!   threads.
 //! * **Connections.** Per (server, worker) up to `conns_per_worker` pooled
 //!   connections, opened lazily. Each opens with `mbal hello <epoch>`; the
 //!   reply `MBAL <server> <worker> <epoch>` must name the worker the map says
@@ -20,32 +22,33 @@
 //!   `RD <epoch> <server> <worker>` instead of serving it. A connection that
 //!   sees an I/O error, a timeout or a malformed reply is dropped; the next
 //!   call reconnects.
-//! * **Redirects.** On `RD` the client records an override for the key's
-//!   cachelet, refetches the whole map (`mbal map`, from the redirecting
-//!   server) when the redirect's epoch is newer than its map's, and retries
-//!   at the new owner, at most [`Config::max_redirects`] times per request
-//!   ([`Error::TooManyRedirects`]). Overrides older than a refetched map are
-//!   forgotten. [`Client::redirects`] counts the redirects followed.
-//!   Today each server moves cachelets between its own workers and keeps
-//!   its own epoch, so epochs of different servers are not comparable: a
-//!   redirect whose epoch is not newer than the client's map still records
-//!   its override (that is what makes it work), and a refetch from a server
-//!   with a newer epoch may forget an override learned from another server,
-//!   which then costs one more redirect. A multi-key `get` that the server
-//!   redirects as a whole does not say which cachelet moved; unless all its
-//!   keys share one cachelet, the client records nothing and retries those
-//!   keys grouped per cachelet, so the next redirect is attributable.
+//! * **Redirects.** On `RD` the router records an override for the key's
+//!   cachelet; when the redirect's epoch is newer than the map's, the client
+//!   refetches the whole map (`mbal map`, from the redirecting worker) and
+//!   installs it (overrides not newer than it are forgotten). It retries at
+//!   the new owner, at most [`Config::max_redirects`] times per request
+//!   ([`Error::TooManyRedirects`]). [`Client::redirects`] counts the
+//!   redirects followed. Today each server moves cachelets between its own
+//!   workers and keeps its own epoch, so epochs of different servers are not
+//!   comparable: a redirect whose epoch is not newer than the client's map
+//!   still records its override (that is what makes it work), and a refetch
+//!   from a server with a newer epoch may forget an override learned from
+//!   another server, which then costs one more redirect. A multi-key `get`
+//!   that the server redirects as a whole does not say which cachelet moved;
+//!   unless all its keys share one cachelet, nothing is recorded and the
+//!   retry groups the keys per cachelet, so the next redirect is
+//!   attributable (the router's rule, the same in the bench).
 //! * **Text protocol, pipelined.** Replies are parsed incrementally by
-//!   [`reply::ReplyParser`]. [`Client::get_multi`] groups keys by owning
-//!   worker, writes one `get k1 k2 ...` per worker (all workers' requests are
-//!   written before any reply is read), reads the replies and reassembles
-//!   them in request order; a redirected group is re-split with the updated
-//!   routing (per cachelet, so the next redirect is attributable to one
-//!   cachelet) and retried. [`Client::set_multi`] writes all of a worker's
-//!   sets back to back, then reads their replies. To keep both sides' socket
-//!   buffers from filling up (a deadlock when both block on writes), a
-//!   multi-operation is processed in windows of [`MULTI_WINDOW`] keys, and a
-//!   `get` line carries at most [`GET_BATCH`] keys.
+//!   [`mbal_proto::client::ReplyReader`]. [`Client::get_multi`] splits keys by
+//!   owning worker ([`mbal_cluster::Router::split`]), writes one
+//!   `get k1 k2 ...` per worker (all workers' requests are written before any
+//!   reply is read), reads the replies and reassembles them in request order
+//!   by the keys' positions; redirected keys are re-split per cachelet with
+//!   the updated routing and retried. [`Client::set_multi`] writes all of a
+//!   worker's sets back to back, then reads their replies. To keep both
+//!   sides' socket buffers from filling up (a deadlock when both block on
+//!   writes), a multi-operation is processed in windows of [`MULTI_WINDOW`]
+//!   keys, and a `get` line carries at most [`GET_BATCH`] keys.
 //! * **Stats.** [`cluster_stats`] reads `stats` and `stats workers` from each
 //!   server's main port; [`render_stats_table`] renders a per-server and
 //!   per-worker table (ops/s from two samples, hit ratio, items, bytes,
@@ -55,15 +58,15 @@
 //! 1..=250 bytes, no spaces or control characters ([`Error::InvalidKey`]).
 
 mod conn;
-pub mod reply;
 mod stats;
 
 pub use mbal_cluster::{key_hash, ClusterMap, ClusterSpec};
 pub use stats::{cluster_stats, render_stats_table, ServerStats, WorkerStats};
 
 use conn::Conn;
-use reply::{Expect, RawValue, Reply};
-use std::collections::{BTreeMap, HashMap};
+use mbal_cluster::{Owner, Redirect, Router, Split};
+use mbal_proto::client::{Expect, OwnedValue, Reply};
+use std::collections::HashMap;
 use std::fmt;
 use std::io::Write as _;
 use std::net::SocketAddr;
@@ -110,8 +113,8 @@ pub struct Value {
     pub cas: Option<u64>,
 }
 
-impl From<RawValue> for Value {
-    fn from(v: RawValue) -> Value {
+impl From<OwnedValue> for Value {
+    fn from(v: OwnedValue) -> Value {
         Value { data: v.data, flags: v.flags, cas: v.cas }
     }
 }
@@ -193,13 +196,6 @@ pub fn check_key(key: &[u8]) -> Result<()> {
     Err(Error::InvalidKey { key: show_key(key), reason })
 }
 
-/// An owner learned from a redirect.
-#[derive(Clone, Copy, Debug)]
-struct Override {
-    owner: (u16, u16),
-    epoch: u64,
-}
-
 /// Pooled connections of one worker.
 #[derive(Default)]
 struct Pool {
@@ -207,28 +203,28 @@ struct Pool {
     next: usize,
 }
 
-/// A redirect seen while reading replies, applied once no replies are pending.
+/// A redirect seen while reading replies, learned once no replies are
+/// pending: who sent it, and the hashes of the keys of the request it
+/// replaced.
 struct Seen {
-    cachelet: Option<u32>,
-    epoch: u64,
-    to: (u16, u16),
-    from: (u16, u16),
+    from: Owner,
+    rd: Redirect,
+    hashes: Vec<u64>,
 }
 
 /// The routing client. See the crate docs.
 pub struct Client {
-    map: ClusterMap,
+    /// Map, overrides, redirect learning (shared with the bench and the proxy).
+    router: Router,
     cfg: Config,
-    overrides: HashMap<u32, Override>,
-    pools: HashMap<(u16, u16), Pool>,
-    redirects: u64,
+    pools: HashMap<Owner, Pool>,
 }
 
 impl Client {
     /// A client for a known map.
     pub fn from_map(map: ClusterMap, cfg: Config) -> Client {
         let cfg = Config { conns_per_worker: cfg.conns_per_worker.max(1), ..cfg };
-        Client { map, cfg, overrides: HashMap::new(), pools: HashMap::new(), redirects: 0 }
+        Client { router: Router::new(map), cfg, pools: HashMap::new() }
     }
 
     /// A client for the cluster described by a TOML cluster file (the
@@ -252,12 +248,12 @@ impl Client {
     /// The cluster map as last fetched (without the overrides learned from
     /// redirects; see [`Client::route`]).
     pub fn map(&self) -> &ClusterMap {
-        &self.map
+        self.router.map()
     }
 
     /// Redirects followed so far.
     pub fn redirects(&self) -> u64 {
-        self.redirects
+        self.router.redirects()
     }
 
     /// (cachelet, server, worker) a key is sent to now.
@@ -266,20 +262,13 @@ impl Client {
     }
 
     fn route_hash(&self, hash: u64) -> (u32, u16, u16) {
-        let (c, s, w) = self.map.route(hash);
-        match self.overrides.get(&c) {
-            Some(o) => (c, o.owner.0, o.owner.1),
-            None => (c, s, w),
-        }
-    }
-
-    fn valid_owner(&self, (s, w): (u16, u16)) -> bool {
-        self.map.servers().get(s as usize).is_some_and(|i| (w as usize) < i.workers.len())
+        let (c, (s, w)) = self.router.route_hash(hash);
+        (c, s, w)
     }
 
     /// A pooled connection to (s, w), or a new one (after `mbal hello`).
     fn take_conn(&mut self, s: u16, w: u16) -> Result<Conn> {
-        let addr = self.map.worker_addr(s, w);
+        let addr = self.router.map().worker_addr(s, w);
         let n = self.cfg.conns_per_worker;
         let pool = self.pools.entry((s, w)).or_default();
         if pool.slots.len() < n {
@@ -294,7 +283,7 @@ impl Client {
         }
         let peer = Peer::Worker { server: s, worker: w };
         let mut c = Conn::open(addr, peer, self.cfg.connect_timeout, self.cfg.io_timeout)?;
-        let hello = format!("mbal hello {} {w}\r\n", self.map.epoch());
+        let hello = format!("mbal hello {} {w}\r\n", self.router.map().epoch());
         match c.call(hello.as_bytes(), Expect::Line)? {
             Reply::Hello { server, worker, .. } if (server, worker) == (s, w) => Ok(c),
             Reply::Hello { server, worker, .. } => Err(Error::Protocol {
@@ -316,8 +305,6 @@ impl Client {
         }
     }
 
-    /// Act on redirects: refetch the map if one is newer than ours, then
-    /// record the owners of the cachelets they were about.
     /// The end of one round of a multi-key operation: report the first
     /// error, or learn the redirects seen (`first_redirected`: a key that
     /// must be retried, if any), bounded by `max_redirects` rounds.
@@ -336,36 +323,30 @@ impl Client {
                 return Err(Error::TooManyRedirects { key: show_key(key), redirects: *rounds });
             }
             *rounds += 1;
-            self.redirects += seen.len() as u64;
             self.learn(seen)?;
         }
         Ok(())
     }
 
+    /// Learn from redirects ([`Router::learn`]); when one names a newer
+    /// epoch, fetch the map from its sender and install it.
     fn learn(&mut self, seen: Vec<Seen>) -> Result<()> {
         for r in seen {
-            if r.epoch > self.map.epoch() {
-                let mut c = self.take_conn(r.from.0, r.from.1)?;
+            let (s, w) = r.from;
+            let learned = self.router.learn(r.from, r.rd, r.hashes).map_err(|e| Error::Protocol {
+                addr: self.router.map().worker_addr(s, w),
+                peer: Peer::Worker { server: s, worker: w },
+                detail: e.to_string(),
+            })?;
+            if let Some((s, w)) = learned.fetch_map_from {
+                let mut c = self.take_conn(s, w)?;
                 let map = fetch_map(&mut c)?;
                 self.put_conn(c);
-                if map.epoch() > self.map.epoch() {
-                    self.map = map;
-                    let e = self.map.epoch();
-                    self.overrides.retain(|_, o| o.epoch > e);
-                }
-            }
-            if !self.valid_owner(r.to) {
-                let (s, w) = r.from;
-                return Err(Error::Protocol {
-                    addr: self.map.worker_addr(s, w),
+                self.router.install_map(map).map_err(|detail| Error::Protocol {
+                    addr: self.router.map().worker_addr(s, w),
                     peer: Peer::Worker { server: s, worker: w },
-                    detail: format!("redirect to server {} worker {}, which the map does not have", r.to.0, r.to.1),
-                });
-            }
-            if let Some(c) = r.cachelet {
-                if c < self.map.layout().cachelet_count() {
-                    self.overrides.insert(c, Override { owner: r.to, epoch: r.epoch });
-                }
+                    detail,
+                })?;
             }
         }
         Ok(())
@@ -378,7 +359,7 @@ impl Client {
         let hash = key_hash(key);
         let mut followed = 0;
         loop {
-            let (c, s, w) = self.route_hash(hash);
+            let (_, s, w) = self.route_hash(hash);
             let mut conn = self.take_conn(s, w)?;
             let reply = conn.call(req, expect)?; // on error `conn` is dropped
             let (addr, peer) = (conn.addr, conn.peer);
@@ -389,8 +370,8 @@ impl Client {
                         return Err(Error::TooManyRedirects { key: show_key(key), redirects: followed });
                     }
                     followed += 1;
-                    self.redirects += 1;
-                    self.learn(vec![Seen { cachelet: Some(c), epoch, to: (server, worker), from: (s, w) }])?;
+                    let rd = Redirect { epoch, to: (server, worker) };
+                    self.learn(vec![Seen { from: (s, w), rd, hashes: vec![hash] }])?;
                 }
                 Reply::Error(line) => return Err(Error::Server { addr, peer, line }),
                 r => return Ok((r, addr, peer)),
@@ -547,26 +528,26 @@ impl Client {
         out: &mut [Option<Value>],
     ) -> Result<()> {
         let mut pending: Vec<usize> = range.collect();
-        // Keys whose group was redirected as a whole: group them per cachelet
-        // from then on, so each redirect names one cachelet.
-        let mut fine = vec![false; keys.len()];
+        let mut split = Split::new();
         let mut rounds = 0;
         while !pending.is_empty() {
+            // The first round groups keys per worker; a retry groups them per
+            // cachelet, so each redirect names one cachelet (see `Router`).
+            self.router.split(pending.iter().map(|&i| hashes[i]), rounds > 0, &mut split);
             // (server, worker) -> batches of key indices, one `get` each.
-            let mut groups: BTreeMap<(u16, u16), BTreeMap<Option<u32>, Vec<usize>>> = BTreeMap::new();
-            for &i in &pending {
-                let (c, s, w) = self.route_hash(hashes[i]);
-                let sub = if fine[i] { Some(c) } else { None };
-                groups.entry((s, w)).or_default().entry(sub).or_default().push(i);
+            let mut groups: Vec<(Owner, Vec<Vec<usize>>)> = Vec::new();
+            for g in split.groups() {
+                let idx: Vec<usize> = split.positions(g).iter().map(|&p| pending[p as usize]).collect();
+                let batches = idx.chunks(GET_BATCH).map(<[usize]>::to_vec);
+                match groups.last_mut() {
+                    Some((o, b)) if *o == g.owner => b.extend(batches),
+                    _ => groups.push((g.owner, batches.collect())),
+                }
             }
             let mut first_err: Option<Error> = None;
             // Write phase: every worker's requests before any reply is read.
             let mut sent: Vec<(Conn, Vec<Vec<usize>>)> = Vec::new();
-            for ((s, w), subs) in groups {
-                let batches: Vec<Vec<usize>> = subs
-                    .into_values()
-                    .flat_map(|v| v.chunks(GET_BATCH).map(<[usize]>::to_vec).collect::<Vec<_>>())
-                    .collect();
+            for ((s, w), batches) in groups {
                 let mut req = Vec::new();
                 for b in &batches {
                     req.extend_from_slice(b"get");
@@ -598,20 +579,8 @@ impl Client {
                             }
                         }
                         Ok(Reply::Redirect { epoch, server, worker }) => {
-                            let cl: Vec<u32> =
-                                b.iter().map(|&i| self.map.layout().cachelet_of_hash(hashes[i])).collect();
-                            let one = cl.iter().all(|&c| c == cl[0]);
-                            if !one {
-                                for &i in &b {
-                                    fine[i] = true;
-                                }
-                            }
-                            seen.push(Seen {
-                                cachelet: one.then_some(cl[0]),
-                                epoch,
-                                to: (server, worker),
-                                from: (s, w),
-                            });
+                            let rd = Redirect { epoch, to: (server, worker) };
+                            seen.push(Seen { from: (s, w), rd, hashes: b.iter().map(|&i| hashes[i]).collect() });
                             next.extend_from_slice(&b);
                         }
                         Ok(Reply::Error(line)) => {
@@ -633,6 +602,7 @@ impl Client {
                     self.put_conn(conn);
                 }
             }
+            next.sort_unstable();
             let first = next.first().map(|&i| keys[i]);
             self.end_round(first_err, first, seen, &mut rounds)?;
             pending = next;
@@ -662,21 +632,24 @@ impl Client {
         exptime: u32,
         out: &mut [bool],
     ) -> Result<()> {
-        let hashes: Vec<(usize, u64)> = range.map(|i| (i, key_hash(items[i].0))).collect();
-        let hash_of: HashMap<usize, u64> = hashes.iter().copied().collect();
-        let mut pending: Vec<usize> = hashes.iter().map(|&(i, _)| i).collect();
+        let base = range.start;
+        let hashes: Vec<u64> = range.map(|i| key_hash(items[i].0)).collect();
+        let hash_of = |i: usize| hashes[i - base];
+        let mut pending: Vec<usize> = (base..base + hashes.len()).collect();
+        let mut split = Split::new();
         let mut rounds = 0;
         while !pending.is_empty() {
-            let mut groups: BTreeMap<(u16, u16), Vec<(usize, u32)>> = BTreeMap::new();
-            for &i in &pending {
-                let (c, s, w) = self.route_hash(hash_of[&i]);
-                groups.entry((s, w)).or_default().push((i, c));
-            }
+            self.router.split(pending.iter().map(|&i| hash_of(i)), false, &mut split);
+            let groups: Vec<(Owner, Vec<usize>)> = split
+                .groups()
+                .iter()
+                .map(|g| (g.owner, split.positions(g).iter().map(|&p| pending[p as usize]).collect()))
+                .collect();
             let mut first_err: Option<Error> = None;
-            let mut sent: Vec<(Conn, Vec<(usize, u32)>)> = Vec::new();
+            let mut sent: Vec<(Conn, Vec<usize>)> = Vec::new();
             for ((s, w), group) in groups {
                 let mut req = Vec::new();
-                for &(i, _) in &group {
+                for &i in &group {
                     store_request(&mut req, "set", items[i].0, items[i].1, flags, exptime, None);
                 }
                 match self.take_conn(s, w).and_then(|mut c| c.send(&req).map(|()| c)) {
@@ -691,12 +664,13 @@ impl Client {
             for (mut conn, group) in sent {
                 let Peer::Worker { server: s, worker: w } = conn.peer else { unreachable!() };
                 let mut healthy = true;
-                for (i, c) in group {
+                for i in group {
                     match conn.read_reply(Expect::Line) {
                         Ok(Reply::Stored) => out[i] = true,
                         Ok(Reply::NotStored) => out[i] = false,
                         Ok(Reply::Redirect { epoch, server, worker }) => {
-                            seen.push(Seen { cachelet: Some(c), epoch, to: (server, worker), from: (s, w) });
+                            let rd = Redirect { epoch, to: (server, worker) };
+                            seen.push(Seen { from: (s, w), rd, hashes: vec![hash_of(i)] });
                             next.push(i);
                         }
                         Ok(Reply::Error(line)) => {
@@ -748,7 +722,7 @@ fn store_request(req: &mut Vec<u8>, cmd: &str, key: &[u8], data: &[u8], flags: u
 fn assign(
     keys: &[&[u8]],
     batch: &[usize],
-    vs: Vec<RawValue>,
+    vs: Vec<OwnedValue>,
     out: &mut [Option<Value>],
 ) -> std::result::Result<(), String> {
     let mut j = 0;

@@ -4,8 +4,8 @@
 //! text table.
 
 use crate::conn::Conn;
-use crate::reply::{Expect, Reply};
 use crate::{ClusterMap, Error, Peer, Result};
+use mbal_proto::client::{Expect, Reply};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::net::SocketAddr;

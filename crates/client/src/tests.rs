@@ -3,7 +3,7 @@
 //! loops, non-mbal servers, mismatched hello, timeouts, reconnects).
 
 use super::*;
-use mbal_cluster::{Layout, ServerInfo, ServerSpec};
+use mbal_cluster::{ServerInfo, ServerSpec};
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpListener;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -47,7 +47,8 @@ fn overrides_change_only_their_cachelet() {
     let mut c = Client::from_map(map.clone(), Config::default());
     let (cl, s, w) = c.route(b"hello");
     let to = (1 - s, 1 - w);
-    c.learn(vec![Seen { cachelet: Some(cl), epoch: 1, to, from: (s, w) }]).unwrap();
+    let h = vec![key_hash(b"hello")];
+    c.learn(vec![Seen { from: (s, w), rd: Redirect { epoch: 1, to }, hashes: h.clone() }]).unwrap();
     assert_eq!(c.route(b"hello"), (cl, to.0, to.1));
     for i in 0..2000 {
         let k = format!("k{i}");
@@ -60,7 +61,7 @@ fn overrides_change_only_their_cachelet() {
         }
     }
     // A redirect naming a worker the map does not have is refused.
-    let bad = c.learn(vec![Seen { cachelet: Some(cl), epoch: 1, to: (9, 0), from: (s, w) }]);
+    let bad = c.learn(vec![Seen { from: (s, w), rd: Redirect { epoch: 1, to: (9, 0) }, hashes: h }]);
     assert!(matches!(bad, Err(Error::Protocol { .. })), "{bad:?}");
 }
 
@@ -81,7 +82,7 @@ fn key_rules() {
 fn assign_matches_values_to_keys_in_order() {
     let keys: Vec<&[u8]> = vec![b"a", b"b", b"a", b"c"];
     let mut out = vec![None; 4];
-    let rv = |k: &str, d: &str| RawValue { key: k.into(), flags: 0, data: d.into(), cas: None };
+    let rv = |k: &str, d: &str| OwnedValue { key: k.into(), flags: 0, data: d.into(), cas: None };
     assign(&keys, &[0, 1, 2, 3], vec![rv("a", "1"), rv("a", "2"), rv("c", "3")], &mut out).unwrap();
     let data: Vec<Option<&[u8]>> = out.iter().map(|v| v.as_ref().map(|v| v.data.as_slice())).collect();
     assert_eq!(data, vec![Some(&b"1"[..]), None, Some(b"2"), Some(b"3")]);
@@ -138,8 +139,7 @@ fn fake(
 }
 
 fn one_server_map(main: SocketAddr, workers: Vec<SocketAddr>) -> ClusterMap {
-    let n = workers.len() as u16;
-    ClusterMap::new(Layout::even(1, n, 1, 64), vec![ServerInfo { main, workers }])
+    ClusterMap::even(vec![ServerInfo { main, workers }], 1, 64)
 }
 
 fn quick() -> Config {

@@ -373,7 +373,7 @@ fn cachelet_moves_while_a_client_reads_and_writes() {
         })
     };
     let mut admin = Plain::open(cl.servers[0].main_addr);
-    let mut owner: HashMap<u32, u16> = moving.iter().map(|&c| (c, map.layout().owner(c).1)).collect();
+    let mut owner: HashMap<u32, u16> = moving.iter().map(|&c| (c, map.owner(c).1)).collect();
     let mut last_epoch = map.epoch();
     let deadline = Instant::now() + Duration::from_secs(60);
     for i in 0..30 {
@@ -410,13 +410,13 @@ fn redirects_from_a_server_with_an_older_epoch_are_learned_per_cachelet() {
     let cl = Cluster::start();
     let map = cl.map();
     let mut admin0 = Plain::open(cl.servers[0].main_addr);
-    let c0 = map.layout().cachelets_of(0, 0)[0];
+    let c0 = map.cachelets_of(0, 0)[0];
     let mut e0 = 0;
     for i in 0..6 {
         e0 = move_cachelet(&mut admin0, c0, 1 - i % 2);
     }
     // On server 1: move one cachelet of worker 0 to worker 1.
-    let cells = map.layout().cachelets_of(1, 0);
+    let cells = map.cachelets_of(1, 0);
     let (moved, stays) = (cells[0], cells[1]);
     let mut admin1 = Plain::open(cl.servers[1].main_addr);
     let e1 = move_cachelet(&mut admin1, moved, 1);

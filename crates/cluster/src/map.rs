@@ -1,8 +1,9 @@
-//! The cluster map: the layout (VN -> cachelet -> (server, worker)) plus the
-//! servers' addresses and an epoch that only grows. Every change to an owner
-//! bumps the epoch; a [`MapDiff`] carries the changes between two epochs.
+//! The cluster map: the fixed key space (VN -> cachelet), the owners
+//! (cachelet -> (server, worker)), the servers' addresses and an epoch that
+//! only grows. Every change to an owner bumps the epoch; a [`MapDiff`]
+//! carries the changes between two epochs.
 
-use crate::{CacheletId, Layout, DEFAULT_CACHELETS_PER_WORKER, DEFAULT_VN_COUNT};
+use crate::{even_owners, CacheletId, KeySpace, Owner, DEFAULT_CACHELETS_PER_WORKER, DEFAULT_VN_COUNT};
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 
@@ -78,12 +79,59 @@ pub struct ServerInfo {
     pub workers: Vec<SocketAddr>,
 }
 
-/// The cluster map at one epoch.
+/// The cluster map at one epoch: the fixed [`KeySpace`] plus the owners,
+/// which change (each change bumps the epoch).
+///
+/// On the wire (`mbal map`) it is JSON: `epoch`, `layout` with `vn_count`,
+/// `vn_to_cachelet` and `cachelet_owner` (`[server, worker]` pairs), and
+/// `servers`. A map read from JSON is checked: every owner names a worker
+/// of the map, every VN a cachelet.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "MapWire", into = "MapWire")]
 pub struct ClusterMap {
     epoch: u64,
-    layout: Layout,
+    keyspace: KeySpace,
+    /// cachelet id -> (server index, worker index).
+    owners: Vec<Owner>,
     servers: Vec<ServerInfo>,
+}
+
+/// The JSON form of a [`ClusterMap`] (see there).
+#[derive(Clone, Serialize, Deserialize)]
+struct MapWire {
+    epoch: u64,
+    layout: LayoutWire,
+    servers: Vec<ServerInfo>,
+}
+
+#[derive(Clone, Serialize, Deserialize)]
+struct LayoutWire {
+    vn_count: u32,
+    vn_to_cachelet: Vec<CacheletId>,
+    cachelet_owner: Vec<Owner>,
+}
+
+impl From<ClusterMap> for MapWire {
+    fn from(m: ClusterMap) -> MapWire {
+        let layout = LayoutWire {
+            vn_count: m.keyspace.vn_count(),
+            vn_to_cachelet: m.keyspace.table().to_vec(),
+            cachelet_owner: m.owners,
+        };
+        MapWire { epoch: m.epoch, layout, servers: m.servers }
+    }
+}
+
+impl TryFrom<MapWire> for ClusterMap {
+    type Error = String;
+    fn try_from(w: MapWire) -> Result<ClusterMap, String> {
+        let l = w.layout;
+        if l.vn_to_cachelet.len() != l.vn_count as usize {
+            return Err(format!("vn_count {} but {} VNs in the table", l.vn_count, l.vn_to_cachelet.len()));
+        }
+        let keyspace = KeySpace::from_table(l.vn_to_cachelet, l.cachelet_owner.len() as u32)?;
+        ClusterMap::checked(w.epoch, keyspace, l.cachelet_owner, w.servers)
+    }
 }
 
 /// The owner changes between two epochs of one map.
@@ -98,7 +146,6 @@ pub struct MapDiff {
 impl ClusterMap {
     /// The initial map of a spec (epoch 1): deterministic and even.
     pub fn from_spec(spec: &ClusterSpec) -> ClusterMap {
-        let layout = Layout::even(spec.servers.len() as u16, spec.workers, spec.cachelets_per_worker, spec.vn_count);
         let servers = spec
             .servers
             .iter()
@@ -112,21 +159,74 @@ impl ClusterMap {
                     .collect(),
             })
             .collect();
-        ClusterMap { epoch: 1, layout, servers }
+        ClusterMap::even(servers, spec.cachelets_per_worker, spec.vn_count)
     }
 
-    /// A map from parts (e.g. a single server whose worker ports were
-    /// chosen by the OS). Epoch 1.
-    pub fn new(layout: Layout, servers: Vec<ServerInfo>) -> ClusterMap {
-        ClusterMap { epoch: 1, layout, servers }
+    /// The initial, even map (epoch 1) of servers that all have the same
+    /// number of workers (e.g. a single server whose worker ports were
+    /// chosen by the OS): see [`KeySpace::even`] and [`even_owners`].
+    pub fn even(servers: Vec<ServerInfo>, cachelets_per_worker: u32, vn_count: u32) -> ClusterMap {
+        let workers = servers.first().map_or(0, |s| s.workers.len());
+        assert!(servers.iter().all(|s| s.workers.len() == workers), "servers with different worker counts");
+        assert!(servers.len() <= u16::MAX as usize && workers <= u16::MAX as usize);
+        let owners = even_owners(servers.len() as u16, workers as u16, cachelets_per_worker);
+        ClusterMap::new(KeySpace::even(owners.len() as u32, vn_count), owners, servers)
+    }
+
+    /// A map from parts, epoch 1. Panics unless there is one owner per
+    /// cachelet and every owner is a worker of `servers`.
+    pub fn new(keyspace: KeySpace, owners: Vec<Owner>, servers: Vec<ServerInfo>) -> ClusterMap {
+        ClusterMap::checked(1, keyspace, owners, servers).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn checked(
+        epoch: u64,
+        keyspace: KeySpace,
+        owners: Vec<Owner>,
+        servers: Vec<ServerInfo>,
+    ) -> Result<ClusterMap, String> {
+        if owners.len() != keyspace.cachelet_count() as usize {
+            return Err(format!("{} owners for {} cachelets", owners.len(), keyspace.cachelet_count()));
+        }
+        let m = ClusterMap { epoch, keyspace, owners, servers };
+        if let Some((c, &(s, w))) = m.owners.iter().enumerate().find(|(_, &o)| !m.has_worker(o)) {
+            return Err(format!("cachelet {c} is owned by server {s} worker {w}, which the map does not have"));
+        }
+        Ok(m)
     }
 
     pub fn epoch(&self) -> u64 {
         self.epoch
     }
 
-    pub fn layout(&self) -> &Layout {
-        &self.layout
+    /// The fixed key space (VN -> cachelet).
+    pub fn keyspace(&self) -> &KeySpace {
+        &self.keyspace
+    }
+
+    pub fn cachelet_count(&self) -> u32 {
+        self.keyspace.cachelet_count()
+    }
+
+    /// (server, worker) owning a cachelet at this epoch.
+    #[inline]
+    pub fn owner(&self, c: CacheletId) -> Owner {
+        self.owners[c as usize]
+    }
+
+    /// Every cachelet's owner, by cachelet id.
+    pub fn owners(&self) -> &[Owner] {
+        &self.owners
+    }
+
+    /// Cachelets owned by one (server, worker), in id order.
+    pub fn cachelets_of(&self, server: u16, worker: u16) -> Vec<CacheletId> {
+        (0..self.cachelet_count()).filter(|&c| self.owners[c as usize] == (server, worker)).collect()
+    }
+
+    /// Is (server, worker) a worker of this map?
+    pub fn has_worker(&self, (s, w): Owner) -> bool {
+        self.servers.get(s as usize).is_some_and(|i| (w as usize) < i.workers.len())
     }
 
     pub fn servers(&self) -> &[ServerInfo] {
@@ -141,26 +241,25 @@ impl ClusterMap {
     /// Hash -> (cachelet, server, worker).
     #[inline]
     pub fn route(&self, hash: u64) -> (CacheletId, u16, u16) {
-        let c = self.layout.cachelet_of_hash(hash);
-        let (s, w) = self.layout.owner(c);
+        let c = self.keyspace.cachelet_of_hash(hash);
+        let (s, w) = self.owner(c);
         (c, s, w)
     }
 
     /// Move a cachelet to a new owner; bumps the epoch. Returns the new epoch.
     pub fn move_cachelet(&mut self, c: CacheletId, to: (u16, u16)) -> u64 {
-        assert!((to.0 as usize) < self.servers.len(), "no server {}", to.0);
-        assert!((to.1 as usize) < self.servers[to.0 as usize].workers.len(), "no worker {} on server {}", to.1, to.0);
-        self.layout.set_owner(c, to);
+        assert!(self.has_worker(to), "no worker {} on server {}", to.1, to.0);
+        self.owners[c as usize] = to;
         self.epoch += 1;
         self.epoch
     }
 
     /// The moves that turn `self` into `newer` (same geometry, newer epoch).
     pub fn diff(&self, newer: &ClusterMap) -> MapDiff {
-        assert_eq!(self.layout.cachelet_count(), newer.layout.cachelet_count(), "maps of different clusters");
-        let moves = (0..self.layout.cachelet_count())
-            .filter(|&c| self.layout.owner(c) != newer.layout.owner(c))
-            .map(|c| (c, newer.layout.owner(c)))
+        assert_eq!(self.keyspace, newer.keyspace, "maps of different clusters");
+        let moves = (0..self.cachelet_count())
+            .filter(|&c| self.owner(c) != newer.owner(c))
+            .map(|c| (c, newer.owner(c)))
             .collect();
         MapDiff { from_epoch: self.epoch, to_epoch: newer.epoch, moves }
     }
@@ -175,10 +274,18 @@ impl ClusterMap {
             return Err(format!("diff {}->{} does not apply to epoch {}", d.from_epoch, d.to_epoch, self.epoch));
         }
         for &(c, owner) in &d.moves {
-            if c >= self.layout.cachelet_count() {
-                return Err(format!("diff names cachelet {c}, the map has {}", self.layout.cachelet_count()));
+            if c >= self.cachelet_count() {
+                return Err(format!("diff names cachelet {c}, the map has {}", self.cachelet_count()));
             }
-            self.layout.set_owner(c, owner);
+            if !self.has_worker(owner) {
+                return Err(format!(
+                    "diff moves cachelet {c} to server {} worker {}, not in the map",
+                    owner.0, owner.1
+                ));
+            }
+        }
+        for &(c, owner) in &d.moves {
+            self.owners[c as usize] = owner;
         }
         self.epoch = d.to_epoch;
         Ok(())
@@ -247,6 +354,35 @@ mod tests {
         assert_eq!(y, c);
     }
 
+    #[test]
+    fn json_keeps_the_wire_format_and_is_checked() {
+        let m = ClusterMap::from_spec(&spec(2, 2, 2));
+        let v: serde_json::Value = serde_json::from_str(&m.to_json()).unwrap();
+        assert_eq!(v["layout"]["vn_count"], 4096);
+        assert_eq!(v["layout"]["cachelet_owner"][1], serde_json::json!([1, 0]));
+        assert_eq!(v["layout"]["vn_to_cachelet"][9], 1);
+        assert_eq!(ClusterMap::from_json(&m.to_json()).unwrap(), m);
+        // an owner on a worker the map does not have, a VN of no cachelet, a short table
+        let mut bad = v.clone();
+        bad["layout"]["cachelet_owner"][3] = serde_json::json!([0, 2]);
+        assert!(ClusterMap::from_json(&bad.to_string()).unwrap_err().contains("does not have"));
+        let mut bad = v.clone();
+        bad["layout"]["vn_to_cachelet"][0] = serde_json::json!(8);
+        assert!(ClusterMap::from_json(&bad.to_string()).is_err());
+        let mut bad = v;
+        bad["layout"]["vn_count"] = serde_json::json!(4095);
+        assert!(ClusterMap::from_json(&bad.to_string()).is_err());
+    }
+
+    #[test]
+    fn diff_to_an_unknown_worker_is_refused() {
+        let a = ClusterMap::from_spec(&spec(2, 2, 2));
+        let d = MapDiff { from_epoch: 1, to_epoch: 2, moves: vec![(0, (1, 0)), (1, (5, 0))] };
+        let mut x = a.clone();
+        assert!(x.apply(&d).is_err());
+        assert_eq!(x, a, "nothing applied");
+    }
+
     proptest! {
         #[test]
         fn diffs_apply(moves in proptest::collection::vec((0u32..32, 0u16..4, 0u16..2), 0..20)) {
@@ -259,11 +395,12 @@ mod tests {
             let d = base.diff(&newer);
             let mut x = base.clone();
             x.apply(&d).unwrap();
-            prop_assert_eq!(x.layout(), newer.layout());
+            prop_assert_eq!(x.owners(), newer.owners());
+            prop_assert_eq!(x.keyspace(), newer.keyspace());
             prop_assert_eq!(x.epoch(), newer.epoch());
             // Every cachelet has exactly one owner, on a real worker.
-            for c in 0..x.layout().cachelet_count() {
-                let (s, w) = x.layout().owner(c);
+            for c in 0..x.cachelet_count() {
+                let (s, w) = x.owner(c);
                 prop_assert!(s < 4 && w < 2);
             }
             // JSON round trip.

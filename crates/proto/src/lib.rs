@@ -40,6 +40,10 @@
 //!   the server. Meta flags are kept in request order with their tokens.
 //! * **Reply writers** (in [`reply`], re-exported from [`text`], [`meta`] and
 //!   [`binary`]) append to a `Vec<u8>`.
+//! * **The client side** ([`client`]): an incremental decoder of the text
+//!   replies a server sends (mbal's `MBAL`, `MAP`, `RD`, `MOVED` included),
+//!   zero-copy over the caller's buffer, plus an owning reader that returns
+//!   whole replies. The routing client, the bench and the proxy use it.
 //! * **Known memcached quirks the server must apply itself:** a `set` refused
 //!   as too large also unlinks the old value ([`key_to_unlink_on_too_large`]);
 //!   a meta key with flag `b` is decoded by [`meta::meta_key`] (decode errors
@@ -51,9 +55,11 @@
 //! prefix of a valid request is `NeedMore`, pipelining, noreply), proptests in
 //! this file, `tests/vs_memcached.rs` (compares error replies byte for byte
 //! with a real memcached when `MBAL_MEMCACHED_ADDR` is set) and cargo-fuzz
-//! targets in `fuzz/` (`fuzz/run-all.sh [seconds]`).
+//! targets in `fuzz/` (`fuzz/run-all.sh [seconds]`; `fuzz_client` drives the
+//! client-side reply decoder).
 
 pub mod binary;
+pub mod client;
 pub mod meta;
 pub mod reply;
 pub mod text;

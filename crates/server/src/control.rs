@@ -225,7 +225,7 @@ impl Controller {
     }
 
     fn start_move(&mut self, c: u32, to: usize, waiters: Vec<ReplyTo>) {
-        let (server, from) = self.map.layout().owner(c);
+        let (server, from) = self.map.owner(c);
         if server != self.shared.server_id || to >= self.shared.settings.threads {
             for r in waiters {
                 self.answer(r, b"CLIENT_ERROR cachelet is not on this server\r\n");

@@ -12,7 +12,7 @@ use crate::msg::{Envelope, FwdKind, Outbox, ReplyTo};
 use crate::output::{Output, Slot, StatsFormat};
 use crate::stats::Counters;
 use crate::worker::Shared;
-use mbal_cluster::Layout;
+use mbal_cluster::KeySpace;
 use mbal_proto::binary::{opcode as op, status as st, write_response, BinReq};
 use mbal_proto::meta::{meta_key, MetaKind};
 use mbal_proto::text::{self, TextCmd};
@@ -542,7 +542,7 @@ fn reset_stats(rt: &mut Route, store: &mut WorkerStore) {
 
 /// Delete a key wherever it lives in this server (no reply).
 pub(crate) fn unlink(
-    layout: &Layout,
+    layout: &KeySpace,
     rt: &mut Route,
     store: &mut WorkerStore,
     now: u32,

@@ -7,7 +7,7 @@
 
 use crate::config::Settings;
 use crate::stats::Counters;
-use mbal_cluster::Layout;
+use mbal_cluster::KeySpace;
 use mbal_proto::binary::{opcode as op, status as st, write_response, BinReq};
 use mbal_proto::meta::{MetaCmd, MetaFlags, MetaKind, MetaReply};
 use mbal_proto::text::{self, StoreMode, TextCmd};
@@ -16,7 +16,7 @@ use mbal_store::{ArithResult, CasOpts, DeleteResult, ItemView, Mode, StoreResult
 /// What a worker needs to execute a request.
 pub(crate) struct Ctx<'a> {
     pub store: &'a mut WorkerStore,
-    pub layout: &'a Layout,
+    pub layout: &'a KeySpace,
     pub settings: &'a Settings,
     pub counters: &'a mut Counters,
     /// Seconds since process start (the coarse clock).
@@ -41,7 +41,7 @@ pub(crate) struct Loc {
     pub cachelet: u32,
 }
 
-pub(crate) fn locate(layout: &Layout, key: &[u8]) -> Loc {
+pub(crate) fn locate(layout: &KeySpace, key: &[u8]) -> Loc {
     let hash = mbal_cluster::key_hash(key);
     Loc { hash, cachelet: layout.cachelet_of_hash(hash) }
 }

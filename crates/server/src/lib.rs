@@ -34,7 +34,7 @@ mod worker;
 
 use anyhow::{Context, Result};
 use config::Settings;
-use mbal_cluster::{ClusterMap, Layout, ServerInfo};
+use mbal_cluster::{ClusterMap, ServerInfo};
 use mbal_store::{GlobalPool, StoreConfig, WorkerStore};
 use msg::{Envelope, Mailbox, Peers};
 use std::net::SocketAddr;
@@ -135,14 +135,16 @@ pub fn start(settings: Settings) -> Result<ServerHandle> {
     let (map, server_id) = match &settings.cluster {
         Some((spec, id)) => (ClusterMap::from_spec(spec), *id),
         None => {
-            let layout = Layout::even(1, workers as u16, settings.cachelets_per_worker, settings.vn_count);
             // Without worker ports every worker is reached at the main port
             // (`mbal hello <epoch> <worker>` hands the connection over).
             let workers = if worker_addrs.is_empty() { vec![main_addr; workers] } else { worker_addrs.clone() };
-            (ClusterMap::new(layout, vec![ServerInfo { main: main_addr, workers }]), 0)
+            let info = ServerInfo { main: main_addr, workers };
+            (ClusterMap::even(vec![info], settings.cachelets_per_worker, settings.vn_count), 0)
         }
     };
-    let layout = map.layout().clone();
+    let layout = map.keyspace().clone();
+    let initial: Vec<Vec<u32>> = (0..workers).map(|i| map.cachelets_of(server_id, i as u16)).collect();
+    let owners = map.owners().to_vec();
     let epoch = map.epoch();
     let (control_tx, control_rx) = crossbeam_channel::unbounded();
 
@@ -188,12 +190,12 @@ pub fn start(settings: Settings) -> Result<ServerHandle> {
             ..StoreConfig::default()
         };
         let mut store = WorkerStore::new(pool.clone(), cfg, layout.cachelet_count());
-        for c in layout.cachelets_of(server_id, i as u16) {
+        for &c in &initial[i] {
             store.insert_cachelet(mbal_store::Cachelet::new(c));
         }
         let poll = mio::Poll::new()?;
         let mailbox = Arc::new(Mailbox::new(mio::Waker::new(poll.registry(), worker::WAKER)?));
-        built.push(Worker::new(i, shared.clone(), poll, mailbox.clone(), own, rx, store)?);
+        built.push(Worker::new(i, shared.clone(), poll, mailbox.clone(), own, rx, store, &owners)?);
         senders.push(tx);
         mailboxes.push(mailbox);
     }

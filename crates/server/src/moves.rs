@@ -32,7 +32,7 @@
 //! requests none of which is still travelling.
 
 use crate::msg::{Envelope, FwdKind, Outbox, Peers, ReplyTo};
-use mbal_cluster::Layout;
+use mbal_cluster::Owner;
 use mbal_store::WorkerStore;
 use std::collections::{HashMap, VecDeque};
 
@@ -72,13 +72,9 @@ pub(crate) struct Tables {
 }
 
 impl Tables {
-    pub fn new(layout: &Layout, me: usize) -> Tables {
-        let owner: Vec<Own> = (0..layout.cachelet_count())
-            .map(|c| {
-                let (server, worker) = layout.owner(c);
-                Own { server, worker, ver: 0 }
-            })
-            .collect();
+    /// Tables from the cluster map's owners (by cachelet id).
+    pub fn new(owners: &[Owner], me: usize) -> Tables {
+        let owner: Vec<Own> = owners.iter().map(|&(server, worker)| Own { server, worker, ver: 0 }).collect();
         let route = owner.iter().map(|o| (o.worker, o.ver)).collect();
         let n = owner.len();
         Tables { me: me as u16, owner, route, inflight: vec![0; n], parked: HashMap::new() }
@@ -249,7 +245,7 @@ mod tests {
     fn tables(me: usize) -> Tables {
         // One server, 2 workers x 2 cachelets, dealt round-robin: 0 and 2 on
         // worker 0, 1 and 3 on worker 1.
-        Tables::new(&Layout::even(1, 2, 2, 64), me)
+        Tables::new(&mbal_cluster::even_owners(1, 2, 2), me)
     }
 
     fn p(seq: u64) -> Parked {

@@ -33,7 +33,7 @@ use crate::output::{Output, Slot, StatsFormat};
 use crate::stats::{self, BinSink, CacheletInfo, ConnInfo, Counters, ProcessInfo, TextSink, WorkerSnapshot};
 use crossbeam_channel::{Receiver, Sender};
 use mbal_balance::{CacheletSample, EpochSnapshot, WorkerSample};
-use mbal_cluster::Layout;
+use mbal_cluster::{KeySpace, Owner};
 use mbal_proto::binary::{opcode as op, status as st, write_response};
 use mbal_proto::meta::meta_key;
 use mbal_proto::text::TextCmd;
@@ -70,8 +70,9 @@ const EARLY_FLUSH: usize = 32 << 10;
 /// close and shutdown only.
 pub(crate) struct Shared {
     pub settings: Settings,
-    /// VN -> cachelet (fixed for the cluster's life) and the initial owners.
-    pub layout: Layout,
+    /// VN -> cachelet (fixed for the cluster's life). Owners are in `map`
+    /// (and each worker's `Tables`).
+    pub layout: KeySpace,
     /// This server's id in the cluster map.
     pub server_id: u16,
     /// The map epoch this server knows (read on redirects only; the
@@ -230,6 +231,7 @@ pub(crate) fn bind_listener(addr: SocketAddr, backlog: i32, mark: u32) -> io::Re
 }
 
 impl Worker {
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         id: usize,
         shared: Arc<Shared>,
@@ -238,12 +240,13 @@ impl Worker {
         own_listener: Option<std::net::TcpListener>,
         inbox: Receiver<Envelope>,
         store: WorkerStore,
+        owners: &[Owner],
     ) -> io::Result<Worker> {
         let mut own_listener = own_listener.map(TcpListener::from_std);
         if let Some(l) = &mut own_listener {
             poll.registry().register(l, OWN_LISTENER, Interest::READABLE)?;
         }
-        let tables = Tables::new(&shared.layout, id);
+        let tables = Tables::new(owners, id);
         let workers = shared.settings.threads;
         let limits = Limits { max_item_size: shared.settings.max_item_size, ..Limits::default() };
         Ok(Worker {
@@ -987,7 +990,7 @@ fn exec_ctx<'a>(store: &'a mut WorkerStore, shared: &'a Shared, counters: &'a mu
 }
 
 /// Prefetch the index lines of a text get's or store's keys that live in this worker's store.
-fn prefetch_keys(store: &WorkerStore, layout: &Layout, req: &Request) {
+fn prefetch_keys(store: &WorkerStore, layout: &KeySpace, req: &Request) {
     match req {
         Request::Text(TextCmd::Get { keys, .. }) => {
             for key in keys.iter() {

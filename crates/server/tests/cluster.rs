@@ -103,7 +103,7 @@ fn moving_a_cachelet_keeps_every_item_and_every_reader_consistent() {
         }));
     }
     let mut last_epoch = 1;
-    let mut to = map.layout().owner(c).1 as usize;
+    let mut to = map.owner(c).1 as usize;
     for _ in 0..40 {
         to = 1 - to;
         let l = admin.cmd(&format!("mbal move {c} {to}\r\n"));
@@ -112,7 +112,7 @@ fn moving_a_cachelet_keeps_every_item_and_every_reader_consistent() {
         assert!(e > last_epoch, "epoch only grows");
         last_epoch = e;
         let m = fetch_map(&mut admin);
-        assert_eq!(m.layout().owner(c), (0, to as u16));
+        assert_eq!(m.owner(c), (0, to as u16));
     }
     stop.store(true, Ordering::Relaxed);
     for t in threads {

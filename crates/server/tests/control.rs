@@ -5,9 +5,9 @@
 
 mod common;
 
-use common::{settings, start, Conn};
+use common::{settings, start, Conn, Layout};
 use mbal_balance::EpochSnapshot;
-use mbal_cluster::{key_hash, Layout};
+use mbal_cluster::key_hash;
 use std::collections::HashSet;
 
 /// `mbal load <after>`: the first epoch snapshot numbered above `after`
@@ -165,7 +165,7 @@ fn concurrent_moves_of_one_cachelet_are_serialised_by_the_controller() {
     let body = a.exact(n + 2);
     let map = mbal_cluster::ClusterMap::from_json(std::str::from_utf8(&body[..n]).unwrap()).unwrap();
     assert_eq!(map.epoch(), *epochs.iter().max().unwrap(), "the last answer carries the map's epoch");
-    let owner = map.layout().owner(0).1;
+    let owner = map.owner(0).1;
     a.send(b"stats cachelets\r\n");
     let lines = a.until_end();
     assert!(

@@ -4,8 +4,8 @@
 
 mod common;
 
-use common::{settings, start, Conn};
-use mbal_cluster::{key_hash, Layout};
+use common::{settings, start, Conn, Layout};
+use mbal_cluster::key_hash;
 
 /// A key of a cachelet that `worker` owns at start (one server, dealt
 /// round-robin).

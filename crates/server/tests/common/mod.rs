@@ -118,3 +118,25 @@ pub fn stat(c: &mut Conn, name: &str) -> u64 {
         .map(|(_, v)| v.parse().unwrap())
         .unwrap_or_else(|| panic!("no stat {name}"))
 }
+
+/// A one-server key space and its initial owners, as the server deals them.
+pub struct Layout {
+    pub keys: mbal_cluster::KeySpace,
+    pub owners: Vec<mbal_cluster::Owner>,
+}
+
+impl Layout {
+    pub fn even(servers: u16, workers: u16, cachelets_per_worker: u32, vn_count: u32) -> Layout {
+        let owners = mbal_cluster::even_owners(servers, workers, cachelets_per_worker);
+        let keys = mbal_cluster::KeySpace::even(owners.len() as u32, vn_count);
+        Layout { keys, owners }
+    }
+
+    pub fn cachelet_of_hash(&self, hash: u64) -> u32 {
+        self.keys.cachelet_of_hash(hash)
+    }
+
+    pub fn owner(&self, c: u32) -> mbal_cluster::Owner {
+        self.owners[c as usize]
+    }
+}

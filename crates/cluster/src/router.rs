@@ -1,0 +1,469 @@
+//! The client side of routing, with no I/O: one [`Router`] used by the
+//! routing client (`mbal-client`), the bench's routed driver and the proxy.
+//!
+//! A router holds a [`ClusterMap`] and the owners it learned from redirects
+//! since (*overrides*, one per cachelet at most, each with the epoch of the
+//! redirect that taught it). It answers three questions:
+//!
+//! * **Where does a key go?** [`Router::route_hash`]: the key's cachelet
+//!   (the map's fixed [`KeySpace`](crate::KeySpace)) and its owner, the
+//!   override if there is one, else the map's.
+//! * **Where do the keys of a multi-key request go?** [`Router::split`] groups
+//!   a key list by destination worker (and, on request, by cachelet) and keeps
+//!   each key's position in the list, so the caller sends one request per
+//!   group and puts the answers back in request order.
+//! * **What does a redirect teach?** [`Router::learn`], given the redirect
+//!   `RD <epoch> <server> <worker>` and the keys of the request it replaced:
+//!   - the keys are all of one cachelet: that cachelet is now served by
+//!     (`server`, `worker`) (an override, used until a newer map says
+//!     otherwise);
+//!   - the keys span several cachelets (a multi-key `get` that the server
+//!     redirects as a whole, naming the owner of the first key it does not
+//!     own): nothing can be attributed, nothing is recorded, and the caller
+//!     resends those keys split per cachelet ([`Router::split`] with
+//!     `per_cachelet`), so that the next redirect is attributable. Every
+//!     caller handles a redirected multi-get this way;
+//!   - the redirect's epoch is newer than the map's: the caller may fetch the
+//!     map from the worker that redirected (`mbal map`) and give it to
+//!     [`Router::install_map`], which keeps only the overrides newer than it.
+//!
+//! Leases (Phase 1 replicas, Phase 2 temporary owners) will live here too;
+//! the router keeps no clock: a caller will pass the time in.
+
+use crate::{CacheletId, ClusterMap, Owner};
+use std::fmt;
+
+/// A redirect reply `RD <epoch> <server> <worker>`: as of map `epoch`, the
+/// request's cachelet is served by `to`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Redirect {
+    pub epoch: u64,
+    pub to: Owner,
+}
+
+/// What one redirect taught a [`Router`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Learned {
+    /// The cachelet whose owner was recorded; `None` when the redirected
+    /// request spanned several cachelets (resend its keys split per
+    /// cachelet) or named a worker the map does not have yet (see
+    /// `fetch_map_from`).
+    pub cachelet: Option<CacheletId>,
+    /// The redirect names an epoch newer than the map's: the worker that
+    /// sent it has a newer map (fetch it with `mbal map` there and
+    /// [`Router::install_map`] it, if the caller fetches maps).
+    pub fetch_map_from: Option<Owner>,
+}
+
+/// A redirect to a worker that neither the map nor a newer map (by the
+/// redirect's own epoch) can have: the peer is broken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BadRedirect {
+    pub from: Owner,
+    pub to: Owner,
+}
+
+impl fmt::Display for BadRedirect {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "redirect to server {} worker {}, which the map does not have", self.to.0, self.to.1)
+    }
+}
+
+impl std::error::Error for BadRedirect {}
+
+#[derive(Clone, Copy, Debug)]
+struct Override {
+    owner: Owner,
+    epoch: u64,
+}
+
+/// One destination of a [`Split`]: a worker, and the cachelet when the split
+/// was per cachelet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Group {
+    pub owner: Owner,
+    pub cachelet: Option<CacheletId>,
+    start: u32,
+    end: u32,
+}
+
+impl Group {
+    /// Keys in the group.
+    pub fn len(&self) -> usize {
+        (self.end - self.start) as usize
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.start == self.end
+    }
+}
+
+/// A key list split by destination (see [`Router::split`]). Reusable: a
+/// split clears it, and keeps its allocations.
+#[derive(Clone, Debug, Default)]
+pub struct Split {
+    /// (sort key: owner and cachelet, position), sorted.
+    sorted: Vec<(u64, u32)>,
+    positions: Vec<u32>,
+    groups: Vec<Group>,
+}
+
+impl Split {
+    pub fn new() -> Split {
+        Split::default()
+    }
+
+    /// The groups, in (server, worker, cachelet) order.
+    pub fn groups(&self) -> &[Group] {
+        &self.groups
+    }
+
+    /// Positions (in the list given to [`Router::split`]) of a group's keys,
+    /// in list order.
+    pub fn positions(&self, g: &Group) -> &[u32] {
+        &self.positions[g.start as usize..g.end as usize]
+    }
+
+    /// Every position, group after group (a permutation of the list).
+    pub fn all_positions(&self) -> &[u32] {
+        &self.positions
+    }
+}
+
+/// The routing state of one client. See the module docs.
+#[derive(Clone, Debug)]
+pub struct Router {
+    map: ClusterMap,
+    /// Per cachelet: the owner a redirect taught, if any.
+    overrides: Vec<Option<Override>>,
+    redirects: u64,
+}
+
+impl Router {
+    pub fn new(map: ClusterMap) -> Router {
+        let n = map.cachelet_count() as usize;
+        Router { map, overrides: vec![None; n], redirects: 0 }
+    }
+
+    /// The map as last installed (without the overrides).
+    pub fn map(&self) -> &ClusterMap {
+        &self.map
+    }
+
+    /// Redirects learned from so far.
+    pub fn redirects(&self) -> u64 {
+        self.redirects
+    }
+
+    /// The cachelet of a key hash.
+    #[inline]
+    pub fn cachelet_of(&self, hash: u64) -> CacheletId {
+        self.map.keyspace().cachelet_of_hash(hash)
+    }
+
+    /// The owner requests for cachelet `c` are sent to now.
+    #[inline]
+    pub fn owner_of(&self, c: CacheletId) -> Owner {
+        match self.overrides[c as usize] {
+            Some(o) => o.owner,
+            None => self.map.owner(c),
+        }
+    }
+
+    /// (cachelet, owner) of a key hash.
+    #[inline]
+    pub fn route_hash(&self, hash: u64) -> (CacheletId, Owner) {
+        let c = self.cachelet_of(hash);
+        (c, self.owner_of(c))
+    }
+
+    /// The overrides in force: (cachelet, owner, epoch of the redirect).
+    pub fn overrides(&self) -> impl Iterator<Item = (CacheletId, Owner, u64)> + '_ {
+        self.overrides.iter().enumerate().filter_map(|(c, o)| o.map(|o| (c as CacheletId, o.owner, o.epoch)))
+    }
+
+    /// Group the keys with these hashes by destination worker, and by
+    /// cachelet too when `per_cachelet`. Positions are indices into `hashes`;
+    /// within a group they keep list order.
+    pub fn split(&self, hashes: impl IntoIterator<Item = u64>, per_cachelet: bool, out: &mut Split) {
+        out.sorted.clear();
+        out.positions.clear();
+        out.groups.clear();
+        for (i, h) in hashes.into_iter().enumerate() {
+            let (c, (s, w)) = self.route_hash(h);
+            let sub = if per_cachelet { c as u64 } else { 0 };
+            out.sorted.push(((s as u64) << 48 | (w as u64) << 32 | sub, i as u32));
+        }
+        if out.sorted.len() > 1 {
+            // (key, position) pairs are unique: unstable sort keeps positions in order.
+            out.sorted.sort_unstable();
+        }
+        let mut i = 0;
+        while i < out.sorted.len() {
+            let k = out.sorted[i].0;
+            let start = i;
+            while i < out.sorted.len() && out.sorted[i].0 == k {
+                out.positions.push(out.sorted[i].1);
+                i += 1;
+            }
+            out.groups.push(Group {
+                owner: ((k >> 48) as u16, (k >> 32) as u16),
+                cachelet: per_cachelet.then_some(k as u32),
+                start: start as u32,
+                end: i as u32,
+            });
+        }
+    }
+
+    /// Learn from a redirect sent by `from` in place of the reply to a
+    /// request for the keys with these hashes. See the module docs.
+    pub fn learn(
+        &mut self,
+        from: Owner,
+        rd: Redirect,
+        hashes: impl IntoIterator<Item = u64>,
+    ) -> Result<Learned, BadRedirect> {
+        let newer = rd.epoch > self.map.epoch();
+        let fetch_map_from = newer.then_some(from);
+        if !self.map.has_worker(rd.to) {
+            // A newer map may have that worker: the caller fetches it.
+            return if newer {
+                Ok(Learned { cachelet: None, fetch_map_from })
+            } else {
+                Err(BadRedirect { from, to: rd.to })
+            };
+        }
+        self.redirects += 1;
+        let mut cachelet = None;
+        for h in hashes {
+            let c = self.cachelet_of(h);
+            match cachelet {
+                None => cachelet = Some(c),
+                Some(x) if x == c => {}
+                Some(_) => return Ok(Learned { cachelet: None, fetch_map_from }),
+            }
+        }
+        if let Some(c) = cachelet {
+            self.overrides[c as usize] = Some(Override { owner: rd.to, epoch: rd.epoch });
+        }
+        Ok(Learned { cachelet, fetch_map_from })
+    }
+
+    /// Replace the map by a newer one (of the same key space). Overrides
+    /// not newer than it are forgotten. Returns whether the map was
+    /// replaced (an older or equal map is ignored).
+    pub fn install_map(&mut self, map: ClusterMap) -> Result<bool, String> {
+        if map.keyspace() != self.map.keyspace() {
+            return Err("the new map has another key space (a map of another cluster)".into());
+        }
+        if map.epoch() <= self.map.epoch() {
+            return Ok(false);
+        }
+        let e = map.epoch();
+        self.map = map;
+        for o in &mut self.overrides {
+            if o.is_some_and(|o| o.epoch <= e || !self.map.has_worker(o.owner)) {
+                *o = None;
+            }
+        }
+        Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{key_hash, KeySpace, ServerInfo};
+    use std::net::SocketAddr;
+
+    /// `servers` servers x `workers` workers x 2 cachelets each, 64 VNs.
+    fn map(servers: u16, workers: u16) -> ClusterMap {
+        let info = (0..servers)
+            .map(|s| ServerInfo {
+                main: SocketAddr::from(([127, 0, 0, 1], 1000 + s * 10)),
+                workers: (0..workers).map(|w| SocketAddr::from(([127, 0, 0, 1], 1001 + s * 10 + w))).collect(),
+            })
+            .collect();
+        ClusterMap::even(info, 2, 64)
+    }
+
+    /// A key (hash) of cachelet `c`.
+    fn key_of(ks: &KeySpace, c: CacheletId, nth: usize) -> u64 {
+        (0u32..)
+            .map(|i| key_hash(format!("key{i}").as_bytes()))
+            .filter(|&h| ks.cachelet_of_hash(h) == c)
+            .nth(nth)
+            .unwrap()
+    }
+
+    #[test]
+    fn routes_by_the_map_until_a_redirect_teaches_otherwise() {
+        let m = map(2, 2);
+        let mut r = Router::new(m.clone());
+        for i in 0..100u32 {
+            let h = key_hash(&i.to_be_bytes());
+            let (c, s, w) = m.route(h);
+            assert_eq!(r.route_hash(h), (c, (s, w)));
+        }
+        let h = key_of(m.keyspace(), 3, 0);
+        let (c, old) = r.route_hash(h);
+        let to = (1 - old.0, old.1);
+        let l = r.learn(old, Redirect { epoch: 1, to }, [h]).unwrap();
+        assert_eq!(l, Learned { cachelet: Some(c), fetch_map_from: None });
+        assert_eq!(r.route_hash(h), (c, to));
+        assert_eq!(r.route_hash(key_of(m.keyspace(), 3, 5)), (c, to), "every key of the cachelet follows");
+        assert_eq!(r.route_hash(key_of(m.keyspace(), 2, 0)).1, m.owner(2), "other cachelets do not");
+        assert_eq!(r.redirects(), 1);
+        assert_eq!(r.overrides().collect::<Vec<_>>(), vec![(c, to, 1)]);
+    }
+
+    #[test]
+    fn a_newer_epoch_asks_for_the_map_and_a_newer_map_replaces_overrides() {
+        let m = map(1, 2);
+        let mut r = Router::new(m.clone());
+        let (a, b) = (key_of(m.keyspace(), 0, 0), key_of(m.keyspace(), 1, 0));
+        // cachelet 0 moved at epoch 3 (the server says), cachelet 1 at epoch 5
+        let l = r.learn((0, 0), Redirect { epoch: 3, to: (0, 1) }, [a]).unwrap();
+        assert_eq!(l, Learned { cachelet: Some(0), fetch_map_from: Some((0, 0)) });
+        r.learn((0, 1), Redirect { epoch: 5, to: (0, 0) }, [b]).unwrap();
+        assert_eq!((r.owner_of(0), r.owner_of(1)), ((0, 1), (0, 0)));
+        // the map of epoch 4 includes the first move only: the second override stays
+        let mut newer = m.clone();
+        newer.move_cachelet(0, (0, 1));
+        newer.move_cachelet(2, (0, 1));
+        newer.move_cachelet(2, (0, 0));
+        assert_eq!(newer.epoch(), 4);
+        assert!(r.install_map(newer.clone()).unwrap());
+        assert_eq!(r.map(), &newer);
+        assert_eq!(r.overrides().map(|(c, ..)| c).collect::<Vec<_>>(), vec![1]);
+        assert_eq!((r.owner_of(0), r.owner_of(1)), ((0, 1), (0, 0)));
+        // an older map changes nothing; a map of epoch 5 drops the last override
+        assert!(!r.install_map(m.clone()).unwrap());
+        let mut e5 = newer.clone();
+        e5.move_cachelet(3, (0, 0));
+        assert!(r.install_map(e5.clone()).unwrap());
+        assert_eq!(r.overrides().count(), 0);
+        assert_eq!(r.owner_of(1), e5.owner(1), "the map rules again");
+        // a map of another key space is refused
+        assert!(r.install_map(map(1, 3)).is_err());
+    }
+
+    #[test]
+    fn bad_redirects() {
+        let m = map(1, 2);
+        let mut r = Router::new(m.clone());
+        let h = key_of(m.keyspace(), 0, 0);
+        let e = r.learn((0, 0), Redirect { epoch: 1, to: (0, 2) }, [h]).unwrap_err();
+        assert_eq!(e, BadRedirect { from: (0, 0), to: (0, 2) });
+        assert!(e.to_string().contains("server 0 worker 2"));
+        // a newer epoch may know a new worker: nothing learned, fetch the map
+        let l = r.learn((0, 0), Redirect { epoch: 2, to: (3, 0) }, [h]).unwrap();
+        assert_eq!(l, Learned { cachelet: None, fetch_map_from: Some((0, 0)) });
+        assert_eq!(r.overrides().count(), 0);
+        assert_eq!(r.redirects(), 0);
+    }
+
+    #[test]
+    fn split_groups_by_worker_and_keeps_positions() {
+        let m = map(2, 2);
+        let r = Router::new(m.clone());
+        let hashes: Vec<u64> = (0..200u32).map(|i| key_hash(format!("k{i}").as_bytes())).collect();
+        let mut sp = Split::new();
+        for per_cachelet in [false, true] {
+            r.split(hashes.iter().copied(), per_cachelet, &mut sp);
+            let mut seen = vec![false; hashes.len()];
+            let mut prev = None;
+            for g in sp.groups() {
+                assert!(!g.is_empty());
+                let key = (g.owner, g.cachelet);
+                assert!(prev < Some(key), "groups sorted and distinct");
+                prev = Some(key);
+                let pos = sp.positions(g);
+                assert_eq!(pos.len(), g.len());
+                assert!(pos.windows(2).all(|p| p[0] < p[1]), "request order within a group");
+                for &p in pos {
+                    let (c, o) = r.route_hash(hashes[p as usize]);
+                    assert_eq!(o, g.owner);
+                    assert_eq!(g.cachelet.is_some(), per_cachelet);
+                    if let Some(gc) = g.cachelet {
+                        assert_eq!(gc, c);
+                    }
+                    assert!(!std::mem::replace(&mut seen[p as usize], true));
+                }
+            }
+            assert!(seen.iter().all(|&s| s), "every key in exactly one group");
+            assert_eq!(sp.groups().len(), if per_cachelet { 8 } else { 4 });
+            // reassembly: answers per group put back by position give the request order
+            let mut out = vec![u64::MAX; hashes.len()];
+            for g in sp.groups() {
+                let answers: Vec<u64> = sp.positions(g).iter().map(|&p| hashes[p as usize]).collect();
+                for (&p, a) in sp.positions(g).iter().zip(answers) {
+                    out[p as usize] = a;
+                }
+            }
+            assert_eq!(out, hashes);
+        }
+        r.split(std::iter::empty(), false, &mut sp);
+        assert!(sp.groups().is_empty() && sp.all_positions().is_empty());
+    }
+
+    /// The one way every caller handles a multi-get that the server
+    /// redirected as a whole: nothing is learned from it, its keys are
+    /// resent split per cachelet, and the redirects of those requests are
+    /// learned exactly.
+    #[test]
+    fn redirected_multi_get_is_resent_per_cachelet() {
+        let m = map(1, 2);
+        let ks = m.keyspace().clone();
+        // the "server": cachelets 0 and 2 moved from worker 0 to worker 1
+        let mut truth = m.clone();
+        truth.move_cachelet(0, (0, 1));
+        truth.move_cachelet(2, (0, 1));
+        let serve = |owner: Owner, hashes: &[u64]| -> Option<Redirect> {
+            // like the server: redirect the whole request to the owner of the first foreign key
+            hashes
+                .iter()
+                .map(|&h| truth.owner(ks.cachelet_of_hash(h)))
+                .find(|&o| o != owner)
+                .map(|to| Redirect { epoch: 1, to })
+        };
+        let hashes: Vec<u64> =
+            (0..4).flat_map(|c| (0..3).map(move |n| (c, n))).map(|(c, n)| key_of(&ks, c, n)).collect();
+        let mut r = Router::new(m);
+        let mut sp = Split::new();
+        let mut pending: Vec<usize> = (0..hashes.len()).collect();
+        let mut answered = vec![false; hashes.len()];
+        let mut rounds = 0;
+        while !pending.is_empty() {
+            rounds += 1;
+            assert!(rounds <= 3, "bounded");
+            r.split(pending.iter().map(|&i| hashes[i]), rounds > 1, &mut sp);
+            let mut next = Vec::new();
+            let mut lessons = Vec::new();
+            for g in sp.groups() {
+                let idx: Vec<usize> = sp.positions(g).iter().map(|&p| pending[p as usize]).collect();
+                let hs: Vec<u64> = idx.iter().map(|&i| hashes[i]).collect();
+                match serve(g.owner, &hs) {
+                    None => idx.iter().for_each(|&i| answered[i] = true),
+                    Some(rd) => {
+                        lessons.push((g.owner, rd, hs));
+                        next.extend(idx);
+                    }
+                }
+            }
+            for (from, rd, hs) in lessons {
+                let l = r.learn(from, rd, hs.iter().copied()).unwrap();
+                // round 1: worker 0's get spans cachelets 0 and 2: nothing to attribute
+                assert_eq!(l.cachelet.is_some(), rounds > 1);
+            }
+            next.sort_unstable();
+            pending = next;
+        }
+        assert!(answered.iter().all(|&a| a));
+        assert_eq!(rounds, 3, "one whole redirect, then one per moved cachelet, then served");
+        assert_eq!(r.redirects(), 3);
+        for c in 0..4 {
+            assert_eq!(r.owner_of(c), truth.owner(c));
+        }
+    }
+}

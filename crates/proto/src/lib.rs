@@ -60,6 +60,7 @@
 
 pub mod binary;
 pub mod client;
+pub mod ext;
 pub mod meta;
 pub mod reply;
 pub mod text;

@@ -28,8 +28,8 @@ use crate::worker::Shared;
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 use mbal_balance::{EpochSnapshot, WorkerSample};
 use mbal_cluster::ClusterMap;
+use mbal_proto::ext;
 use std::collections::{HashMap, VecDeque};
-use std::io::Write;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -134,9 +134,7 @@ impl Controller {
             CtlMsg::Map { reply } => {
                 let json = self.map.to_json();
                 let mut b = Vec::with_capacity(json.len() + 32);
-                let _ = write!(b, "MAP {} {}\r\n", self.map.epoch(), json.len());
-                b.extend_from_slice(json.as_bytes());
-                b.extend_from_slice(b"\r\n");
+                ext::write_map(&mut b, self.map.epoch(), json.as_bytes());
                 self.answer(reply, &b);
             }
             CtlMsg::Load { after, reply } => match self.history.iter().find(|s| s.seq > after) {
@@ -233,9 +231,10 @@ impl Controller {
             return;
         }
         if from as usize == to {
-            let b = format!("MOVED {}\r\n", self.map.epoch());
+            let mut b = Vec::new();
+            ext::write_moved(&mut b, self.map.epoch());
             for r in waiters {
-                self.answer(r, b.as_bytes());
+                self.answer(r, &b);
             }
             return;
         }
@@ -251,9 +250,10 @@ impl Controller {
         self.shared.epoch.fetch_max(epoch, Ordering::Relaxed);
         match self.moving.remove(&c) {
             Some(m) if m.token == token => {
-                let b = format!("MOVED {epoch}\r\n");
+                let mut b = Vec::new();
+                ext::write_moved(&mut b, epoch);
                 for r in m.waiters {
-                    self.answer(r, b.as_bytes());
+                    self.answer(r, &b);
                 }
             }
             Some(m) => {
@@ -278,8 +278,6 @@ impl Controller {
 fn load_reply(s: &EpochSnapshot) -> Vec<u8> {
     let json = serde_json::to_string(s).expect("snapshots serialise");
     let mut b = Vec::with_capacity(json.len() + 32);
-    let _ = write!(b, "LOAD {} {}\r\n", s.seq, json.len());
-    b.extend_from_slice(json.as_bytes());
-    b.extend_from_slice(b"\r\n");
+    ext::write_load(&mut b, s.seq, json.as_bytes());
     b
 }

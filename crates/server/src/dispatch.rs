@@ -18,7 +18,6 @@ use mbal_proto::meta::{meta_key, MetaKind};
 use mbal_proto::text::{self, TextCmd};
 use mbal_proto::{Protocol, Request};
 use mbal_store::WorkerStore;
-use std::io::Write;
 use std::sync::atomic::Ordering;
 
 /// What the connection should do after a request.
@@ -325,8 +324,7 @@ fn route_keyed(
 
 /// The answer to `mbal hello`: `MBAL <server> <worker> <epoch>`.
 pub(crate) fn hello(shared: &Shared, server: u16, worker: usize, out: &mut Vec<u8>) {
-    let e = shared.epoch.load(Ordering::Relaxed);
-    let _ = write!(out, "MBAL {server} {worker} {e}\r\n");
+    mbal_proto::ext::write_hello(out, server, worker as u16, shared.epoch.load(Ordering::Relaxed));
 }
 
 /// `RD <epoch> <server> <worker>`: tell a routed client who owns the key.
@@ -337,8 +335,7 @@ fn redirect(shared: &Shared, rt: &mut Route, output: &mut Output, d: Dest) {
         Dest::Server(s, w) => (s, w),
     };
     rt.counters.redirects += 1;
-    let epoch = shared.epoch.load(Ordering::Relaxed);
-    let _ = write!(output.buf(), "RD {epoch} {s} {w}\r\n");
+    mbal_proto::ext::write_redirect(output.buf(), shared.epoch.load(Ordering::Relaxed), s, w);
 }
 
 const FOREIGN: &[u8] = b"SERVER_ERROR key is served by another mbal server\r\n";

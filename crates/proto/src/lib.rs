@@ -28,8 +28,8 @@
 //!   (`CLIENT_ERROR line too long`, close), except a retrieval line
 //!   (`get`/`gets`/`gat`/`gats`), which [`parse_stream`] yields in pieces of
 //!   complete keys as its bytes arrive ([`text::Line`], [`text::LineState`]):
-//!   a connection holds its state between pieces, never the line; a data block larger than
-//!   [`Limits::max_item_size`] is refused with
+//!   a connection holds its state between pieces, never the line. A data
+//!   block larger than [`Limits::max_item_size`] is refused with
 //!   `SERVER_ERROR object too large for cache` and swallowed; a binary body
 //!   larger than `max_item_size + 250 + 64` is refused with E2BIG and the
 //!   connection is closed, so the caller never has to buffer more than about

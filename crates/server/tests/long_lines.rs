@@ -224,3 +224,73 @@ fn errors_in_long_lines() {
     assert!(got.starts_with(b"CLIENT_ERROR line too long\r\n"), "{:?}", String::from_utf8_lossy(&got));
     srv.shutdown();
 }
+
+/// The memcached to compare with, if `MBAL_MEMCACHED_ADDR` names one (a
+/// missing one fails when `MBAL_REQUIRE_MEMCACHED` is set, as in CI).
+fn memcached_addr() -> Option<std::net::SocketAddr> {
+    let a = std::env::var("MBAL_MEMCACHED_ADDR").ok().filter(|s| !s.is_empty());
+    if a.is_none() && std::env::var_os("MBAL_REQUIRE_MEMCACHED").is_some() {
+        panic!("MBAL_REQUIRE_MEMCACHED is set but MBAL_MEMCACHED_ADDR is not");
+    }
+    a.map(|a| a.parse().expect("MBAL_MEMCACHED_ADDR is HOST:PORT"))
+}
+
+/// Replace the CAS of every `VALUE <key> <flags> <bytes> <cas>` line by 0.
+fn without_cas(reply: &[u8]) -> String {
+    let s = String::from_utf8_lossy(reply);
+    s.split("\r\n")
+        .map(|l| {
+            let t: Vec<&str> = l.split(' ').collect();
+            if t.len() == 5 && t[0] == "VALUE" {
+                format!("VALUE {} {} {} 0", t[1], t[2], t[3])
+            } else {
+                l.to_string()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\r\n")
+}
+
+#[test]
+fn long_lines_answer_like_memcached() {
+    let Some(mc) = memcached_addr() else {
+        eprintln!("MBAL_MEMCACHED_ADDR not set: skipping the comparison with memcached");
+        return;
+    };
+    let srv = start(settings(4));
+    // A prefix of our own: the memcached may be shared with other tests.
+    let prefix = format!("ll{}:{}", std::process::id(), srv.main_addr.port());
+    let keys: Vec<String> = (0..20_000).map(|i| format!("{prefix}:{i}")).collect();
+    let stored: Vec<String> = keys.iter().step_by(2).cloned().collect();
+    let script = [
+        format!("get {}\r\n", keys.join(" ")),
+        format!("gets {} {}\r\n", keys[..9000].join(" "), keys.join(" ")),
+        "get tail\r\n".to_string(),
+    ]
+    .concat();
+    // A throwaway memcached (as scripts/test.sh starts): flushed first, so
+    // that nothing of ours is evicted to make room.
+    let mut m = Conn::open(mc);
+    assert_eq!(m.cmd("flush_all\r\n"), "OK\r\n");
+    let mut replies = Vec::new();
+    for addr in [mc, srv.main_addr] {
+        let mut c = Conn::open(addr);
+        preload(&mut c, &stored);
+        let mut w = c.w.try_clone().unwrap();
+        let s = script.clone();
+        let writer = std::thread::spawn(move || w.write_all(s.as_bytes()).expect("write"));
+        let mut got = Vec::new();
+        for _ in 0..3 {
+            for l in c.until_end() {
+                got.extend_from_slice(l.as_bytes());
+            }
+            got.extend_from_slice(b"END\r\n");
+        }
+        writer.join().unwrap();
+        replies.push(without_cas(&got));
+    }
+    let values = replies[0].matches("VALUE ").count();
+    assert_eq!(values, 2 * stored.len() + 4500, "memcached lost keys (evicted?): the comparison would be void");
+    assert!(replies[0] == replies[1], "mbal's replies differ from memcached's");
+    srv.shutdown();
+}

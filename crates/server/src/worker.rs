@@ -21,7 +21,11 @@
 //! Bounded: a worker forwards at most `max_inflight` requests that have not
 //! been answered; past that it stops reading its connections (TCP pushes
 //! back on their clients) until replies come in, so a slow owner cannot make
-//! its peers' queues, or its own inbox, grow without bound.
+//! its peers' queues, or its own inbox, grow without bound. A connection
+//! holds at most about one request (a data block, or `max_line` of a
+//! command line): a longer `get` line is parsed and dispatched in pieces,
+//! the connection keeping only its `LineState` between them, and a get
+//! stops between keys once `MAX_PENDING_OUTPUT` of replies are unsent.
 
 use crate::config::{Binding, Settings};
 use crate::dispatch::{self, text_key, Action, Route};

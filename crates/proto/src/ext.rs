@@ -13,6 +13,24 @@ pub fn write_redirect(out: &mut Vec<u8>, epoch: u64, server: u16, worker: u16) {
     line(out, b"RD", &[epoch, server as u64, worker as u64]);
 }
 
+/// `RD <epoch> <server> <worker> [<key>]`: with the key when it stands for
+/// one key of a long get line (docs/protocol.md).
+pub fn write_redirect_key(out: &mut Vec<u8>, epoch: u64, server: u16, worker: u16, key: Option<&[u8]>) {
+    match key {
+        None => write_redirect(out, epoch, server, worker),
+        Some(key) => {
+            out.extend_from_slice(b"RD ");
+            let mut b = itoa::Buffer::new();
+            for n in [epoch, server as u64, worker as u64] {
+                out.extend_from_slice(b.format(n).as_bytes());
+                out.push(b' ');
+            }
+            out.extend_from_slice(key);
+            out.extend_from_slice(b"\r\n");
+        }
+    }
+}
+
 /// `MOVED <epoch>`: the answer to `mbal move`.
 pub fn write_moved(out: &mut Vec<u8>, epoch: u64) {
     line(out, b"MOVED", &[epoch]);

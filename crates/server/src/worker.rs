@@ -21,7 +21,11 @@
 //! Bounded: a worker forwards at most `max_inflight` requests that have not
 //! been answered; past that it stops reading its connections (TCP pushes
 //! back on their clients) until replies come in, so a slow owner cannot make
-//! its peers' queues, or its own inbox, grow without bound.
+//! its peers' queues, or its own inbox, grow without bound. A connection
+//! holds at most about one request (a data block, or `max_line` of a
+//! command line): a longer `get` line is parsed and dispatched in pieces,
+//! the connection keeping only its `LineState` between them, and a get
+//! stops between keys once `MAX_PENDING_OUTPUT` of replies are unsent.
 
 use crate::config::{Binding, Settings};
 use crate::control::CtlMsg;
@@ -29,14 +33,14 @@ use crate::dispatch::{self, text_key, Action, Route};
 use crate::exec::{self, locate, Ctx};
 use crate::moves::{self, Parked, Tables};
 use crate::msg::{Envelope, FwdKind, FwdReq, HandOff, Mailbox, Outbox, Peers, ReplyTo, NO_CACHELET};
-use crate::output::{Output, Slot, StatsFormat};
+use crate::output::{Output, Slot, StatsFormat, MAX_PENDING_OUTPUT};
 use crate::stats::{self, BinSink, CacheletInfo, ConnInfo, Counters, ProcessInfo, TextSink, WorkerSnapshot};
 use crossbeam_channel::{Receiver, Sender};
 use mbal_balance::{CacheletSample, EpochSnapshot, WorkerSample};
 use mbal_cluster::{KeySpace, Owner};
 use mbal_proto::binary::{opcode as op, status as st, write_response};
 use mbal_proto::meta::meta_key;
-use mbal_proto::text::TextCmd;
+use mbal_proto::text::{LineState, TextCmd};
 use mbal_proto::{Limits, Parsed, Protocol, Request};
 use mbal_store::WorkerStore;
 use mio::net::{TcpListener, TcpStream};
@@ -56,10 +60,6 @@ const FIRST_CONN: usize = 2;
 /// Read in chunks of this size; a connection's buffer grows only as far as
 /// one request needs (bounded by the parser's limits).
 const READ_CHUNK: usize = 16 * 1024;
-/// Stop reading from a connection whose unsent output exceeds this, until
-/// the client drains it (a client that pipelines but never reads cannot
-/// make the server buffer without bound).
-const MAX_PENDING_OUTPUT: usize = 4 << 20;
 /// A connection waiting on another worker's reply writes what is ready
 /// before it only once this much has piled up (else the reply's arrival
 /// writes everything at once: one write per read batch, not two).
@@ -162,6 +162,8 @@ struct Conn {
     rbuf: Vec<u8>,
     /// Bytes still to discard from the stream (a rejected data block).
     skip: usize,
+    /// The parser's place in a long get line (answered piece by piece).
+    line: LineState,
     output: Output,
     /// Close once the output is flushed (quit, fatal protocol error).
     closing: bool,
@@ -403,6 +405,7 @@ impl Worker {
             proto,
             rbuf: Vec::new(),
             skip: 0,
+            line: LineState::Start,
             output: Output::default(),
             closing: false,
             last_active: self.now,
@@ -534,9 +537,12 @@ impl Worker {
     fn prefetch_batch(&self, ci: usize) {
         let conn = &self.conns[ci];
         let Some(proto @ Protocol::Text) = conn.proto else { return };
-        let (mut pos, buf) = (0usize, &conn.rbuf[..]);
+        let (mut pos, buf, mut line) = (0usize, &conn.rbuf[..], conn.line);
         for _ in 0..self.shared.settings.reqs_per_event {
-            let Parsed::Req { req, consumed } = mbal_proto::parse(proto, &buf[pos..], &self.limits) else { break };
+            let Parsed::Req { req, consumed } = mbal_proto::parse_stream(&mut line, proto, &buf[pos..], &self.limits)
+            else {
+                break;
+            };
             prefetch_keys(&self.store, &self.shared.layout, &req);
             pos += consumed;
         }
@@ -575,6 +581,12 @@ impl Worker {
                 self.blocked.push(ci);
                 break;
             }
+            if !matches!(conn.line, LineState::Start) && conn.output.unsent() > MAX_PENDING_OUTPUT {
+                // Inside a long get line: answer its next piece once the
+                // client has read this much (`flush` comes back here).
+                conn.read_blocked = true;
+                break;
+            }
             if done >= reqs_per_event {
                 // Fairness (-R): yield to other connections, come back later.
                 self.counters.conn_yields += 1;
@@ -582,7 +594,7 @@ impl Worker {
                 break;
             }
             let proto = *conn.proto.get_or_insert_with(|| mbal_proto::detect(conn.rbuf[pos]));
-            let Conn { rbuf, output, gen, routed, .. } = conn;
+            let Conn { rbuf, output, gen, routed, line, .. } = conn;
             let buf = &rbuf[pos..];
             let mut rt = Route {
                 worker,
@@ -596,15 +608,17 @@ impl Worker {
                 inflight: &mut self.inflight,
                 self_stats: &mut self.self_stats,
             };
-            match mbal_proto::parse(proto, buf, &self.limits) {
+            let fresh = matches!(line, LineState::Start);
+            match mbal_proto::parse_stream(line, proto, buf, &self.limits) {
                 Parsed::NeedMore => break,
                 Parsed::Err { reply, skip, close } => {
                     if reply.is_too_large() {
                         rt.counters.store_too_large += 1;
                     }
                     // memcached drops the old value of a key whose new value
-                    // was refused as too large; so do we.
-                    if let Some(key) = mbal_proto::key_to_unlink_on_too_large(buf) {
+                    // was refused as too large; so do we (`buf` starts a
+                    // request only if no long line was in progress).
+                    if let Some(key) = fresh.then(|| mbal_proto::key_to_unlink_on_too_large(buf)).flatten() {
                         dispatch::unlink(&self.shared.layout, &mut rt, &mut self.store, self.now, output, key);
                     }
                     reply.write(output.buf());
@@ -626,6 +640,12 @@ impl Worker {
                     done += 1;
                     match action {
                         Action::None => {}
+                        Action::Pause { at, rest } => {
+                            // A get stopped after `at` bytes: the rest of its
+                            // line is parsed again once the output drained.
+                            pos -= consumed - at;
+                            *line = rest;
+                        }
                         Action::Routed => conn.routed = true,
                         Action::HandOff(to) => {
                             hand_off = Some(to);

@@ -147,6 +147,11 @@ pub struct Settings {
     /// The controller's tick: how often it samples every worker's counters
     /// into an epoch snapshot (the balancer's epoch, DESIGN.md §2).
     pub epoch_ms: u64,
+    /// The local balancer (Phase 2) runs in the controller, once per epoch.
+    /// Default: on when the server is in a cluster.
+    pub balancer: bool,
+    /// The balancer policy's knobs (`mbal_balance::Config`).
+    pub balance: mbal_balance::Config,
     /// `-D`: the byte that ends a key's prefix for `stats detail` (memcached's default `:`).
     pub prefix_delimiter: u8,
 }
@@ -179,6 +184,8 @@ impl Default for Settings {
             max_inflight: 16384,
             debug_commands: false,
             epoch_ms: 1000,
+            balancer: false,
+            balance: mbal_balance::Config::default(),
             prefix_delimiter: b':',
         }
     }
@@ -307,6 +314,30 @@ pub struct ServerArgs {
     /// [default: 1000]
     #[arg(long = "epoch-ms")]
     pub epoch_ms: Option<u64>,
+    /// The local load balancer (Phase 2: cachelet moves between this server's workers), on or
+    /// off [default: on in a cluster (--cluster), off for a stand-alone server]
+    #[arg(long = "balancer", value_parser = parse_on_off)]
+    pub balancer: Option<bool>,
+    /// Consecutive imbalanced epochs before the balancer acts [default: 4, MBal §3.1]
+    #[arg(long = "balance-persistence")]
+    pub balance_persistence: Option<u32>,
+    /// Imbalanced when the busiest worker carries more than this times the mean load
+    /// [default: 1.2]
+    #[arg(long = "balance-trigger")]
+    pub balance_trigger: Option<f64>,
+    /// T_j: the load a plan may leave on a worker, as a multiple of the mean [default: 1.1]
+    #[arg(long = "balance-target")]
+    pub balance_target: Option<f64>,
+    /// SERVER_LOAD_thresh: past this fraction of saturated workers the server asks for Phase 3
+    /// instead of moving locally [default: 0.75, MBal Algorithm 1]
+    #[arg(long = "balance-server-load-thresh")]
+    pub balance_server_load_thresh: Option<f64>,
+    /// Epochs a moved cachelet stays away from home before it may go back [default: 10]
+    #[arg(long = "balance-lease-epochs")]
+    pub balance_lease_epochs: Option<u32>,
+    /// Phase 2 planner: ilp (MILP solver, greedy fallback) or greedy [default: ilp]
+    #[arg(long = "balance-planner")]
+    pub balance_planner: Option<String>,
 
     /// TOML file with any of the settings above (long names, with '_' for '-')
     #[arg(long = "config")]
@@ -377,6 +408,15 @@ pub struct ServerArgs {
     #[arg(short = 'Z', long = "enable-ssl", hide = true)]
     #[serde(skip)]
     pub x_ssl: bool,
+}
+
+/// `on` / `off` (also `true`/`false`, `1`/`0`).
+fn parse_on_off(v: &str) -> Result<bool, String> {
+    match v {
+        "on" | "true" | "1" => Ok(true),
+        "off" | "false" | "0" => Ok(false),
+        _ => Err(format!("expected on or off, got {v:?}")),
+    }
 }
 
 /// Parse a memcached-style size: `1m`, `512k`, `2097152`, `1g`.
@@ -679,6 +719,41 @@ impl ServerArgs {
             }
             s.max_inflight = v;
         }
+        let b = &mut s.balance;
+        if let Some(v) = o.balance_persistence {
+            if v == 0 {
+                bail!("--balance-persistence must be at least 1");
+            }
+            b.persistence = v;
+        }
+        if let Some(v) = o.balance_trigger {
+            if !(v > 1.0 && v.is_finite()) {
+                bail!("--balance-trigger must be above 1.0 (a multiple of the mean load)");
+            }
+            b.trigger_max_over_avg = v;
+        }
+        if let Some(v) = o.balance_target {
+            if !(v >= 1.0 && v.is_finite()) {
+                bail!("--balance-target must be at least 1.0 (a multiple of the mean load)");
+            }
+            b.target_max_over_avg = v;
+        }
+        if let Some(v) = o.balance_server_load_thresh {
+            if !(0.0..=1.0).contains(&v) {
+                bail!("--balance-server-load-thresh must be between 0 and 1");
+            }
+            b.server_load_thresh = v;
+        }
+        if let Some(v) = o.balance_lease_epochs {
+            b.lease_epochs = v;
+        }
+        if let Some(v) = &o.balance_planner {
+            b.planner = match v.as_str() {
+                "ilp" => mbal_balance::Planner::Ilp,
+                "greedy" => mbal_balance::Planner::Greedy,
+                _ => bail!("--balance-planner must be ilp or greedy (got {v:?})"),
+            };
+        }
         if let Some(v) = o.epoch_ms {
             if v == 0 {
                 bail!("--epoch-ms must be at least 1");
@@ -731,6 +806,7 @@ impl ServerArgs {
                 bail!("-t and -p come from the cluster file when --cluster is given");
             }
         }
+        s.balancer = o.balancer.unwrap_or(s.cluster.is_some());
         if let Some(v) = o.page_size_kb {
             if !(4..=65536).contains(&v) {
                 bail!("--page-size-kb must be between 4 and 65536");

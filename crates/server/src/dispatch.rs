@@ -255,6 +255,10 @@ pub(crate) fn handle(
                     "" | "settings" | "items" | "slabs" | "conns" | "cachelets" | "workers" | "detail dump" => {
                         gather_stats(shared, rt, output, group, StatsFormat::Text)
                     }
+                    "balancer" => {
+                        crate::stats::render_balancer(shared, &mut crate::stats::TextSink(output.buf()));
+                        output.buf().extend_from_slice(text::END);
+                    }
                     "detail on" | "detail off" => {
                         shared.detail.store(group == "detail on", Ordering::Relaxed);
                         output.buf().extend_from_slice(text::OK);
@@ -513,6 +517,10 @@ pub(crate) fn handle_bin(
             if group == "reset" {
                 reset_stats(rt, store);
                 write_response(output.buf(), op::STAT, st::NO_ERROR, h.opaque, 0, &[], &[], &[]);
+            } else if group == "balancer" {
+                let out = output.buf();
+                crate::stats::render_balancer(shared, &mut crate::stats::BinSink { out: &mut *out, opaque: h.opaque });
+                write_response(out, op::STAT, st::NO_ERROR, h.opaque, 0, &[], &[], &[]);
             } else {
                 gather_stats(shared, rt, output, group, StatsFormat::Binary { opaque: h.opaque });
             }

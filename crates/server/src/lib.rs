@@ -156,6 +156,7 @@ pub fn start(settings: Settings) -> Result<ServerHandle> {
         epoch: AtomicU64::new(epoch),
         control: control_tx,
         latest: Mutex::new(None),
+        balancer: Mutex::new(None),
         start: Instant::now(),
         start_unix,
         curr_conns: AtomicUsize::new(0),

@@ -486,6 +486,30 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
 }
 
 /// Text-protocol sink: `STAT name value\r\n`.
+/// `stats balancer`: the local balancer's state, as the controller last
+/// published it (memcached-style lines; docs/protocol.md).
+pub(crate) fn render_balancer(shared: &crate::worker::Shared, sink: &mut dyn StatSink) {
+    let st = shared.balancer.lock().unwrap_or_else(|p| p.into_inner()).clone().unwrap_or_default();
+    let on = shared.settings.balancer;
+    sink.stat("balancer", &if on { "on" } else { "off" });
+    sink.stat("epoch_ms", &shared.settings.epoch_ms);
+    sink.stat("state", &if on && !st.state.is_empty() { st.state.as_str() } else { "off" });
+    sink.stat("epoch", &st.epoch);
+    sink.stat("max_over_avg", &format_args!("{:.3}", st.max_over_avg));
+    sink.stat("imbalance_factor", &format_args!("{:.3}", st.imbalance_factor));
+    sink.stat("plans", &st.plans);
+    sink.stat("moves", &st.moves);
+    sink.stat("moves_home", &st.moves_home);
+    sink.stat("moves_failed", &st.moves_failed);
+    sink.stat("escalations", &st.escalations);
+    sink.stat("leases", &st.leases);
+    sink.stat("planner_us_last", &st.planner_us_last);
+    sink.stat("planner_us_max", &st.planner_us_max);
+    for (w, load) in &st.loads {
+        sink.stat(&format!("worker:{w}:load"), &format_args!("{load:.0}"));
+    }
+}
+
 pub struct TextSink<'a>(pub &'a mut Vec<u8>);
 
 impl StatSink for TextSink<'_> {

@@ -84,6 +84,9 @@ pub(crate) struct Shared {
     /// Written once per epoch, read when stats are rendered: never on the
     /// data path.
     pub latest: Mutex<Option<Arc<EpochSnapshot>>>,
+    /// The balancer's figures for `stats balancer`, written by the
+    /// controller once per epoch and after each move.
+    pub balancer: Mutex<Option<crate::control::BalancerStatus>>,
     pub start: Instant,
     pub start_unix: u64,
     pub curr_conns: AtomicUsize,

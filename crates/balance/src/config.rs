@@ -18,12 +18,10 @@ pub enum Planner {
 pub struct Config {
     /// Consecutive imbalanced epochs before acting (MBal §3.1: 4).
     pub persistence: u32,
-    /// A server is imbalanced when the most loaded worker carries more than
-    /// this times the mean load (default 1.20) ...
+    /// A server is imbalanced when its most loaded worker carries more than
+    /// this times the mean load (default 1.20). (Not the deviation: one
+    /// hot worker among 64 moves dev/avg by 1/64 only.)
     pub trigger_max_over_avg: f64,
-    /// ... or when NetKV's imbalance factor (dev/avg) is above this
-    /// (default 0.10).
-    pub trigger_factor: f64,
     /// Below this mean load per worker (requests per second) the server is
     /// never imbalanced: too little traffic to matter or to measure.
     pub min_load: f64,
@@ -75,7 +73,6 @@ impl Default for Config {
         Config {
             persistence: 4,
             trigger_max_over_avg: 1.20,
-            trigger_factor: 0.10,
             min_load: 100.0,
             target_max_over_avg: 1.10,
             worker_capacity: None,

@@ -17,7 +17,7 @@
 //! greedy fallback lowers the deviation as far as single moves can.
 
 use crate::config::{Config, Planner};
-use good_lp::solvers::SolutionStatus;
+use good_lp::solvers::{SolutionStatus, WithMipGap};
 use good_lp::{
     constraint, variable, variables, Expression, ResolutionError, Solution, SolverModel, Variable, WithTimeLimit,
 };
@@ -145,6 +145,11 @@ fn sort_desc(v: &mut [(u16, f64)]) {
 /// a move that lowers the summed deviation by less than this is not made.
 pub const MOVE_PENALTY: f64 = 1e-4;
 
+/// The relative gap at which the solver stops with a solution known to be
+/// within it of the optimum: plans differing by less are equally good to
+/// the balancer (its hysteresis, `min_gain`, is 5%).
+pub const MIP_GAP: f32 = 0.01;
+
 /// The value of `objective` for `steps` over the workers `involved`:
 /// objective (1) counts the moves; objective (2) is MBal eq. 4, the mean
 /// over the server's N workers of |L_i − L_avg| summed over the involved
@@ -201,6 +206,9 @@ pub fn plan(p: &Problem, cfg: &Config) -> Plan {
     let mut cur = p.clone();
     let mut out = Plan::default();
     let mut moved: HashSet<u32> = HashSet::new();
+    // The time limit is for the whole plan: each iteration's solve gets
+    // an equal share.
+    let per_solve_ms = (cfg.ilp_time_limit_ms / u64::from(cfg.max_iter.max(1))).max(1);
     for _ in 0..cfg.max_iter {
         let over = cur.overloaded();
         if over.is_empty() {
@@ -229,7 +237,7 @@ pub fn plan(p: &Problem, cfg: &Config) -> Plan {
             limit: cur.limit,
         };
         let (steps, method) = match cfg.planner {
-            Planner::Ilp => match solve_ilp(&sub, objective, &sources, &destinations, cfg.ilp_time_limit_ms) {
+            Planner::Ilp => match solve_ilp(&sub, objective, &sources, &destinations, per_solve_ms) {
                 Ok(found) => found,
                 Err(_) => (greedy(&sub, &sources, &destinations, min_gain), Method::Greedy),
             },
@@ -317,7 +325,12 @@ pub fn solve_ilp(
             dev / n + MOVE_PENALTY * moves.clone()
         }
     };
-    let mut model = vars.minimise(obj).using(good_lp::microlp).with_time_limit(time_limit_ms as f64 / 1e3);
+    let mut model = vars
+        .minimise(obj)
+        .using(good_lp::microlp)
+        .with_time_limit(time_limit_ms as f64 / 1e3)
+        .with_mip_gap(MIP_GAP)
+        .map_err(|e| IlpError::Solver(e.to_string()))?;
     // Eqs. 2, 3 and 5: every involved worker ends at or under T.
     for &w in &involved {
         model.add_constraint(constraint!(after(w) <= limit));

@@ -10,11 +10,14 @@
 //!   destination end at or under T (eqs. 1–3), when one worker is
 //!   overloaded, or
 //! * objective (2), least absolute deviation from the mean over the
-//!   workers involved, every one at or under T (eqs. 4–5), otherwise,
-//! both with binary decisions and each cachelet moved at most once
-//! (eqs. 6–7), as an ILP through a MILP solver with a time limit; when the
-//! ILP has no solution (infeasible, or none found in time) Algorithm 1's
-//! greedy fallback lowers the deviation as far as single moves can.
+//!   workers involved, every one at or under T (eqs. 4–5), otherwise.
+//!
+//! Both have binary decisions and move each cachelet at most once
+//! (eqs. 6–7). Each is solved as an ILP through a MILP solver (`good_lp`
+//! with `microlp`) with a time limit and a 1% gap; when the ILP has no
+//! solution (infeasible, or none found in time) Algorithm 1's greedy
+//! fallback lowers the peak as far as single moves can. An iteration that
+//! lowers the peak by less than `min_gain` of the mean ends the plan.
 
 use crate::config::{Config, Planner};
 use good_lp::solvers::{SolutionStatus, WithMipGap};

@@ -73,7 +73,10 @@ fn stats(mut t: Vec<Duration>) -> (f64, f64) {
 #[test]
 #[ignore = "a measurement: run in release with --ignored --nocapture"]
 fn phase2_solve_times() {
-    println!("plan(): up to {} iterations of 2 sources + 2 destinations, {RUNS} random problems per row", Config::default().max_iter);
+    println!(
+        "plan(): up to {} iterations of 2 sources + 2 destinations, {RUNS} random problems per row",
+        Config::default().max_iter
+    );
     println!();
     println!("| skew | workers | hot | planner | median ms | max ms | first ILP max ms | max/avg before | after | moves | methods |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|");
@@ -94,11 +97,18 @@ fn phase2_solve_times() {
                         if planner == Planner::Ilp {
                             if let Some(it) = plan.iterations.first() {
                                 let start = Instant::now();
-                                let _ = solve_ilp(&p, it.objective, &it.sources, &it.destinations, cfg.ilp_time_limit_ms / u64::from(cfg.max_iter));
+                                let _ = solve_ilp(
+                                    &p,
+                                    it.objective,
+                                    &it.sources,
+                                    &it.destinations,
+                                    cfg.ilp_time_limit_ms / u64::from(cfg.max_iter),
+                                );
                                 first.push(start.elapsed());
                             }
                         }
-                        let l = |v: &[(u16, f64)]| Imbalance::of(&v.iter().map(|w| w.1).collect::<Vec<_>>()).max_over_avg;
+                        let l =
+                            |v: &[(u16, f64)]| Imbalance::of(&v.iter().map(|w| w.1).collect::<Vec<_>>()).max_over_avg;
                         before += l(&p.workers) / RUNS as f64;
                         after += l(&plan.loads_after) / RUNS as f64;
                         moves += plan.steps.len();

@@ -61,7 +61,7 @@ pub enum Objective {
 /// How an iteration's moves were found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Method {
-    /// The MILP solver's optimum.
+    /// The MILP solver's optimum (within the MIP gap).
     Ilp,
     /// The solver's best solution when its time limit ran out (feasible,
     /// maybe not optimal).
@@ -277,6 +277,18 @@ pub fn solve_ilp(
     destinations: &[u16],
     time_limit_ms: u64,
 ) -> Result<(Vec<Step>, Method), IlpError> {
+    solve_ilp_with_gap(p, objective, sources, destinations, time_limit_ms, MIP_GAP)
+}
+
+/// [`solve_ilp`] with a chosen relative MIP gap (0: the exact optimum).
+pub fn solve_ilp_with_gap(
+    p: &Problem,
+    objective: Objective,
+    sources: &[u16],
+    destinations: &[u16],
+    time_limit_ms: u64,
+    mip_gap: f32,
+) -> Result<(Vec<Step>, Method), IlpError> {
     let mut involved: Vec<u16> = sources.iter().chain(destinations).copied().collect();
     involved.dedup();
     let n = p.workers.len().max(1) as f64;
@@ -332,7 +344,7 @@ pub fn solve_ilp(
         .minimise(obj)
         .using(good_lp::microlp)
         .with_time_limit(time_limit_ms as f64 / 1e3)
-        .with_mip_gap(MIP_GAP)
+        .with_mip_gap(mip_gap)
         .map_err(|e| IlpError::Solver(e.to_string()))?;
     // Eqs. 2, 3 and 5: every involved worker ends at or under T.
     for &w in &involved {
@@ -358,7 +370,7 @@ pub fn solve_ilp(
         Err(e) => return Err(IlpError::Solver(e.to_string())),
     };
     let method = match sol.status() {
-        SolutionStatus::Optimal => Method::Ilp,
+        SolutionStatus::Optimal | SolutionStatus::GapLimit => Method::Ilp,
         _ => Method::IlpTimeLimited,
     };
     let mut steps: Vec<Step> = x.iter().filter(|(_, _, v)| sol.value(*v) > 0.5).map(|(s, _, _)| *s).collect();
@@ -488,7 +500,7 @@ mod tests {
         // on the source: the optimum is both 20s, one to each destination.
         let p = problem(&[&[40.0, 20.0, 20.0], &[10.0, 10.0], &[10.0, 10.0]], 1.1);
         let obj = Objective::MinMoves { source: 0 };
-        let (steps, method) = solve_ilp(&p, obj, &[0], &[1, 2], 1_000).unwrap();
+        let (steps, method) = solve_ilp_with_gap(&p, obj, &[0], &[1, 2], 1_000, 0.0).unwrap();
         assert_eq!(method, Method::Ilp);
         assert!(feasible(&p, obj, &[0], &[1, 2], &steps, 1e-9), "{steps:?}");
         assert_eq!(steps.len(), 2);
@@ -502,7 +514,7 @@ mod tests {
     fn objective_two_levels_two_hot_workers() {
         let p = problem(&[&[30.0, 30.0, 10.0], &[30.0, 20.0, 20.0], &[5.0], &[5.0]], 1.2);
         let (sources, dests) = ([0, 1], [2, 3]);
-        let (steps, _) = solve_ilp(&p, Objective::MinDeviation, &sources, &dests, 1_000).unwrap();
+        let (steps, _) = solve_ilp_with_gap(&p, Objective::MinDeviation, &sources, &dests, 1_000, 0.0).unwrap();
         let v = objective_value(&p, Objective::MinDeviation, &all(&p), &steps);
         let best = brute_force(&p, Objective::MinDeviation, &sources, &dests).unwrap();
         assert!((v - best).abs() < 1e-6, "ilp {v} vs brute force {best}: {steps:?}");
@@ -637,7 +649,12 @@ mod tests {
                 // Brute force is k^pieces: only on the smaller cases.
                 let small = p.pieces.iter().filter(|c| involved.contains(&c.worker)).count() <= 7;
                 let best = if small { brute_force(&p, obj, &src, &dst) } else { None };
-                match solve_ilp(&p, obj, &src, &dst, 5_000) {
+                if let (Ok((steps, _)), Some(best)) = (solve_ilp(&p, obj, &src, &dst, 5_000), best) {
+                    // With the default gap: within it of the optimum.
+                    let v = objective_value(&p, obj, &involved, &steps);
+                    prop_assert!(v <= best * (1.0 + f64::from(MIP_GAP)) + 1e-6, "{} vs {}", v, best);
+                }
+                match solve_ilp_with_gap(&p, obj, &src, &dst, 5_000, 0.0) {
                     Ok((steps, method)) => {
                         prop_assert_eq!(method, Method::Ilp);
                         prop_assert!(feasible(&p, obj, &src, &dst, &steps, 1e-6));

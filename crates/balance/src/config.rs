@@ -50,7 +50,10 @@ pub struct Config {
     /// its sources and destinations afresh over the loads the earlier
     /// iterations' moves would leave.
     pub max_iter: u32,
-    /// Time limit handed to the MILP solver per solve, in milliseconds.
+    /// Time limit for the MILP solver over one plan, in milliseconds; each
+    /// of the `max_iter` solves gets an equal share (default 20: the
+    /// issue's target for a plan at 16 workers). The solver keeps to it
+    /// (its business: this crate has no clock).
     pub ilp_time_limit_ms: u64,
     pub planner: Planner,
     /// A plan is carried out only if it lowers the most loaded worker's

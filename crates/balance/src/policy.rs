@@ -370,7 +370,7 @@ impl Balancer {
                 // Every `persistence` epochs, try Phase 2 again: headroom
                 // may have come back.
                 State::Coordinated => {
-                    let due = (self.now - self.coordinated_at) % u64::from(persistence) == 0;
+                    let due = (self.now - self.coordinated_at).is_multiple_of(u64::from(persistence));
                     match (due && self.pending.is_empty()).then(|| self.act(&seen)) {
                         Some(Acted::Planned(p)) => {
                             plan = Some(p);

@@ -15,9 +15,9 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Run a cache server (memcached's flags work: -p -l -t -m -c -I -M -C -F -U 0 -B -R -A -v -o)
-    Server(mbal_server::config::ServerArgs),
+    Server(Box<mbal_server::config::ServerArgs>),
     /// Generate load against memcached-protocol servers and report throughput and latency
-    Bench(mbal_bench::BenchArgs),
+    Bench(Box<mbal_bench::BenchArgs>),
     /// Local clusters
     #[command(subcommand)]
     Cluster(ClusterCmd),
@@ -103,7 +103,7 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Cmd::Bench(args) => {
-            mbal_bench::run(args)?;
+            mbal_bench::run(*args)?;
             Ok(())
         }
         Cmd::Cluster(ClusterCmd::Up(args)) => cluster_up::run(args),

@@ -149,6 +149,9 @@ pub struct Settings {
     pub epoch_ms: u64,
     /// `-D`: the byte that ends a key's prefix for `stats detail` (memcached's default `:`).
     pub prefix_delimiter: u8,
+    /// `--worker-capacity`: emulated capacity of each worker, requests per
+    /// second (`capacity.rs`); 0: unlimited.
+    pub worker_capacity: u64,
 }
 
 impl Default for Settings {
@@ -180,6 +183,7 @@ impl Default for Settings {
             debug_commands: false,
             epoch_ms: 1000,
             prefix_delimiter: b':',
+            worker_capacity: 0,
         }
     }
 }
@@ -307,6 +311,11 @@ pub struct ServerArgs {
     /// [default: 1000]
     #[arg(long = "epoch-ms")]
     pub epoch_ms: Option<u64>,
+    /// Emulated capacity of each worker, requests per second: a worker executes at most this many
+    /// (for its own connections and for other workers) and the rest wait, as on a saturated core;
+    /// for balancer experiments on a machine with fewer cores than workers [default: 0 = unlimited]
+    #[arg(long = "worker-capacity")]
+    pub worker_capacity: Option<u64>,
 
     /// TOML file with any of the settings above (long names, with '_' for '-')
     #[arg(long = "config")]
@@ -684,6 +693,9 @@ impl ServerArgs {
                 bail!("--epoch-ms must be at least 1");
             }
             s.epoch_ms = v;
+        }
+        if let Some(v) = o.worker_capacity {
+            s.worker_capacity = v;
         }
         s.debug_commands = self.debug_commands;
         if let Some(d) = &self.x_delimiter {

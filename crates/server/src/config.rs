@@ -154,6 +154,9 @@ pub struct Settings {
     pub balance: mbal_balance::Config,
     /// `-D`: the byte that ends a key's prefix for `stats detail` (memcached's default `:`).
     pub prefix_delimiter: u8,
+    /// `--worker-capacity`: emulated capacity of each worker, requests per
+    /// second (`capacity.rs`); 0: unlimited.
+    pub worker_capacity: u64,
 }
 
 impl Default for Settings {
@@ -187,6 +190,7 @@ impl Default for Settings {
             balancer: false,
             balance: mbal_balance::Config::default(),
             prefix_delimiter: b':',
+            worker_capacity: 0,
         }
     }
 }
@@ -338,6 +342,11 @@ pub struct ServerArgs {
     /// Phase 2 planner: ilp (MILP solver, greedy fallback) or greedy [default: ilp]
     #[arg(long = "balance-planner")]
     pub balance_planner: Option<String>,
+    /// Emulated capacity of each worker, requests per second: a worker executes at most this many
+    /// (for its own connections and for other workers) and the rest wait, as on a saturated core;
+    /// for balancer experiments on a machine with fewer cores than workers [default: 0 = unlimited]
+    #[arg(long = "worker-capacity")]
+    pub worker_capacity: Option<u64>,
 
     /// TOML file with any of the settings above (long names, with '_' for '-')
     #[arg(long = "config")]
@@ -759,6 +768,9 @@ impl ServerArgs {
                 bail!("--epoch-ms must be at least 1");
             }
             s.epoch_ms = v;
+        }
+        if let Some(v) = o.worker_capacity {
+            s.worker_capacity = v;
         }
         s.debug_commands = self.debug_commands;
         if let Some(d) = &self.x_delimiter {

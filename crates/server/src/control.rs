@@ -136,7 +136,12 @@ impl Controller {
                     (s == me).then_some((c, w))
                 })
                 .collect();
-            Balancer::new(shared.settings.balance.clone(), &home)
+            let mut cfg = shared.settings.balance.clone();
+            // With emulated capacity the policy knows each worker's ceiling.
+            if shared.settings.worker_capacity > 0 {
+                cfg.worker_capacity = Some(shared.settings.worker_capacity as f64);
+            }
+            Balancer::new(cfg, &home)
         });
         let status = BalancerStatus::default();
         Controller {

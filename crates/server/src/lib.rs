@@ -21,6 +21,7 @@
 //! (routed clients talk to the owning worker directly, MBal §2.3); one
 //! controller thread has no port, only a mailbox and a tick.
 
+mod capacity;
 pub mod config;
 mod control;
 mod dispatch;

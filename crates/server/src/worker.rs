@@ -27,12 +27,13 @@
 //! the connection keeping only its `LineState` between them, and a get
 //! stops between keys once `MAX_PENDING_OUTPUT` of replies are unsent.
 
+use crate::capacity::Capacity;
 use crate::config::{Binding, Settings};
 use crate::control::CtlMsg;
 use crate::dispatch::{self, text_key, Action, Route};
 use crate::exec::{self, locate, Ctx};
 use crate::moves::{self, Parked, Tables};
-use crate::msg::{Envelope, FwdKind, FwdReq, HandOff, Mailbox, Outbox, Peers, ReplyTo, NO_CACHELET};
+use crate::msg::{Envelope, FwdKind, FwdReq, HandOff, Mailbox, Outbox, Peers, ReplyTo, ReqBatch, NO_CACHELET};
 use crate::output::{Output, Slot, StatsFormat, MAX_PENDING_OUTPUT};
 use crate::stats::{self, BinSink, CacheletInfo, ConnInfo, Counters, ProcessInfo, TextSink, WorkerSnapshot};
 use crossbeam_channel::{Receiver, Sender};
@@ -181,6 +182,8 @@ struct Conn {
     dirty: bool,
     /// Opted in with `mbal hello`: gets redirects instead of forwarding.
     routed: bool,
+    /// Waiting for the worker's emulated capacity (in `Worker::throttled`).
+    throttled: bool,
 }
 
 pub(crate) struct Worker {
@@ -218,6 +221,15 @@ pub(crate) struct Worker {
     inbox_batches: u64,
     inbox_wait_ns: u64,
     inbox_wait_max_ns: u64,
+    /// Emulated capacity (`--worker-capacity`): the token bucket, the
+    /// connections waiting for it (their input stays in their sockets) and
+    /// the inbox's envelopes held back behind a peer's batch that waits for
+    /// it (in arrival order: see `hold`).
+    capacity: Capacity,
+    throttled: Vec<usize>,
+    held: VecDeque<Envelope>,
+    /// Where the front of `held`, a batch cut short, resumes.
+    held_pos: usize,
 }
 
 /// A listening socket; `mark` (`-o sock_cookie_id`, 0: none) is set as its
@@ -278,6 +290,10 @@ impl Worker {
             inbox_batches: 0,
             inbox_wait_ns: 0,
             inbox_wait_max_ns: 0,
+            capacity: Capacity::new(shared.settings.worker_capacity, shared.clock_ns()),
+            throttled: Vec::new(),
+            held: VecDeque::new(),
+            held_pos: 0,
             shared,
         })
     }
@@ -286,11 +302,16 @@ impl Worker {
         let mut events = Events::with_capacity(1024);
         let mut last_sweep = Instant::now();
         loop {
-            let timeout = if !self.ready.is_empty() || !self.mailbox.prepare_sleep(&self.inbox) {
+            let mut timeout = if !self.ready.is_empty() || !self.mailbox.prepare_sleep(&self.inbox) {
                 Duration::ZERO
             } else {
                 Duration::from_millis(100)
             };
+            if !self.throttled.is_empty() || !self.held.is_empty() {
+                // Out of emulated capacity with work waiting: sleep until
+                // the bucket has credit again, no longer (and never spin).
+                timeout = timeout.min(self.capacity.wait());
+            }
             let polled = self.poll.poll(&mut events, Some(timeout));
             self.mailbox.awake();
             if let Err(e) = polled {
@@ -301,6 +322,9 @@ impl Worker {
             }
             let round_start = self.shared.clock_ns();
             self.now = (round_start / 1_000_000_000) as u32;
+            if self.capacity.limited() {
+                self.refill(round_start);
+            }
             for ev in events.iter() {
                 match ev.token() {
                     OWN_LISTENER => self.accept(),
@@ -417,6 +441,7 @@ impl Worker {
             read_blocked: false,
             dirty: false,
             routed: false,
+            throttled: false,
         });
         tracing::debug!(worker = self.id, %peer, "accepted");
         // Bytes may have arrived before the registration.
@@ -459,6 +484,11 @@ impl Worker {
             return;
         }
         conn.read_blocked = false;
+        if !self.capacity.has_credit() {
+            // Out of emulated capacity: the input waits in the socket.
+            self.throttle(ci);
+            return;
+        }
         let mut eof = false;
         // Whether the socket may still hold data we chose not to read yet.
         let mut more = false;
@@ -590,6 +620,15 @@ impl Worker {
                 conn.read_blocked = true;
                 break;
             }
+            if !self.capacity.has_credit() {
+                // Out of emulated capacity: the rest waits for a refill.
+                if !conn.throttled {
+                    conn.throttled = true;
+                    self.throttled.push(ci);
+                    self.counters.capacity_stalls += 1;
+                }
+                break;
+            }
             if done >= reqs_per_event {
                 // Fairness (-R): yield to other connections, come back later.
                 self.counters.conn_yields += 1;
@@ -638,7 +677,10 @@ impl Worker {
                 }
                 Parsed::Req { req, consumed } => {
                     let raw = &buf[..consumed];
+                    let forwarded_before = *rt.inflight;
                     let action = dispatch::handle(&self.shared, &mut rt, &mut self.store, self.now, output, &req, raw);
+                    // Executed here unless it went to another worker (which pays for it).
+                    self.capacity.spend((*rt.inflight == forwarded_before) as u64);
                     pos += consumed;
                     done += 1;
                     match action {
@@ -740,113 +782,206 @@ impl Worker {
         let now_ns = if n > 0 { self.shared.clock_ns() } else { 0 };
         for _ in 0..n {
             let Ok(env) = self.inbox.try_recv() else { break };
-            match env {
-                Envelope::Reqs(batch) => {
-                    self.waited(now_ns, batch.sent_ns);
-                    // Overlap the index misses of the batch's gets and text stores.
-                    for (req, bytes) in batch.iter() {
-                        match req.kind {
-                            FwdKind::Values { .. } => {
-                                for key in bytes.split(|&b| b == b' ').filter(|k| !k.is_empty()) {
-                                    self.store.prefetch(req.cachelet, mbal_cluster::key_hash(key));
-                                }
-                            }
-                            FwdKind::Raw(proto) => {
-                                if let Parsed::Req { req, .. } = mbal_proto::parse(proto, bytes, &self.limits) {
-                                    prefetch_keys(&self.store, &self.shared.layout, &req);
-                                }
-                            }
-                        }
-                    }
-                    for (req, bytes) in batch.iter() {
-                        self.exec_forwarded(req, bytes);
-                    }
-                }
-                Envelope::Replies(batch) => {
-                    self.waited(now_ns, batch.sent_ns);
-                    for (item, bytes) in batch.iter() {
-                        let c = item.cachelet;
-                        let resend = match item.bounce {
-                            None => {
-                                self.deliver(item.to, bytes);
-                                (c != NO_CACHELET).then(|| self.tables.answered(c)).flatten()
-                            }
-                            Some(b) => {
-                                let p = Parked { to: item.to, kind: b.kind, bytes: bytes.to_vec() };
-                                self.tables.bounced(c, b.hint, p)
-                            }
-                        };
-                        if let Some(q) = resend {
-                            self.resend(c, q);
-                        }
-                    }
-                }
-                Envelope::Conn(sock, peer) => {
-                    let listen = self.shared.main_addr;
-                    self.register(TcpStream::from_std(sock), peer, listen);
-                }
-                Envelope::HandOff(h) => {
-                    let HandOff { sock, peer, listen_addr, id, unread } = *h;
-                    if let Some(ci) = self.register(TcpStream::from_std(sock), peer, listen_addr) {
-                        // Counted once, by the worker that accepted it.
-                        self.counters.total_connections -= 1;
-                        let c = &mut self.conns[ci];
-                        c.id = id;
-                        c.rbuf = unread;
-                        c.routed = true;
-                        c.proto = Some(Protocol::Text);
-                        dispatch::hello(&self.shared, self.shared.server_id, self.id, c.output.buf());
-                    }
-                }
-                Envelope::Release { cachelet, to, token } => {
-                    let peers = self.shared.peers();
-                    let now_ns = self.shared.clock_ns();
-                    let (store, tables, outbox) = (&mut self.store, &mut self.tables, &mut self.outbox);
-                    if moves::release(self.id, store, tables, outbox, peers, now_ns, cachelet, to, token) {
-                        // Already at `to`: the move is done as it stands.
-                        self.shared.tell_controller(CtlMsg::Moved { token, cachelet, worker: to });
-                    }
-                }
-                Envelope::Adopt { cachelet, ver, token } => {
-                    let c = cachelet.id();
-                    self.store.insert_cachelet(cachelet);
-                    moves::announce(self.id, &mut self.outbox, c, ver);
-                    if let Some(q) = self.tables.adopted(c, ver) {
-                        self.resend(c, q);
-                    }
-                    self.counters.cachelets_adopted += 1;
-                    self.shared.tell_controller(CtlMsg::Moved { token, cachelet: c, worker: self.id });
-                }
-                Envelope::Sample { seq } => {
-                    let sample = Box::new(self.sample());
-                    self.shared.tell_controller(CtlMsg::Sample { seq, sample });
-                }
-                Envelope::Owner { cachelet, worker, ver } => {
-                    if let Some(q) = self.tables.learn(cachelet, worker as u16, ver) {
-                        self.resend(cachelet, q);
-                    }
-                }
-                Envelope::Flush { at } => self.store.flush_all(at),
-                Envelope::StatsReq { to, want_conns } => {
-                    let snap = Box::new(self.snapshot(want_conns));
-                    self.outbox[to.worker].push(Envelope::StatsResp { to, snap });
-                }
-                Envelope::StatsResp { to, snap } => {
-                    if self.conns.get(to.conn).is_some_and(|c| c.gen == to.gen) {
-                        self.gathered(to.conn, to.seq, *snap);
-                    }
-                }
-                Envelope::ResetStats => {
-                    self.counters = Counters::default();
-                    self.store.reset_stats();
-                }
-                Envelope::Stall { ms } => std::thread::sleep(Duration::from_millis(ms)),
+            if self.capacity.limited() && self.hold(&env) {
+                self.held.push_back(env);
+                continue;
             }
+            self.take(env, now_ns);
         }
         if self.inflight < self.max_inflight && !self.blocked.is_empty() {
             for ci in std::mem::take(&mut self.blocked) {
                 self.requeue(ci);
             }
+        }
+    }
+
+    /// Handle one envelope from a peer or the controller (taken in at `now_ns`).
+    fn take(&mut self, env: Envelope, now_ns: u64) {
+        match env {
+            Envelope::Reqs(batch) => self.exec_batch(batch, 0, now_ns),
+            Envelope::Replies(batch) => {
+                self.waited(now_ns, batch.sent_ns);
+                for (item, bytes) in batch.iter() {
+                    let c = item.cachelet;
+                    let resend = match item.bounce {
+                        None => {
+                            self.deliver(item.to, bytes);
+                            (c != NO_CACHELET).then(|| self.tables.answered(c)).flatten()
+                        }
+                        Some(b) => {
+                            let p = Parked { to: item.to, kind: b.kind, bytes: bytes.to_vec() };
+                            self.tables.bounced(c, b.hint, p)
+                        }
+                    };
+                    if let Some(q) = resend {
+                        self.resend(c, q);
+                    }
+                }
+            }
+            Envelope::Conn(sock, peer) => {
+                let listen = self.shared.main_addr;
+                self.register(TcpStream::from_std(sock), peer, listen);
+            }
+            Envelope::HandOff(h) => {
+                let HandOff { sock, peer, listen_addr, id, unread } = *h;
+                if let Some(ci) = self.register(TcpStream::from_std(sock), peer, listen_addr) {
+                    // Counted once, by the worker that accepted it.
+                    self.counters.total_connections -= 1;
+                    let c = &mut self.conns[ci];
+                    c.id = id;
+                    c.rbuf = unread;
+                    c.routed = true;
+                    c.proto = Some(Protocol::Text);
+                    dispatch::hello(&self.shared, self.shared.server_id, self.id, c.output.buf());
+                }
+            }
+            Envelope::Release { cachelet, to, token } => {
+                let peers = self.shared.peers();
+                let now_ns = self.shared.clock_ns();
+                let (store, tables, outbox) = (&mut self.store, &mut self.tables, &mut self.outbox);
+                if moves::release(self.id, store, tables, outbox, peers, now_ns, cachelet, to, token) {
+                    // Already at `to`: the move is done as it stands.
+                    self.shared.tell_controller(CtlMsg::Moved { token, cachelet, worker: to });
+                }
+            }
+            Envelope::Adopt { cachelet, ver, token } => {
+                let c = cachelet.id();
+                self.store.insert_cachelet(cachelet);
+                moves::announce(self.id, &mut self.outbox, c, ver);
+                if let Some(q) = self.tables.adopted(c, ver) {
+                    self.resend(c, q);
+                }
+                self.counters.cachelets_adopted += 1;
+                self.shared.tell_controller(CtlMsg::Moved { token, cachelet: c, worker: self.id });
+            }
+            Envelope::Sample { seq } => {
+                let sample = Box::new(self.sample());
+                self.shared.tell_controller(CtlMsg::Sample { seq, sample });
+            }
+            Envelope::Owner { cachelet, worker, ver } => {
+                if let Some(q) = self.tables.learn(cachelet, worker as u16, ver) {
+                    self.resend(cachelet, q);
+                }
+            }
+            Envelope::Flush { at } => self.store.flush_all(at),
+            Envelope::StatsReq { to, want_conns } => {
+                let snap = Box::new(self.snapshot(want_conns));
+                self.outbox[to.worker].push(Envelope::StatsResp { to, snap });
+            }
+            Envelope::StatsResp { to, snap } => {
+                if self.conns.get(to.conn).is_some_and(|c| c.gen == to.gen) {
+                    self.gathered(to.conn, to.seq, *snap);
+                }
+            }
+            Envelope::ResetStats => {
+                self.counters = Counters::default();
+                self.store.reset_stats();
+            }
+            Envelope::Stall { ms } => std::thread::sleep(Duration::from_millis(ms)),
+        }
+    }
+
+    /// Execute a peer's batch from its request `from` on. With a capacity
+    /// cap, only as many as the credit pays for: the rest of the batch
+    /// waits at the front of `held` (`held_pos` says where it resumes).
+    fn exec_batch(&mut self, batch: ReqBatch, from: usize, now_ns: u64) {
+        if from == 0 {
+            self.waited(now_ns, batch.sent_ns);
+        }
+        let mut n = batch.len() - from;
+        if self.capacity.limited() {
+            n = n.min(self.capacity.available());
+        }
+        // Overlap the index misses of the batch's gets and text stores.
+        for (req, bytes) in batch.iter().skip(from).take(n) {
+            match req.kind {
+                FwdKind::Values { .. } => {
+                    for key in bytes.split(|&b| b == b' ').filter(|k| !k.is_empty()) {
+                        self.store.prefetch(req.cachelet, mbal_cluster::key_hash(key));
+                    }
+                }
+                FwdKind::Raw(proto) => {
+                    if let Parsed::Req { req, .. } = mbal_proto::parse(proto, bytes, &self.limits) {
+                        prefetch_keys(&self.store, &self.shared.layout, &req);
+                    }
+                }
+            }
+        }
+        for (req, bytes) in batch.iter().skip(from).take(n) {
+            self.exec_forwarded(req, bytes);
+        }
+        self.capacity.spend(n as u64);
+        if from + n < batch.len() {
+            self.held.push_front(Envelope::Reqs(batch));
+            self.held_pos = from + n;
+            self.counters.capacity_stalls += 1;
+        }
+    }
+
+    /// With a capacity cap: must `env` wait in `held` instead of being
+    /// handled now? A peer's batch waits while the worker is out of credit;
+    /// and once anything waits, whatever could be ordered after it does
+    /// too (requests, flushes, stats resets, the move protocol), so that a
+    /// connection's requests and control messages keep their order
+    /// (`msg`). Replies, new connections and the controller's and stats
+    /// gathers' questions do not wait: they are no one's requests and are
+    /// ordered after nothing here.
+    fn hold(&mut self, env: &Envelope) -> bool {
+        let hold = match env {
+            Envelope::Reqs(_) => !self.held.is_empty() || !self.capacity.has_credit(),
+            Envelope::Replies(_)
+            | Envelope::Conn(..)
+            | Envelope::HandOff(_)
+            | Envelope::Sample { .. }
+            | Envelope::StatsReq { .. }
+            | Envelope::StatsResp { .. } => false,
+            Envelope::Flush { .. }
+            | Envelope::ResetStats
+            | Envelope::Release { .. }
+            | Envelope::Adopt { .. }
+            | Envelope::Owner { .. }
+            | Envelope::Stall { .. } => !self.held.is_empty(),
+        };
+        if hold && self.held.is_empty() {
+            self.counters.capacity_stalls += 1;
+        }
+        hold
+    }
+
+    /// Start of a round with a capacity cap: add the credit earned since
+    /// the last one, then spend it on the work that waited for it, oldest
+    /// first: peers' batches held in arrival order, then the connections.
+    fn refill(&mut self, now_ns: u64) {
+        self.capacity.refill(now_ns);
+        while let Some(env) = self.held.front() {
+            if matches!(env, Envelope::Reqs(_)) && !self.capacity.has_credit() {
+                return;
+            }
+            match self.held.pop_front().expect("just looked") {
+                Envelope::Reqs(batch) => {
+                    let from = std::mem::take(&mut self.held_pos);
+                    self.exec_batch(batch, from, now_ns);
+                }
+                env => self.take(env, now_ns),
+            }
+        }
+        if self.capacity.has_credit() {
+            for ci in std::mem::take(&mut self.throttled) {
+                if let Some(c) = self.conns.get_mut(ci) {
+                    c.throttled = false;
+                    self.requeue(ci);
+                }
+            }
+        }
+    }
+
+    /// Connection `ci` waits for capacity (its input stays where it is).
+    fn throttle(&mut self, ci: usize) {
+        let c = &mut self.conns[ci];
+        if !c.throttled {
+            c.throttled = true;
+            self.throttled.push(ci);
+            self.counters.capacity_stalls += 1;
         }
     }
 
@@ -874,6 +1009,7 @@ impl Worker {
         let (_, w) = self.tables.route(c);
         for p in parked {
             if w as usize == self.id {
+                self.capacity.spend(1);
                 let mut out = Vec::new();
                 let mut ctx = exec_ctx(&mut self.store, &self.shared, &mut self.counters, self.now);
                 execute(&mut ctx, &self.limits, p.kind, &p.bytes, &mut out);

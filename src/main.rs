@@ -1,6 +1,7 @@
 //! `mbal`: the one binary. Subcommands: `server`, `bench`, `cluster up`.
 
 mod cluster_up;
+mod server_args;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -15,7 +16,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Run a cache server (memcached's flags work: -p -l -t -m -c -I -M -C -F -U 0 -B -R -A -v -o)
-    Server(Box<mbal_server::config::ServerArgs>),
+    Server(Box<server_args::ServerArgs>),
     /// Generate load against memcached-protocol servers and report throughput and latency
     Bench(Box<mbal_bench::BenchArgs>),
     /// Local clusters

@@ -33,7 +33,6 @@ pub mod stats;
 mod tune;
 mod worker;
 
-use anyhow::{Context, Result};
 use config::Settings;
 use mbal_cluster::{ClusterMap, ServerInfo};
 use mbal_store::{GlobalPool, StoreConfig, WorkerStore};
@@ -110,11 +109,11 @@ impl Drop for ServerHandle {
 }
 
 /// Start a server with these settings; returns once every listener is bound.
-pub fn start(settings: Settings) -> Result<ServerHandle> {
+pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
     let workers = settings.threads;
     let main_addr = SocketAddr::new(settings.listen, settings.port);
     let main = bind_listener(main_addr, settings.backlog, settings.sock_cookie_id)
-        .with_context(|| format!("binding main port {main_addr}"))?;
+        .map_err(|e| std::io::Error::new(e.kind(), format!("binding main port {main_addr}: {e}")))?;
     let main_addr = main.local_addr()?;
     // Worker ports only when asked for (`--worker-port-base`); otherwise
     // routed clients reach their worker through the main port.
@@ -124,11 +123,15 @@ pub fn start(settings: Settings) -> Result<ServerHandle> {
             owns.push(None);
             continue;
         };
-        let port = if base == 0 { 0 } else { base.checked_add(i as u16).context("worker port overflows")? };
+        let port = if base == 0 {
+            0
+        } else {
+            base.checked_add(i as u16).ok_or_else(|| std::io::Error::other("worker port overflows"))?
+        };
         let addr = SocketAddr::new(settings.listen, port);
         owns.push(Some(
             bind_listener(addr, settings.backlog, settings.sock_cookie_id)
-                .with_context(|| format!("binding worker {i} port {addr}"))?,
+                .map_err(|e| std::io::Error::new(e.kind(), format!("binding worker {i} port {addr}: {e}")))?,
         ));
     }
     let worker_addrs: Vec<SocketAddr> =
@@ -232,7 +235,7 @@ const ACCEPT: mio::Token = mio::Token(0);
 const ACCEPT_WAKER: mio::Token = mio::Token(1);
 
 impl Acceptor {
-    fn new(listener: std::net::TcpListener, shared: Arc<Shared>) -> Result<Acceptor> {
+    fn new(listener: std::net::TcpListener, shared: Arc<Shared>) -> std::io::Result<Acceptor> {
         let poll = mio::Poll::new()?;
         let mut listener = mio::net::TcpListener::from_std(listener);
         poll.registry().register(&mut listener, ACCEPT, mio::Interest::READABLE)?;

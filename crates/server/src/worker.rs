@@ -1253,3 +1253,22 @@ fn render_stats(
         }
     }
 }
+
+#[cfg(test)]
+mod listener_tests {
+    /// `-o sock_cookie_id=N` marks the listening sockets (SO_MARK needs CAP_NET_ADMIN; without
+    /// it, the start fails with a line naming the option).
+    #[test]
+    fn sock_cookie_id_marks_listeners() {
+        let addr: std::net::SocketAddr = "127.0.0.1:0".parse().unwrap();
+        match super::bind_listener(addr, 16, 42) {
+            Ok(l) => assert_eq!(socket2::SockRef::from(&l).mark().unwrap(), 42),
+            Err(e) => {
+                assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}");
+                assert!(e.to_string().contains("-o sock_cookie_id=42"), "{e}");
+            }
+        }
+        let l = super::bind_listener(addr, 16, 0).unwrap();
+        assert_eq!(socket2::SockRef::from(&l).mark().unwrap(), 0, "no mark unless asked");
+    }
+}

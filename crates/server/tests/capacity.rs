@@ -183,24 +183,3 @@ fn a_flush_behind_held_requests_stays_behind_them() {
     assert!(worker_stat(&mut admin, 1, "capacity_stalls") > 0, "nothing was held");
     srv.shutdown();
 }
-
-#[test]
-fn the_flag_and_the_config_file_set_it() {
-    use clap::Parser;
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        a: mbal_server::config::ServerArgs,
-    }
-    let (s, _) = Cli::parse_from(["mbal", "--worker-capacity", "50000"]).a.resolve().unwrap();
-    assert_eq!(s.worker_capacity, 50_000);
-    let (s, _) = Cli::parse_from(["mbal"]).a.resolve().unwrap();
-    assert_eq!(s.worker_capacity, 0, "unlimited unless asked");
-    let dir = std::env::temp_dir().join(format!("mbal-cap-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let f = dir.join("mbal.toml");
-    std::fs::write(&f, "worker_capacity = 1234\n").unwrap();
-    let (s, _) = Cli::parse_from(["mbal", "--config", f.to_str().unwrap()]).a.resolve().unwrap();
-    assert_eq!(s.worker_capacity, 1234);
-    std::fs::remove_dir_all(&dir).unwrap();
-}

@@ -2,8 +2,10 @@
 //! `cachelets_per_worker` cachelets of the key space.
 //!
 //! * `config`: memcached's command line, mbal's options and the TOML file.
-//! * `worker`: the per-thread event loop: connections, reads and writes,
-//!   the inbox.
+//! * `worker`: the per-thread event loop and the state workers share;
+//!   `worker/conn.rs` its connections (accept, read, parse and dispatch,
+//!   write, back-pressure, hand-over); `worker/inbox.rs` what peers and the
+//!   controller send it, and the executor of forwarded requests.
 //! * `dispatch`: the one place that routes a parsed request (execute here,
 //!   forward to the owning worker, redirect, or answer for another server).
 //! * `exec`: executes text, meta and binary requests against the store.

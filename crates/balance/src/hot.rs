@@ -119,10 +119,14 @@ pub struct HotConfig {
     /// The fraction of requests the caller samples into the tracker
     /// (default 0.03, SPORE's 3%); rates are samples ÷ this ÷ epoch.
     pub sample_rate: f64,
+    /// The tracker (default lossy counting, chosen by measurement:
+    /// docs/design-notes.md "Phase 1: which hot-key tracker").
     pub tracker: TrackerKind,
-    /// Keys the tracker holds (default 256).
+    /// Keys the tracker holds (the lossy counter's epsilon is 1/capacity;
+    /// default 1024) and the most keys the policy considers per epoch.
     pub capacity: usize,
-    /// Weight of the past at each epoch end (default 0.5).
+    /// Weight of the past at each epoch end for the EWMA and Space-Saving
+    /// trackers (default 0.5; the lossy counter restarts each epoch).
     pub decay: f64,
     /// The max/avg worker load to reach (default 1.1); also the hotspot
     /// trigger: a worker above `target_imbalance` × the mean load (or
@@ -154,8 +158,8 @@ impl Default for HotConfig {
     fn default() -> Self {
         HotConfig {
             sample_rate: 0.03,
-            tracker: TrackerKind::SpaceSaving,
-            capacity: 256,
+            tracker: TrackerKind::Lossy,
+            capacity: 1024,
             decay: 0.5,
             target_imbalance: 1.1,
             repl_high: None,
@@ -328,7 +332,8 @@ fn estimate_with(rates: &[(f64, u32)], avg: f64, n: usize, spread: f64, emax: f6
 fn normal_cdf(x: f64) -> f64 {
     let z = x.abs() / std::f64::consts::SQRT_2;
     let t = 1.0 / (1.0 + 0.327_591_1 * z);
-    let poly = t * (0.254_829_592 + t * (-0.284_496_736 + t * (1.421_413_741 + t * (-1.453_152_027 + t * 1.061_405_429))));
+    let poly =
+        t * (0.254_829_592 + t * (-0.284_496_736 + t * (1.421_413_741 + t * (-1.453_152_027 + t * 1.061_405_429))));
     let erf = 1.0 - poly * (-z * z).exp();
     0.5 * (1.0 + if x >= 0.0 { erf } else { -erf })
 }
@@ -446,9 +451,7 @@ impl HotKeys {
                 replicas: e.replicas,
             })
             .collect();
-        v.sort_by(|a, b| {
-            (b.reads_per_sec + b.writes_per_sec).total_cmp(&(a.reads_per_sec + a.writes_per_sec))
-        });
+        v.sort_by(|a, b| (b.reads_per_sec + b.writes_per_sec).total_cmp(&(a.reads_per_sec + a.writes_per_sec)));
         v.truncate(k);
         v
     }
@@ -571,12 +574,7 @@ impl HotKeys {
         let spread = f64::from(view.servers.max(1));
         let target = self.cfg.target_imbalance;
         let (t, est) = choose_threshold(&keys, avg, n, spread, max_copies, target);
-        let unreplicated = estimate_max_over_avg(
-            &keys.iter().map(|k| (k.0, 1)).collect::<Vec<_>>(),
-            avg,
-            n,
-            spread,
-        );
+        let unreplicated = estimate_max_over_avg(&keys.iter().map(|k| (k.0, 1)).collect::<Vec<_>>(), avg, n, spread);
 
         let mut replicate = Vec::new();
         let mut retire = Vec::new();
@@ -676,12 +674,8 @@ impl HotKeys {
             escalate = why.map(|why| HotEscalation { why, workers: hot_workers.clone() });
         }
 
-        let hints = self
-            .keys
-            .iter()
-            .filter(|(_, e)| e.state == KeyState::Hot)
-            .map(|(k, e)| (k.clone(), e.replicas))
-            .collect();
+        let hints =
+            self.keys.iter().filter(|(_, e)| e.state == KeyState::Hot).map(|(k, e)| (k.clone(), e.replicas)).collect();
         log.sort_by(|a, b| a.0.cmp(&b.0));
         ReplicaDecision {
             epoch: snap.seq,
@@ -869,8 +863,7 @@ mod tests {
         let n = 16usize;
         let avg = 1000.0;
         let h: f64 = (1..=100_000).map(|i| 1.0 / f64::from(i).powf(0.99)).sum();
-        let keys: Vec<(f64, bool)> =
-            (1..=256).map(|i| (avg * n as f64 / f64::from(i).powf(0.99) / h, true)).collect();
+        let keys: Vec<(f64, bool)> = (1..=256).map(|i| (avg * n as f64 / f64::from(i).powf(0.99) / h, true)).collect();
         let (t, est) = choose_threshold(&keys, avg, n, 1.0, 16, 1.1);
         let replicated = keys.iter().filter(|k| copies(k.0, t, 16) > 1).count();
         eprintln!("T {t} est {est} replicated {replicated}");

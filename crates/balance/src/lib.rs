@@ -26,12 +26,12 @@ pub mod snapshot;
 pub mod tracker;
 
 pub use config::{Config, Planner};
-pub use measure::{load_of, worker_loads, Imbalance};
-pub use plan::{Method, Objective, Plan, Problem};
-pub use policy::{Balancer, Decision, EscalateWhy, Escalation, Lease, Move, State, Transition, Why};
-pub use snapshot::{CacheletLoad, CacheletSample, EpochSnapshot, WorkerLoad, WorkerSample};
 pub use hot::{
     replica_location, ClusterView, HotConfig, HotEscalateWhy, HotEscalation, HotKeyStat, HotKeys, KeyState,
     KeyTransition, ReplicaDecision,
 };
+pub use measure::{load_of, worker_loads, Imbalance};
+pub use plan::{Method, Objective, Plan, Problem};
+pub use policy::{Balancer, Decision, EscalateWhy, Escalation, Lease, Move, State, Transition, Why};
+pub use snapshot::{CacheletLoad, CacheletSample, EpochSnapshot, WorkerLoad, WorkerSample};
 pub use tracker::{Access, Tracker, TrackerKind};

@@ -11,15 +11,27 @@
 //! * [`policy`]: the [`Balancer`]: MBal's Figure 4 state machine,
 //!   persistence, leases; one [`Decision`] per epoch.
 //! * [`config`]: every knob, with its default.
+//! * [`tracker`]: sampled hot-key trackers (SPORE's EWMA cache,
+//!   Space-Saving, lossy counting).
+//! * [`hot`]: Phase 1, hot-key replication: [`HotKeys`], SPORE's key
+//!   states, r = ceil(f/T) with T from a balls-and-bins estimate,
+//!   REPL_high, and the RIKR-style [`replica_location`].
 
 pub mod config;
+pub mod hot;
 pub mod measure;
 pub mod plan;
 pub mod policy;
 pub mod snapshot;
+pub mod tracker;
 
 pub use config::{Config, Planner};
+pub use hot::{
+    replica_location, ClusterView, HotConfig, HotEscalateWhy, HotEscalation, HotKeyStat, HotKeys, KeyState,
+    KeyTransition, ReplicaDecision,
+};
 pub use measure::{load_of, worker_loads, Imbalance};
 pub use plan::{Method, Objective, Plan, Problem};
 pub use policy::{Balancer, Decision, EscalateWhy, Escalation, Lease, Move, State, Transition, Why};
 pub use snapshot::{CacheletLoad, CacheletSample, EpochSnapshot, WorkerLoad, WorkerSample};
+pub use tracker::{Access, Tracker, TrackerKind};

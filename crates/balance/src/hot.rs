@@ -1,0 +1,1073 @@
+//! Phase 1 policy: hot-key replication (DESIGN.md §6; MBal §3.2, SPORE §3,
+//! NetKV §IV). Pure: the caller samples requests, feeds them to
+//! [`HotKeys::observe`], calls [`HotKeys::on_epoch`] once per balancer
+//! epoch with the server's [`EpochSnapshot`], carries out the
+//! [`ReplicaDecision`] and reports back ([`HotKeys::replicas_ready`],
+//! [`HotKeys::replication_failed`], [`HotKeys::write_propagating`]).
+//!
+//! * Hotspot triggering (SPORE §3.5): only a key whose worker is past its
+//!   load threshold starts being replicated.
+//! * Replica count (NetKV §IV-B): r = ceil(f/T) copies (home included), T
+//!   chosen each epoch as the largest threshold whose estimated max/avg
+//!   worker load meets `target_imbalance` ([`choose_threshold`]).
+//! * REPL_high (MBal §3.2) caps the keys replicated at once; a hotspot it
+//!   cannot fix (cap reached, write-heavy, or no single hot key) is
+//!   reported as a [`HotEscalation`] for Phase 2/3.
+//! * Per key, SPORE's five states ([`KeyState`]) with named transitions
+//!   ([`step`]).
+//! * [`replica_location`]: where replica i of a key lives, computable by a
+//!   client from the key hash, its home and the replica count alone.
+
+use crate::config::Config;
+use crate::measure::worker_loads;
+use crate::snapshot::EpochSnapshot;
+use crate::tracker::{self, Access, Counted, Tracker, TrackerKind};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// A tracked key's state (SPORE Fig. 5).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum KeyState {
+    /// Not in the metadata table.
+    Invalid,
+    /// Tracked, not replicated.
+    Cold,
+    /// Replicas being created or a write being propagated to them: no new
+    /// leases (the hint says 0 replicas).
+    HotPending,
+    /// Replicated: reads get the replica count and a lease.
+    Hot,
+    /// Cooled: no new leases; replicas stay (and get writes) until every
+    /// lease handed out has ended, then they are deleted.
+    ColdPending,
+}
+
+/// What happens to a tracked key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum KeyEvent {
+    /// It is among the tracker's hottest keys.
+    Tracked,
+    /// It left the tracker's hottest keys.
+    Dropped,
+    /// Hot enough, read-mostly, on a worker past its threshold.
+    Heated,
+    /// Hot and its rate now calls for more replicas.
+    Grew,
+    /// The mechanism created (or updated) every replica.
+    Ready,
+    /// The mechanism could not create or update the replicas (or did not
+    /// confirm in time).
+    Failed,
+    /// A write at home is being propagated to the replicas.
+    WriteStarted,
+    /// Cool (or write-heavy) for `cool_epochs` epochs.
+    Cooled,
+    /// Every lease handed out has ended.
+    LeasesEnded,
+}
+
+/// A named edge of [`step`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum KeyTransition {
+    /// INVALID → COLD.
+    Track,
+    /// COLD → INVALID (only cold entries are evicted).
+    Evict,
+    /// COLD → HOT_PENDING: create replicas.
+    Replicate,
+    /// HOT → HOT_PENDING: create more replicas.
+    AddReplicas,
+    /// HOT_PENDING → HOT: replicas ready, leases granted.
+    ReplicasReady,
+    /// HOT_PENDING → COLD_PENDING: creation or propagation failed; wait
+    /// out the leases and delete what exists.
+    ReplicationFailed,
+    /// HOT → HOT_PENDING: propagating a write, leases revoked meanwhile.
+    PropagateWrite,
+    /// HOT → COLD_PENDING: the key cooled.
+    Cool,
+    /// COLD_PENDING → HOT: hot again while its replicas still exist.
+    Reheat,
+    /// COLD_PENDING → COLD: leases over, replicas deleted.
+    Retire,
+}
+
+/// The state machine: the next state and the edge taken, or `None` when
+/// the event does not apply in that state (it is then ignored).
+pub fn step(s: KeyState, e: KeyEvent) -> Option<(KeyState, KeyTransition)> {
+    use KeyEvent as E;
+    use KeyState as S;
+    use KeyTransition as T;
+    Some(match (s, e) {
+        (S::Invalid, E::Tracked) => (S::Cold, T::Track),
+        (S::Cold, E::Dropped) => (S::Invalid, T::Evict),
+        (S::Cold, E::Heated) => (S::HotPending, T::Replicate),
+        (S::HotPending, E::Ready) => (S::Hot, T::ReplicasReady),
+        (S::HotPending, E::Failed) => (S::ColdPending, T::ReplicationFailed),
+        (S::Hot, E::Grew) => (S::HotPending, T::AddReplicas),
+        (S::Hot, E::WriteStarted) => (S::HotPending, T::PropagateWrite),
+        (S::Hot, E::Cooled) => (S::ColdPending, T::Cool),
+        (S::ColdPending, E::Heated) => (S::Hot, T::Reheat),
+        (S::ColdPending, E::LeasesEnded) => (S::Cold, T::Retire),
+        _ => return None,
+    })
+}
+
+/// Phase 1's knobs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct HotConfig {
+    /// The fraction of requests the caller samples into the tracker
+    /// (default 0.03, SPORE's 3%); rates are samples ÷ this ÷ epoch.
+    pub sample_rate: f64,
+    /// The tracker (default lossy counting, chosen by measurement:
+    /// docs/design-notes.md "Phase 1: which hot-key tracker").
+    pub tracker: TrackerKind,
+    /// Keys the tracker holds (the lossy counter's epsilon is 1/capacity;
+    /// default 1024) and the most keys the policy considers per epoch.
+    pub capacity: usize,
+    /// Weight of the past at each epoch end for the EWMA and Space-Saving
+    /// trackers (default 0.5; the lossy counter restarts each epoch).
+    pub decay: f64,
+    /// The max/avg worker load to reach (default 1.1); also the hotspot
+    /// trigger: a worker above `target_imbalance` × the mean load (or
+    /// above `saturated_util` × its capacity, when known) replicates.
+    pub target_imbalance: f64,
+    /// REPL_high: at most this many keys of this server replicated at
+    /// once. `None`: this server's share of 2·n·ln n for the cluster's n
+    /// workers, ceil(2·w·ln n) for its w workers.
+    pub repl_high: Option<usize>,
+    /// SPORE's read-up/write-down weights: a key is replicable when
+    /// `read_up` × reads − `write_down` × writes > 0 (default 1 and 9:
+    /// at least 9 reads per write).
+    pub read_up: f64,
+    pub write_down: f64,
+    /// A client lease on a replica, in epochs (default 2); COLD_PENDING
+    /// waits this long (plus one epoch) before replicas are deleted.
+    pub lease_epochs: u32,
+    /// A HOT key cools when, for `cool_epochs` epochs (default 3), it
+    /// needs no replica any more (its rate is at most T: with T re-chosen
+    /// each epoch, the estimate is met without it) or it turned
+    /// write-heavy.
+    pub cool_epochs: u32,
+    /// Epochs HOT_PENDING may wait for [`HotKeys::replicas_ready`]
+    /// (default 3).
+    pub pending_timeout_epochs: u32,
+}
+
+impl Default for HotConfig {
+    fn default() -> Self {
+        HotConfig {
+            sample_rate: 0.03,
+            tracker: TrackerKind::Lossy,
+            capacity: 1024,
+            decay: 0.5,
+            target_imbalance: 1.1,
+            repl_high: None,
+            read_up: 1.0,
+            write_down: 9.0,
+            lease_epochs: 2,
+            cool_epochs: 3,
+            pending_timeout_epochs: 3,
+        }
+    }
+}
+
+/// What the policy knows of the cluster beyond this server.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ClusterView {
+    /// This server's index.
+    pub server: u16,
+    pub servers: u16,
+    /// Workers per server.
+    pub workers: u16,
+    /// The cluster's mean load per worker (requests/s), when known (from
+    /// the coordinator); else this server's mean stands for it.
+    pub avg_load: Option<f64>,
+}
+
+impl ClusterView {
+    /// n, the cluster's workers.
+    pub fn n(&self) -> usize {
+        usize::from(self.servers) * usize::from(self.workers)
+    }
+
+    /// The most copies a key can have: home plus one on every worker of
+    /// every other server.
+    pub fn max_copies(&self) -> u32 {
+        1 + u32::from(self.servers.saturating_sub(1)) * u32::from(self.workers)
+    }
+}
+
+/// Replicate a key now (new, or more replicas than before).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Replicate {
+    pub key: Vec<u8>,
+    /// The worker that is its home.
+    pub worker: u16,
+    /// γ: replicas 1..=γ (home not counted) at [`replica_location`].
+    pub replicas: u32,
+    /// The lease clients get, in epochs.
+    pub lease_epochs: u32,
+}
+
+/// Delete a key's replicas 1..=`replicas`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Retire {
+    pub key: Vec<u8>,
+    pub worker: u16,
+    pub replicas: u32,
+}
+
+/// Why Phase 1 cannot fix a hotspot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum HotEscalateWhy {
+    /// More keys call for replicas than REPL_high allows.
+    ReplHigh { wanted: usize, cap: usize },
+    /// Most of a hot worker's hot-key load is write-heavy.
+    WriteHeavy,
+    /// A worker is hot but no single key of it is hot enough to copy
+    /// (a hot partition: Phase 2's case).
+    NoHotKeys,
+    /// A single server: there is no other server for shadows.
+    NoShadows,
+}
+
+/// A hotspot Phase 1 leaves to Phase 2/3.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct HotEscalation {
+    pub why: HotEscalateWhy,
+    /// The hot workers concerned.
+    pub workers: Vec<u16>,
+}
+
+/// A tracked key as `stats hotkeys` shows it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct HotKeyStat {
+    pub key: Vec<u8>,
+    pub worker: u16,
+    /// Estimated requests per second over all copies.
+    pub reads_per_sec: f64,
+    pub writes_per_sec: f64,
+    pub state: KeyState,
+    pub replicas: u32,
+}
+
+/// One epoch's Phase 1 decision.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ReplicaDecision {
+    pub epoch: u64,
+    /// T (requests/s): r = ceil(f/T).
+    pub threshold: f64,
+    /// The estimated max/avg worker load with every replicable key at its
+    /// r (balls and bins), and without replication.
+    pub estimated_max_over_avg: f64,
+    pub unreplicated_max_over_avg: f64,
+    /// Workers past their load threshold.
+    pub hot_workers: Vec<u16>,
+    pub replicate: Vec<Replicate>,
+    pub retire: Vec<Retire>,
+    /// Keys whose reads get a replica count and lease now (HOT), with γ.
+    pub hints: Vec<(Vec<u8>, u32)>,
+    pub escalate: Option<HotEscalation>,
+    /// Keys with replicas (HOT_PENDING, HOT, COLD_PENDING) after this.
+    pub replicated: usize,
+    /// State changes this epoch, in key order.
+    pub transitions: Vec<(Vec<u8>, KeyTransition)>,
+}
+
+#[derive(Clone, Debug)]
+struct Entry {
+    state: KeyState,
+    worker: u16,
+    replicas: u32,
+    /// The epoch the current state was entered.
+    since: u64,
+    cool: u32,
+    reads: f64,
+    writes: f64,
+}
+
+/// One server's Phase 1 policy.
+pub struct HotKeys {
+    cfg: HotConfig,
+    balance: Config,
+    tracker: Box<dyn Tracker + Send>,
+    keys: BTreeMap<Vec<u8>, Entry>,
+    now: u64,
+}
+
+/// The estimated max/avg worker load (NetKV §IV-D, in its "many balls"
+/// form generalised to unequal balls): each key of rate f with r copies on
+/// distinct workers puts f/r on r of the n workers, so it adds
+/// (f²/n)(1/r − 1/n) to a worker's load variance; the most loaded of n
+/// workers is estimated at avg + max(E[max of n standard normals] · σ,
+/// the largest single copy f/r − f/n). (NetKV's Eq. 1 uses √(2 ln n) for
+/// the first factor, an upper bound that is 33% high at n = 16; the
+/// expected maximum is what a settled max/avg measures.) Keys the tracker does not hold are NetKV's cold keys,
+/// spread evenly. `spread` multiplies the variance: this server sees
+/// 1/`spread` of the cluster's keys, and the others' are taken to look
+/// like its own.
+pub fn estimate_max_over_avg(rates: &[(f64, u32)], avg: f64, n: usize, spread: f64) -> f64 {
+    estimate_with(rates, avg, n, spread, expected_max_normal(n))
+}
+
+fn estimate_with(rates: &[(f64, u32)], avg: f64, n: usize, spread: f64, emax: f64) -> f64 {
+    if avg <= 0.0 || n < 2 {
+        return 1.0;
+    }
+    let nf = n as f64;
+    let mut var = 0.0;
+    let mut piece: f64 = 0.0;
+    for &(f, r) in rates {
+        let r = f64::from(r.max(1)).min(nf);
+        var += f * f / nf * (1.0 / r - 1.0 / nf);
+        piece = piece.max(f / r - f / nf);
+    }
+    let spread_dev = emax * (var * spread.max(1.0)).sqrt();
+    1.0 + spread_dev.max(piece) / avg
+}
+
+/// Φ, the standard normal distribution function (Abramowitz and Stegun
+/// 7.1.26, error under 1.5e-7).
+fn normal_cdf(x: f64) -> f64 {
+    let z = x.abs() / std::f64::consts::SQRT_2;
+    let t = 1.0 / (1.0 + 0.327_591_1 * z);
+    let poly =
+        t * (0.254_829_592 + t * (-0.284_496_736 + t * (1.421_413_741 + t * (-1.453_152_027 + t * 1.061_405_429))));
+    let erf = 1.0 - poly * (-z * z).exp();
+    0.5 * (1.0 + if x >= 0.0 { erf } else { -erf })
+}
+
+/// E[max of n independent standard normals], by numeric integration of
+/// x · n φ(x) Φ(x)^(n−1) (0 for n ≤ 1).
+pub fn expected_max_normal(n: usize) -> f64 {
+    if n <= 1 {
+        return 0.0;
+    }
+    let steps = 2000;
+    let (lo, hi) = (-8.0, 8.0);
+    let h = (hi - lo) / f64::from(steps);
+    let nf = n as f64;
+    (0..steps)
+        .map(|i| {
+            let x = lo + (f64::from(i) + 0.5) * h;
+            let pdf = (-x * x / 2.0).exp() / (2.0 * std::f64::consts::PI).sqrt();
+            x * nf * pdf * normal_cdf(x).powf(nf - 1.0) * h
+        })
+        .sum()
+}
+
+/// Copies for a key of rate `f` at threshold `t`: ceil(f/t), at least 1,
+/// at most `max_copies`.
+pub fn copies(f: f64, t: f64, max_copies: u32) -> u32 {
+    if t <= 0.0 || f <= t {
+        return 1;
+    }
+    ((f / t).ceil() as u32).clamp(1, max_copies.max(1))
+}
+
+/// NetKV §IV-E's adaptive threshold: sweeping T down from the hottest
+/// rate by 10% steps, the largest T whose estimate meets `target`
+/// (replicable keys at ceil(f/T) copies, others at 1). Returns (T, the
+/// estimate at T); when no T meets it, the smallest tried (every key at
+/// its most copies).
+pub fn choose_threshold(
+    keys: &[(f64, bool)],
+    avg: f64,
+    n: usize,
+    spread: f64,
+    max_copies: u32,
+    target: f64,
+) -> (f64, f64) {
+    let fmax = keys.iter().filter(|k| k.1).map(|k| k.0).fold(0.0, f64::max);
+    let emax = expected_max_normal(n);
+    let at = |t: f64| {
+        let rates: Vec<(f64, u32)> =
+            keys.iter().map(|&(f, ok)| (f, if ok { copies(f, t, max_copies) } else { 1 })).collect();
+        estimate_with(&rates, avg, n, spread, emax)
+    };
+    if fmax <= 0.0 {
+        return (f64::INFINITY, at(f64::INFINITY));
+    }
+    let fmin = keys.iter().filter(|k| k.1 && k.0 > 0.0).map(|k| k.0).fold(fmax, f64::min);
+    let mut t = fmax;
+    let mut est = at(t);
+    // Below fmin / max_copies nothing changes any more.
+    let floor = fmin / f64::from(max_copies.max(1)) * 0.9;
+    while est > target && t > floor {
+        t *= 0.9;
+        est = at(t);
+    }
+    (t, est)
+}
+
+impl HotKeys {
+    /// Phase 1 with its knobs and the balancer's (load weights, worker
+    /// capacity, saturation, minimum load).
+    pub fn new(cfg: HotConfig, balance: Config) -> HotKeys {
+        let tracker = tracker::build(cfg.tracker, cfg.capacity, cfg.decay);
+        HotKeys { cfg, balance, tracker, keys: BTreeMap::new(), now: 0 }
+    }
+
+    pub fn config(&self) -> &HotConfig {
+        &self.cfg
+    }
+
+    /// One sampled request, served by `worker`.
+    pub fn observe(&mut self, key: &[u8], kind: Access, worker: u16) {
+        self.tracker.observe(key, kind, worker);
+    }
+
+    /// A key's state (INVALID when not tracked).
+    pub fn state(&self, key: &[u8]) -> KeyState {
+        self.keys.get(key).map_or(KeyState::Invalid, |e| e.state)
+    }
+
+    /// γ to piggyback on a reply for `key`: its replicas when HOT, else 0
+    /// (SPORE: no new leases in the pending states).
+    pub fn hint(&self, key: &[u8]) -> u32 {
+        match self.keys.get(key) {
+            Some(e) if e.state == KeyState::Hot => e.replicas,
+            _ => 0,
+        }
+    }
+
+    /// Keys with replicas now (HOT_PENDING, HOT, COLD_PENDING).
+    pub fn replicated(&self) -> usize {
+        self.keys.values().filter(|e| e.replicas > 0).count()
+    }
+
+    /// The tracked keys, hottest first (for `stats hotkeys`).
+    pub fn top(&self, k: usize) -> Vec<HotKeyStat> {
+        let mut v: Vec<HotKeyStat> = self
+            .keys
+            .iter()
+            .map(|(key, e)| HotKeyStat {
+                key: key.clone(),
+                worker: e.worker,
+                reads_per_sec: e.reads,
+                writes_per_sec: e.writes,
+                state: e.state,
+                replicas: e.replicas,
+            })
+            .collect();
+        v.sort_by(|a, b| (b.reads_per_sec + b.writes_per_sec).total_cmp(&(a.reads_per_sec + a.writes_per_sec)));
+        v.truncate(k);
+        v
+    }
+
+    fn apply(&mut self, key: &[u8], e: KeyEvent, log: &mut Vec<(Vec<u8>, KeyTransition)>) -> bool {
+        let Some(entry) = self.keys.get_mut(key) else {
+            return false;
+        };
+        let Some((next, t)) = step(entry.state, e) else {
+            return false;
+        };
+        entry.state = next;
+        entry.since = self.now;
+        entry.cool = 0;
+        log.push((key.to_vec(), t));
+        true
+    }
+
+    /// The mechanism created or updated every replica of `key`
+    /// (HOT_PENDING → HOT).
+    pub fn replicas_ready(&mut self, key: &[u8]) -> Option<KeyTransition> {
+        let mut log = Vec::new();
+        self.apply(key, KeyEvent::Ready, &mut log);
+        log.pop().map(|l| l.1)
+    }
+
+    /// The mechanism could not (HOT_PENDING → COLD_PENDING; the replicas
+    /// that exist are deleted once the leases are over).
+    pub fn replication_failed(&mut self, key: &[u8]) -> Option<KeyTransition> {
+        let mut log = Vec::new();
+        self.apply(key, KeyEvent::Failed, &mut log);
+        log.pop().map(|l| l.1)
+    }
+
+    /// A write to a HOT key is being propagated (HOT → HOT_PENDING until
+    /// [`HotKeys::replicas_ready`]).
+    pub fn write_propagating(&mut self, key: &[u8]) -> Option<KeyTransition> {
+        let mut log = Vec::new();
+        self.apply(key, KeyEvent::WriteStarted, &mut log);
+        log.pop().map(|l| l.1)
+    }
+
+    fn repl_high(&self, view: &ClusterView) -> usize {
+        self.cfg.repl_high.unwrap_or_else(|| {
+            let n = view.n().max(2) as f64;
+            (2.0 * f64::from(view.workers) * n.ln()).ceil() as usize
+        })
+    }
+
+    /// One epoch.
+    pub fn on_epoch(&mut self, snap: &EpochSnapshot, view: &ClusterView) -> ReplicaDecision {
+        self.now += 1;
+        let now = self.now;
+        let mut log = Vec::new();
+        let counted: Vec<Counted> = self.tracker.end_epoch();
+
+        // Loads and the hotspot trigger.
+        let loads = worker_loads(snap, &self.balance);
+        let local_avg = if loads.is_empty() { 0.0 } else { loads.iter().sum::<f64>() / loads.len() as f64 };
+        let avg = view.avg_load.unwrap_or(local_avg);
+        let mut limit = self.cfg.target_imbalance * avg;
+        if let Some(cap) = self.balance.worker_capacity.filter(|c| *c > 0.0) {
+            limit = limit.min(cap * self.balance.saturated_util);
+        }
+        let hot_workers: Vec<u16> = snap
+            .workers
+            .iter()
+            .zip(&loads)
+            .filter(|(_, &l)| avg >= self.balance.min_load && l > limit)
+            .map(|(w, _)| w.worker)
+            .collect();
+
+        // Rates: samples ÷ sampling rate ÷ epoch length; a HOT key's home
+        // sees 1/(γ+1) of its reads.
+        let secs = {
+            let s: Vec<f64> = snap.workers.iter().map(|w| w.secs).filter(|s| *s > 0.0).collect();
+            if s.is_empty() {
+                1.0
+            } else {
+                s.iter().sum::<f64>() / s.len() as f64
+            }
+        };
+        let scale = 1.0 / (self.cfg.sample_rate.max(1e-9) * secs);
+        let mut seen: BTreeMap<Vec<u8>, (u16, f64, f64)> = BTreeMap::new();
+        for c in counted.iter().take(self.cfg.capacity).filter(|c| c.total() >= 0.5) {
+            let mut reads = (c.reads + c.error) * scale;
+            if let Some(e) = self.keys.get(&c.key) {
+                if e.state == KeyState::Hot {
+                    reads *= f64::from(e.replicas + 1);
+                }
+            }
+            seen.insert(c.key.clone(), (c.worker, reads, c.writes * scale));
+        }
+
+        // INVALID ↔ COLD; every entry's rate.
+        for (k, &(worker, reads, writes)) in &seen {
+            if !self.keys.contains_key(k) {
+                let e = Entry { state: KeyState::Invalid, worker, replicas: 0, since: now, cool: 0, reads, writes };
+                self.keys.insert(k.clone(), e);
+                self.apply(k, KeyEvent::Tracked, &mut log);
+            }
+            let e = self.keys.get_mut(k).expect("inserted");
+            (e.worker, e.reads, e.writes) = (worker, reads, writes);
+        }
+        let dropped: Vec<Vec<u8>> = self.keys.keys().filter(|k| !seen.contains_key(*k)).cloned().collect();
+        for k in dropped {
+            if !self.apply(&k, KeyEvent::Dropped, &mut log) {
+                let e = self.keys.get_mut(&k).expect("present");
+                (e.reads, e.writes) = (0.0, 0.0);
+            }
+        }
+        self.keys.retain(|_, e| e.state != KeyState::Invalid);
+
+        // T from the balls-and-bins estimate.
+        let (up, down) = (self.cfg.read_up, self.cfg.write_down);
+        let replicable = |e: &Entry| up * e.reads - down * e.writes > 0.0;
+        let keys: Vec<(f64, bool)> = self.keys.values().map(|e| (e.reads + e.writes, replicable(e))).collect();
+        let n = view.n();
+        let max_copies = view.max_copies();
+        let spread = f64::from(view.servers.max(1));
+        let target = self.cfg.target_imbalance;
+        let (t, est) = choose_threshold(&keys, avg, n, spread, max_copies, target);
+        let unreplicated = estimate_max_over_avg(&keys.iter().map(|k| (k.0, 1)).collect::<Vec<_>>(), avg, n, spread);
+
+        let mut replicate = Vec::new();
+        let mut retire = Vec::new();
+        let lease = self.cfg.lease_epochs;
+        let names: Vec<Vec<u8>> = self.keys.keys().cloned().collect();
+        let mut heat: Vec<(f64, Vec<u8>)> = Vec::new();
+        for k in &names {
+            let e = &self.keys[k];
+            let f = e.reads + e.writes;
+            let ok = replicable(e);
+            let want = if ok { copies(f, t, max_copies) - 1 } else { 0 };
+            match e.state {
+                KeyState::Cold if want > 0 && hot_workers.contains(&e.worker) && max_copies > 1 => {
+                    heat.push((f, k.clone()));
+                }
+                KeyState::Hot => {
+                    let cool = !ok || copies(f, t, max_copies) == 1;
+                    if cool {
+                        let e = self.keys.get_mut(k).expect("present");
+                        e.cool += 1;
+                        if e.cool >= self.cfg.cool_epochs.max(1) {
+                            self.apply(k, KeyEvent::Cooled, &mut log);
+                        }
+                    } else if want > e.replicas {
+                        let worker = e.worker;
+                        self.keys.get_mut(k).expect("present").replicas = want;
+                        self.apply(k, KeyEvent::Grew, &mut log);
+                        replicate.push(Replicate { key: k.clone(), worker, replicas: want, lease_epochs: lease });
+                    } else {
+                        self.keys.get_mut(k).expect("present").cool = 0;
+                    }
+                }
+                KeyState::HotPending if now - e.since >= u64::from(self.cfg.pending_timeout_epochs.max(1)) => {
+                    self.apply(k, KeyEvent::Failed, &mut log);
+                }
+                KeyState::ColdPending if want > 0 => {
+                    self.apply(k, KeyEvent::Heated, &mut log);
+                }
+                KeyState::ColdPending if now - e.since > u64::from(lease) => {
+                    let (worker, replicas) = (e.worker, e.replicas);
+                    self.apply(k, KeyEvent::LeasesEnded, &mut log);
+                    self.keys.get_mut(k).expect("present").replicas = 0;
+                    retire.push(Retire { key: k.clone(), worker, replicas });
+                }
+                _ => {}
+            }
+        }
+
+        // COLD → HOT_PENDING, hottest first, up to REPL_high.
+        let cap = self.repl_high(view);
+        heat.sort_by(|a, b| b.0.total_cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
+        let mut escalate = None;
+        let room = cap.saturating_sub(self.replicated());
+        if heat.len() > room {
+            escalate = Some(HotEscalation {
+                why: HotEscalateWhy::ReplHigh { wanted: self.replicated() + heat.len(), cap },
+                workers: hot_workers.clone(),
+            });
+        }
+        for (f, k) in heat.into_iter().take(room) {
+            let want = copies(f, t, max_copies) - 1;
+            let e = self.keys.get_mut(&k).expect("present");
+            e.replicas = want;
+            let worker = e.worker;
+            self.apply(&k, KeyEvent::Heated, &mut log);
+            replicate.push(Replicate { key: k, worker, replicas: want, lease_epochs: lease });
+        }
+
+        // Hotspots replication cannot fix.
+        if escalate.is_none() && !hot_workers.is_empty() {
+            let why = if max_copies <= 1 {
+                Some(HotEscalateWhy::NoShadows)
+            } else {
+                let mut write_heavy = false;
+                let mut none_hot = true;
+                for w in &hot_workers {
+                    let (mut good, mut bad) = (0.0, 0.0);
+                    for e in self.keys.values().filter(|e| e.worker == *w && e.reads + e.writes > t) {
+                        if replicable(e) {
+                            good += e.reads + e.writes;
+                        } else {
+                            bad += e.reads + e.writes;
+                        }
+                    }
+                    let replicated = self.keys.values().any(|e| e.worker == *w && e.replicas > 0);
+                    write_heavy |= bad > good;
+                    none_hot &= good + bad == 0.0 && !replicated;
+                }
+                if write_heavy {
+                    Some(HotEscalateWhy::WriteHeavy)
+                } else if none_hot {
+                    Some(HotEscalateWhy::NoHotKeys)
+                } else {
+                    None
+                }
+            };
+            escalate = why.map(|why| HotEscalation { why, workers: hot_workers.clone() });
+        }
+
+        let hints =
+            self.keys.iter().filter(|(_, e)| e.state == KeyState::Hot).map(|(k, e)| (k.clone(), e.replicas)).collect();
+        log.sort_by(|a, b| a.0.cmp(&b.0));
+        ReplicaDecision {
+            epoch: snap.seq,
+            threshold: t,
+            estimated_max_over_avg: est,
+            unreplicated_max_over_avg: unreplicated,
+            hot_workers,
+            replicate,
+            retire,
+            hints,
+            escalate,
+            replicated: self.replicated(),
+            transitions: log,
+        }
+    }
+}
+
+/// splitmix64's finaliser: a well-mixed 64-bit function of `x`.
+fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// Where replica `i` (1..=γ) of the key with hash `key_hash` and home
+/// `(server, worker)` lives, in a cluster of `servers` servers of `workers`
+/// workers each (RIKR, SPORE §3.1; NetKV §IV-C): always on another server
+/// than the home; replicas 1..=servers−1 on distinct servers (starting at
+/// one derived from the hash), further ones on further workers of those
+/// servers, so the first (servers−1)·workers replicas are all distinct.
+/// `None` for i = 0 (the home itself), for i past that, or when there is
+/// no other server.
+pub fn replica_location(key_hash: u64, i: u32, home: (u16, u16), servers: u16, workers: u16) -> Option<(u16, u16)> {
+    let others = u32::from(servers.checked_sub(1)?);
+    if i == 0 || others == 0 || workers == 0 || i > others * u32::from(workers) {
+        return None;
+    }
+    let h = mix(key_hash);
+    let start = (h % u64::from(others)) as u32;
+    let j = (start + (i - 1)) % others;
+    let round = (i - 1) / others;
+    let server = ((u32::from(home.0) + 1 + j) % u32::from(servers)) as u16;
+    let base = mix(h ^ u64::from(server));
+    let worker = ((base + u64::from(round)) % u64::from(workers)) as u16;
+    Some((server, worker))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::snapshot::{CacheletLoad, WorkerLoad};
+    use KeyEvent as E;
+    use KeyState as S;
+    use KeyTransition as T;
+
+    const STATES: [KeyState; 5] = [S::Invalid, S::Cold, S::HotPending, S::Hot, S::ColdPending];
+    const EVENTS: [KeyEvent; 9] =
+        [E::Tracked, E::Dropped, E::Heated, E::Grew, E::Ready, E::Failed, E::WriteStarted, E::Cooled, E::LeasesEnded];
+
+    /// Every (state, event) pair: the edges of SPORE Fig. 5 (with the
+    /// growth and failure edges) and nothing else.
+    #[test]
+    fn state_table() {
+        let table: &[(KeyState, KeyEvent, KeyState, KeyTransition)] = &[
+            (S::Invalid, E::Tracked, S::Cold, T::Track),
+            (S::Cold, E::Dropped, S::Invalid, T::Evict),
+            (S::Cold, E::Heated, S::HotPending, T::Replicate),
+            (S::HotPending, E::Ready, S::Hot, T::ReplicasReady),
+            (S::HotPending, E::Failed, S::ColdPending, T::ReplicationFailed),
+            (S::Hot, E::Grew, S::HotPending, T::AddReplicas),
+            (S::Hot, E::WriteStarted, S::HotPending, T::PropagateWrite),
+            (S::Hot, E::Cooled, S::ColdPending, T::Cool),
+            (S::ColdPending, E::Heated, S::Hot, T::Reheat),
+            (S::ColdPending, E::LeasesEnded, S::Cold, T::Retire),
+        ];
+        let mut named = std::collections::HashSet::new();
+        for s in STATES {
+            for e in EVENTS {
+                let want = table.iter().find(|r| r.0 == s && r.1 == e).map(|r| (r.2, r.3));
+                assert_eq!(step(s, e), want, "{s:?} on {e:?}");
+                if let Some((_, t)) = want {
+                    named.insert(t);
+                }
+            }
+        }
+        assert_eq!(named.len(), table.len(), "every transition has its own name");
+        // Only COLD entries are ever evicted.
+        for s in STATES {
+            assert_eq!(step(s, E::Dropped).is_some(), s == S::Cold);
+        }
+    }
+
+    #[test]
+    fn expected_maximum_of_normals() {
+        // Tabulated values: E[max of 2] = 1/√π, of 16 ≈ 1.766, of 100 ≈ 2.508.
+        assert!((expected_max_normal(2) - 1.0 / std::f64::consts::PI.sqrt()).abs() < 1e-4);
+        assert!((expected_max_normal(16) - 1.766).abs() < 2e-3);
+        assert!((expected_max_normal(100) - 2.508).abs() < 2e-3);
+        assert_eq!(expected_max_normal(1), 0.0);
+    }
+
+    #[test]
+    fn replica_count_rule() {
+        assert_eq!(copies(100.0, 100.0, 16), 1, "at T: not hot");
+        assert_eq!(copies(100.1, 100.0, 16), 2);
+        assert_eq!(copies(250.0, 100.0, 16), 3);
+        assert_eq!(copies(10_000.0, 100.0, 16), 16, "capped at the copies the cluster has");
+        assert_eq!(copies(5.0, 0.0, 16), 1);
+        assert_eq!(copies(500.0, 100.0, 1), 1, "one server: no shadows");
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn copies_follow_ceil_f_over_t(f in 0.0f64..1e6, t in 1.0f64..1e5, max in 1u32..64) {
+            let r = copies(f, t, max);
+            proptest::prop_assert!(r >= 1 && r <= max);
+            if r < max && r > 1 {
+                proptest::prop_assert!(f / f64::from(r) <= t + 1e-9 && f / f64::from(r - 1) > t - 1e-9);
+            }
+        }
+
+        #[test]
+        fn placement_is_never_home_and_deterministic(
+            hash in proptest::num::u64::ANY,
+            servers in 2u16..40,
+            workers in 1u16..8,
+            home_s in 0u16..40,
+            home_w in 0u16..8,
+        ) {
+            let home = (home_s % servers, home_w % workers);
+            let most = u32::from(servers - 1) * u32::from(workers);
+            let mut seen = std::collections::HashSet::new();
+            for i in 1..=most {
+                let at = replica_location(hash, i, home, servers, workers).expect("in range");
+                proptest::prop_assert_ne!(at.0, home.0, "replica {} on the home server", i);
+                proptest::prop_assert!(at.0 < servers && at.1 < workers);
+                proptest::prop_assert_eq!(Some(at), replica_location(hash, i, home, servers, workers));
+                proptest::prop_assert!(seen.insert(at), "replica {} repeats {:?}", i, at);
+                if i < u32::from(servers) {
+                    proptest::prop_assert!(seen.iter().filter(|s| s.0 == at.0).count() == 1);
+                }
+            }
+            proptest::prop_assert_eq!(replica_location(hash, 0, home, servers, workers), None);
+            proptest::prop_assert_eq!(replica_location(hash, most + 1, home, servers, workers), None);
+        }
+    }
+
+    #[test]
+    fn no_placement_without_another_server() {
+        assert_eq!(replica_location(42, 1, (0, 0), 1, 4), None);
+    }
+
+    #[test]
+    fn placement_spreads_over_servers() {
+        // Replica 1 of many keys homed on server 0 lands evenly on 1..8.
+        let mut counts = [0u32; 8];
+        for k in 0..8000u64 {
+            let (s, _) = replica_location(k.wrapping_mul(0x9E37_79B9), 1, (0, 0), 8, 2).unwrap();
+            counts[usize::from(s)] += 1;
+        }
+        assert_eq!(counts[0], 0);
+        for c in &counts[1..] {
+            assert!((900..1400).contains(c), "{counts:?}");
+        }
+    }
+
+    #[test]
+    fn estimate_is_one_when_nothing_is_skewed_and_falls_with_copies() {
+        assert!((estimate_max_over_avg(&[], 100.0, 16, 1.0) - 1.0).abs() < 1e-12);
+        let one = estimate_max_over_avg(&[(1000.0, 1)], 100.0, 16, 1.0);
+        let two = estimate_max_over_avg(&[(1000.0, 2)], 100.0, 16, 1.0);
+        let all = estimate_max_over_avg(&[(1000.0, 16)], 100.0, 16, 1.0);
+        assert!(one > two && two > all, "{one} {two} {all}");
+        assert!((all - 1.0).abs() < 1e-12, "a key on every worker adds no imbalance");
+        // One key carrying 10 workers' worth of load, unreplicated, is at
+        // least that much above the mean on its worker.
+        assert!(one >= 1.0 + (1000.0 - 1000.0 / 16.0) / 100.0 - 1e-9);
+    }
+
+    #[test]
+    fn threshold_meets_the_target_on_zipf() {
+        // 16 workers, mean 1000 req/s: Zipf 0.99 over 100k keys, the top
+        // 256 tracked.
+        let n = 16usize;
+        let avg = 1000.0;
+        let h: f64 = (1..=100_000).map(|i| 1.0 / f64::from(i).powf(0.99)).sum();
+        let keys: Vec<(f64, bool)> = (1..=256).map(|i| (avg * n as f64 / f64::from(i).powf(0.99) / h, true)).collect();
+        let (t, est) = choose_threshold(&keys, avg, n, 1.0, 16, 1.1);
+        let replicated = keys.iter().filter(|k| copies(k.0, t, 16) > 1).count();
+        eprintln!("T {t} est {est} replicated {replicated}");
+        assert!(est <= 1.1, "T {t} est {est}");
+        let bound = 2.0 * n as f64 * (n as f64).ln();
+        assert!((replicated as f64) <= bound, "{replicated} keys > 2 n ln n = {bound}");
+        // The largest such T: 10% more would not do.
+        let more: Vec<(f64, u32)> = keys.iter().map(|k| (k.0, copies(k.0, t / 0.9, 16))).collect();
+        assert!(estimate_max_over_avg(&more, avg, n, 1.0) > 1.1);
+    }
+
+    fn snapshot(seq: u64, loads: &[f64]) -> EpochSnapshot {
+        EpochSnapshot {
+            seq,
+            end_ns: seq * 1_000_000_000,
+            workers: loads
+                .iter()
+                .enumerate()
+                .map(|(i, &l)| WorkerLoad {
+                    worker: i as u16,
+                    secs: 1.0,
+                    reads: l as u64,
+                    cachelets: vec![CacheletLoad { id: i as u32, reads_per_sec: l, ..CacheletLoad::default() }],
+                    ..WorkerLoad::default()
+                })
+                .collect(),
+        }
+    }
+
+    const VIEW: ClusterView = ClusterView { server: 0, servers: 8, workers: 2, avg_load: Some(1000.0) };
+
+    /// Feeds one epoch of samples: `hot` gets `rate` sampled reads/s
+    /// (already sampled: sample_rate 1), plus 200 one-off keys.
+    fn feed(h: &mut HotKeys, epoch: u64, hot: &[(&[u8], f64, f64)]) {
+        for (k, reads, writes) in hot {
+            for _ in 0..(*reads as u64) {
+                h.observe(k, Access::Read, 0);
+            }
+            for _ in 0..(*writes as u64) {
+                h.observe(k, Access::Write, 0);
+            }
+        }
+        for j in 0..200 {
+            h.observe(format!("cold{epoch}-{j}").as_bytes(), Access::Read, 1);
+        }
+    }
+
+    fn policy() -> HotKeys {
+        let cfg = HotConfig { sample_rate: 1.0, decay: 0.0, ..HotConfig::default() };
+        HotKeys::new(cfg, Config::default())
+    }
+
+    #[test]
+    fn a_hot_read_key_on_a_hot_worker_is_replicated_then_retired() {
+        let mut h = policy();
+        // Worker 0 at 2.5× the cluster mean, carried by one key.
+        feed(&mut h, 1, &[(b"hot", 1600.0, 0.0)]);
+        let d = h.on_epoch(&snapshot(1, &[2500.0, 900.0]), &VIEW);
+        assert_eq!(d.hot_workers, vec![0]);
+        assert_eq!(d.replicate.len(), 1, "{d:?}");
+        let r = &d.replicate[0];
+        assert_eq!((r.key.as_slice(), r.worker), (&b"hot"[..], 0));
+        assert_eq!(r.replicas + 1, copies(1600.0, d.threshold, VIEW.max_copies()));
+        assert!(r.replicas >= 1);
+        assert_eq!(h.state(b"hot"), S::HotPending);
+        assert_eq!(h.hint(b"hot"), 0, "no lease while pending");
+        assert!(d.transitions.contains(&(b"hot".to_vec(), T::Replicate)));
+        assert_eq!(h.replicas_ready(b"hot"), Some(T::ReplicasReady));
+        assert_eq!(h.hint(b"hot"), r.replicas);
+        // A write: leases revoked until propagated.
+        assert_eq!(h.write_propagating(b"hot"), Some(T::PropagateWrite));
+        assert_eq!(h.hint(b"hot"), 0);
+        assert_eq!(h.replicas_ready(b"hot"), Some(T::ReplicasReady));
+
+        // It cools: after cool_epochs, COLD_PENDING; after the lease, retired.
+        let mut states = Vec::new();
+        let mut retired = None;
+        for e in 2..12 {
+            feed(&mut h, e, &[(b"hot", 2.0, 0.0)]);
+            let d = h.on_epoch(&snapshot(e, &[1000.0, 1000.0]), &VIEW);
+            states.push(h.state(b"hot"));
+            if let Some(r) = d.retire.first() {
+                retired = Some((e, r.clone()));
+                break;
+            }
+        }
+        let (e, r) = retired.expect("retired");
+        assert_eq!(r.key, b"hot");
+        assert!(r.replicas >= 1);
+        assert_eq!(h.state(b"hot"), S::Cold);
+        assert_eq!(states[..2], [S::Hot, S::Hot], "hysteresis: {states:?}");
+        assert!(states.contains(&S::ColdPending));
+        assert!(e >= 2 + u64::from(h.config().cool_epochs + h.config().lease_epochs));
+    }
+
+    #[test]
+    fn a_cool_worker_does_not_replicate() {
+        let mut h = policy();
+        feed(&mut h, 1, &[(b"hot", 1600.0, 0.0)]);
+        // Every worker at the mean: no hotspot, nothing replicated.
+        let d = h.on_epoch(&snapshot(1, &[1000.0, 1000.0]), &VIEW);
+        assert!(d.hot_workers.is_empty());
+        assert!(d.replicate.is_empty());
+        assert_eq!(h.state(b"hot"), S::Cold);
+    }
+
+    #[test]
+    fn a_write_heavy_hotspot_escalates() {
+        let mut h = policy();
+        feed(&mut h, 1, &[(b"counter", 800.0, 800.0)]);
+        let d = h.on_epoch(&snapshot(1, &[2500.0, 900.0]), &VIEW);
+        assert!(d.replicate.is_empty(), "{d:?}");
+        assert_eq!(d.escalate.map(|e| e.why), Some(HotEscalateWhy::WriteHeavy));
+    }
+
+    #[test]
+    fn a_hot_partition_escalates_with_no_hot_keys() {
+        let mut h = policy();
+        let keys: Vec<Vec<u8>> = (0..100).map(|i| format!("p{i}").into_bytes()).collect();
+        let hot: Vec<(&[u8], f64, f64)> = keys.iter().map(|k| (&k[..], 3.0, 0.0)).collect();
+        feed(&mut h, 1, &hot);
+        let d = h.on_epoch(&snapshot(1, &[2500.0, 900.0]), &VIEW);
+        assert!(d.replicate.is_empty(), "{d:?}");
+        assert_eq!(d.escalate.map(|e| e.why), Some(HotEscalateWhy::NoHotKeys));
+    }
+
+    #[test]
+    fn repl_high_caps_and_escalates() {
+        let cfg = HotConfig { sample_rate: 1.0, decay: 0.0, repl_high: Some(2), ..HotConfig::default() };
+        let mut h = HotKeys::new(cfg, Config::default());
+        feed(&mut h, 1, &[(b"a", 900.0, 0.0), (b"b", 800.0, 0.0), (b"c", 700.0, 0.0)]);
+        let d = h.on_epoch(&snapshot(1, &[3000.0, 900.0]), &VIEW);
+        let keys: Vec<&[u8]> = d.replicate.iter().map(|r| &r.key[..]).collect();
+        assert_eq!(keys, [&b"a"[..], b"b"], "hottest first");
+        assert_eq!(d.replicated, 2);
+        assert_eq!(d.escalate.map(|e| e.why), Some(HotEscalateWhy::ReplHigh { wanted: 3, cap: 2 }));
+    }
+
+    #[test]
+    fn default_repl_high_is_the_share_of_2_n_ln_n() {
+        let h = HotKeys::new(HotConfig::default(), Config::default());
+        // 8 servers × 2 workers: 2·16·ln 16 = 88.7 over 8 servers.
+        assert_eq!(h.repl_high(&VIEW), (2.0 * 2.0 * 16f64.ln()).ceil() as usize);
+    }
+
+    #[test]
+    fn pending_that_is_never_confirmed_fails_and_retires() {
+        let mut h = policy();
+        feed(&mut h, 1, &[(b"hot", 1600.0, 0.0)]);
+        h.on_epoch(&snapshot(1, &[2500.0, 900.0]), &VIEW);
+        assert_eq!(h.state(b"hot"), S::HotPending);
+        let mut failed = false;
+        for e in 2..12 {
+            feed(&mut h, e, &[(b"hot", 5.0, 0.0)]);
+            let d = h.on_epoch(&snapshot(e, &[1000.0, 1000.0]), &VIEW);
+            failed |= d.transitions.contains(&(b"hot".to_vec(), T::ReplicationFailed));
+            if !d.retire.is_empty() {
+                break;
+            }
+        }
+        assert!(failed);
+        assert_eq!(h.state(b"hot"), S::Cold);
+        assert_eq!(h.replicated(), 0);
+    }
+
+    #[test]
+    fn a_key_that_heats_again_while_cold_pending_is_reheated() {
+        let mut h = policy();
+        feed(&mut h, 1, &[(b"hot", 1600.0, 0.0)]);
+        h.on_epoch(&snapshot(1, &[2500.0, 900.0]), &VIEW);
+        h.replicas_ready(b"hot");
+        let mut e = 2;
+        while h.state(b"hot") != S::ColdPending {
+            feed(&mut h, e, &[(b"hot", 2.0, 0.0)]);
+            h.on_epoch(&snapshot(e, &[1000.0, 1000.0]), &VIEW);
+            e += 1;
+            assert!(e < 10);
+        }
+        feed(&mut h, e, &[(b"hot", 1600.0, 0.0)]);
+        let d = h.on_epoch(&snapshot(e, &[2000.0, 1000.0]), &VIEW);
+        assert!(d.transitions.contains(&(b"hot".to_vec(), T::Reheat)), "{d:?}");
+        assert_eq!(h.state(b"hot"), S::Hot);
+        assert!(d.retire.is_empty());
+    }
+
+    #[test]
+    fn untracked_cold_keys_are_evicted() {
+        let mut h = policy();
+        feed(&mut h, 1, &[]);
+        let d = h.on_epoch(&snapshot(1, &[1000.0, 1000.0]), &VIEW);
+        assert!(d.transitions.iter().any(|t| t.1 == T::Track));
+        feed(&mut h, 2, &[]);
+        let d = h.on_epoch(&snapshot(2, &[1000.0, 1000.0]), &VIEW);
+        assert!(d.transitions.iter().any(|t| t.1 == T::Evict));
+        assert_eq!(h.state(b"cold1-0"), S::Invalid);
+    }
+
+    #[test]
+    fn one_server_escalates_no_shadows() {
+        let mut h = policy();
+        feed(&mut h, 1, &[(b"hot", 1600.0, 0.0)]);
+        let view = ClusterView { server: 0, servers: 1, workers: 2, avg_load: None };
+        let d = h.on_epoch(&snapshot(1, &[2500.0, 900.0]), &view);
+        assert!(d.replicate.is_empty());
+        assert_eq!(d.escalate.map(|e| e.why), Some(HotEscalateWhy::NoShadows));
+    }
+}

@@ -1,4 +1,4 @@
-//! `mbal`: the one binary. Subcommands: `server`, `bench`, `cluster up`.
+//! `mbal`: the one binary. Subcommands: `server`, `proxy`, `bench`, `cluster up`, `stats`.
 
 mod cluster_up;
 
@@ -16,6 +16,8 @@ struct Cli {
 enum Cmd {
     /// Run a cache server (memcached's flags work: -p -l -t -m -c -I -M -C -F -U 0 -B -R -A -v -o)
     Server(mbal_server::config::ServerArgs),
+    /// Route unmodified memcached clients to an mbal cluster (memcached's -p -l -t -c -I)
+    Proxy(mbal_proxy::ProxyArgs),
     /// Generate load against memcached-protocol servers and report throughput and latency
     Bench(mbal_bench::BenchArgs),
     /// Local clusters
@@ -99,6 +101,22 @@ fn run(cli: Cli) -> Result<()> {
             }
             let stopper = handle_stopper(&handle);
             ctrlc::set_handler(stopper)?;
+            handle.wait();
+            Ok(())
+        }
+        Cmd::Proxy(args) => {
+            tracing_subscriber::fmt()
+                .with_env_filter(
+                    tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+                )
+                .with_writer(std::io::stderr)
+                .init();
+            let (cfg, map) = args.resolve()?;
+            let handle = mbal_proxy::start(cfg, map)?;
+            if args.print_ports {
+                println!("{}", serde_json::json!({ "main": handle.addr }));
+            }
+            ctrlc::set_handler(handle.stopper())?;
             handle.wait();
             Ok(())
         }

@@ -1,0 +1,256 @@
+//! `mbal proxy`: a memcached-protocol endpoint for unmodified clients that
+//! routes every key to the worker that owns it (DESIGN.md §3, §4; issue 11).
+//!
+//! # Design
+//!
+//! * **Thread-per-core.** `-t` threads, each with its own mio event loop,
+//!   its own listening socket on the same address (`SO_REUSEPORT`: the
+//!   kernel spreads connections over them), its own client connections, its
+//!   own upstream connections and its own [`mbal_cluster::Router`]. Threads
+//!   share nothing on the data path; only statistics are published, once per
+//!   loop round, into a per-thread slot.
+//! * **Routing is the router's.** A key goes where
+//!   [`Router::route_hash`](mbal_cluster::Router::route_hash) says; a
+//!   multi-key `get` is grouped with [`Router::split`](mbal_cluster::Router::split),
+//!   one `get` per owning worker, and reassembled in request order; a
+//!   redirect (`RD`) is given to [`Router::learn`](mbal_cluster::Router::learn)
+//!   and the request resent (a redirected multi-get split per cachelet, the
+//!   router's rule); a redirect naming a newer epoch makes the thread fetch
+//!   the map (`mbal map`) from the worker that sent it. Replies are read with
+//!   the shared reply codec ([`mbal_proto::client::Decoder`]).
+//! * **Upstreams.** One connection per (thread, server, worker), opened on
+//!   first use with `mbal hello <epoch> <worker>` (the server hands it to
+//!   that worker), pipelined: every request of every client of the thread
+//!   for that worker is written to it in the order the thread routed them,
+//!   and the replies come back in that order (a FIFO of requests in flight).
+//!   Requests whose reply the server does not send (text `noreply`, meta `q`)
+//!   are followed by `mn`, so that every request in flight has a reply to
+//!   wait for; its `MN` is not passed on.
+//! * **Order.** Each client connection has a queue of reply slots, one per
+//!   request in request order; a reply fills its slot, and the front slots
+//!   that are complete are written out. A request is never reordered with
+//!   respect to another of the same connection, whichever upstreams answer.
+//! * **Failure.** An upstream that closes, sends a reply the codec rejects,
+//!   or leaves its oldest request unanswered for `--upstream-timeout-ms` is
+//!   dropped: every request in flight on it is answered
+//!   `SERVER_ERROR upstream ...`; requests routed to it during its backoff
+//!   (starting at 10 ms, doubling up to 1 s) are answered the same at once,
+//!   and the first request after the backoff reconnects.
+
+mod engine;
+pub mod stats;
+
+use anyhow::{bail, Context, Result};
+use mbal_cluster::ClusterMap;
+use std::net::{SocketAddr, TcpListener as StdListener};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// What `version` answers and `stats` shows.
+pub const VERSION: &str = concat!("1.6.18-mbal-proxy-", env!("CARGO_PKG_VERSION"));
+
+/// `mbal proxy` command line (memcached's listening flags).
+#[derive(clap::Args, Clone, Debug)]
+pub struct ProxyArgs {
+    /// The cluster file (the initial map; redirects and `mbal map` teach later changes)
+    #[arg(long, conflicts_with = "server")]
+    pub cluster: Option<PathBuf>,
+    /// Any server of the cluster: the map is fetched from it with `mbal map`
+    #[arg(long)]
+    pub server: Option<SocketAddr>,
+    /// TCP port to listen on
+    #[arg(short = 'p', long = "port", default_value_t = 11211)]
+    pub port: u16,
+    /// Interface to listen on
+    #[arg(short = 'l', long = "listen", default_value = "0.0.0.0")]
+    pub listen: String,
+    /// Threads (each with its own event loop, listener and upstream connections)
+    #[arg(short = 't', long = "threads", default_value_t = 4)]
+    pub threads: usize,
+    /// Most simultaneous client connections
+    #[arg(short = 'c', long = "conn-limit", default_value_t = 1024)]
+    pub conns: usize,
+    /// Largest value accepted (bytes; k and m suffixes), as the servers' -I
+    #[arg(short = 'I', long = "max-item-size", default_value = "1m")]
+    pub max_item_size: String,
+    /// An upstream request unanswered this long fails (SERVER_ERROR) and drops its connection
+    #[arg(long, default_value_t = 1000)]
+    pub upstream_timeout_ms: u64,
+    /// Print the listening address as JSON on stdout once listening
+    #[arg(long)]
+    pub print_ports: bool,
+}
+
+/// The proxy's settings.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub listen: SocketAddr,
+    pub threads: usize,
+    pub max_conns: usize,
+    pub max_item_size: usize,
+    pub upstream_timeout: Duration,
+    /// Redirects followed per request before it fails.
+    pub max_redirects: u8,
+    /// Unanswered requests per client connection before it is read no more.
+    pub max_pending: usize,
+}
+
+impl Config {
+    pub fn new(listen: SocketAddr) -> Config {
+        Config {
+            listen,
+            threads: 1,
+            max_conns: 1024,
+            max_item_size: 1 << 20,
+            upstream_timeout: Duration::from_millis(1000),
+            max_redirects: 4,
+            max_pending: 1024,
+        }
+    }
+}
+
+fn parse_size(s: &str) -> Result<usize> {
+    let s = s.trim();
+    let (num, mul) = match s.chars().last() {
+        Some('k' | 'K') => (&s[..s.len() - 1], 1 << 10),
+        Some('m' | 'M') => (&s[..s.len() - 1], 1 << 20),
+        _ => (s, 1),
+    };
+    let n: usize = num.parse().with_context(|| format!("bad size {s:?}"))?;
+    Ok(n * mul)
+}
+
+impl ProxyArgs {
+    /// The settings and the initial map (read from the file or fetched).
+    pub fn resolve(&self) -> Result<(Config, ClusterMap)> {
+        let cfg = mbal_client::Config::default();
+        let map = match (&self.cluster, &self.server) {
+            (Some(p), _) => mbal_client::Client::from_cluster_file(p, cfg)?.map().clone(),
+            (None, Some(a)) => mbal_client::Client::connect(*a, cfg)?.map().clone(),
+            (None, None) => bail!("give --cluster FILE or --server HOST:PORT"),
+        };
+        let ip: std::net::IpAddr = self.listen.parse().with_context(|| format!("bad -l address {:?}", self.listen))?;
+        if self.threads == 0 || self.threads > 256 {
+            bail!("-t must be between 1 and 256");
+        }
+        if self.upstream_timeout_ms == 0 {
+            bail!("--upstream-timeout-ms must be at least 1");
+        }
+        let max_item_size = parse_size(&self.max_item_size)?;
+        if !(1024..=1 << 30).contains(&max_item_size) {
+            bail!("-I must be between 1k and 1024m");
+        }
+        let cfg = Config {
+            threads: self.threads,
+            max_conns: self.conns.max(1),
+            max_item_size,
+            upstream_timeout: Duration::from_millis(self.upstream_timeout_ms),
+            ..Config::new(SocketAddr::new(ip, self.port))
+        };
+        Ok((cfg, map))
+    }
+}
+
+/// A running proxy.
+pub struct ProxyHandle {
+    /// The address it listens on (the real port when 0 was asked for).
+    pub addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    wakers: Vec<Arc<mio::Waker>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl ProxyHandle {
+    /// Stop every thread and wait for them; client and upstream connections are closed.
+    pub fn shutdown(mut self) {
+        self.stop_threads();
+    }
+
+    fn stop_threads(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        for w in &self.wakers {
+            let _ = w.wake();
+        }
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+
+    /// Wait until the proxy stops (see [`ProxyHandle::stopper`]).
+    pub fn wait(mut self) {
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+
+    /// A closure that stops the proxy (for a signal handler).
+    pub fn stopper(&self) -> impl Fn() + Send + 'static {
+        let (stop, wakers) = (self.stop.clone(), self.wakers.clone());
+        move || {
+            stop.store(true, std::sync::atomic::Ordering::SeqCst);
+            for w in &wakers {
+                let _ = w.wake();
+            }
+        }
+    }
+}
+
+impl Drop for ProxyHandle {
+    fn drop(&mut self) {
+        if !self.threads.is_empty() {
+            self.stop_threads();
+        }
+    }
+}
+
+fn listener(addr: SocketAddr) -> Result<StdListener> {
+    use socket2::{Domain, Socket, Type};
+    let s = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    s.set_reuse_address(true)?;
+    s.set_reuse_port(true)?;
+    s.set_nonblocking(true)?;
+    s.bind(&addr.into()).with_context(|| format!("bind {addr}"))?;
+    s.listen(1024)?;
+    Ok(s.into())
+}
+
+/// Start the proxy: bind, spawn the threads, return at once.
+pub fn start(cfg: Config, map: ClusterMap) -> Result<ProxyHandle> {
+    let first = listener(cfg.listen)?;
+    let addr = first.local_addr()?;
+    let mut listeners = vec![first];
+    for _ in 1..cfg.threads {
+        listeners.push(listener(addr)?);
+    }
+    let settings = vec![
+        ("tcpport", addr.port().to_string()),
+        ("interface", addr.ip().to_string()),
+        ("num_threads", cfg.threads.to_string()),
+        ("maxconns", cfg.max_conns.to_string()),
+        ("item_size_max", cfg.max_item_size.to_string()),
+        ("upstream_timeout_ms", cfg.upstream_timeout.as_millis().to_string()),
+        ("max_redirects", cfg.max_redirects.to_string()),
+        ("servers", map.servers().len().to_string()),
+    ];
+    let shared = Arc::new(stats::Shared {
+        started: Instant::now(),
+        threads: (0..cfg.threads).map(|_| Mutex::new(stats::ThreadTotals::default())).collect(),
+        curr_connections: AtomicU64::new(0),
+        settings,
+    });
+    let stop = Arc::new(AtomicBool::new(false));
+    let cfg = Arc::new(cfg);
+    let mut wakers = Vec::new();
+    let mut threads = Vec::new();
+    for (i, l) in listeners.into_iter().enumerate() {
+        let (engine, waker) = engine::Engine::new(i, l, cfg.clone(), shared.clone(), map.clone(), stop.clone())?;
+        wakers.push(waker);
+        threads.push(
+            std::thread::Builder::new().name(format!("mbal-proxy-{i}")).spawn(move || engine.run()).context("spawn")?,
+        );
+    }
+    Ok(ProxyHandle { addr, stop, wakers, threads })
+}

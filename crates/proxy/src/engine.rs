@@ -22,7 +22,7 @@ const LISTENER: Token = Token(0);
 const WAKER: Token = Token(1);
 const CLIENT_BASE: usize = 2;
 const UP_BASE: usize = 1 << 30;
-const READ_CHUNK: usize = 64 * 1024;
+const READ_CHUNK: usize = 16 * 1024;
 const BACKOFF_MIN: Duration = Duration::from_millis(10);
 const BACKOFF_MAX: Duration = Duration::from_secs(1);
 
@@ -53,8 +53,10 @@ struct Multi {
 struct Client {
     sock: TcpStream,
     id: u64,
+    /// Input: `rbuf[rpos..rend]` is unread (see [`fill`]).
     rbuf: Vec<u8>,
     rpos: usize,
+    rend: usize,
     /// Bytes of a refused request still to be dropped as they arrive.
     swallow: usize,
     wbuf: Vec<u8>,
@@ -131,6 +133,8 @@ enum UpState {
 struct Upstream {
     owner: Owner,
     addr: SocketAddr,
+    /// `addr` as text, for the stats.
+    addr_s: String,
     sock: Option<TcpStream>,
     state: UpState,
     backoff: Duration,
@@ -138,6 +142,7 @@ struct Upstream {
     wpos: usize,
     rbuf: Vec<u8>,
     rpos: usize,
+    rend: usize,
     dec: Decoder,
     inflight: VecDeque<Inflight>,
     dirty: bool,
@@ -284,7 +289,7 @@ impl Engine {
         self.counters = Counters::default();
         for u in &mut self.ups {
             if !u.delta.is_empty() {
-                t.publish(u.owner, &u.addr.to_string(), &mut u.delta);
+                t.publish(u.owner, &u.addr_s, &mut u.delta);
             }
         }
     }
@@ -329,6 +334,7 @@ impl Engine {
                 id,
                 rbuf: Vec::new(),
                 rpos: 0,
+                rend: 0,
                 swallow: 0,
                 wbuf: Vec::new(),
                 wpos: 0,
@@ -366,17 +372,7 @@ impl Engine {
             if c.closing || c.paused || c.blocked {
                 return;
             }
-            if c.rpos > 0 && c.rpos == c.rbuf.len() {
-                c.rbuf.clear();
-                c.rpos = 0;
-            } else if c.rpos > 0 && c.rpos * 2 > c.rbuf.len() {
-                c.rbuf.drain(..c.rpos);
-                c.rpos = 0;
-            }
-            let len = c.rbuf.len();
-            c.rbuf.resize(len + READ_CHUNK, 0);
-            let r = c.sock.read(&mut c.rbuf[len..]);
-            c.rbuf.truncate(len + *r.as_ref().unwrap_or(&0));
+            let r = fill(&mut c.sock, &mut c.rbuf, &mut c.rpos, &mut c.rend);
             match r {
                 Ok(0) => {
                     // the client is gone (or half-closed): its replies can no longer matter
@@ -399,7 +395,7 @@ impl Engine {
 
     fn handle_input(&mut self, ci: usize) {
         let Some(c) = self.clients.get_mut(ci) else { return };
-        if c.fresh && c.rbuf.len() > c.rpos {
+        if c.fresh && c.rend > c.rpos {
             c.fresh = false;
             if mbal_proto::detect(c.rbuf[c.rpos]) == Protocol::Binary {
                 // not in this slice of the proxy: hang up rather than misread it
@@ -408,7 +404,8 @@ impl Engine {
                 return;
             }
         }
-        let rbuf = std::mem::take(&mut c.rbuf);
+        let rbuf_all = std::mem::take(&mut c.rbuf);
+        let rbuf = &rbuf_all[..c.rend];
         let mut rpos = c.rpos;
         loop {
             let Some(c) = self.clients.get_mut(ci) else { return };
@@ -468,7 +465,7 @@ impl Engine {
             }
         }
         if let Some(c) = self.clients.get_mut(ci) {
-            c.rbuf = rbuf;
+            c.rbuf = rbuf_all;
             c.rpos = rpos;
         }
     }
@@ -652,9 +649,11 @@ impl Engine {
             return ui;
         }
         let ui = self.ups.len();
+        let addr = self.router.map().worker_addr(owner.0, owner.1);
         self.ups.push(Upstream {
             owner,
-            addr: self.router.map().worker_addr(owner.0, owner.1),
+            addr,
+            addr_s: addr.to_string(),
             sock: None,
             state: UpState::Idle,
             backoff: BACKOFF_MIN,
@@ -662,6 +661,7 @@ impl Engine {
             wpos: 0,
             rbuf: Vec::new(),
             rpos: 0,
+            rend: 0,
             dec: Decoder::new(),
             inflight: VecDeque::new(),
             dirty: false,
@@ -717,7 +717,11 @@ impl Engine {
     fn connect(&mut self, ui: usize) -> io::Result<()> {
         let epoch = self.router.map().epoch();
         let u = &mut self.ups[ui];
-        u.addr = self.router.map().worker_addr(u.owner.0, u.owner.1);
+        let addr = self.router.map().worker_addr(u.owner.0, u.owner.1);
+        if addr != u.addr {
+            u.addr = addr;
+            u.addr_s = addr.to_string();
+        }
         let mut sock = TcpStream::connect(u.addr)?;
         let _ = sock.set_nodelay(true);
         self.poll.registry().register(&mut sock, Token(UP_BASE + ui), Interest::READABLE | Interest::WRITABLE)?;
@@ -725,8 +729,8 @@ impl Engine {
         u.state = UpState::Up;
         u.wbuf.clear();
         u.wpos = 0;
-        u.rbuf.clear();
         u.rpos = 0;
+        u.rend = 0;
         u.dec = Decoder::new();
         u.delta.connects += 1;
         let hello = format!("mbal hello {epoch} {}\r\n", u.owner.1).into_bytes();
@@ -756,8 +760,8 @@ impl Engine {
         u.backoff = (u.backoff * 2).min(BACKOFF_MAX);
         u.wbuf.clear();
         u.wpos = 0;
-        u.rbuf.clear();
         u.rpos = 0;
+        u.rend = 0;
         u.dec = Decoder::new();
         let lost: Vec<Inflight> = u.inflight.drain(..).collect();
         for inf in lost {
@@ -848,23 +852,13 @@ impl Engine {
             let u = &mut self.ups[ui];
             let Some(sock) = u.sock.as_mut() else { return };
             loop {
-                if u.rpos > 0 && u.rpos == u.rbuf.len() {
-                    u.rbuf.clear();
-                    u.rpos = 0;
-                } else if u.rpos > 0 && u.rpos * 2 > u.rbuf.len() {
-                    u.rbuf.drain(..u.rpos);
-                    u.rpos = 0;
-                }
-                let len = u.rbuf.len();
-                u.rbuf.resize(len + READ_CHUNK, 0);
-                let r = sock.read(&mut u.rbuf[len..]);
-                u.rbuf.truncate(len + *r.as_ref().unwrap_or(&0));
+                let r = fill(sock, &mut u.rbuf, &mut u.rpos, &mut u.rend);
                 match r {
                     Ok(0) => {
                         broken = true;
                         break;
                     }
-                    Ok(n) if n < READ_CHUNK => break,
+                    Ok(n) if n < READ_CHUNK / 2 => break,
                     Ok(_) => {}
                     Err(e) if would_block(&e) => break,
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -883,7 +877,8 @@ impl Engine {
 
     /// Match the upstream's replies to its requests in flight.
     fn decode_upstream(&mut self, ui: usize) {
-        let rbuf = std::mem::take(&mut self.ups[ui].rbuf);
+        let rbuf_all = std::mem::take(&mut self.ups[ui].rbuf);
+        let rbuf = &rbuf_all[..self.ups[ui].rend];
         let mut rpos = self.ups[ui].rpos;
         let now = Instant::now();
         let owner = self.ups[ui].owner;
@@ -995,7 +990,7 @@ impl Engine {
             }
         }
         let u = &mut self.ups[ui];
-        u.rbuf = rbuf;
+        u.rbuf = rbuf_all;
         u.rpos = rpos;
         for a in after.drain(..) {
             match a {
@@ -1142,6 +1137,31 @@ impl Engine {
             }
         }
     }
+}
+
+/// Read once into `buf[end..]`, first making room: the unread bytes
+/// `buf[pos..end]` move to the front when the free tail is short, and the
+/// buffer grows only when they fill most of it (so it is zero-filled once,
+/// not on every read).
+fn fill(sock: &mut TcpStream, buf: &mut Vec<u8>, pos: &mut usize, end: &mut usize) -> io::Result<usize> {
+    if *pos == *end {
+        *pos = 0;
+        *end = 0;
+    }
+    if buf.len() - *end < READ_CHUNK / 2 {
+        if *pos > 0 {
+            buf.copy_within(*pos..*end, 0);
+            *end -= *pos;
+            *pos = 0;
+        }
+        if buf.len() - *end < READ_CHUNK / 2 {
+            let grow = (buf.len() * 2).max(READ_CHUNK);
+            buf.resize(grow, 0);
+        }
+    }
+    let n = sock.read(&mut buf[*end..])?;
+    *end += n;
+    Ok(n)
 }
 
 /// The slot of (client, id, seq), if the client is still there.

@@ -417,6 +417,22 @@ fn a_long_multi_get_spans_every_server() {
     }
     let g = stats(&mut c, "");
     assert_eq!(stat(&g, "cmd_get"), 4 * 153);
+    // large values through the proxy's buffers, both ways, pipelined
+    let big: Vec<Vec<u8>> = (0..4u8).map(|i| vec![b'a' + i; 900_000 + i as usize]).collect();
+    let mut req = Vec::new();
+    for (i, v) in big.iter().enumerate() {
+        req.extend_from_slice(format!("set big{i} 0 0 {}\r\n", v.len()).as_bytes());
+        req.extend_from_slice(v);
+        req.extend_from_slice(b"\r\n");
+    }
+    req.extend_from_slice(b"get big0 big1 big2 big3\r\n");
+    c.send(&req);
+    for _ in &big {
+        assert_eq!(c.line(), "STORED\r\n");
+    }
+    let got = c.values().unwrap();
+    let want: Vec<(String, Vec<u8>)> = big.iter().enumerate().map(|(i, v)| (format!("big{i}"), v.clone())).collect();
+    assert!(got == want, "large values come back whole and in order");
     assert_eq!(stat(&g, "get_hits"), 400 + 4 * 2);
     drop(p);
     cl.stop();

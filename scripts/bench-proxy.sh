@@ -35,7 +35,7 @@ SPID=$PID SPORT=$PORT
 PID=""
 
 PPID_=""
-stop_proxy() { [ -n "$PPID_" ] && kill "$PPID_" 2>/dev/null && wait "$PPID_" 2>/dev/null; PPID_=""; return 0; }
+stop_proxy() { if [ -n "$PPID_" ]; then kill "$PPID_" 2>/dev/null && { wait "$PPID_" 2>/dev/null || true; }; fi; PPID_=""; return 0; }
 cleanup() { stop_proxy; kill "$SPID" 2>/dev/null && wait "$SPID" 2>/dev/null; return 0; }
 trap cleanup EXIT
 

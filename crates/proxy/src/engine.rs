@@ -178,6 +178,9 @@ pub(crate) struct Engine {
     split: Split,
     hashes: Vec<u64>,
     after: Vec<After>,
+    /// The time the last poll returned: request times are taken at round
+    /// granularity (one clock read per round).
+    now: Instant,
 }
 
 fn would_block(e: &io::Error) -> bool {
@@ -219,6 +222,7 @@ impl Engine {
             split: Split::new(),
             hashes: Vec::new(),
             after: Vec::new(),
+            now: Instant::now(),
         };
         Ok((e, waker))
     }
@@ -230,7 +234,9 @@ impl Engine {
                 break;
             }
             let timeout = self.next_deadline().map(|d| d.saturating_duration_since(Instant::now()));
-            if let Err(e) = self.poll.poll(&mut events, timeout) {
+            let polled = self.poll.poll(&mut events, timeout);
+            self.now = Instant::now();
+            if let Err(e) = polled {
                 if e.kind() != io::ErrorKind::Interrupted {
                     tracing::error!("proxy thread {}: poll: {e}", self.id);
                     break;
@@ -256,6 +262,8 @@ impl Engine {
                         }
                         if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
                             self.read_client(ci);
+                            // send at once: the server works while we read the next client
+                            self.flush_upstreams();
                         }
                     }
                 }
@@ -382,6 +390,10 @@ impl Engine {
                 Ok(n) => {
                     self.counters.bytes_read += n as u64;
                     self.handle_input(ci);
+                    if n < READ_CHUNK / 2 {
+                        // a short read emptied the socket: the next edge says when there is more
+                        return;
+                    }
                 }
                 Err(e) if would_block(&e) => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -482,7 +494,7 @@ impl Engine {
     }
 
     fn inflight(&self, client: usize, cid: u64, seq: u64, req: Vec<u8>, what: What, quiet: bool) -> Inflight {
-        Inflight { client, cid, seq, req, what, quiet, sent: Instant::now(), hops: 0, rd: None }
+        Inflight { client, cid, seq, req, what, quiet, sent: self.now, hops: 0, rd: None }
     }
 
     /// Open a reply slot waiting for `parts` upstream replies; its sequence number.
@@ -510,6 +522,13 @@ impl Engine {
                     }
                     if keys.is_empty() {
                         return self.local(ci, b"END\r\n");
+                    }
+                    if keys.len() == 1 {
+                        let hash = key_hash(keys.iter().next().unwrap());
+                        let (cid, seq) = self.open_slot(ci, 1, false);
+                        let what = What::Get { positions: None, cursor: (0, 0) };
+                        let inf = self.inflight(ci, cid, seq, raw.to_vec(), what, false);
+                        return self.send_hash(hash, inf);
                     }
                     self.hashes.clear();
                     self.hashes.extend(keys.iter().map(key_hash));
@@ -690,7 +709,7 @@ impl Engine {
             return self.fail(inf, "SERVER_ERROR upstream not in the cluster map");
         }
         let ui = self.upstream(owner);
-        let now = Instant::now();
+        let now = self.now;
         match self.ups[ui].state {
             UpState::Up => {}
             UpState::Down { until } if now < until => {
@@ -742,7 +761,7 @@ impl Engine {
             req: hello,
             what: What::Hello,
             quiet: false,
-            sent: Instant::now(),
+            sent: self.now,
             hops: 0,
             rd: None,
         });
@@ -756,7 +775,7 @@ impl Engine {
         if let Some(mut s) = u.sock.take() {
             let _ = self.poll.registry().deregister(&mut s);
         }
-        u.state = UpState::Down { until: Instant::now() + u.backoff };
+        u.state = UpState::Down { until: self.now + u.backoff };
         u.backoff = (u.backoff * 2).min(BACKOFF_MAX);
         u.wbuf.clear();
         u.wpos = 0;
@@ -800,7 +819,7 @@ impl Engine {
     }
 
     fn check_timeouts(&mut self) {
-        let now = Instant::now();
+        let now = self.now;
         let t = self.cfg.upstream_timeout;
         for ui in 0..self.ups.len() {
             let late = self.ups[ui].inflight.front().is_some_and(|f| now.duration_since(f.sent) >= t);
@@ -880,7 +899,7 @@ impl Engine {
         let rbuf_all = std::mem::take(&mut self.ups[ui].rbuf);
         let rbuf = &rbuf_all[..self.ups[ui].rend];
         let mut rpos = self.ups[ui].rpos;
-        let now = Instant::now();
+        let now = self.now;
         let owner = self.ups[ui].owner;
         let mut after = std::mem::take(&mut self.after);
         'frames: loop {

@@ -93,6 +93,9 @@ enum What {
     Get { positions: Option<Vec<u32>>, cursor: (u32, u32) },
     /// `flush_all` on one server.
     Flush,
+    /// The `stats detail dump` after it: answered once every worker of the
+    /// server has applied the flush; its content is not used.
+    FlushSync,
     /// An admin command (`slabs`, `lru`, `cache_memlimit`): one line back.
     Admin,
 }
@@ -119,6 +122,7 @@ impl Inflight {
         match self.what {
             What::Keyed { expect, .. } => expect,
             What::Get { .. } => Expect::Values,
+            What::FlushSync => Expect::Stats,
             _ => Expect::Line,
         }
     }
@@ -576,22 +580,24 @@ impl Engine {
                 }
                 TextCmd::FlushAll { noreply, .. } => {
                     self.counters.cmd_flush += 1;
-                    // to every worker, so that what this thread sends any worker
-                    // after it is executed after it there
-                    let owners: Vec<Owner> = (0..self.router.map().servers().len() as u16)
-                        .flat_map(|s| {
-                            (0..self.router.map().servers()[s as usize].workers.len() as u16).map(move |w| (s, w))
-                        })
-                        .collect();
-                    let (cid, seq) = self.open_slot(ci, owners.len() as u32, noreply);
+                    // To worker 0 of each server, which passes it to its other workers
+                    // as messages; then `stats detail dump` on the same connection, which
+                    // asks every worker of the server over the same FIFO channels and
+                    // answers only when all did: once it is answered, every worker has
+                    // applied the flush (what the barrier needs).
+                    let servers = self.router.map().servers().len() as u16;
+                    let (cid, seq) = self.open_slot(ci, 2 * servers as u32, noreply);
                     self.clients.get_mut(ci).unwrap().slots.back_mut().unwrap().flush = true;
-                    for owner in owners {
+                    for s in 0..servers {
                         let mut req = raw.to_vec();
                         if noreply {
                             req.extend_from_slice(b"mn\r\n");
                         }
                         let inf = self.inflight(ci, cid, seq, req, What::Flush, noreply);
-                        self.send(owner, inf);
+                        self.send((s, 0), inf);
+                        let sync = b"stats detail dump\r\n".to_vec();
+                        let inf = self.inflight(ci, cid, seq, sync, What::FlushSync, false);
+                        self.send((s, 0), inf);
                     }
                 }
                 TextCmd::Version => {
@@ -991,7 +997,7 @@ impl Engine {
                         }
                     }
                 }
-                _ if matches!(front.what, What::Flush) => {}
+                _ if matches!(front.what, What::Flush | What::FlushSync) => {}
                 _ => {
                     if let Some(s) = slot_mut(&mut self.clients, front.client, front.cid, front.seq) {
                         s.buf.extend_from_slice(bytes);

@@ -13,6 +13,15 @@ use std::time::{Duration, Instant};
 
 const WORKERS: u16 = 2;
 
+/// The tests run one at a time: one of them kills a server and starts it
+/// again on the same port, which a cluster of a test running alongside
+/// could have taken in between (and its proxy would then talk to that one).
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 struct Cluster {
     spec: ClusterSpec,
     servers: Vec<Option<ServerHandle>>,
@@ -169,13 +178,15 @@ impl Conn {
         }
     }
 
-    /// Send `script` then `mn`, and read everything up to that `MN`.
+    /// Send `script` then a sentinel (a miss no script has), and read
+    /// everything up to the sentinel's reply.
     fn transcript(&mut self, script: &[u8]) -> Vec<u8> {
+        const END: &[u8] = b"EN Oend k__end__\r\n";
         self.send(script);
-        self.send(b"mn\r\n");
+        self.send(b"mg __end__ Oend k\r\n");
         let mut out = Vec::new();
         let mut b = [0u8; 4096];
-        while !(out.ends_with(b"\r\nMN\r\n") || out == b"MN\r\n") {
+        while !out.ends_with(END) {
             let n = self.r.read(&mut b).expect("read");
             assert!(n > 0, "closed; so far {:?}", String::from_utf8_lossy(&out));
             out.extend_from_slice(&b[..n]);
@@ -280,6 +291,7 @@ fn b64(k: &str) -> String {
 
 #[test]
 fn text_and_meta_replies_equal_a_single_servers() {
+    let _serial = serial();
     let cl = Cluster::start(3);
     let p = proxy(cl.map(), 2, 2000);
     let reference = single_server();
@@ -310,6 +322,7 @@ fn text_and_meta_replies_equal_a_single_servers() {
 
 #[test]
 fn bad_input_gets_the_same_answers_as_at_a_server() {
+    let _serial = serial();
     let cl = Cluster::start(2);
     let p = proxy(cl.map(), 1, 2000);
     let reference = single_server();
@@ -369,6 +382,7 @@ fn bad_input_gets_the_same_answers_as_at_a_server() {
 
 #[test]
 fn a_long_multi_get_spans_every_server() {
+    let _serial = serial();
     let cl = Cluster::start(4);
     let p = proxy(cl.map(), 2, 2000);
     let mut c = Conn::open(p.addr);
@@ -445,6 +459,7 @@ fn keys_of(map: &ClusterMap, c: u32, n: usize) -> Vec<String> {
 
 #[test]
 fn cachelet_moves_mid_pipeline_lose_and_reorder_nothing() {
+    let _serial = serial();
     let cl = Cluster::start(2);
     let map = cl.map();
     let p = proxy(map.clone(), 2, 5000);
@@ -499,6 +514,7 @@ fn cachelet_moves_mid_pipeline_lose_and_reorder_nothing() {
 
 #[test]
 fn an_upstream_killed_mid_pipeline_gets_server_errors_then_recovers() {
+    let _serial = serial();
     let mut cl = Cluster::start(3);
     let map = cl.map();
     let p = proxy(map.clone(), 1, 2000);
@@ -570,6 +586,7 @@ fn an_upstream_killed_mid_pipeline_gets_server_errors_then_recovers() {
 
 #[test]
 fn a_stalled_upstream_times_out_with_server_error() {
+    let _serial = serial();
     // server 1 of the map is a socket that accepts and never answers
     let cl = Cluster::start(1);
     let stall = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -597,6 +614,7 @@ fn a_stalled_upstream_times_out_with_server_error() {
 
 #[test]
 fn binary_and_connection_limit() {
+    let _serial = serial();
     let cl = Cluster::start(1);
     let cfg = Config { max_conns: 2, ..Config::new("127.0.0.1:0".parse().unwrap()) };
     let p = mbal_proxy::start(cfg, cl.map()).unwrap();

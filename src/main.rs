@@ -16,7 +16,7 @@ struct Cli {
 enum Cmd {
     /// Run a cache server (memcached's flags work: -p -l -t -m -c -I -M -C -F -U 0 -B -R -A -v -o)
     Server(mbal_server::config::ServerArgs),
-    /// Route unmodified memcached clients to an mbal cluster (memcached's -p -l -t -c -I)
+    /// Route unmodified memcached clients (text, meta, binary) to an mbal cluster (memcached's -p -l -t -c -I)
     Proxy(mbal_proxy::ProxyArgs),
     /// Generate load against memcached-protocol servers and report throughput and latency
     Bench(mbal_bench::BenchArgs),

@@ -1,13 +1,14 @@
 """Real memcached client libraries against `mbal proxy` in front of a
-4-server x 2-worker mbal cluster (`mbal cluster up`) on loopback: pymemcache
-and pylibmc (text protocol; the proxy does not speak binary yet), also while
-cachelets move between workers.
+4-server x 2-worker mbal cluster (`mbal cluster up`) on loopback: pymemcache,
+pylibmc (text and binary) and libmemcached's `memccapable` conformance
+checker, also while cachelets move between workers.
 
 The binary comes from $MBAL_BIN (set by scripts/test.sh).
 """
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import threading
@@ -102,18 +103,38 @@ def test_pymemcache_every_operation_through_the_proxy(proxied):
     c.close()
 
 
-def test_pylibmc_text_through_the_proxy(proxied):
+@pytest.mark.parametrize("binary", [False, True], ids=["text", "binary"])
+def test_pylibmc_through_the_proxy(proxied, binary):
     import pylibmc
 
     host, port, _ = proxied
-    c = pylibmc.Client([f"{host}:{port}"], binary=False)
+    c = pylibmc.Client([f"{host}:{port}"], binary=binary)
     data = {f"lib{i}": f"v{i}" * 10 for i in range(300)}
     assert c.set_multi(data) == []
     assert c.get_multi(list(data)) == data
     assert c.set("ctr", "1")
     assert c.incr("ctr") == 2
+    assert c.decr("ctr", 2) == 0
+    assert c.add("ctr", "x") is False
+    c.set("blob", b"\x00\x01" * 1000)
+    assert c.get("blob") == b"\x00\x01" * 1000
     assert c.delete_multi(list(data)[:100])
     assert c.get_multi(list(data)[:100]) == {}
+    c.disconnect_all()
+
+
+@pytest.mark.skipif(shutil.which("memccapable") is None, reason="libmemcached-tools not installed")
+def test_memccapable_through_the_proxy(proxied):
+    host, port, _ = proxied
+    for flag in ("-a", "-b"):
+        r = subprocess.run(
+            ["memccapable", "-h", host, "-p", str(port), flag],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "fail" not in r.stdout.lower(), r.stdout
 
 
 def test_clients_during_cachelet_moves(proxied):

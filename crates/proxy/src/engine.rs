@@ -25,6 +25,15 @@ const UP_BASE: usize = 1 << 30;
 const READ_CHUNK: usize = 16 * 1024;
 const BACKOFF_MIN: Duration = Duration::from_millis(10);
 const BACKOFF_MAX: Duration = Duration::from_secs(1);
+/// The "worker" of a server's binary upstream: a plain connection to its
+/// main port, where the server passes each request to the owning worker
+/// itself (binary connections do not opt in to routing).
+const BIN: u16 = u16::MAX;
+/// A binary NOOP request, sent after a quiet binary request so that every
+/// request in flight has a reply to wait for.
+const BIN_NOOP: [u8; 24] = [0x80, 0x0a, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+/// Binary status of a request the proxy could not get answered ("temporary failure").
+const BIN_UPSTREAM_FAILED: u16 = 0x86;
 
 /// One slot of a client's reply queue: the reply to one request.
 #[derive(Default)]
@@ -41,6 +50,8 @@ struct Slot {
     multi: Option<Box<Multi>>,
     /// `flush_all`: the replies of every server become one `OK`.
     flush: bool,
+    /// A binary request: (opcode, opaque), for an error response.
+    bin: Option<(u8, u32)>,
 }
 
 /// The values of a multi-get, put back in request order.
@@ -76,6 +87,8 @@ struct Client {
     dirty: bool,
     /// Protocol not decided yet (first byte).
     fresh: bool,
+    /// Binary protocol (decided by the first byte).
+    binary: bool,
 }
 
 /// What an upstream request is, which decides how its reply is read.
@@ -98,6 +111,10 @@ enum What {
     FlushSync,
     /// An admin command (`slabs`, `lru`, `cache_memlimit`): one line back.
     Admin,
+    /// A binary request (to a server's binary upstream); its responses pass through.
+    Bin,
+    /// A binary flush on one server: its response is folded into one.
+    BinFlush,
 }
 
 struct Inflight {
@@ -357,6 +374,7 @@ impl Engine {
                 blocked: false,
                 dirty: false,
                 fresh: true,
+                binary: false,
             });
         }
     }
@@ -413,13 +431,9 @@ impl Engine {
         let Some(c) = self.clients.get_mut(ci) else { return };
         if c.fresh && c.rend > c.rpos {
             c.fresh = false;
-            if mbal_proto::detect(c.rbuf[c.rpos]) == Protocol::Binary {
-                // not in this slice of the proxy: hang up rather than misread it
-                c.closing = true;
-                self.mark_client(ci);
-                return;
-            }
+            c.binary = mbal_proto::detect(c.rbuf[c.rpos]) == Protocol::Binary;
         }
+        let proto = if c.binary { Protocol::Binary } else { Protocol::Text };
         let rbuf_all = std::mem::take(&mut c.rbuf);
         let rbuf = &rbuf_all[..c.rend];
         let mut rpos = c.rpos;
@@ -443,15 +457,17 @@ impl Engine {
                 }
                 c.blocked = false;
             }
-            match mbal_proto::parse(Protocol::Text, &rbuf[rpos..], &self.limits) {
+            match mbal_proto::parse(proto, &rbuf[rpos..], &self.limits) {
                 Parsed::NeedMore => break,
                 Parsed::Err { reply, skip, close } => {
                     let mut out = Vec::new();
                     reply.write(&mut out);
                     // memcached drops the old value of a key whose new one was
                     // refused (the servers' rule, applied at the owner)
-                    if let Some(key) = mbal_proto::key_to_unlink_on_too_large(&rbuf[rpos..]) {
-                        self.unlink(key);
+                    if proto == Protocol::Text {
+                        if let Some(key) = mbal_proto::key_to_unlink_on_too_large(&rbuf[rpos..]) {
+                            self.unlink(key);
+                        }
                     }
                     let c = self.clients.get_mut(ci).unwrap();
                     push_ready(c, out);
@@ -663,8 +679,70 @@ impl Engine {
                 let inf = self.inflight(ci, cid, seq, req, What::Keyed { hash, expect: Expect::Meta }, quiet);
                 self.send_hash(hash, inf);
             }
-            Request::Bin(_) => unreachable!("binary connections are closed on their first byte"),
+            Request::Bin(b) => self.dispatch_bin(ci, b, raw),
         }
+    }
+
+    /// Handle one binary request of client `ci`.
+    fn dispatch_bin(&mut self, ci: usize, b: mbal_proto::binary::BinReq, raw: &[u8]) {
+        use mbal_proto::binary::{is_quiet, opcode as op, write_response};
+        let (opcode, opaque) = (b.header.opcode, b.header.opaque);
+        let quiet = is_quiet(opcode);
+        let ok = |out: &mut Vec<u8>, value: &[u8]| write_response(out, opcode, 0, opaque, 0, &[], &[], value);
+        let mut out = Vec::new();
+        match opcode {
+            op::NOOP => ok(&mut out, b""),
+            op::VERSION => ok(&mut out, crate::VERSION.as_bytes()),
+            op::VERBOSITY => ok(&mut out, b""),
+            // the proxy's statistics are in the text `stats`: an empty list here
+            op::STAT => ok(&mut out, b""),
+            op::QUIT | op::QUITQ => {
+                if opcode == op::QUIT {
+                    ok(&mut out, b"");
+                    self.local(ci, &out);
+                }
+                self.clients.get_mut(ci).unwrap().closing = true;
+                return self.mark_client(ci);
+            }
+            op::FLUSH | op::FLUSHQ => {
+                self.counters.cmd_flush += 1;
+                let servers = self.router.map().servers().len() as u16;
+                let (cid, seq) = self.open_slot(ci, servers as u32, false);
+                let slot = self.clients.get_mut(ci).unwrap().slots.back_mut().unwrap();
+                slot.bin = Some((opcode, opaque));
+                if !quiet {
+                    ok(&mut slot.buf, b"");
+                }
+                for s in 0..servers {
+                    let mut req = raw.to_vec();
+                    if quiet {
+                        req.extend_from_slice(&BIN_NOOP);
+                    }
+                    let inf = self.inflight(ci, cid, seq, req, What::BinFlush, quiet);
+                    self.send((s, BIN), inf);
+                }
+                return;
+            }
+            _ => {
+                match opcode {
+                    op::GET | op::GETQ | op::GETK | op::GETKQ => self.counters.cmd_get += 1,
+                    op::GAT | op::GATQ | op::GATK | op::GATKQ => self.counters.cmd_touch += 1,
+                    op::TOUCH => self.counters.cmd_touch += 1,
+                    o if mbal_proto::binary::is_store(o) => self.counters.cmd_set += 1,
+                    _ => {}
+                }
+                let server = self.router.route_hash(key_hash(b.key)).1 .0;
+                let (cid, seq) = self.open_slot(ci, 1, false);
+                self.clients.get_mut(ci).unwrap().slots.back_mut().unwrap().bin = Some((opcode, opaque));
+                let mut req = raw.to_vec();
+                if quiet {
+                    req.extend_from_slice(&BIN_NOOP);
+                }
+                let inf = self.inflight(ci, cid, seq, req, What::Bin, quiet);
+                return self.send((server, BIN), inf);
+            }
+        }
+        self.local(ci, &out)
     }
 
     // ---- upstreams ----
@@ -674,7 +752,7 @@ impl Engine {
             return ui;
         }
         let ui = self.ups.len();
-        let addr = self.router.map().worker_addr(owner.0, owner.1);
+        let addr = self.addr_of(owner);
         self.ups.push(Upstream {
             owner,
             addr,
@@ -696,6 +774,14 @@ impl Engine {
         ui
     }
 
+    fn addr_of(&self, (s, w): Owner) -> SocketAddr {
+        if w == BIN {
+            self.router.map().servers()[s as usize].main
+        } else {
+            self.router.map().worker_addr(s, w)
+        }
+    }
+
     fn mark_up(&mut self, ui: usize) {
         let u = &mut self.ups[ui];
         if !u.dirty {
@@ -711,7 +797,12 @@ impl Engine {
 
     /// Queue a request on the upstream of `owner` (connecting if needed).
     fn send(&mut self, owner: Owner, mut inf: Inflight) {
-        if !self.router.map().has_worker(owner) {
+        let known = if owner.1 == BIN {
+            (owner.0 as usize) < self.router.map().servers().len()
+        } else {
+            self.router.map().has_worker(owner)
+        };
+        if !known {
             return self.fail(inf, "SERVER_ERROR upstream not in the cluster map");
         }
         let ui = self.upstream(owner);
@@ -741,8 +832,8 @@ impl Engine {
 
     fn connect(&mut self, ui: usize) -> io::Result<()> {
         let epoch = self.router.map().epoch();
+        let addr = self.addr_of(self.ups[ui].owner);
         let u = &mut self.ups[ui];
-        let addr = self.router.map().worker_addr(u.owner.0, u.owner.1);
         if addr != u.addr {
             u.addr = addr;
             u.addr_s = addr.to_string();
@@ -758,6 +849,9 @@ impl Engine {
         u.rend = 0;
         u.dec = Decoder::new();
         u.delta.connects += 1;
+        if u.owner.1 == BIN {
+            return Ok(()); // a plain binary connection: no hello
+        }
         let hello = format!("mbal hello {epoch} {}\r\n", u.owner.1).into_bytes();
         u.wbuf.extend_from_slice(&hello);
         u.inflight.push_back(Inflight {
@@ -807,8 +901,26 @@ impl Engine {
         }
         if let Some(s) = slot_mut(&mut self.clients, inf.client, inf.cid, inf.seq) {
             if s.err.is_none() {
-                let mut e = msg.as_bytes().to_vec();
-                e.extend_from_slice(b"\r\n");
+                let mut e = Vec::new();
+                match s.bin {
+                    Some((opcode, opaque)) => {
+                        let text = msg.strip_prefix("SERVER_ERROR ").unwrap_or(msg);
+                        mbal_proto::binary::write_response(
+                            &mut e,
+                            opcode,
+                            BIN_UPSTREAM_FAILED,
+                            opaque,
+                            0,
+                            &[],
+                            &[],
+                            text.as_bytes(),
+                        );
+                    }
+                    None => {
+                        e.extend_from_slice(msg.as_bytes());
+                        e.extend_from_slice(b"\r\n");
+                    }
+                }
                 s.err = Some(e);
             }
         }
@@ -902,6 +1014,9 @@ impl Engine {
 
     /// Match the upstream's replies to its requests in flight.
     fn decode_upstream(&mut self, ui: usize) {
+        if self.ups[ui].owner.1 == BIN {
+            return self.decode_binary(ui);
+        }
         let rbuf_all = std::mem::take(&mut self.ups[ui].rbuf);
         let rbuf = &rbuf_all[..self.ups[ui].rend];
         let mut rpos = self.ups[ui].rpos;
@@ -1041,6 +1156,64 @@ impl Engine {
             }
         }
         self.after = after;
+    }
+
+    /// Match a binary upstream's responses to its requests in flight.
+    fn decode_binary(&mut self, ui: usize) {
+        use mbal_proto::binary::{opcode as op, BinHeader, HEADER_LEN, MAGIC_RESPONSE};
+        let rbuf_all = std::mem::take(&mut self.ups[ui].rbuf);
+        let rbuf = &rbuf_all[..self.ups[ui].rend];
+        let mut rpos = self.ups[ui].rpos;
+        let now = self.now;
+        let mut done = Vec::new();
+        let mut broken = false;
+        loop {
+            let u = &mut self.ups[ui];
+            let Some(front) = u.inflight.front() else {
+                broken = rpos < rbuf.len();
+                break;
+            };
+            if rbuf.len() - rpos < HEADER_LEN {
+                break;
+            }
+            let h = BinHeader::decode(&rbuf[rpos..]);
+            if h.magic != MAGIC_RESPONSE {
+                broken = true;
+                break;
+            }
+            let total = HEADER_LEN + h.body_len as usize;
+            if rbuf.len() - rpos < total {
+                break;
+            }
+            let bytes = &rbuf[rpos..rpos + total];
+            rpos += total;
+            let status = u16::from_be_bytes([bytes[6], bytes[7]]);
+            let ours = front.quiet && h.opcode == op::NOOP;
+            if !ours {
+                if let Some(s) = slot_mut(&mut self.clients, front.client, front.cid, front.seq) {
+                    match front.what {
+                        What::BinFlush if status == 0 => {}
+                        What::BinFlush => s.err = s.err.take().or_else(|| Some(bytes.to_vec())),
+                        _ => s.buf.extend_from_slice(bytes),
+                    }
+                }
+            }
+            if ours || !front.quiet {
+                let inf = u.inflight.pop_front().unwrap();
+                u.delta.latencies.push(now.duration_since(inf.sent).as_micros().min(u32::MAX as u128) as u32);
+                done.push((inf.client, inf.cid, inf.seq));
+            }
+        }
+        let u = &mut self.ups[ui];
+        u.rbuf = rbuf_all;
+        u.rpos = rpos;
+        for (ci, cid, seq) in done {
+            self.part_done(ci, cid, seq);
+        }
+        if broken && self.ups[ui].sock.is_some() {
+            tracing::debug!("proxy: binary upstream {}: bad response", self.ups[ui].addr);
+            self.down(ui);
+        }
     }
 
     /// A request came back `RD`: learn, then resend it where the router now says.

@@ -1,4 +1,4 @@
-//! `mbal proxy`: a memcached-protocol endpoint for unmodified clients that
+//! `mbal proxy`: a memcached-protocol endpoint (text, meta, binary) for unmodified clients that
 //! routes every key to the worker that owns it (DESIGN.md §3, §4; issue 11).
 //!
 //! # Design
@@ -30,6 +30,10 @@
 //!   request in request order; a reply fills its slot, and the front slots
 //!   that are complete are written out. A request is never reordered with
 //!   respect to another of the same connection, whichever upstreams answer.
+//! * **Binary protocol.** A binary request goes to the owning server over a
+//!   plain binary connection to its main port (the server routes it to the
+//!   worker; binary connections do not opt in to redirects), one per thread
+//!   and server, pipelined likewise, with a `NOOP` after each quiet request.
 //! * **Failure.** An upstream that closes, sends a reply the codec rejects,
 //!   or leaves its oldest request unanswered for `--upstream-timeout-ms` is
 //!   dropped: every request in flight on it is answered

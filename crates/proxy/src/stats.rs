@@ -257,7 +257,8 @@ impl Shared {
         let all = self.sum();
         let mut s = String::new();
         for ((sv, w), u) in &all.ups {
-            let p = format!("upstream:{sv}:{w}");
+            // a server's binary upstream (its main port) is worker "main"
+            let p = if *w == u16::MAX { format!("upstream:{sv}:main") } else { format!("upstream:{sv}:{w}") };
             let answered: u64 = u.hist.iter().sum();
             let mean = u.latency_sum_us.checked_div(answered).unwrap_or(0);
             let _ = write!(

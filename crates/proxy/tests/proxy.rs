@@ -618,10 +618,6 @@ fn binary_and_connection_limit() {
     let cl = Cluster::start(1);
     let cfg = Config { max_conns: 2, ..Config::new("127.0.0.1:0".parse().unwrap()) };
     let p = mbal_proxy::start(cfg, cl.map()).unwrap();
-    // the binary protocol is not served by the proxy yet: the connection is closed
-    let mut b = Conn::open(p.addr);
-    b.send(&[0x80, 0x0a, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
-    assert!(b.closed());
     let mut c1 = Conn::open(p.addr);
     let mut c2 = Conn::open(p.addr);
     assert_eq!(c1.cmd("mn\r\n"), "MN\r\n");
@@ -630,5 +626,85 @@ fn binary_and_connection_limit() {
     assert_eq!(c3.line(), "ERROR Too many open connections\r\n");
     assert!(c3.closed());
     drop(p);
+    cl.stop();
+}
+
+/// Binary requests: (opcode, opaque, extras, key, value).
+fn bin(out: &mut Vec<u8>, opcode: u8, opaque: u32, extras: &[u8], key: &str, value: &[u8]) {
+    mbal_proto::binary::write_request(out, opcode, 0, opaque, 0, extras, key.as_bytes(), value);
+}
+
+/// Send binary requests then a NOOP sentinel; the responses up to it, with
+/// their CAS zeroed (CAS values differ between any two servers).
+fn bin_transcript(addr: SocketAddr, reqs: &[u8]) -> Vec<Vec<u8>> {
+    let mut c = Conn::open(addr);
+    let mut all = reqs.to_vec();
+    bin(&mut all, 0x0a, 0xfeed_f00d, &[], "", b"");
+    c.send(&all);
+    let mut out = Vec::new();
+    loop {
+        let mut h = c.exact(24);
+        let body = u32::from_be_bytes([h[8], h[9], h[10], h[11]]) as usize;
+        let opaque = u32::from_be_bytes([h[12], h[13], h[14], h[15]]);
+        let end = h[1] == 0x0a && opaque == 0xfeed_f00d;
+        h[16..24].fill(0);
+        h.extend_from_slice(&c.exact(body));
+        if end {
+            return out;
+        }
+        out.push(h);
+    }
+}
+
+#[test]
+fn binary_replies_equal_a_single_servers() {
+    use mbal_proto::binary::opcode as op;
+    let _serial = serial();
+    let cl = Cluster::start(3);
+    let p = proxy(cl.map(), 2, 2000);
+    let reference = single_server();
+    let keys = keys_everywhere(&cl.map(), 2);
+    let flags_exp = |f: u32, e: u32| [f.to_be_bytes(), e.to_be_bytes()].concat();
+    let delta = |d: u64, init: u64| [d.to_be_bytes().to_vec(), init.to_be_bytes().to_vec(), vec![0; 4]].concat();
+    let mut r = Vec::new();
+    for (i, k) in keys.iter().enumerate() {
+        let o = i as u32 * 100;
+        bin(&mut r, op::SET, o, &flags_exp(i as u32, 0), k, format!("v{i}").as_bytes());
+        bin(&mut r, op::GET, o + 1, &[], k, b"");
+        bin(&mut r, op::GETK, o + 2, &[], k, b"");
+        bin(&mut r, op::GETQ, o + 3, &[], &format!("{k}-missing"), b"");
+        bin(&mut r, op::GETKQ, o + 4, &[], k, b"");
+        bin(&mut r, op::ADD, o + 5, &flags_exp(0, 0), k, b"x");
+        bin(&mut r, op::ADDQ, o + 6, &flags_exp(0, 0), &format!("{k}q"), b"q");
+        bin(&mut r, op::APPEND, o + 7, &[], k, b"!");
+        bin(&mut r, op::PREPENDQ, o + 8, &[], k, b"<");
+        bin(&mut r, op::GET, o + 9, &[], k, b"");
+        bin(&mut r, op::INCREMENT, o + 10, &delta(5, 7), &format!("{k}n"), b"");
+        bin(&mut r, op::INCREMENT, o + 11, &delta(5, 7), &format!("{k}n"), b"");
+        bin(&mut r, op::DECREMENTQ, o + 12, &delta(1, 0), &format!("{k}n"), b"");
+        bin(&mut r, op::GET, o + 13, &[], &format!("{k}n"), b"");
+        bin(&mut r, op::TOUCH, o + 14, &100u32.to_be_bytes(), k, b"");
+        bin(&mut r, op::GAT, o + 15, &100u32.to_be_bytes(), k, b"");
+        bin(&mut r, op::DELETE, o + 16, &[], k, b"");
+        bin(&mut r, op::DELETE, o + 17, &[], k, b"");
+        bin(&mut r, op::DELETEQ, o + 18, &[], k, b"");
+        bin(&mut r, op::REPLACE, o + 19, &flags_exp(0, 0), k, b"r");
+        bin(&mut r, op::NOOP, o + 20, &[], "", b"");
+    }
+    bin(&mut r, op::FLUSH, 7, &[0; 4], "", b"");
+    bin(&mut r, op::GETK, 8, &[], &keys[0], b"");
+    bin(&mut r, op::VERBOSITY, 9, &1u32.to_be_bytes(), "", b"");
+    bin(&mut r, 0x55, 10, &[], "", b""); // unknown opcode
+    let want = bin_transcript(reference.main_addr, &r);
+    let got = bin_transcript(p.addr, &r);
+    assert_eq!(got.len(), want.len());
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g, w, "response {i}");
+    }
+    let mut c = Conn::open(p.addr);
+    let st = stats(&mut c, "proxy");
+    assert!(st.iter().any(|(k, v)| k.ends_with(":main:requests") && v != "0"), "{st:?}");
+    drop(p);
+    reference.shutdown();
     cl.stop();
 }

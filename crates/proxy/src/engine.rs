@@ -283,8 +283,6 @@ impl Engine {
                         }
                         if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
                             self.read_client(ci);
-                            // send at once: the server works while we read the next client
-                            self.flush_upstreams();
                         }
                     }
                 }

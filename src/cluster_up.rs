@@ -35,6 +35,10 @@ pub struct UpArgs {
     /// Where to write the cluster file
     #[arg(long, default_value = "mbal-cluster.toml")]
     pub file: PathBuf,
+    /// Emulated capacity of every worker, requests per second, passed to every server as
+    /// `--worker-capacity` (0: unlimited)
+    #[arg(long, default_value_t = 0)]
+    pub worker_capacity: u64,
     /// Extra arguments passed to every `mbal server` (e.g. "-v")
     #[arg(long, allow_hyphen_values = true)]
     pub server_arg: Vec<String>,
@@ -127,6 +131,8 @@ pub fn run(a: UpArgs) -> Result<()> {
             .arg(id.to_string())
             .arg("-m")
             .arg(a.memory.to_string())
+            .arg("--worker-capacity")
+            .arg(a.worker_capacity.to_string())
             .args(&a.server_arg)
             .stdin(Stdio::null())
             .spawn()
@@ -151,8 +157,12 @@ pub fn run(a: UpArgs) -> Result<()> {
             std::thread::sleep(Duration::from_millis(20));
         }
     }
+    let cap = match a.worker_capacity {
+        0 => String::new(),
+        n => format!(", {n} requests/s per worker (emulated)"),
+    };
     println!(
-        "mbal cluster up: {} servers x {} workers, {} cachelets, cluster file {}",
+        "mbal cluster up: {} servers x {} workers, {} cachelets{cap}, cluster file {}",
         a.servers,
         a.workers,
         a.servers as u32 * a.workers as u32 * a.cachelets_per_worker,

@@ -1,8 +1,10 @@
 //! `mbal`: the one binary. Subcommands: `server`, `proxy`, `bench`, `cluster up`, `stats`.
 
 mod cluster_up;
+mod proxy_args;
+mod server_args;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
@@ -15,11 +17,11 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Run a cache server (memcached's flags work: -p -l -t -m -c -I -M -C -F -U 0 -B -R -A -v -o)
-    Server(mbal_server::config::ServerArgs),
+    Server(Box<server_args::ServerArgs>),
     /// Route unmodified memcached clients (text, meta, binary) to an mbal cluster (memcached's -p -l -t -c -I)
-    Proxy(mbal_proxy::ProxyArgs),
+    Proxy(Box<proxy_args::ProxyArgs>),
     /// Generate load against memcached-protocol servers and report throughput and latency
-    Bench(mbal_bench::BenchArgs),
+    Bench(Box<mbal_bench::BenchArgs>),
     /// Local clusters
     #[command(subcommand)]
     Cluster(ClusterCmd),
@@ -112,7 +114,7 @@ fn run(cli: Cli) -> Result<()> {
                 .with_writer(std::io::stderr)
                 .init();
             let (cfg, map) = args.resolve()?;
-            let handle = mbal_proxy::start(cfg, map)?;
+            let handle = mbal_proxy::start(cfg, map).context("mbal proxy")?;
             if args.print_ports {
                 println!("{}", serde_json::json!({ "main": handle.addr }));
             }
@@ -121,7 +123,7 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Cmd::Bench(args) => {
-            mbal_bench::run(args)?;
+            mbal_bench::run(*args)?;
             Ok(())
         }
         Cmd::Cluster(ClusterCmd::Up(args)) => cluster_up::run(args),

@@ -131,3 +131,82 @@ def test_libmemcached_cli_tools(server, tmp_path):
     assert "curr_items" in st.stdout
     subprocess.run(["memcflush", srv], check=True, timeout=30)
     subprocess.run(["memcping", srv], check=True, timeout=30)
+
+
+# Multi-gets on one line longer than mbal's 64 KiB line limit (issue 7 §1):
+# answered key by key as the line arrives, every key counted in get_hits.
+
+LONG_LINE = 64 * 1024
+
+
+def _stats(host, port):
+    from pymemcache.client.base import Client
+
+    c = Client((host, port), connect_timeout=5, timeout=5)
+    try:
+        return {k.decode(): v for k, v in c.stats().items()}
+    finally:
+        c.close()
+
+
+def _long_keys(prefix, n):
+    keys = [f"{prefix}:long-line-key:{i:05}" for i in range(n)]
+    assert sum(len(k) + 1 for k in keys) > LONG_LINE, "the get line must exceed the line limit"
+    return keys
+
+
+def test_pymemcache_get_many_5000_keys(server):
+    from pymemcache.client.base import Client
+
+    host, port, _ = server
+    c = Client((host, port), connect_timeout=5, timeout=30)
+    keys = _long_keys("pm", 5000)
+    data = {k: f"v{i}".encode() for i, k in enumerate(keys)}
+    assert c.set_many(data, noreply=False) == []
+    before = _stats(host, port)
+    assert c.get_many(keys + ["pm:absent"]) == data
+    got = c.gets_many(keys)
+    assert {k: v for k, (v, _) in got.items()} == data
+    after = _stats(host, port)
+    assert after["get_hits"] - before["get_hits"] == 2 * len(keys)
+    assert after["get_misses"] - before["get_misses"] == 1
+    c.close()
+
+
+def test_pylibmc_get_multi_5000_keys_text_and_binary(server):
+    import pylibmc
+
+    host, port, _ = server
+    for binary in (False, True):
+        mc = pylibmc.Client([f"{host}:{port}"], binary=binary)
+        keys = _long_keys(f"pl{int(binary)}", 5000)
+        data = {k: i for i, k in enumerate(keys)}
+        assert mc.set_multi(data) == []
+        before = _stats(host, port)
+        assert mc.get_multi(keys + ["pl:absent"]) == data
+        after = _stats(host, port)
+        assert after["get_hits"] - before["get_hits"] == len(keys)
+        assert after["get_misses"] - before["get_misses"] == 1
+        mc.disconnect_all()
+
+
+@pytest.mark.skipif(shutil.which("memcslap") is None, reason="libmemcached-tools not installed")
+def test_memcslap_mget_text_and_binary(server):
+    host, port, _ = server
+    n = 10000
+    for flags in ([], ["--binary"]):
+        before = _stats(host, port)
+        r = subprocess.run(
+            ["memcslap", f"--servers={host}:{port}", "--test=mget", f"--execute-number={n}", "--verbose"] + flags,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        out = r.stdout + r.stderr
+        assert r.returncode == 0, out
+        assert "error" not in out.lower() and "fail" not in out.lower(), out
+        after = _stats(host, port)
+        # memcslap loads n keys, then fetches all n in one multi-get.
+        assert after["cmd_set"] - before["cmd_set"] == n, out
+        assert after["get_hits"] - before["get_hits"] == n, out
+        assert after["get_misses"] - before["get_misses"] == 0, out

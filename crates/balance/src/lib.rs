@@ -6,7 +6,20 @@
 //! * [`snapshot`]: what a server looks like over one balancer epoch: per
 //!   worker and per cachelet reads, writes, items, memory, and how long
 //!   work waited (queueing), built from two consecutive counter samples.
+//! * [`measure`]: imbalance measures (MBal's dev, max/avg, NetKV's factor).
+//! * [`plan`]: the Phase 2 planner (ILP objectives 1 and 2, greedy fallback).
+//! * [`policy`]: the [`Balancer`]: MBal's Figure 4 state machine,
+//!   persistence, leases; one [`Decision`] per epoch.
+//! * [`config`]: every knob, with its default.
 
+pub mod config;
+pub mod measure;
+pub mod plan;
+pub mod policy;
 pub mod snapshot;
 
+pub use config::{Config, Planner};
+pub use measure::{load_of, worker_loads, Imbalance};
+pub use plan::{Method, Objective, Plan, Problem};
+pub use policy::{Balancer, Decision, EscalateWhy, Escalation, Lease, Move, State, Transition, Why};
 pub use snapshot::{CacheletLoad, CacheletSample, EpochSnapshot, WorkerLoad, WorkerSample};

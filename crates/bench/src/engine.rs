@@ -112,6 +112,8 @@ pub struct ThreadResult {
     /// Open loop: ops sent more than 1 ms after their intended time (the client fell behind).
     pub late: u64,
     pub target_requests: Vec<u64>,
+    /// `target_requests` as they stood at the end of each second of the run (cumulative).
+    pub target_seconds: Vec<Vec<u64>>,
     /// Redirects the driver followed.
     pub redirects: u64,
     /// CPU time this thread used (user + system).
@@ -163,6 +165,7 @@ pub fn run_thread(driver: &mut dyn Driver, mut plan: ThreadPlan) -> Result<Threa
         sent: 0,
         late: 0,
         target_requests: Vec::new(),
+        target_seconds: Vec::new(),
         redirects: 0,
         cpu_secs: 0.0,
         elapsed: Duration::ZERO,
@@ -187,6 +190,10 @@ pub fn run_thread(driver: &mut dyn Driver, mut plan: ThreadPlan) -> Result<Threa
 
     loop {
         let now = elapsed_ns();
+        // Per-target counts at each second's end (once a second: an allocation is fine).
+        while (res.target_seconds.len() as u64) < now / 1_000_000_000 {
+            res.target_seconds.push(driver.target_requests());
+        }
         if !stopping
             && (now >= deadline_ns || res.sent >= plan.quota || exhausted || plan.abort.load(Ordering::Relaxed))
         {

@@ -35,6 +35,13 @@
 //!   max/avg and NetKV's imbalance factor (Eq. 6), client CPU per op (the generator's own cost),
 //!   all in a serde [`BenchReport`] (`--json`) and an SVG plot ([`plot()`], `--plot`,
 //!   `--plot-only a.json b.json -o x.svg`).
+//! * Balancer experiments (with `mbal server --worker-capacity`): `--workload hotpart` (a hot
+//!   partition: `--hot-ops` of ops on the keys of `--hot-cachelets` cachelets of one worker,
+//!   found through the cluster map and `KeySpace`), `--rate-sweep FROM:TO:STEP` with
+//!   `--p99-target-us` (one open-loop run per rate; the highest throughput meeting the target:
+//!   [`Sweep`]), per-second per-target counts in the timeline, and [`serverload`]: the servers'
+//!   own per-worker load per epoch (`mbal load`, side threads) with the moves seen in it, in the
+//!   JSON ([`ServerLoad`]) and as a third plot panel. `scripts/bench-balance.sh` runs them.
 //! * [`stub`]: a tiny in-process memcached-text server for `--null-server` (measures the
 //!   generator's ceiling) and for tests.
 //!
@@ -45,6 +52,7 @@ pub mod driver;
 pub mod engine;
 mod plot;
 pub mod routed;
+pub mod serverload;
 pub mod stub;
 pub mod workload;
 
@@ -61,7 +69,9 @@ use serde::{Deserialize, Serialize};
 
 use driver::{Driver, PlainDriver};
 use engine::{OpSource, SecAcc, ThreadPlan, ThreadResult};
+use mbal_cluster::ClusterMap;
 pub use plot::plot;
+pub use serverload::ServerLoad;
 use workload::{DistKind, KeyGen, Phase, WorkloadKind, WorkloadParams};
 
 /// `mbal bench`: drive a memcached-protocol server (or several) with a YCSB-style workload.
@@ -118,9 +128,19 @@ pub struct BenchArgs {
     /// Hotspot: fraction of keys that are hot.
     #[arg(long, default_value_t = 0.05)]
     pub hot_fraction: f64,
-    /// Hotspot: fraction of ops that go to hot keys.
+    /// Hotspot and hot partition: fraction of ops that go to hot keys.
     #[arg(long, default_value_t = 0.95)]
     pub hot_ops: f64,
+    /// Hot partition: how many cachelets are hot: the first K (by id) that the cluster map gives
+    /// the worker owning cachelet 0 (a hot shard on one worker). The map comes from the (first)
+    /// --server with `mbal map`, so the workload needs an mbal server.
+    #[arg(long, default_value_t = 4)]
+    #[serde(default)]
+    pub hot_cachelets: u32,
+    /// Hot partition: the hot cachelets by id instead (comma separated).
+    #[arg(long, value_delimiter = ',')]
+    #[serde(default)]
+    pub hot_cachelet_ids: Vec<u32>,
 
     /// SET every key once (pipelined, closed loop) before the run.
     #[arg(long)]
@@ -151,6 +171,23 @@ pub struct BenchArgs {
     /// Without it: closed loop.
     #[arg(long)]
     pub rate: Option<f64>,
+    /// Open-loop rate sweep FROM:TO:STEP (ops/s): one run of --duration at each rate in turn
+    /// (at most 100), reporting each rate's throughput and latency and, with --p99-target-us,
+    /// the highest throughput whose p99 met the target. Stops after two rates in a row miss it
+    /// with a throughput under 90% of the rate offered (saturated).
+    #[arg(long, conflicts_with = "rate")]
+    #[serde(default)]
+    pub rate_sweep: Option<String>,
+    /// p99 latency target in µs (with --rate-sweep).
+    #[arg(long)]
+    #[serde(default)]
+    pub p99_target_us: Option<f64>,
+    /// Record the servers' per-worker load (`mbal load`, one side thread per server) during the
+    /// run: auto = in routed mode (the servers are mbal servers), on = also in plain mode (the
+    /// --server targets must be mbal servers), off.
+    #[arg(long, value_enum, default_value = "auto")]
+    #[serde(default)]
+    pub server_load: ServerLoadMode,
     /// Keys per GET (multiget) for reads.
     #[arg(long, default_value_t = 1)]
     pub multiget: usize,
@@ -194,6 +231,16 @@ impl Default for BenchArgs {
         }
         <P as clap::Parser>::parse_from(["bench"]).a
     }
+}
+
+/// `--server-load`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum ServerLoadMode {
+    #[default]
+    Auto,
+    On,
+    Off,
 }
 
 /// Latency percentiles of one op type, in microseconds.
@@ -261,6 +308,39 @@ pub struct SecondStats {
     pub p90_us: f64,
     pub p99_us: f64,
     pub max_us: f64,
+    /// Requests the client sent to each target in this second (the order of `balance.targets`).
+    pub targets: Vec<u64>,
+}
+
+/// One rate of a `--rate-sweep`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
+pub struct SweepStep {
+    pub offered_ops_per_sec: f64,
+    pub ops_per_sec: f64,
+    pub p50_us: f64,
+    pub p99_us: f64,
+    pub p999_us: f64,
+    pub late_ops: u64,
+    pub unfinished: u64,
+    pub errors: u64,
+    /// Client's per-target max/avg at this rate.
+    pub max_over_avg: f64,
+    /// The servers' per-worker max/avg at this rate (their own counters), if they reported it.
+    pub server_max_over_avg: Option<f64>,
+    /// p99 within --p99-target-us, nothing unfinished, no errors.
+    pub meets_target: bool,
+}
+
+/// A `--rate-sweep`: every rate run, and the best one at the p99 target.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
+pub struct Sweep {
+    pub p99_target_us: Option<f64>,
+    pub steps: Vec<SweepStep>,
+    /// The highest throughput of a step that met the target, and the rate offered there.
+    pub max_ops_per_sec_at_target: Option<f64>,
+    pub offered_at_target: Option<f64>,
 }
 
 /// Requests received by one target (a server in plain mode; a worker in routed mode later).
@@ -309,6 +389,15 @@ pub struct BenchReport {
     pub timeline: Vec<SecondStats>,
     pub balance: Balance,
     pub client: ClientCost,
+    /// Hot partition: the hot cachelets.
+    #[serde(default)]
+    pub hot_cachelets: Vec<u32>,
+    /// `--rate-sweep`: each rate's results (the fields above are the last rate's).
+    #[serde(default)]
+    pub sweep: Option<Sweep>,
+    /// Per-worker load from the servers' own counters (`mbal load`), with balancer events.
+    #[serde(default)]
+    pub server_load: Option<ServerLoad>,
 }
 
 /// NetKV's imbalance factor (Eq. 6) of per-target rates: `sum |r_i - avg| / (avg * n)`.
@@ -400,11 +489,37 @@ fn validate(args: &BenchArgs) -> Result<()> {
             bail!("--duration must be > 0");
         }
     }
+    if let Some(s) = &args.rate_sweep {
+        parse_sweep(s)?;
+    }
+    if let Some(t) = args.p99_target_us {
+        if !(t.is_finite() && t > 0.0) {
+            bail!("--p99-target-us must be > 0");
+        }
+    }
     let ok = args.drain.is_finite() && args.drain >= 0.0 && args.load_timeout.is_finite() && args.load_timeout > 0.0;
     if !ok {
         bail!("--drain and --load-timeout must be >= 0");
     }
     Ok(())
+}
+
+/// `FROM:TO:STEP` (ops/s) into the rates FROM, FROM+STEP, ... up to TO (at most 100).
+pub fn parse_sweep(s: &str) -> Result<Vec<f64>> {
+    let parts: Vec<f64> = s
+        .split(':')
+        .map(|p| p.trim().parse::<f64>())
+        .collect::<std::result::Result<_, _>>()
+        .with_context(|| format!("--rate-sweep {s:?} must be FROM:TO:STEP (ops/s)"))?;
+    let [from, to, step] = parts[..] else { bail!("--rate-sweep {s:?} must be FROM:TO:STEP (ops/s)") };
+    if !(from.is_finite() && to.is_finite() && step.is_finite() && from > 0.0 && to >= from && step > 0.0) {
+        bail!("--rate-sweep {s:?}: need 0 < FROM <= TO and STEP > 0");
+    }
+    let n = ((to - from) / step + 1e-9).floor() as u64 + 1;
+    if n > 100 {
+        bail!("--rate-sweep {s:?} has {n} rates; at most 100");
+    }
+    Ok((0..n).map(|i| from + step * i as f64).collect())
 }
 
 fn split(total: u64, parts: usize, i: usize) -> u64 {
@@ -606,6 +721,15 @@ pub trait DriverFactory: Sync {
     /// Name recorded in the report (`"plain"`, `"routed"`).
     fn name(&self) -> String;
     fn make(&self, spec: &DriverSpec<'_>) -> Result<Box<dyn Driver>>;
+    /// The cluster map, for workloads defined by it (the hot partition). None: not an mbal
+    /// server.
+    fn cluster_map(&self) -> Result<Option<ClusterMap>> {
+        Ok(None)
+    }
+    /// The main addresses of the mbal servers whose per-worker load to record (`mbal load`).
+    fn load_servers(&self) -> Vec<SocketAddr> {
+        Vec::new()
+    }
 }
 
 /// Plain memcached text protocol to these servers (keys spread by `key_hash % n`).
@@ -626,6 +750,12 @@ impl DriverFactory for PlainFactory {
             spec.args.value_size_max.unwrap_or(spec.args.value_size).max(spec.args.value_size),
         )?))
     }
+    fn cluster_map(&self) -> Result<Option<ClusterMap>> {
+        routed::fetch_map(self.servers[0]).map(Some)
+    }
+    fn load_servers(&self) -> Vec<SocketAddr> {
+        self.servers.clone()
+    }
 }
 
 /// Like [`run`] (without `--plot-only` and `--null-server` handling, and without resolving or
@@ -635,6 +765,24 @@ pub fn run_with(args: BenchArgs, factory: &dyn DriverFactory) -> Result<BenchRep
     let show = !args.quiet;
     let started_unix_ms =
         SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+    let phases = match &args.phases {
+        Some(p) => workload::parse_phases(p)?,
+        None => vec![Phase { workload: args.workload, secs: args.duration.unwrap_or(10.0) }],
+    };
+    let hot_partition = phases.iter().any(|p| {
+        p.workload == WorkloadKind::Hotpart || (p.workload == WorkloadKind::Custom && args.dist == DistKind::Hotpart)
+    });
+    let mut hot_cachelets = Vec::new();
+    let hot_keys = if hot_partition {
+        let map = factory
+            .cluster_map()
+            .context("the hot-partition workload needs the cluster map of an mbal server")?
+            .context("the hot-partition workload needs an mbal server (its cluster map)")?;
+        hot_cachelets = choose_hot(&map, &args)?;
+        Some(Arc::new(workload::hot_partition_keys(map.keyspace(), &hot_cachelets, args.keys, args.key_size)))
+    } else {
+        None
+    };
     let params = WorkloadParams {
         keys: args.keys,
         zipf: args.zipf,
@@ -642,10 +790,7 @@ pub fn run_with(args: BenchArgs, factory: &dyn DriverFactory) -> Result<BenchRep
         hot_ops: args.hot_ops,
         read_ratio: args.read_ratio,
         dist: args.dist,
-    };
-    let phases = match &args.phases {
-        Some(p) => workload::parse_phases(p)?,
-        None => vec![Phase { workload: args.workload, secs: args.duration.unwrap_or(10.0) }],
+        hot_keys,
     };
     let duration = args.duration.unwrap_or_else(|| phases.iter().map(|p| p.secs).sum());
 
@@ -681,32 +826,131 @@ pub fn run_with(args: BenchArgs, factory: &dyn DriverFactory) -> Result<BenchRep
         timeline: Vec::new(),
         balance: Balance::default(),
         client: ClientCost { threads: args.threads, ..Default::default() },
+        hot_cachelets,
+        sweep: None,
+        server_load: None,
     };
 
     if !args.load_only {
         let perm = Arc::new(workload::scramble_permutation(args.keys, 0x6d62_616c));
-        let mut sources = Vec::new();
-        for _ in 0..args.threads {
-            let mut ph = Vec::new();
-            let mut end = 0.0;
-            for p in &phases {
-                end += p.secs;
-                let mix = workload::mix_of(p.workload, &params);
-                ph.push((end, mix.read_ratio, KeyGen::new(mix.dist, &params, perm.clone())?));
+        let make_sources = || -> Result<Vec<OpSource>> {
+            let mut sources = Vec::new();
+            for _ in 0..args.threads {
+                let mut ph = Vec::new();
+                let mut end = 0.0;
+                for p in &phases {
+                    end += p.secs;
+                    let mix = workload::mix_of(p.workload, &params);
+                    ph.push((end, mix.read_ratio, KeyGen::new(mix.dist, &params, perm.clone())?));
+                }
+                sources.push(OpSource::Mix { phases: ph });
             }
-            sources.push(OpSource::Mix { phases: ph });
+            Ok(sources)
+        };
+        let rates: Vec<Option<f64>> = match &args.rate_sweep {
+            Some(s) => parse_sweep(s)?.into_iter().map(Some).collect(),
+            None => vec![args.rate],
+        };
+        // The servers' own per-worker load, read in side threads (bounded wait to catch up
+        // with their history: at most one epoch in practice).
+        let wanted = match args.server_load {
+            ServerLoadMode::Auto => factory.name() == "routed",
+            ServerLoadMode::On => true,
+            ServerLoadMode::Off => false,
+        };
+        let watch = match !wanted {
+            true => None,
+            false => {
+                let servers = factory.load_servers();
+                (!servers.is_empty()).then(|| {
+                    let w = serverload::LoadWatch::start(&servers);
+                    w.wait_caught_up(Duration::from_secs(5));
+                    w
+                })
+            }
+        };
+        let run_start = Instant::now();
+        let mut sweep =
+            args.rate_sweep.as_ref().map(|_| Sweep { p99_target_us: args.p99_target_us, ..Sweep::default() });
+        let mut timeline = Vec::new();
+        let mut windows = Vec::new();
+        let mut misses = 0;
+        for (i, rate) in rates.iter().enumerate() {
+            let label = match rate {
+                Some(r) if sweep.is_some() => format!("run {}/{} at {r:.0}/s", i + 1, rates.len()),
+                _ => "run".to_string(),
+            };
+            let from = run_start.elapsed().as_secs_f64();
+            let o = run_threads(
+                &args,
+                factory,
+                make_sources()?,
+                Duration::from_secs_f64(duration),
+                args.max_ops,
+                *rate,
+                &label,
+                show,
+            )?;
+            windows.push((from, run_start.elapsed().as_secs_f64()));
+            fill_report(&mut report, &o, &phases, *rate);
+            let Some(sw) = &mut sweep else { continue };
+            // This rate's seconds, on the run's time axis.
+            let offset = from.floor() as u32;
+            for mut sec in std::mem::take(&mut report.timeline) {
+                sec.t = (offset + sec.t).max(timeline.last().map(|l: &SecondStats| l.t + 1).unwrap_or(0));
+                sec.phase = format!("{}@{:.0}", sec.phase, rate.unwrap_or(0.0));
+                timeline.push(sec);
+            }
+            let all = report.latency.get("all").cloned().unwrap_or_default();
+            let t = &report.totals;
+            let ok = t.unfinished == 0 && t.errors == 0;
+            let meets = ok && args.p99_target_us.is_some_and(|target| all.p99_us <= target);
+            sw.steps.push(SweepStep {
+                offered_ops_per_sec: rate.unwrap_or(0.0),
+                ops_per_sec: t.ops_per_sec,
+                p50_us: all.p50_us,
+                p99_us: all.p99_us,
+                p999_us: all.p999_us,
+                late_ops: t.late_ops,
+                unfinished: t.unfinished,
+                errors: t.errors,
+                max_over_avg: report.balance.max_over_avg,
+                server_max_over_avg: None,
+                meets_target: meets,
+            });
+            if meets && sw.max_ops_per_sec_at_target.is_none_or(|m| t.ops_per_sec > m) {
+                sw.max_ops_per_sec_at_target = Some(t.ops_per_sec);
+                sw.offered_at_target = *rate;
+            }
+            // Saturated: the target missed and the throughput fell behind the offered rate.
+            let saturated = !meets && t.ops_per_sec < 0.9 * rate.unwrap_or(0.0);
+            misses = if args.p99_target_us.is_some() && saturated { misses + 1 } else { 0 };
+            if misses >= 2 {
+                break;
+            }
         }
-        let o = run_threads(
-            &args,
-            factory,
-            sources,
-            Duration::from_secs_f64(duration),
-            args.max_ops,
-            args.rate,
-            "run",
-            show,
-        )?;
-        fill_report(&mut report, &o, &phases);
+        if let Some(w) = watch {
+            let load = w.finish(run_start);
+            if let Some(sw) = &mut sweep {
+                // Each rate's epochs: those wholly inside its run (50 ms of slack each side).
+                for (step, &(from, to)) in sw.steps.iter_mut().zip(&windows) {
+                    let inside: Vec<serverload::ServerEpoch> = load
+                        .epochs
+                        .iter()
+                        .filter(|e| e.t_end - e.secs >= from - 0.05 && e.t_end <= to + 0.05)
+                        .cloned()
+                        .collect();
+                    if !inside.is_empty() {
+                        step.server_max_over_avg = Some(serverload::worker_means(&inside).1);
+                    }
+                }
+            }
+            report.server_load = Some(load);
+        }
+        if let Some(sw) = sweep {
+            report.timeline = timeline;
+            report.sweep = Some(sw);
+        }
     }
     if show {
         print_summary(&report);
@@ -720,9 +964,31 @@ pub fn run_with(args: BenchArgs, factory: &dyn DriverFactory) -> Result<BenchRep
     Ok(report)
 }
 
-fn fill_report(report: &mut BenchReport, o: &PhaseOutcome, phases: &[Phase]) {
+/// The hot partition's cachelets: `--hot-cachelet-ids`, or the first `--hot-cachelets` of the
+/// worker that owns cachelet 0.
+fn choose_hot(map: &ClusterMap, args: &BenchArgs) -> Result<Vec<u32>> {
+    let n = map.cachelet_count();
+    if !args.hot_cachelet_ids.is_empty() {
+        let mut ids = args.hot_cachelet_ids.clone();
+        if let Some(bad) = ids.iter().find(|&&c| c >= n) {
+            bail!("--hot-cachelet-ids: cachelet {bad} does not exist (the map has {n})");
+        }
+        ids.sort_unstable();
+        ids.dedup();
+        return Ok(ids);
+    }
+    let k = args.hot_cachelets as usize;
+    let (s, w) = map.owner(0);
+    let mine = map.cachelets_of(s, w);
+    if k == 0 || k > mine.len() {
+        bail!("--hot-cachelets must be between 1 and {} (the cachelets of server {s} worker {w})", mine.len());
+    }
+    Ok(mine[..k].to_vec())
+}
+
+fn fill_report(report: &mut BenchReport, o: &PhaseOutcome, phases: &[Phase], rate: Option<f64>) {
     let rs = &o.results;
-    report.totals = totals_of(rs, report.settings.rate);
+    report.totals = totals_of(rs, rate);
     let mut get = engine::ns_histogram();
     let mut set = engine::ns_histogram();
     let mut secs: Vec<SecAcc> = Vec::new();
@@ -762,6 +1028,19 @@ fn fill_report(report: &mut BenchReport, o: &PhaseOutcome, phases: &[Phase]) {
         .map(|(t, s)| {
             let span = if t + 1 == n_secs { (elapsed - t as f64).clamp(0.25, 1.25) } else { 1.0 };
             let l = summarize(&s.hist, 1000.0);
+            // Requests per target in second t: the change of each thread's counts over it
+            // (the last second runs to the end: the trailing sliver was merged into it).
+            let mut per_target = vec![0u64; targets.len()];
+            for r in rs {
+                let at = |i: usize| r.target_seconds.get(i).unwrap_or(&r.target_requests);
+                let end = if t + 1 == n_secs { &r.target_requests } else { at(t) };
+                let start = if t == 0 { None } else { Some(at(t - 1)) };
+                for (j, acc) in per_target.iter_mut().enumerate() {
+                    let e = end.get(j).copied().unwrap_or(0);
+                    let s0 = start.and_then(|s| s.get(j).copied()).unwrap_or(0);
+                    *acc += e.saturating_sub(s0);
+                }
+            }
             SecondStats {
                 t: t as u32,
                 phase: phases[workload::phase_at(phases, t as f64 + 0.5)].workload.name().into(),
@@ -777,6 +1056,7 @@ fn fill_report(report: &mut BenchReport, o: &PhaseOutcome, phases: &[Phase]) {
                 p90_us: l.p90_us,
                 p99_us: l.p99_us,
                 max_us: l.max_us,
+                targets: per_target,
             }
         })
         .collect();
@@ -838,6 +1118,49 @@ fn print_summary(r: &BenchReport) {
         "  client: {} thread(s), {:.2} CPU-s, {:.0} ops per client-CPU-second",
         r.client.threads, r.client.cpu_secs, r.client.ops_per_cpu_sec
     );
+    if !r.hot_cachelets.is_empty() {
+        println!("  hot partition: cachelets {:?}, {:.0}% of ops", r.hot_cachelets, r.settings.hot_ops * 100.0);
+    }
+    if let Some(l) = &r.server_load {
+        if !l.workers.is_empty() {
+            let avg = l.workers.iter().map(|w| w.1).sum::<f64>() / l.workers.len() as f64;
+            let (name, max) = l.workers.iter().fold(("", 0.0f64), |m, w| if w.1 > m.1 { (&w.0, w.1) } else { m });
+            println!(
+                "  server workers ({} epochs): max {max:.0} req/s ({name}), avg {avg:.0} req/s, max/avg {:.3}, moves {}",
+                l.epochs.len(),
+                l.max_over_avg,
+                l.events.iter().filter(|e| e.kind == "move").count()
+            );
+        }
+    }
+    if let Some(sw) = &r.sweep {
+        println!(
+            "  sweep: offered ops/s -> ops/s, p50/p99/p99.9 us, late, unfinished, targets max/avg, server max/avg"
+        );
+        for st in &sw.steps {
+            let server = st.server_max_over_avg.map(|m| format!("{m:.3}")).unwrap_or_else(|| "-".into());
+            println!(
+                "  {:>10.0} -> {:>10.0}  {:>9.1} {:>9.1} {:>9.1}  {:>8} {:>6}  {:.3}  {server}{}",
+                st.offered_ops_per_sec,
+                st.ops_per_sec,
+                st.p50_us,
+                st.p99_us,
+                st.p999_us,
+                st.late_ops,
+                st.unfinished,
+                st.max_over_avg,
+                if st.meets_target { "  ok" } else { "" }
+            );
+        }
+        match (sw.p99_target_us, sw.max_ops_per_sec_at_target) {
+            (Some(t), Some(m)) => println!(
+                "  max throughput at p99 <= {t:.0}us: {m:.0} ops/s (offered {:.0})",
+                sw.offered_at_target.unwrap_or(0.0)
+            ),
+            (Some(t), None) => println!("  max throughput at p99 <= {t:.0}us: none of the rates met it"),
+            (None, _) => {}
+        }
+    }
 }
 
 fn label_of(p: &Path) -> String {

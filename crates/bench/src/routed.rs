@@ -127,6 +127,12 @@ impl DriverFactory for RoutedFactory {
             a.value_size_max.unwrap_or(a.value_size).max(a.value_size),
         )?))
     }
+    fn cluster_map(&self) -> Result<Option<ClusterMap>> {
+        Ok(Some(self.map.clone()))
+    }
+    fn load_servers(&self) -> Vec<SocketAddr> {
+        self.map.servers().iter().map(|s| s.main).collect()
+    }
 }
 
 /// One request on the wire, waiting for its reply (a get is read with [`Expect::Hits`], a set

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
+use mbal_cluster::KeySpace;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, Zipf};
@@ -23,6 +24,9 @@ pub enum WorkloadKind {
     Uniform,
     /// `--dist` keys, `--read-ratio` reads.
     Custom,
+    /// Hot partition: 95% read / 5% update, `--hot-ops` of ops on the keys of `--hot-cachelets`
+    /// chosen cachelets (a sustained hot shard), the rest on all other keys; uniform within each.
+    Hotpart,
 }
 
 impl WorkloadKind {
@@ -33,6 +37,7 @@ impl WorkloadKind {
             WorkloadKind::C => "c",
             WorkloadKind::Uniform => "uniform",
             WorkloadKind::Custom => "custom",
+            WorkloadKind::Hotpart => "hotpart",
         }
     }
 
@@ -43,7 +48,8 @@ impl WorkloadKind {
             "c" => WorkloadKind::C,
             "uniform" | "u" => WorkloadKind::Uniform,
             "custom" => WorkloadKind::Custom,
-            other => bail!("unknown workload {other:?} (expected a, b, c, uniform or custom)"),
+            "hotpart" => WorkloadKind::Hotpart,
+            other => bail!("unknown workload {other:?} (expected a, b, c, uniform, custom or hotpart)"),
         })
     }
 }
@@ -55,6 +61,8 @@ pub enum DistKind {
     Zipf,
     Hotspot,
     Uniform,
+    /// Keys of chosen cachelets are hot (`--hot-cachelets`, `--hot-ops`).
+    Hotpart,
 }
 
 /// The parameters every workload needs, taken from the flags.
@@ -66,6 +74,8 @@ pub struct WorkloadParams {
     pub hot_ops: f64,
     pub read_ratio: f64,
     pub dist: DistKind,
+    /// Hot partition: key index -> is it in a hot cachelet (None unless a workload needs it).
+    pub hot_keys: Option<Arc<Vec<bool>>>,
 }
 
 /// A concrete mix: read ratio and key distribution.
@@ -82,6 +92,7 @@ pub fn mix_of(kind: WorkloadKind, p: &WorkloadParams) -> Mix {
         WorkloadKind::C => Mix { read_ratio: 0.5, dist: DistKind::Zipf },
         WorkloadKind::Uniform => Mix { read_ratio: p.read_ratio, dist: DistKind::Uniform },
         WorkloadKind::Custom => Mix { read_ratio: p.read_ratio, dist: p.dist },
+        WorkloadKind::Hotpart => Mix { read_ratio: 0.95, dist: DistKind::Hotpart },
     }
 }
 
@@ -139,9 +150,25 @@ pub fn scramble_permutation(n: u32, seed: u64) -> Vec<u32> {
 
 /// Draws key indices from one distribution.
 pub enum KeyGen {
-    Zipf { zipf: Zipf<f64>, perm: Arc<Vec<u32>> },
-    Hotspot { hot_n: u32, n: u32, hot_ops: f64, perm: Arc<Vec<u32>> },
-    Uniform { n: u32 },
+    Zipf {
+        zipf: Zipf<f64>,
+        perm: Arc<Vec<u32>>,
+    },
+    Hotspot {
+        hot_n: u32,
+        n: u32,
+        hot_ops: f64,
+        perm: Arc<Vec<u32>>,
+    },
+    Uniform {
+        n: u32,
+    },
+    /// Key indices of the hot cachelets and of all others.
+    Hotpart {
+        hot: Arc<Vec<u32>>,
+        cold: Arc<Vec<u32>>,
+        hot_ops: f64,
+    },
 }
 
 impl KeyGen {
@@ -163,6 +190,17 @@ impl KeyGen {
                 KeyGen::Hotspot { hot_n, n, hot_ops: p.hot_ops, perm }
             }
             DistKind::Uniform => KeyGen::Uniform { n },
+            DistKind::Hotpart => {
+                if !(0.0..=1.0).contains(&p.hot_ops) {
+                    bail!("--hot-ops must be in [0, 1]");
+                }
+                let marks = p.hot_keys.as_ref().context("the hot-partition workload needs its hot cachelets")?;
+                let (hot, cold): (Vec<u32>, Vec<u32>) = (0..n).partition(|&i| marks[i as usize]);
+                if hot.is_empty() {
+                    bail!("no key of the {n} falls in a hot cachelet: use more --keys or other --hot-cachelets");
+                }
+                KeyGen::Hotpart { hot: Arc::new(hot), cold: Arc::new(cold), hot_ops: p.hot_ops }
+            }
         })
     }
 
@@ -182,6 +220,10 @@ impl KeyGen {
                 perm[i as usize]
             }
             KeyGen::Uniform { n } => rng.gen_range(0..*n),
+            KeyGen::Hotpart { hot, cold, hot_ops } => {
+                let set = if cold.is_empty() || rng.gen::<f64>() < *hot_ops { hot } else { cold };
+                set[rng.gen_range(0..set.len())]
+            }
         }
     }
 }
@@ -195,6 +237,25 @@ pub fn write_key(out: &mut Vec<u8>, idx: u32, key_size: usize) {
     let pad = key_size.saturating_sub(1 + d.len());
     out.extend(std::iter::repeat_n(b'0', pad));
     out.extend_from_slice(d);
+}
+
+/// Which of keys `0..keys` (formatted as `write_key` does) fall in one of `hot` cachelets of
+/// `space`: the hot partition's keys.
+pub fn hot_partition_keys(space: &KeySpace, hot: &[u32], keys: u32, key_size: usize) -> Vec<bool> {
+    let mut is_hot = vec![false; space.cachelet_count() as usize];
+    for &c in hot {
+        if let Some(h) = is_hot.get_mut(c as usize) {
+            *h = true;
+        }
+    }
+    let mut buf = Vec::with_capacity(key_size);
+    (0..keys)
+        .map(|i| {
+            buf.clear();
+            write_key(&mut buf, i, key_size);
+            is_hot[space.cachelet_of_key(&buf) as usize]
+        })
+        .collect()
 }
 
 /// Smallest key size that can hold `keys` distinct keys.
@@ -214,7 +275,36 @@ mod tests {
             hot_ops: 0.95,
             read_ratio: 0.95,
             dist: DistKind::Zipf,
+            hot_keys: None,
         }
+    }
+
+    #[test]
+    fn hot_partition_keys_are_those_of_the_hot_cachelets() {
+        let space = KeySpace::even(64, 16_384);
+        let n = 50_000;
+        let marks = hot_partition_keys(&space, &[3, 40], n, 10);
+        let mut buf = Vec::new();
+        for i in 0..n {
+            buf.clear();
+            write_key(&mut buf, i, 10);
+            let c = space.cachelet_of_key(&buf);
+            assert_eq!(marks[i as usize], c == 3 || c == 40, "key {i} of cachelet {c}");
+        }
+        // about 2/64 of the keys
+        let hot = marks.iter().filter(|&&h| h).count();
+        assert!((1_000..2_200).contains(&hot), "{hot} hot keys");
+
+        let p = WorkloadParams { hot_keys: Some(Arc::new(marks.clone())), hot_ops: 0.9, ..params(n) };
+        let g = KeyGen::new(DistKind::Hotpart, &p, Arc::new(Vec::new())).unwrap();
+        let mut rng = SmallRng::seed_from_u64(4);
+        let samples = 100_000;
+        let on_hot = (0..samples).filter(|_| marks[g.next(&mut rng) as usize]).count();
+        let frac = on_hot as f64 / samples as f64;
+        assert!((frac - 0.9).abs() < 0.01, "{frac} of ops on the hot cachelets");
+        // a hot partition that holds no key is an error, not an empty generator
+        let none = WorkloadParams { hot_keys: Some(Arc::new(vec![false; n as usize])), ..params(n) };
+        assert!(KeyGen::new(DistKind::Hotpart, &none, Arc::new(Vec::new())).is_err());
     }
 
     #[test]

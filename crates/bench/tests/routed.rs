@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use mbal_bench::routed::{fetch_map, RoutedFactory, MAX_REDIRECTS};
 use mbal_bench::workload::WorkloadKind;
-use mbal_bench::{run, run_with, BenchArgs, BenchReport};
+use mbal_bench::{run, run_with, BenchArgs, BenchReport, ServerLoadMode};
 use mbal_cluster::{ClusterMap, ClusterSpec, ServerInfo, ServerSpec};
 use mbal_server::config::Settings;
 use mbal_server::ServerHandle;
@@ -243,6 +243,8 @@ fn redirect_loops_are_bounded() {
         conns,
         pipeline: 4,
         workload: WorkloadKind::A,
+        // The fake serves one connection and no `mbal load`.
+        server_load: ServerLoadMode::Off,
         ..BenchArgs::default()
     };
     let r = run_with(args, &RoutedFactory::with_map(map)).unwrap();

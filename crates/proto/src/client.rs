@@ -122,6 +122,11 @@ pub enum Frame<'a> {
         line: &'a [u8],
         data: Option<&'a [u8]>,
     },
+    /// `LOAD <seq> <bytes>` + JSON: reply to `mbal load` (an epoch snapshot).
+    Load {
+        seq: u64,
+        json: &'a [u8],
+    },
     /// `ERROR`, `CLIENT_ERROR ...` or `SERVER_ERROR ...` (the line without
     /// its line end). Ends any reply.
     Error(&'a [u8]),
@@ -375,12 +380,13 @@ impl Decoder {
                     let Some(epoch) = num(w.next()) else { return bad("bad MOVED line", line) };
                     only(Frame::Moved { epoch }, &mut w)?
                 }
-                b"MAP" => {
-                    let (Some(epoch), Some(len), None) = (num(w.next()), num::<usize>(w.next()), w.next()) else {
-                        return bad("bad MAP line", line);
+                b"MAP" | b"LOAD" => {
+                    // A line with a number and a length, then that many bytes of JSON.
+                    let (Some(n), Some(len), None) = (num(w.next()), num::<usize>(w.next()), w.next()) else {
+                        return bad("bad MAP/LOAD line", line);
                     };
                     if len > MAX_MAP {
-                        return bad("map larger than MAX_MAP", line);
+                        return bad("map or snapshot larger than MAX_MAP", line);
                     }
                     if buf.len() < next + len + 2 {
                         if buf.len() > next + len && buf[next + len] != b'\r' {
@@ -391,7 +397,10 @@ impl Decoder {
                     if &buf[next + len..next + len + 2] != b"\r\n" {
                         return Err(ReplyError("map data not followed by CR LF".into()));
                     }
-                    return Ok((next + len + 2, Some(Frame::Map { epoch, json: &buf[next..next + len] })));
+                    let json = &buf[next..next + len];
+                    let frame =
+                        if first == b"MAP" { Frame::Map { epoch: n, json } } else { Frame::Load { seq: n, json } };
+                    return Ok((next + len + 2, Some(frame)));
                 }
                 d => match num_u64(d) {
                     // memcached pads incr/decr results with spaces in some versions
@@ -451,6 +460,10 @@ pub enum Reply {
     Meta {
         line: String,
         data: Option<Vec<u8>>,
+    },
+    Load {
+        seq: u64,
+        json: Vec<u8>,
     },
     /// `ERROR`, `CLIENT_ERROR ...` or `SERVER_ERROR ...` (without CR LF).
     Error(String),
@@ -559,6 +572,7 @@ impl ReplyReader {
                 Frame::Map { epoch, json } => Reply::Map { epoch, json: json.to_vec() },
                 Frame::Moved { epoch } => Reply::Moved { epoch },
                 Frame::Meta { line, data, .. } => Reply::Meta { line: s(line), data: data.map(<[u8]>::to_vec) },
+                Frame::Load { seq, json } => Reply::Load { seq, json: json.to_vec() },
                 Frame::Error(l) => {
                     self.partial = Partial::None;
                     Reply::Error(s(l))

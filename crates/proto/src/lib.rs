@@ -25,8 +25,11 @@
 //!   alone, so a prefix of a malformed request gives either `NeedMore` or the
 //!   same error as the full request.
 //! * **Bounded.** A text line longer than [`Limits::max_line`] is an error
-//!   (`CLIENT_ERROR line too long`, close); a data block larger than
-//!   [`Limits::max_item_size`] is refused with
+//!   (`CLIENT_ERROR line too long`, close), except a retrieval line
+//!   (`get`/`gets`/`gat`/`gats`), which [`parse_stream`] yields in pieces of
+//!   complete keys as its bytes arrive ([`text::Line`], [`text::LineState`]):
+//!   a connection holds its state between pieces, never the line. A data
+//!   block larger than [`Limits::max_item_size`] is refused with
 //!   `SERVER_ERROR object too large for cache` and swallowed; a binary body
 //!   larger than `max_item_size + 250 + 64` is refused with E2BIG and the
 //!   connection is closed, so the caller never has to buffer more than about
@@ -60,6 +63,7 @@
 
 pub mod binary;
 pub mod client;
+pub mod ext;
 pub mod meta;
 pub mod reply;
 pub mod text;
@@ -76,7 +80,8 @@ pub struct Limits {
     /// `SERVER_ERROR object too large for cache` (binary: E2BIG).
     pub max_item_size: usize,
     /// Longest text command line accepted, including its line end
-    /// (default 64 KiB, enough for multi-gets with a few hundred keys).
+    /// (default 64 KiB); a longer retrieval line is parsed in pieces of
+    /// about this size ([`parse_stream`]).
     pub max_line: usize,
 }
 
@@ -134,6 +139,27 @@ pub fn parse<'a>(proto: Protocol, buf: &'a [u8], limits: &Limits) -> Parsed<'a> 
         Protocol::Text => text::parse(buf, limits),
         Protocol::Binary => binary::parse(buf, limits),
     }
+}
+
+/// Parse the next request of a connection, or the next piece of a long
+/// retrieval line. `state` is the connection's: it leaves
+/// [`text::LineState::Start`] only inside a `get`/`gets`/`gat`/`gats` line
+/// longer than [`Limits::max_line`], which is answered piece by piece
+/// ([`text::Line`]) instead of refused, so the connection never buffers
+/// more than about `max_line` bytes of it. Other lines are exactly
+/// [`parse`]'s.
+#[inline]
+pub fn parse_stream<'a>(state: &mut text::LineState, proto: Protocol, buf: &'a [u8], limits: &Limits) -> Parsed<'a> {
+    if !matches!(state, text::LineState::Start) {
+        return text::parse_more(state, buf, limits);
+    }
+    let p = parse(proto, buf, limits);
+    if let Parsed::Err { reply: ErrReply::Text(text::E_LINE_TOO_LONG), .. } = p {
+        if proto == Protocol::Text {
+            return text::long_line(state, buf, limits).unwrap_or(p);
+        }
+    }
+    p
 }
 
 /// memcached unlinks the old value when a `set` (or a set-mode `ms`) is

@@ -37,10 +37,12 @@ pub enum StoreMode {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TextCmd<'a> {
     /// `get`/`gets`/`gat`/`gats`; `cas` for the `s` forms, `touch` = exptime for gat/gats.
+    /// A line longer than [`Limits::max_line`] comes in pieces (`line`).
     Get {
         keys: Keys<'a>,
         cas: bool,
         touch: Option<i64>,
+        line: Line,
     },
     /// `set`/`add`/`replace`/`append`/`prepend`/`cas`; `data` is without its `\r\n`;
     /// `cas_unique` is 0 unless `mode == Cas`.
@@ -102,6 +104,37 @@ pub enum TextCmd<'a> {
     Mbal {
         args: &'a [u8],
     },
+}
+
+/// Which piece of a get line a [`TextCmd::Get`] carries.
+///
+/// A retrieval line longer than [`Limits::max_line`] is not refused: it is
+/// parsed and answered in pieces of at most about `max_line` bytes each, as
+/// its bytes arrive ([`crate::parse_stream`] with a connection's
+/// [`LineState`]), so a connection buffers a bounded number of bytes
+/// however many keys the line holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Line {
+    /// A whole line: answer its keys, then `END`.
+    Whole,
+    /// Keys of a long line; more follow (no `END` yet).
+    Part,
+    /// The last keys of a long line: answer them, then `END`.
+    Last,
+}
+
+/// Where a text connection is in its input, between two calls of
+/// [`crate::parse_stream`]. Only a long retrieval line leaves `Start`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum LineState {
+    /// At the start of a request.
+    #[default]
+    Start,
+    /// Inside the key list of a long `get`/`gets`/`gat`/`gats` line;
+    /// `any`: a key was seen already.
+    Keys { cas: bool, touch: Option<i64>, any: bool },
+    /// Discarding the rest of a long line whose error was answered.
+    Discard,
 }
 
 /// memcached's tuning commands ([`TextCmd::Tune`]).
@@ -240,7 +273,7 @@ pub fn parse<'a>(buf: &'a [u8], limits: &Limits) -> Parsed<'a> {
             let cas = cmd == b"gets";
             match keys(rest) {
                 Ok(k) if k.count == 0 => fail(E_ERROR, line_len),
-                Ok(keys) => req(TextCmd::Get { keys, cas, touch: None }),
+                Ok(keys) => req(TextCmd::Get { keys, cas, touch: None, line: Line::Whole }),
                 Err(()) => fail(E_FORMAT, line_len),
             }
         }
@@ -253,7 +286,7 @@ pub fn parse<'a>(buf: &'a [u8], limits: &Limits) -> Parsed<'a> {
                 return fail(E_EXPTIME, line_len);
             };
             match keys(rest) {
-                Ok(keys) => req(TextCmd::Get { keys, cas, touch: Some(exptime) }),
+                Ok(keys) => req(TextCmd::Get { keys, cas, touch: Some(exptime), line: Line::Whole }),
                 Err(()) => fail(E_FORMAT, line_len),
             }
         }
@@ -395,6 +428,140 @@ fn keys(rest: &[u8]) -> Result<Keys<'_>, ()> {
     Ok(Keys { raw, count })
 }
 
+/// The least a piece of a long get line spans, whatever `max_line` is: room
+/// for a whole key between two separators, so every piece makes progress.
+const MIN_PIECE: usize = 2 * (crate::MAX_KEY_LEN + 2);
+
+/// How many bytes one piece of a long get line may span.
+fn piece_len(limits: &Limits) -> usize {
+    limits.max_line.max(MIN_PIECE)
+}
+
+fn strip_cr(line: &[u8]) -> &[u8] {
+    line.strip_suffix(b"\r").unwrap_or(line)
+}
+
+/// The first piece of a line longer than `max_line` (`frame` found no line
+/// end in its first `max_line` bytes). `None` when the line is not a
+/// retrieval line (the caller keeps its `line too long` error). A piece is
+/// decided by the bytes alone: it ends at the line end if that is within
+/// [`piece_len`] bytes, else at the last space before that bound; so how
+/// the line was split into reads does not change the pieces.
+pub(crate) fn long_line<'a>(state: &mut LineState, buf: &'a [u8], limits: &Limits) -> Option<Parsed<'a>> {
+    let w = piece_len(limits);
+    let scan = &buf[..buf.len().min(w)];
+    let nl = memchr::memchr(b'\n', scan);
+    if nl.is_none() && buf.len() < w {
+        return Some(Parsed::NeedMore);
+    }
+    let line = match nl {
+        Some(i) => strip_cr(&scan[..i]),
+        None => scan,
+    };
+    let (cmd, rest) = next_token(line)?;
+    let (cas, gat) = match cmd {
+        b"get" => (false, false),
+        b"gets" => (true, false),
+        b"gat" => (false, true),
+        b"gats" => (true, true),
+        _ => return None,
+    };
+    let (touch, rest) = if gat {
+        let (exp, after) = next_token(rest)?;
+        if nl.is_none() && after.is_empty() {
+            // The exptime runs into the piece's bound: not a sane line.
+            return None;
+        }
+        let at = after.as_ptr() as usize - buf.as_ptr() as usize;
+        match (num::<i64>(exp), nl) {
+            (Some(e), _) => (Some(e), after),
+            (None, Some(i)) => return Some(fail(E_EXPTIME, i + 1)),
+            (None, None) => {
+                *state = LineState::Discard;
+                return Some(fail(E_EXPTIME, at));
+            }
+        }
+    } else {
+        (None, rest)
+    };
+    if let Some(i) = nl {
+        // The whole line is here after all: one piece, the first and the last.
+        return Some(last_piece(cas, touch, false, rest, i + 1));
+    }
+    if rest.is_empty() {
+        return None;
+    }
+    let start = rest.as_ptr() as usize - buf.as_ptr() as usize;
+    // `rest` starts with a space, so there is one at or after `start`.
+    let sp = memchr::memrchr(b' ', scan).filter(|&sp| sp >= start)?;
+    Some(middle_piece(state, cas, touch, false, &buf[start..sp], sp + 1))
+}
+
+/// The next piece of a long line, in the state the previous piece left.
+pub(crate) fn parse_more<'a>(state: &mut LineState, buf: &'a [u8], limits: &Limits) -> Parsed<'a> {
+    match *state {
+        LineState::Start => parse(buf, limits),
+        LineState::Discard => match memchr::memchr(b'\n', buf) {
+            Some(i) => {
+                *state = LineState::Start;
+                Parsed::Err { reply: ErrReply::Silent, skip: i + 1, close: false }
+            }
+            None if buf.is_empty() => Parsed::NeedMore,
+            None => Parsed::Err { reply: ErrReply::Silent, skip: buf.len(), close: false },
+        },
+        LineState::Keys { cas, touch, any } => {
+            let w = piece_len(limits);
+            let scan = &buf[..buf.len().min(w)];
+            match memchr::memchr(b'\n', scan) {
+                Some(i) => {
+                    *state = LineState::Start;
+                    last_piece(cas, touch, any, strip_cr(&scan[..i]), i + 1)
+                }
+                None if buf.len() < w => Parsed::NeedMore,
+                None => match memchr::memrchr(b' ', scan) {
+                    Some(sp) => middle_piece(state, cas, touch, any, &scan[..sp], sp + 1),
+                    None => {
+                        // One token longer than any key.
+                        *state = LineState::Discard;
+                        fail(E_FORMAT, w)
+                    }
+                },
+            }
+        }
+    }
+}
+
+/// A piece that more keys follow; sets the state for the next one.
+fn middle_piece<'a>(
+    state: &mut LineState,
+    cas: bool,
+    touch: Option<i64>,
+    any: bool,
+    list: &'a [u8],
+    consumed: usize,
+) -> Parsed<'a> {
+    match keys(list) {
+        Ok(keys) => {
+            *state = LineState::Keys { cas, touch, any: any || keys.count > 0 };
+            Parsed::Req { req: Request::Text(TextCmd::Get { keys, cas, touch, line: Line::Part }), consumed }
+        }
+        Err(()) => {
+            *state = LineState::Discard;
+            fail(E_FORMAT, consumed)
+        }
+    }
+}
+
+/// The piece that ends a long line (the state is back at `Start`).
+fn last_piece(cas: bool, touch: Option<i64>, any: bool, list: &[u8], consumed: usize) -> Parsed<'_> {
+    match keys(list) {
+        // As for a short line: get/gets need a key, gat/gats do not.
+        Ok(keys) if !any && keys.count == 0 && touch.is_none() => fail(E_ERROR, consumed),
+        Ok(keys) => Parsed::Req { req: Request::Text(TextCmd::Get { keys, cas, touch, line: Line::Last }), consumed },
+        Err(()) => fail(E_FORMAT, consumed),
+    }
+}
+
 fn store<'a>(mode: StoreMode, rest: &'a [u8], buf: &'a [u8], line_len: usize, limits: &Limits) -> Parsed<'a> {
     let (t, n) = take::<6>(rest);
     let base = if mode == StoreMode::Cas { 5 } else { 4 };
@@ -461,9 +628,9 @@ mod tests {
         assert!(matches!(c, TextCmd::Get { cas: false, touch: None, .. }));
         let c = cmd(b"gets a  bb ccc\r\n");
         assert_eq!(keys_of(&c), [b"a".to_vec(), b"bb".to_vec(), b"ccc".to_vec()]);
-        assert!(matches!(c, TextCmd::Get { cas: true, touch: None, ref keys } if keys.len() == 3));
+        assert!(matches!(c, TextCmd::Get { cas: true, touch: None, ref keys, .. } if keys.len() == 3));
         assert!(
-            matches!(cmd(b"gat 10 a b\r\n"), TextCmd::Get { cas: false, touch: Some(10), ref keys } if keys.len() == 2)
+            matches!(cmd(b"gat 10 a b\r\n"), TextCmd::Get { cas: false, touch: Some(10), ref keys, .. } if keys.len() == 2)
         );
         assert!(matches!(cmd(b"gats -1 a\n"), TextCmd::Get { cas: true, touch: Some(-1), .. }));
         // gat with no keys is accepted (memcached answers END)
@@ -672,7 +839,9 @@ mod tests {
         assert_eq!(cmd(b"slabs automove 1\r\n"), TextCmd::Tune { cmd: TuneCmd::Slabs, args: b"automove 1" });
         assert_eq!(cmd(b"lru mode flat\r\n"), TextCmd::Tune { cmd: TuneCmd::Lru, args: b"mode flat" });
         assert_eq!(cmd(b"cache_memlimit 9\r\n"), TextCmd::Tune { cmd: TuneCmd::CacheMemlimit, args: b"9" });
-        assert!(matches!(cmd(b"bget a b\r\n"), TextCmd::Get { cas: false, touch: None, ref keys } if keys.len() == 2));
+        assert!(
+            matches!(cmd(b"bget a b\r\n"), TextCmd::Get { cas: false, touch: None, ref keys, .. } if keys.len() == 2)
+        );
         assert_eq!(cmd(b"mbal hello 3\r\n"), TextCmd::Mbal { args: b"hello 3" });
         assert_eq!(cmd(b"stats\r\n"), TextCmd::Stats { args: b"" });
         assert_eq!(cmd(b"stats  slabs  \r\n"), TextCmd::Stats { args: b"slabs" });

@@ -533,7 +533,7 @@ impl Engine {
     fn dispatch(&mut self, ci: usize, req: Request, raw: &[u8]) {
         match req {
             Request::Text(cmd) => match cmd {
-                TextCmd::Get { keys, cas, touch } => {
+                TextCmd::Get { keys, cas, touch, .. } => {
                     self.counters.cmd_get += keys.len() as u64;
                     if touch.is_some() {
                         self.counters.cmd_touch += keys.len() as u64;
@@ -1232,7 +1232,7 @@ impl Engine {
             What::Get { ref mut positions, .. } => {
                 let positions = positions.take();
                 // the keys of this request, and their positions in the client's
-                let Parsed::Req { req: Request::Text(TextCmd::Get { keys, cas, touch }), .. } =
+                let Parsed::Req { req: Request::Text(TextCmd::Get { keys, cas, touch, .. }), .. } =
                     mbal_proto::parse(Protocol::Text, &inf.req, &self.limits)
                 else {
                     return self.fail(inf, "SERVER_ERROR proxy lost a request");

@@ -44,10 +44,9 @@
 mod engine;
 pub mod stats;
 
-use anyhow::{bail, Context, Result};
 use mbal_cluster::ClusterMap;
+use std::io;
 use std::net::{SocketAddr, TcpListener as StdListener};
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -55,38 +54,6 @@ use std::time::{Duration, Instant};
 
 /// What `version` answers and `stats` shows.
 pub const VERSION: &str = concat!("1.6.18-mbal-proxy-", env!("CARGO_PKG_VERSION"));
-
-/// `mbal proxy` command line (memcached's listening flags).
-#[derive(clap::Args, Clone, Debug)]
-pub struct ProxyArgs {
-    /// The cluster file (the initial map; redirects and `mbal map` teach later changes)
-    #[arg(long, conflicts_with = "server")]
-    pub cluster: Option<PathBuf>,
-    /// Any server of the cluster: the map is fetched from it with `mbal map`
-    #[arg(long)]
-    pub server: Option<SocketAddr>,
-    /// TCP port to listen on
-    #[arg(short = 'p', long = "port", default_value_t = 11211)]
-    pub port: u16,
-    /// Interface to listen on
-    #[arg(short = 'l', long = "listen", default_value = "0.0.0.0")]
-    pub listen: String,
-    /// Threads (each with its own event loop, listener and upstream connections)
-    #[arg(short = 't', long = "threads", default_value_t = 4)]
-    pub threads: usize,
-    /// Most simultaneous client connections
-    #[arg(short = 'c', long = "conn-limit", default_value_t = 1024)]
-    pub conns: usize,
-    /// Largest value accepted (bytes; k and m suffixes), as the servers' -I
-    #[arg(short = 'I', long = "max-item-size", default_value = "1m")]
-    pub max_item_size: String,
-    /// An upstream request unanswered this long fails (SERVER_ERROR) and drops its connection
-    #[arg(long, default_value_t = 1000)]
-    pub upstream_timeout_ms: u64,
-    /// Print the listening address as JSON on stdout once listening
-    #[arg(long)]
-    pub print_ports: bool,
-}
 
 /// The proxy's settings.
 #[derive(Clone, Debug)]
@@ -113,48 +80,6 @@ impl Config {
             max_redirects: 4,
             max_pending: 1024,
         }
-    }
-}
-
-fn parse_size(s: &str) -> Result<usize> {
-    let s = s.trim();
-    let (num, mul) = match s.chars().last() {
-        Some('k' | 'K') => (&s[..s.len() - 1], 1 << 10),
-        Some('m' | 'M') => (&s[..s.len() - 1], 1 << 20),
-        _ => (s, 1),
-    };
-    let n: usize = num.parse().with_context(|| format!("bad size {s:?}"))?;
-    Ok(n * mul)
-}
-
-impl ProxyArgs {
-    /// The settings and the initial map (read from the file or fetched).
-    pub fn resolve(&self) -> Result<(Config, ClusterMap)> {
-        let cfg = mbal_client::Config::default();
-        let map = match (&self.cluster, &self.server) {
-            (Some(p), _) => mbal_client::Client::from_cluster_file(p, cfg)?.map().clone(),
-            (None, Some(a)) => mbal_client::Client::connect(*a, cfg)?.map().clone(),
-            (None, None) => bail!("give --cluster FILE or --server HOST:PORT"),
-        };
-        let ip: std::net::IpAddr = self.listen.parse().with_context(|| format!("bad -l address {:?}", self.listen))?;
-        if self.threads == 0 || self.threads > 256 {
-            bail!("-t must be between 1 and 256");
-        }
-        if self.upstream_timeout_ms == 0 {
-            bail!("--upstream-timeout-ms must be at least 1");
-        }
-        let max_item_size = parse_size(&self.max_item_size)?;
-        if !(1024..=1 << 30).contains(&max_item_size) {
-            bail!("-I must be between 1k and 1024m");
-        }
-        let cfg = Config {
-            threads: self.threads,
-            max_conns: self.conns.max(1),
-            max_item_size,
-            upstream_timeout: Duration::from_millis(self.upstream_timeout_ms),
-            ..Config::new(SocketAddr::new(ip, self.port))
-        };
-        Ok((cfg, map))
     }
 }
 
@@ -210,19 +135,19 @@ impl Drop for ProxyHandle {
     }
 }
 
-fn listener(addr: SocketAddr) -> Result<StdListener> {
+fn listener(addr: SocketAddr) -> io::Result<StdListener> {
     use socket2::{Domain, Socket, Type};
     let s = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
     s.set_reuse_address(true)?;
     s.set_reuse_port(true)?;
     s.set_nonblocking(true)?;
-    s.bind(&addr.into()).with_context(|| format!("bind {addr}"))?;
+    s.bind(&addr.into()).map_err(|e| io::Error::new(e.kind(), format!("bind {addr}: {e}")))?;
     s.listen(1024)?;
     Ok(s.into())
 }
 
 /// Start the proxy: bind, spawn the threads, return at once.
-pub fn start(cfg: Config, map: ClusterMap) -> Result<ProxyHandle> {
+pub fn start(cfg: Config, map: ClusterMap) -> io::Result<ProxyHandle> {
     let first = listener(cfg.listen)?;
     let addr = first.local_addr()?;
     let mut listeners = vec![first];
@@ -252,9 +177,7 @@ pub fn start(cfg: Config, map: ClusterMap) -> Result<ProxyHandle> {
     for (i, l) in listeners.into_iter().enumerate() {
         let (engine, waker) = engine::Engine::new(i, l, cfg.clone(), shared.clone(), map.clone(), stop.clone())?;
         wakers.push(waker);
-        threads.push(
-            std::thread::Builder::new().name(format!("mbal-proxy-{i}")).spawn(move || engine.run()).context("spawn")?,
-        );
+        threads.push(std::thread::Builder::new().name(format!("mbal-proxy-{i}")).spawn(move || engine.run())?);
     }
     Ok(ProxyHandle { addr, stop, wakers, threads })
 }

@@ -19,6 +19,13 @@
 //!   last [`HISTORY`] are kept for `mbal load` callers, so one that reads
 //!   them in turn misses none.
 //!
+//! * the local balancer (`--balancer on`, DESIGN.md §6): after each epoch
+//!   it hands the snapshot to `mbal_balance::Balancer` (the policy: MBal's
+//!   state machine, Phase 2 plans, leases) and carries out the moves it
+//!   decides with the same move protocol as `mbal move`, telling the policy
+//!   how each ended. `stats balancer` shows its state; `mbal load` carries
+//!   each epoch's decision beside the snapshot.
+//!
 //! It never touches a worker's store or tables: it talks to workers only by
 //! message, and they answer by message, so nothing here needs a lock but the
 //! published snapshot's (read by stats rendering, written once per epoch).
@@ -26,10 +33,11 @@
 use crate::msg::{Envelope, ReplyBatch, ReplyTo, NO_CACHELET};
 use crate::worker::Shared;
 use crossbeam_channel::{Receiver, RecvTimeoutError};
-use mbal_balance::{EpochSnapshot, WorkerSample};
+use mbal_balance::{Balancer, Decision, EpochSnapshot, Move, WorkerSample};
 use mbal_cluster::ClusterMap;
+use mbal_proto::ext;
+use serde::Serialize;
 use std::collections::{HashMap, VecDeque};
-use std::io::Write;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -60,6 +68,36 @@ struct Moving {
     token: u64,
     to: usize,
     waiters: Vec<ReplyTo>,
+    /// The balancer's move, if it decided this one.
+    by_balancer: Option<Move>,
+}
+
+/// One epoch as `mbal load` reports it: the snapshot's fields, and the
+/// balancer's decision (null when it is off).
+#[derive(Serialize)]
+struct EpochRecord<'a> {
+    #[serde(flatten)]
+    snapshot: &'a EpochSnapshot,
+    balancer: Option<&'a Decision>,
+}
+
+/// The balancer's figures for `stats balancer` (published once per epoch).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct BalancerStatus {
+    pub state: String,
+    pub epoch: u64,
+    /// Per worker: requests per second (weighted) over the last epoch.
+    pub loads: Vec<(u16, f64)>,
+    pub max_over_avg: f64,
+    pub imbalance_factor: f64,
+    pub plans: u64,
+    pub moves: u64,
+    pub moves_home: u64,
+    pub moves_failed: u64,
+    pub escalations: u64,
+    pub leases: usize,
+    pub planner_us_last: u64,
+    pub planner_us_max: u64,
 }
 
 pub(crate) struct Controller {
@@ -74,20 +112,41 @@ pub(crate) struct Controller {
     gathering: Option<Vec<Option<WorkerSample>>>,
     /// The previous complete round.
     prev: Vec<WorkerSample>,
-    /// The newest epoch snapshots, oldest first.
-    history: VecDeque<Arc<EpochSnapshot>>,
+    /// The newest epochs (snapshot and the balancer's decision), oldest first.
+    history: VecDeque<(Arc<EpochSnapshot>, Option<Decision>)>,
     /// `mbal load` callers waiting for a newer epoch.
     load_waiters: Vec<(u64, ReplyTo)>,
     next_token: u64,
     moving: HashMap<u32, Moving>,
     /// Moves asked for while their cachelet was moving, in arrival order.
     queued: VecDeque<(u32, usize, ReplyTo)>,
+    /// The local balancer's policy, when it runs.
+    balancer: Option<Balancer>,
+    status: BalancerStatus,
 }
 
 impl Controller {
     pub(crate) fn new(shared: Arc<Shared>, inbox: Receiver<CtlMsg>, map: ClusterMap) -> Controller {
         let epoch_len = Duration::from_millis(shared.settings.epoch_ms.max(1));
+        let balancer = shared.settings.balancer.then(|| {
+            let me = shared.server_id;
+            let home: Vec<(u32, u16)> = (0..map.cachelet_count())
+                .filter_map(|c| {
+                    let (s, w) = map.owner(c);
+                    (s == me).then_some((c, w))
+                })
+                .collect();
+            let mut cfg = shared.settings.balance.clone();
+            // With emulated capacity the policy knows each worker's ceiling.
+            if shared.settings.worker_capacity > 0 {
+                cfg.worker_capacity = Some(shared.settings.worker_capacity as f64);
+            }
+            Balancer::new(cfg, &home)
+        });
+        let status = BalancerStatus::default();
         Controller {
+            balancer,
+            status,
             inbox,
             map,
             epoch_len,
@@ -134,14 +193,12 @@ impl Controller {
             CtlMsg::Map { reply } => {
                 let json = self.map.to_json();
                 let mut b = Vec::with_capacity(json.len() + 32);
-                let _ = write!(b, "MAP {} {}\r\n", self.map.epoch(), json.len());
-                b.extend_from_slice(json.as_bytes());
-                b.extend_from_slice(b"\r\n");
+                ext::write_map(&mut b, self.map.epoch(), json.as_bytes());
                 self.answer(reply, &b);
             }
-            CtlMsg::Load { after, reply } => match self.history.iter().find(|s| s.seq > after) {
-                Some(s) => {
-                    let b = load_reply(s);
+            CtlMsg::Load { after, reply } => match self.history.iter().find(|(s, _)| s.seq > after) {
+                Some((s, d)) => {
+                    let b = load_reply(s, d.as_ref());
                     self.answer(reply, &b);
                 }
                 None => self.load_waiters.push((after, reply)),
@@ -188,13 +245,14 @@ impl Controller {
         if self.round > 0 {
             let snap = Arc::new(EpochSnapshot::between(self.round, &self.prev, &cur));
             *self.shared.latest.lock().unwrap_or_else(|p| p.into_inner()) = Some(snap.clone());
+            let decision = self.balance(&snap);
             let ready: Vec<ReplyTo> = {
                 let (ready, wait): (Vec<_>, Vec<_>) = self.load_waiters.drain(..).partition(|(a, _)| snap.seq > *a);
                 self.load_waiters = wait;
                 ready.into_iter().map(|(_, r)| r).collect()
             };
             if !ready.is_empty() {
-                let b = load_reply(&snap);
+                let b = load_reply(&snap, decision.as_ref());
                 for r in ready {
                     self.answer(r, &b);
                 }
@@ -202,10 +260,70 @@ impl Controller {
             if self.history.len() == HISTORY {
                 self.history.pop_front();
             }
-            self.history.push_back(snap);
+            self.history.push_back((snap, decision));
         }
         self.prev = cur;
         self.round += 1;
+    }
+
+    // ---- the balancer ----------------------------------------------------
+
+    /// Run the policy over one epoch and start the moves it decides.
+    fn balance(&mut self, snap: &EpochSnapshot) -> Option<Decision> {
+        let b = self.balancer.as_mut()?;
+        let t = Instant::now();
+        let d = b.on_epoch(snap);
+        let us = t.elapsed().as_micros() as u64;
+        let st = &mut self.status;
+        st.epoch = snap.seq;
+        st.state = format!("{:?}", d.state);
+        st.loads = d.loads.clone();
+        st.max_over_avg = d.imbalance.max_over_avg;
+        st.imbalance_factor = d.imbalance.factor;
+        st.plans += u64::from(d.plan.is_some());
+        st.escalations += u64::from(d.escalate.is_some());
+        st.leases = d.leases;
+        st.planner_us_last = us;
+        st.planner_us_max = st.planner_us_max.max(us);
+        if d.transition.is_some() || !d.moves.is_empty() || d.escalate.is_some() {
+            tracing::info!(
+                epoch = snap.seq,
+                state = ?d.state,
+                transition = ?d.transition,
+                max_over_avg = format!("{:.2}", d.imbalance.max_over_avg),
+                moves = ?d.moves.iter().map(|m| (m.cachelet, m.from, m.to, m.why)).collect::<Vec<_>>(),
+                escalate = ?d.escalate.as_ref().map(|e| e.why),
+                planner_us = us,
+                "balancer"
+            );
+        }
+        for m in &d.moves {
+            self.balancer_move(*m);
+        }
+        self.publish_status();
+        Some(d)
+    }
+
+    /// Carry out one of the balancer's moves, unless the cachelet is
+    /// already moving or is no longer where the policy thought.
+    fn balancer_move(&mut self, m: Move) {
+        let (server, from) = self.map.owner(m.cachelet);
+        let ok = server == self.shared.server_id
+            && from == m.from
+            && (m.to as usize) < self.shared.settings.threads
+            && !self.moving.contains_key(&m.cachelet);
+        if !ok {
+            self.status.moves_failed += 1;
+            if let Some(b) = &mut self.balancer {
+                b.applied(&m, false);
+            }
+            return;
+        }
+        self.send_release(m.cachelet, from, m.to as usize, Vec::new(), Some(m));
+    }
+
+    fn publish_status(&self) {
+        *self.shared.balancer.lock().unwrap_or_else(|p| p.into_inner()) = Some(self.status.clone());
     }
 
     // ---- moves -----------------------------------------------------------
@@ -233,15 +351,20 @@ impl Controller {
             return;
         }
         if from as usize == to {
-            let b = format!("MOVED {}\r\n", self.map.epoch());
+            let mut b = Vec::new();
+            ext::write_moved(&mut b, self.map.epoch());
             for r in waiters {
-                self.answer(r, b.as_bytes());
+                self.answer(r, &b);
             }
             return;
         }
+        self.send_release(c, from, to, waiters, None);
+    }
+
+    fn send_release(&mut self, c: u32, from: u16, to: usize, waiters: Vec<ReplyTo>, by_balancer: Option<Move>) {
         let token = self.next_token;
         self.next_token += 1;
-        self.moving.insert(c, Moving { token, to, waiters });
+        self.moving.insert(c, Moving { token, to, waiters, by_balancer });
         let now = self.now_ns();
         self.shared.peers().send_one(from as usize, Envelope::Release { cachelet: c, to, token }, now);
     }
@@ -251,9 +374,24 @@ impl Controller {
         self.shared.epoch.fetch_max(epoch, Ordering::Relaxed);
         match self.moving.remove(&c) {
             Some(m) if m.token == token => {
-                let b = format!("MOVED {epoch}\r\n");
-                for r in m.waiters {
-                    self.answer(r, b.as_bytes());
+                let mut b = Vec::new();
+                ext::write_moved(&mut b, epoch);
+                for r in &m.waiters {
+                    self.answer(*r, &b);
+                }
+                if let Some(bal) = &mut self.balancer {
+                    match m.by_balancer {
+                        Some(bm) => {
+                            bal.applied(&bm, true);
+                            self.status.moves += 1;
+                            self.status.moves_home += u64::from(bm.why == mbal_balance::Why::LeaseExpired);
+                        }
+                        // An operator's move: the cachelet's home is where
+                        // they put it.
+                        None => bal.set_home(c, worker as u16),
+                    }
+                    self.status.leases = bal.leases().len();
+                    self.publish_status();
                 }
             }
             Some(m) => {
@@ -274,12 +412,11 @@ impl Controller {
     }
 }
 
-/// `LOAD <seq> <len>\r\n<json>\r\n`: an epoch snapshot for `mbal load`.
-fn load_reply(s: &EpochSnapshot) -> Vec<u8> {
-    let json = serde_json::to_string(s).expect("snapshots serialise");
+/// `LOAD <seq> <len>\r\n<json>\r\n`: an epoch snapshot (and the
+/// balancer's decision) for `mbal load`.
+fn load_reply(s: &EpochSnapshot, d: Option<&Decision>) -> Vec<u8> {
+    let json = serde_json::to_string(&EpochRecord { snapshot: s, balancer: d }).expect("snapshots serialise");
     let mut b = Vec::with_capacity(json.len() + 32);
-    let _ = write!(b, "LOAD {} {}\r\n", s.seq, json.len());
-    b.extend_from_slice(json.as_bytes());
-    b.extend_from_slice(b"\r\n");
+    ext::write_load(&mut b, s.seq, json.as_bytes());
     b
 }

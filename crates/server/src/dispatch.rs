@@ -9,16 +9,15 @@ use crate::control::CtlMsg;
 use crate::exec::{self, locate, Ctx, Loc};
 use crate::moves::{Own, Parked, Tables};
 use crate::msg::{Envelope, FwdKind, Outbox, ReplyTo};
-use crate::output::{Output, Slot, StatsFormat};
+use crate::output::{Output, Slot, StatsFormat, MAX_PENDING_OUTPUT};
 use crate::stats::Counters;
 use crate::worker::Shared;
 use mbal_cluster::KeySpace;
 use mbal_proto::binary::{opcode as op, status as st, write_response, BinReq};
 use mbal_proto::meta::{meta_key, MetaKind};
-use mbal_proto::text::{self, TextCmd};
+use mbal_proto::text::{self, Line, LineState, TextCmd};
 use mbal_proto::{Protocol, Request};
 use mbal_store::WorkerStore;
-use std::io::Write;
 use std::sync::atomic::Ordering;
 
 /// What the connection should do after a request.
@@ -31,6 +30,13 @@ pub(crate) enum Action {
     /// `mbal hello <epoch> <worker>`: serve this connection on that worker
     /// from now on (it opts in to routing there).
     HandOff(usize),
+    /// A get stopped after the key that ends `at` bytes into its request,
+    /// its output being full: parse the rest of the line from there, in
+    /// state `rest`, once the client has read.
+    Pause {
+        at: usize,
+        rest: LineState,
+    },
 }
 
 /// Routing state for one connection's request.
@@ -149,19 +155,21 @@ pub(crate) fn handle(
     }
     match req {
         Request::Text(cmd) => match cmd {
-            TextCmd::Get { keys, cas, touch } => {
-                if rt.routed {
+            TextCmd::Get { keys, cas, touch, line } => {
+                if rt.routed && *line == Line::Whole {
                     // A routed client sends a get only to the owner of its
                     // keys; if its map is stale, redirect the whole request.
+                    // (A long line comes in pieces and is redirected per key.)
                     if let Some(d) = keys.iter().map(|k| rt.dest(locate(layout, k))).find(|d| *d != Dest::Here) {
-                        redirect(shared, rt, output, d);
+                        redirect(shared, rt, output, d, None);
                         return Action::None;
                     }
                 }
                 // Walk keys in order; local keys are answered at once, runs
                 // of consecutive keys of one cachelet another worker owns go
                 // to it as one message. END closes the reply after the last
-                // run. Keys another server holds are misses here.
+                // run (of the last piece of a long line). Keys another
+                // server holds are misses here.
                 // A run is (owner, cachelet, its first key, its last key);
                 // its bytes are the stretch of the key list between them,
                 // copied into the batch once the run ends.
@@ -180,7 +188,14 @@ pub(crate) fn handle(
                         Dest::Here => {
                             send(rt, output, run.take());
                             exec::text_get_one(&mut ctx!(), key, at, *cas, *touch, output.buf());
+                            if output.unsent() > MAX_PENDING_OUTPUT {
+                                let at = key.as_ptr() as usize + key.len() - raw.as_ptr() as usize;
+                                let rest = LineState::Keys { cas: *cas, touch: *touch, any: true };
+                                return Action::Pause { at, rest };
+                            }
                         }
+                        // A piece of a long line on a routed connection.
+                        d if rt.routed => redirect(shared, rt, output, d, Some(key)),
                         Dest::Worker(owner) => match &mut run {
                             Some((_, c, _, last)) if *c == at.cachelet => *last = key,
                             _ => {
@@ -195,7 +210,9 @@ pub(crate) fn handle(
                     }
                 }
                 send(rt, output, run.take());
-                output.buf().extend_from_slice(text::END);
+                if *line != Line::Part {
+                    output.buf().extend_from_slice(text::END);
+                }
                 Action::None
             }
             TextCmd::Store { .. } | TextCmd::Delete { .. } | TextCmd::Arith { .. } | TextCmd::Touch { .. } => {
@@ -237,6 +254,10 @@ pub(crate) fn handle(
                     }
                     "" | "settings" | "items" | "slabs" | "conns" | "cachelets" | "workers" | "detail dump" => {
                         gather_stats(shared, rt, output, group, StatsFormat::Text)
+                    }
+                    "balancer" => {
+                        crate::stats::render_balancer(shared, &mut crate::stats::TextSink(output.buf()));
+                        output.buf().extend_from_slice(text::END);
                     }
                     "detail on" | "detail off" => {
                         shared.detail.store(group == "detail on", Ordering::Relaxed);
@@ -312,7 +333,7 @@ fn route_keyed(
             let mut ctx = Ctx { store, layout, settings, counters: &mut *rt.counters, now, detail };
             exec(&mut ctx, output.buf())
         }
-        d if rt.routed => redirect(shared, rt, output, d),
+        d if rt.routed => redirect(shared, rt, output, d, None),
         Dest::Worker(owner) => {
             rt.forward(output, owner, at.cachelet, FwdKind::Raw(proto), |d| d.extend_from_slice(raw))
         }
@@ -325,20 +346,19 @@ fn route_keyed(
 
 /// The answer to `mbal hello`: `MBAL <server> <worker> <epoch>`.
 pub(crate) fn hello(shared: &Shared, server: u16, worker: usize, out: &mut Vec<u8>) {
-    let e = shared.epoch.load(Ordering::Relaxed);
-    let _ = write!(out, "MBAL {server} {worker} {e}\r\n");
+    mbal_proto::ext::write_hello(out, server, worker as u16, shared.epoch.load(Ordering::Relaxed));
 }
 
-/// `RD <epoch> <server> <worker>`: tell a routed client who owns the key.
-fn redirect(shared: &Shared, rt: &mut Route, output: &mut Output, d: Dest) {
+/// `RD <epoch> <server> <worker>`: tell a routed client who owns the key;
+/// with the key appended when it stands for one key of a long get line.
+fn redirect(shared: &Shared, rt: &mut Route, output: &mut Output, d: Dest, key: Option<&[u8]>) {
     let (s, w) = match d {
         Dest::Here => unreachable!("no redirect to ourselves"),
         Dest::Worker(w) => (rt.server, w as u16),
         Dest::Server(s, w) => (s, w),
     };
     rt.counters.redirects += 1;
-    let epoch = shared.epoch.load(Ordering::Relaxed);
-    let _ = write!(output.buf(), "RD {epoch} {s} {w}\r\n");
+    mbal_proto::ext::write_redirect_key(output.buf(), shared.epoch.load(Ordering::Relaxed), s, w, key);
 }
 
 const FOREIGN: &[u8] = b"SERVER_ERROR key is served by another mbal server\r\n";
@@ -497,6 +517,10 @@ pub(crate) fn handle_bin(
             if group == "reset" {
                 reset_stats(rt, store);
                 write_response(output.buf(), op::STAT, st::NO_ERROR, h.opaque, 0, &[], &[], &[]);
+            } else if group == "balancer" {
+                let out = output.buf();
+                crate::stats::render_balancer(shared, &mut crate::stats::BinSink { out: &mut *out, opaque: h.opaque });
+                write_response(out, op::STAT, st::NO_ERROR, h.opaque, 0, &[], &[], &[]);
             } else {
                 gather_stats(shared, rt, output, group, StatsFormat::Binary { opaque: h.opaque });
             }

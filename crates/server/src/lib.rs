@@ -2,8 +2,10 @@
 //! `cachelets_per_worker` cachelets of the key space.
 //!
 //! * `config`: memcached's command line, mbal's options and the TOML file.
-//! * `worker`: the per-thread event loop: connections, reads and writes,
-//!   the inbox.
+//! * `worker`: the per-thread event loop and the state workers share;
+//!   `worker/conn.rs` its connections (accept, read, parse and dispatch,
+//!   write, back-pressure, hand-over); `worker/inbox.rs` what peers and the
+//!   controller send it, and the executor of forwarded requests.
 //! * `dispatch`: the one place that routes a parsed request (execute here,
 //!   forward to the owning worker, redirect, or answer for another server).
 //! * `exec`: executes text, meta and binary requests against the store.
@@ -21,6 +23,7 @@
 //! (routed clients talk to the owning worker directly, MBal §2.3); one
 //! controller thread has no port, only a mailbox and a tick.
 
+mod capacity;
 pub mod config;
 mod control;
 mod dispatch;
@@ -32,7 +35,6 @@ pub mod stats;
 mod tune;
 mod worker;
 
-use anyhow::{Context, Result};
 use config::Settings;
 use mbal_cluster::{ClusterMap, ServerInfo};
 use mbal_store::{GlobalPool, StoreConfig, WorkerStore};
@@ -109,11 +111,11 @@ impl Drop for ServerHandle {
 }
 
 /// Start a server with these settings; returns once every listener is bound.
-pub fn start(settings: Settings) -> Result<ServerHandle> {
+pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
     let workers = settings.threads;
     let main_addr = SocketAddr::new(settings.listen, settings.port);
     let main = bind_listener(main_addr, settings.backlog, settings.sock_cookie_id)
-        .with_context(|| format!("binding main port {main_addr}"))?;
+        .map_err(|e| std::io::Error::new(e.kind(), format!("binding main port {main_addr}: {e}")))?;
     let main_addr = main.local_addr()?;
     // Worker ports only when asked for (`--worker-port-base`); otherwise
     // routed clients reach their worker through the main port.
@@ -123,11 +125,15 @@ pub fn start(settings: Settings) -> Result<ServerHandle> {
             owns.push(None);
             continue;
         };
-        let port = if base == 0 { 0 } else { base.checked_add(i as u16).context("worker port overflows")? };
+        let port = if base == 0 {
+            0
+        } else {
+            base.checked_add(i as u16).ok_or_else(|| std::io::Error::other("worker port overflows"))?
+        };
         let addr = SocketAddr::new(settings.listen, port);
         owns.push(Some(
             bind_listener(addr, settings.backlog, settings.sock_cookie_id)
-                .with_context(|| format!("binding worker {i} port {addr}"))?,
+                .map_err(|e| std::io::Error::new(e.kind(), format!("binding worker {i} port {addr}: {e}")))?,
         ));
     }
     let worker_addrs: Vec<SocketAddr> =
@@ -156,6 +162,7 @@ pub fn start(settings: Settings) -> Result<ServerHandle> {
         epoch: AtomicU64::new(epoch),
         control: control_tx,
         latest: Mutex::new(None),
+        balancer: Mutex::new(None),
         start: Instant::now(),
         start_unix,
         curr_conns: AtomicUsize::new(0),
@@ -230,7 +237,7 @@ const ACCEPT: mio::Token = mio::Token(0);
 const ACCEPT_WAKER: mio::Token = mio::Token(1);
 
 impl Acceptor {
-    fn new(listener: std::net::TcpListener, shared: Arc<Shared>) -> Result<Acceptor> {
+    fn new(listener: std::net::TcpListener, shared: Arc<Shared>) -> std::io::Result<Acceptor> {
         let poll = mio::Poll::new()?;
         let mut listener = mio::net::TcpListener::from_std(listener);
         poll.registry().register(&mut listener, ACCEPT, mio::Interest::READABLE)?;

@@ -77,6 +77,11 @@ impl ReqBatch {
         self.reqs.push(FwdReq { to, cachelet, stamp, kind, end });
     }
 
+    /// How many requests it holds.
+    pub fn len(&self) -> usize {
+        self.reqs.len()
+    }
+
     /// The requests with their bytes, in order.
     pub fn iter(&self) -> impl Iterator<Item = (&FwdReq, &[u8])> {
         let mut start = 0usize;

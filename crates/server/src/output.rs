@@ -43,6 +43,12 @@ pub(crate) struct Output {
     open: bool,
 }
 
+/// Stop reading from a connection whose unsent output exceeds this, until
+/// the client drains it (a client that pipelines but never reads cannot
+/// make the server buffer without bound); a get line stops between two keys
+/// past it, and goes on from there once the client has read.
+pub(crate) const MAX_PENDING_OUTPUT: usize = 4 << 20;
+
 /// Compact the arena when it is mostly dead and larger than this.
 const STAGE_COMPACT_MIN: usize = 64 << 10;
 

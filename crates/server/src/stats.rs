@@ -30,6 +30,9 @@ pub struct Counters {
     /// Times a connection stopped reading because the worker had
     /// `max_inflight` forwarded requests unanswered.
     pub inflight_stalls: u64,
+    /// Times the worker ran out of its emulated capacity (`--worker-capacity`)
+    /// and left work waiting until its bucket refilled.
+    pub capacity_stalls: u64,
     /// Connections closed for being idle longer than `-o idle_timeout`.
     pub idle_kicks: u64,
     /// Values refused as larger than `-I` (memcached's `store_too_large`).
@@ -108,6 +111,7 @@ impl Counters {
             foreign_keys,
             cachelets_adopted,
             inflight_stalls,
+            capacity_stalls,
             idle_kicks,
             store_too_large
         );
@@ -387,6 +391,7 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
             sink.stat("cachelets_per_worker", &s.cachelets_per_worker);
             sink.stat("vn_count", &s.vn_count);
             sink.stat("page_size", &s.page_size);
+            sink.stat("worker_capacity", &s.worker_capacity);
             let ports: Vec<String> = p.worker_ports.iter().map(|x| x.to_string()).collect();
             sink.stat("worker_ports", &ports.join(","));
         }
@@ -471,6 +476,7 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
                 sink.stat(&format!("worker:{n}:forwarded_out"), &w.counters.forwarded_out);
                 sink.stat(&format!("worker:{n}:forwarded_in"), &w.counters.forwarded_in);
                 sink.stat(&format!("worker:{n}:inflight_stalls"), &w.counters.inflight_stalls);
+                sink.stat(&format!("worker:{n}:capacity_stalls"), &w.counters.capacity_stalls);
             }
         }
         "detail dump" => {
@@ -486,6 +492,30 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
 }
 
 /// Text-protocol sink: `STAT name value\r\n`.
+/// `stats balancer`: the local balancer's state, as the controller last
+/// published it (memcached-style lines; docs/protocol.md).
+pub(crate) fn render_balancer(shared: &crate::worker::Shared, sink: &mut dyn StatSink) {
+    let st = shared.balancer.lock().unwrap_or_else(|p| p.into_inner()).clone().unwrap_or_default();
+    let on = shared.settings.balancer;
+    sink.stat("balancer", &if on { "on" } else { "off" });
+    sink.stat("epoch_ms", &shared.settings.epoch_ms);
+    sink.stat("state", &if on && !st.state.is_empty() { st.state.as_str() } else { "off" });
+    sink.stat("epoch", &st.epoch);
+    sink.stat("max_over_avg", &format_args!("{:.3}", st.max_over_avg));
+    sink.stat("imbalance_factor", &format_args!("{:.3}", st.imbalance_factor));
+    sink.stat("plans", &st.plans);
+    sink.stat("moves", &st.moves);
+    sink.stat("moves_home", &st.moves_home);
+    sink.stat("moves_failed", &st.moves_failed);
+    sink.stat("escalations", &st.escalations);
+    sink.stat("leases", &st.leases);
+    sink.stat("planner_us_last", &st.planner_us_last);
+    sink.stat("planner_us_max", &st.planner_us_max);
+    for (w, load) in &st.loads {
+        sink.stat(&format!("worker:{w}:load"), &format_args!("{load:.0}"));
+    }
+}
+
 pub struct TextSink<'a>(pub &'a mut Vec<u8>);
 
 impl StatSink for TextSink<'_> {

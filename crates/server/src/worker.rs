@@ -21,22 +21,30 @@
 //! Bounded: a worker forwards at most `max_inflight` requests that have not
 //! been answered; past that it stops reading its connections (TCP pushes
 //! back on their clients) until replies come in, so a slow owner cannot make
-//! its peers' queues, or its own inbox, grow without bound.
+//! its peers' queues, or its own inbox, grow without bound. A connection
+//! holds at most about one request (a data block, or `max_line` of a
+//! command line): a longer `get` line is parsed and dispatched in pieces,
+//! the connection keeping only its `LineState` between them, and a get
+//! stops between keys once `MAX_PENDING_OUTPUT` of replies are unsent.
 
+mod conn;
+mod inbox;
+
+use crate::capacity::Capacity;
 use crate::config::{Binding, Settings};
 use crate::control::CtlMsg;
 use crate::dispatch::{self, text_key, Action, Route};
 use crate::exec::{self, locate, Ctx};
 use crate::moves::{self, Parked, Tables};
-use crate::msg::{Envelope, FwdKind, FwdReq, HandOff, Mailbox, Outbox, Peers, ReplyTo, NO_CACHELET};
-use crate::output::{Output, Slot, StatsFormat};
+use crate::msg::{Envelope, FwdKind, FwdReq, HandOff, Mailbox, Outbox, Peers, ReplyTo, ReqBatch, NO_CACHELET};
+use crate::output::{Output, Slot, StatsFormat, MAX_PENDING_OUTPUT};
 use crate::stats::{self, BinSink, CacheletInfo, ConnInfo, Counters, ProcessInfo, TextSink, WorkerSnapshot};
 use crossbeam_channel::{Receiver, Sender};
 use mbal_balance::{CacheletSample, EpochSnapshot, WorkerSample};
 use mbal_cluster::{KeySpace, Owner};
 use mbal_proto::binary::{opcode as op, status as st, write_response};
 use mbal_proto::meta::meta_key;
-use mbal_proto::text::TextCmd;
+use mbal_proto::text::{LineState, TextCmd};
 use mbal_proto::{Limits, Parsed, Protocol, Request};
 use mbal_store::WorkerStore;
 use mio::net::{TcpListener, TcpStream};
@@ -56,10 +64,6 @@ const FIRST_CONN: usize = 2;
 /// Read in chunks of this size; a connection's buffer grows only as far as
 /// one request needs (bounded by the parser's limits).
 const READ_CHUNK: usize = 16 * 1024;
-/// Stop reading from a connection whose unsent output exceeds this, until
-/// the client drains it (a client that pipelines but never reads cannot
-/// make the server buffer without bound).
-const MAX_PENDING_OUTPUT: usize = 4 << 20;
 /// A connection waiting on another worker's reply writes what is ready
 /// before it only once this much has piled up (else the reply's arrival
 /// writes everything at once: one write per read batch, not two).
@@ -84,6 +88,9 @@ pub(crate) struct Shared {
     /// Written once per epoch, read when stats are rendered: never on the
     /// data path.
     pub latest: Mutex<Option<Arc<EpochSnapshot>>>,
+    /// The balancer's figures for `stats balancer`, written by the
+    /// controller once per epoch and after each move.
+    pub balancer: Mutex<Option<crate::control::BalancerStatus>>,
     pub start: Instant,
     pub start_unix: u64,
     pub curr_conns: AtomicUsize,
@@ -162,6 +169,8 @@ struct Conn {
     rbuf: Vec<u8>,
     /// Bytes still to discard from the stream (a rejected data block).
     skip: usize,
+    /// The parser's place in a long get line (answered piece by piece).
+    line: LineState,
     output: Output,
     /// Close once the output is flushed (quit, fatal protocol error).
     closing: bool,
@@ -176,6 +185,8 @@ struct Conn {
     dirty: bool,
     /// Opted in with `mbal hello`: gets redirects instead of forwarding.
     routed: bool,
+    /// Waiting for the worker's emulated capacity (in `Worker::throttled`).
+    throttled: bool,
 }
 
 pub(crate) struct Worker {
@@ -213,6 +224,15 @@ pub(crate) struct Worker {
     inbox_batches: u64,
     inbox_wait_ns: u64,
     inbox_wait_max_ns: u64,
+    /// Emulated capacity (`--worker-capacity`): the token bucket, the
+    /// connections waiting for it (their input stays in their sockets) and
+    /// the inbox's envelopes held back behind a peer's batch that waits for
+    /// it (in arrival order: see `hold`).
+    capacity: Capacity,
+    throttled: Vec<usize>,
+    held: VecDeque<Envelope>,
+    /// Where the front of `held`, a batch cut short, resumes.
+    held_pos: usize,
 }
 
 /// A listening socket; `mark` (`-o sock_cookie_id`, 0: none) is set as its
@@ -273,6 +293,10 @@ impl Worker {
             inbox_batches: 0,
             inbox_wait_ns: 0,
             inbox_wait_max_ns: 0,
+            capacity: Capacity::new(shared.settings.worker_capacity, shared.clock_ns()),
+            throttled: Vec::new(),
+            held: VecDeque::new(),
+            held_pos: 0,
             shared,
         })
     }
@@ -281,11 +305,16 @@ impl Worker {
         let mut events = Events::with_capacity(1024);
         let mut last_sweep = Instant::now();
         loop {
-            let timeout = if !self.ready.is_empty() || !self.mailbox.prepare_sleep(&self.inbox) {
+            let mut timeout = if !self.ready.is_empty() || !self.mailbox.prepare_sleep(&self.inbox) {
                 Duration::ZERO
             } else {
                 Duration::from_millis(100)
             };
+            if !self.throttled.is_empty() || !self.held.is_empty() {
+                // Out of emulated capacity with work waiting: sleep until
+                // the bucket has credit again, no longer (and never spin).
+                timeout = timeout.min(self.capacity.wait());
+            }
             let polled = self.poll.poll(&mut events, Some(timeout));
             self.mailbox.awake();
             if let Err(e) = polled {
@@ -296,6 +325,9 @@ impl Worker {
             }
             let round_start = self.shared.clock_ns();
             self.now = (round_start / 1_000_000_000) as u32;
+            if self.capacity.limited() {
+                self.refill(round_start);
+            }
             for ev in events.iter() {
                 match ev.token() {
                     OWN_LISTENER => self.accept(),
@@ -347,750 +379,23 @@ impl Worker {
             }
         }
     }
-
-    /// Connections on this worker's own port.
-    fn accept(&mut self) {
-        loop {
-            let Some(listener) = &self.own_listener else { return };
-            let (sock, peer) = match listener.accept() {
-                Ok(x) => x,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
-                Err(e) => {
-                    tracing::warn!(worker = self.id, "accept: {e}");
-                    return;
-                }
-            };
-            let max = self.shared.settings.max_conns;
-            if self.shared.curr_conns.fetch_add(1, Ordering::Relaxed) >= max {
-                self.shared.curr_conns.fetch_sub(1, Ordering::Relaxed);
-                self.counters.rejected_connections += 1;
-                let mut sock = sock;
-                // memcached's answer to one connection too many.
-                let _ = sock.write(b"ERROR Too many open connections\r\n");
-                continue;
-            }
-            self.shared.worker_conns[self.id].fetch_add(1, Ordering::Relaxed);
-            let listen_addr = listener.local_addr().unwrap_or(peer);
-            self.register(sock, peer, listen_addr);
-        }
-    }
-
-    /// Serve a connection here. It is already counted in `curr_conns` and
-    /// in this worker's `worker_conns`.
-    fn register(&mut self, mut sock: TcpStream, peer: SocketAddr, listen_addr: SocketAddr) -> Option<usize> {
-        let _ = sock.set_nodelay(true);
-        let entry = self.conns.vacant_entry();
-        let ci = entry.key();
-        if let Err(e) = self.poll.registry().register(&mut sock, Token(ci + FIRST_CONN), Interest::READABLE) {
-            tracing::warn!("register: {e}");
-            self.shared.conn_closed(self.id);
-            return None;
-        }
-        self.counters.total_connections += 1;
-        let gen = self.next_gen;
-        self.next_gen += 1;
-        let proto = match self.shared.settings.binding {
-            Binding::Auto => None,
-            Binding::Ascii => Some(Protocol::Text),
-            Binding::Binary => Some(Protocol::Binary),
-        };
-        entry.insert(Conn {
-            sock,
-            id: self.shared.next_conn_id.fetch_add(1, Ordering::Relaxed),
-            gen,
-            peer,
-            listen_addr,
-            proto,
-            rbuf: Vec::new(),
-            skip: 0,
-            output: Output::default(),
-            closing: false,
-            last_active: self.now,
-            want_write: false,
-            queued: false,
-            read_blocked: false,
-            dirty: false,
-            routed: false,
-        });
-        tracing::debug!(worker = self.id, %peer, "accepted");
-        // Bytes may have arrived before the registration.
-        self.requeue(ci);
-        Some(ci)
-    }
-
-    /// Give connection `ci` to worker `to`, with its input from `pos` on
-    /// (`mbal hello <epoch> <to>`; its output is empty, `dispatch` checked).
-    fn hand_off(&mut self, ci: usize, pos: usize, to: usize) {
-        let Some(mut c) = self.conns.try_remove(ci) else { return };
-        let _ = self.poll.registry().deregister(&mut c.sock);
-        self.shared.worker_conns[self.id].fetch_sub(1, Ordering::Relaxed);
-        self.shared.worker_conns[to].fetch_add(1, Ordering::Relaxed);
-        let unread = c.rbuf.split_off(pos.min(c.rbuf.len()));
-        let h = HandOff {
-            sock: std::net::TcpStream::from(c.sock),
-            peer: c.peer,
-            listen_addr: c.listen_addr,
-            id: c.id,
-            unread,
-        };
-        self.outbox[to].push(Envelope::HandOff(Box::new(h)));
-    }
-
-    fn close(&mut self, ci: usize) {
-        if let Some(mut c) = self.conns.try_remove(ci) {
-            let _ = self.poll.registry().deregister(&mut c.sock);
-            self.shared.conn_closed(self.id);
-        }
-    }
-
-    /// Read everything available, then process.
-    fn on_readable(&mut self, ci: usize) {
-        let conn = &mut self.conns[ci];
-        if conn.output.unsent() > MAX_PENDING_OUTPUT {
-            // Back-pressure: do not read more until the client drains
-            // replies; `flush` queues the connection again when it has.
-            conn.read_blocked = true;
-            return;
-        }
-        conn.read_blocked = false;
-        let mut eof = false;
-        // Whether the socket may still hold data we chose not to read yet.
-        let mut more = false;
-        loop {
-            let len = conn.rbuf.len();
-            // Zero-filled, so the read target is always initialised memory
-            // (the fill is a memset of what the last read did not use).
-            conn.rbuf.resize(len + READ_CHUNK, 0);
-            match conn.sock.read(&mut conn.rbuf[len..]) {
-                Ok(0) => {
-                    conn.rbuf.truncate(len);
-                    eof = true;
-                    break;
-                }
-                Ok(n) => {
-                    conn.rbuf.truncate(len + n);
-                    self.counters.bytes_read += n as u64;
-                    if n < READ_CHUNK {
-                        break;
-                    }
-                    // Do not buffer more than one big request's worth ahead.
-                    if conn.rbuf.len() > self.limits.max_item_size + self.limits.max_line + READ_CHUNK {
-                        more = true;
-                        break;
-                    }
-                }
-                Err(e) => {
-                    conn.rbuf.truncate(len);
-                    match e.kind() {
-                        io::ErrorKind::WouldBlock => break,
-                        io::ErrorKind::Interrupted => continue,
-                        _ => {
-                            eof = true;
-                            break;
-                        }
-                    }
-                }
-            }
-        }
-        conn.last_active = self.now;
-        self.process(ci);
-        if eof {
-            // Flush what we have, then close.
-            self.flush(ci);
-            self.close(ci);
-            return;
-        }
-        if more {
-            self.requeue(ci);
-        }
-    }
-
-    /// Come back to a connection in this loop turn's ready queue (input
-    /// left in the socket or in the buffer after a -R yield).
-    fn requeue(&mut self, ci: usize) {
-        if let Some(c) = self.conns.get_mut(ci) {
-            if !c.queued && !c.closing {
-                c.queued = true;
-                self.ready.push_back(ci);
-            }
-        }
-    }
-
-    fn run_ready(&mut self) {
-        let n = self.ready.len();
-        for _ in 0..n {
-            let Some(ci) = self.ready.pop_front() else { break };
-            if let Some(c) = self.conns.get_mut(ci) {
-                c.queued = false;
-                self.on_readable(ci);
-            }
-        }
-    }
-
-    /// Look ahead over the requests `process` is about to execute and start loading the index
-    /// lines of the keys this worker will look up, so the batch's cache misses overlap. Text
-    /// gets and stores (`prefetch_keys`); a prefetch is a hint, so a key that turns out to be
-    /// elsewhere costs nothing but the hash.
-    fn prefetch_batch(&self, ci: usize) {
-        let conn = &self.conns[ci];
-        let Some(proto @ Protocol::Text) = conn.proto else { return };
-        let (mut pos, buf) = (0usize, &conn.rbuf[..]);
-        for _ in 0..self.shared.settings.reqs_per_event {
-            let Parsed::Req { req, consumed } = mbal_proto::parse(proto, &buf[pos..], &self.limits) else { break };
-            prefetch_keys(&self.store, &self.shared.layout, &req);
-            pos += consumed;
-        }
-    }
-
-    /// Parse and execute up to `reqs_per_event` requests from the buffer.
-    fn process(&mut self, ci: usize) {
-        if self.conns[ci].skip == 0 {
-            self.prefetch_batch(ci);
-        }
-        let reqs_per_event = self.shared.settings.reqs_per_event;
-        let mut done = 0usize;
-        let mut pos = 0usize;
-        let worker = self.id;
-        let mut hand_off = None;
-        loop {
-            let conn = &mut self.conns[ci];
-            if conn.closing {
-                break;
-            }
-            if conn.skip > 0 {
-                let n = conn.skip.min(conn.rbuf.len() - pos);
-                conn.skip -= n;
-                pos += n;
-                if conn.skip > 0 {
-                    break;
-                }
-            }
-            if pos >= conn.rbuf.len() {
-                break;
-            }
-            if self.inflight >= self.max_inflight {
-                // Bounded queues: wait for replies before taking more.
-                self.counters.inflight_stalls += 1;
-                conn.read_blocked = true;
-                self.blocked.push(ci);
-                break;
-            }
-            if done >= reqs_per_event {
-                // Fairness (-R): yield to other connections, come back later.
-                self.counters.conn_yields += 1;
-                self.requeue(ci);
-                break;
-            }
-            let proto = *conn.proto.get_or_insert_with(|| mbal_proto::detect(conn.rbuf[pos]));
-            let Conn { rbuf, output, gen, routed, .. } = conn;
-            let buf = &rbuf[pos..];
-            let mut rt = Route {
-                worker,
-                conn: ci,
-                gen: *gen,
-                tables: &mut self.tables,
-                server: self.shared.server_id,
-                routed: *routed,
-                outbox: &mut self.outbox,
-                counters: &mut self.counters,
-                inflight: &mut self.inflight,
-                self_stats: &mut self.self_stats,
-            };
-            match mbal_proto::parse(proto, buf, &self.limits) {
-                Parsed::NeedMore => break,
-                Parsed::Err { reply, skip, close } => {
-                    if reply.is_too_large() {
-                        rt.counters.store_too_large += 1;
-                    }
-                    // memcached drops the old value of a key whose new value
-                    // was refused as too large; so do we.
-                    if let Some(key) = mbal_proto::key_to_unlink_on_too_large(buf) {
-                        dispatch::unlink(&self.shared.layout, &mut rt, &mut self.store, self.now, output, key);
-                    }
-                    reply.write(output.buf());
-                    let avail = buf.len();
-                    if skip <= avail {
-                        pos += skip;
-                    } else {
-                        pos += avail;
-                        conn.skip = skip - avail;
-                    }
-                    if close {
-                        conn.closing = true;
-                    }
-                }
-                Parsed::Req { req, consumed } => {
-                    let raw = &buf[..consumed];
-                    let action = dispatch::handle(&self.shared, &mut rt, &mut self.store, self.now, output, &req, raw);
-                    pos += consumed;
-                    done += 1;
-                    match action {
-                        Action::None => {}
-                        Action::Routed => conn.routed = true,
-                        Action::HandOff(to) => {
-                            hand_off = Some(to);
-                            break;
-                        }
-                        Action::Close => conn.closing = true,
-                        Action::Shutdown => {
-                            conn.closing = true;
-                            self.shared.shutdown.store(true, Ordering::Relaxed);
-                            self.shared.wake_all();
-                        }
-                    }
-                }
-            }
-        }
-        self.finish_self_stats();
-        if let Some(to) = hand_off {
-            self.hand_off(ci, pos, to);
-            return;
-        }
-        let Some(conn) = self.conns.get_mut(ci) else { return };
-        conn.rbuf.drain(..pos.min(conn.rbuf.len()));
-        if conn.rbuf.capacity() > 4 * READ_CHUNK && conn.rbuf.len() < READ_CHUNK {
-            conn.rbuf.shrink_to(READ_CHUNK);
-        }
-        if !conn.output.waiting() || conn.output.unsent() > EARLY_FLUSH || conn.closing {
-            self.flush(ci);
-        }
-    }
-
-    /// Write as much output as the socket takes.
-    fn flush(&mut self, ci: usize) {
-        let Some(conn) = self.conns.get_mut(ci) else { return };
-        conn.output.drain();
-        while conn.output.sent < conn.output.out.len() {
-            match conn.sock.write(&conn.output.out[conn.output.sent..]) {
-                Ok(0) => break,
-                Ok(n) => {
-                    conn.output.sent += n;
-                    self.counters.bytes_written += n as u64;
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(_) => {
-                    self.close(ci);
-                    return;
-                }
-            }
-        }
-        if conn.output.sent == conn.output.out.len() {
-            conn.output.out.clear();
-            conn.output.sent = 0;
-            if conn.output.out.capacity() > 1 << 20 {
-                conn.output.out.shrink_to(64 << 10);
-            }
-        }
-        let need_write = conn.output.sent < conn.output.out.len();
-        if need_write != conn.want_write {
-            conn.want_write = need_write;
-            let interest = if need_write { Interest::READABLE | Interest::WRITABLE } else { Interest::READABLE };
-            let _ = self.poll.registry().reregister(&mut conn.sock, Token(ci + FIRST_CONN), interest);
-        }
-        if !need_write && !conn.output.waiting() && conn.closing {
-            self.close(ci);
-            return;
-        }
-        // Output drained: resume a read that back-pressure paused.
-        if !need_write && conn.read_blocked && self.inflight < self.max_inflight {
-            self.requeue(ci);
-        }
-    }
-
-    /// Write each connection that got replies this round, once.
-    fn flush_dirty(&mut self) {
-        for ci in std::mem::take(&mut self.dirty) {
-            if let Some(c) = self.conns.get_mut(ci) {
-                c.dirty = false;
-                self.flush(ci);
-            }
-        }
-    }
-
-    /// Handle what peers sent: as many envelopes as were queued when the
-    /// round got here (a peer that keeps sending cannot starve our own
-    /// connections), then resume connections paused on `max_inflight` if
-    /// the answers brought the count under it.
-    fn drain_inbox(&mut self) {
-        let n = self.inbox.len();
-        let now_ns = if n > 0 { self.shared.clock_ns() } else { 0 };
-        for _ in 0..n {
-            let Ok(env) = self.inbox.try_recv() else { break };
-            match env {
-                Envelope::Reqs(batch) => {
-                    self.waited(now_ns, batch.sent_ns);
-                    // Overlap the index misses of the batch's gets and text stores.
-                    for (req, bytes) in batch.iter() {
-                        match req.kind {
-                            FwdKind::Values { .. } => {
-                                for key in bytes.split(|&b| b == b' ').filter(|k| !k.is_empty()) {
-                                    self.store.prefetch(req.cachelet, mbal_cluster::key_hash(key));
-                                }
-                            }
-                            FwdKind::Raw(proto) => {
-                                if let Parsed::Req { req, .. } = mbal_proto::parse(proto, bytes, &self.limits) {
-                                    prefetch_keys(&self.store, &self.shared.layout, &req);
-                                }
-                            }
-                        }
-                    }
-                    for (req, bytes) in batch.iter() {
-                        self.exec_forwarded(req, bytes);
-                    }
-                }
-                Envelope::Replies(batch) => {
-                    self.waited(now_ns, batch.sent_ns);
-                    for (item, bytes) in batch.iter() {
-                        let c = item.cachelet;
-                        let resend = match item.bounce {
-                            None => {
-                                self.deliver(item.to, bytes);
-                                (c != NO_CACHELET).then(|| self.tables.answered(c)).flatten()
-                            }
-                            Some(b) => {
-                                let p = Parked { to: item.to, kind: b.kind, bytes: bytes.to_vec() };
-                                self.tables.bounced(c, b.hint, p)
-                            }
-                        };
-                        if let Some(q) = resend {
-                            self.resend(c, q);
-                        }
-                    }
-                }
-                Envelope::Conn(sock, peer) => {
-                    let listen = self.shared.main_addr;
-                    self.register(TcpStream::from_std(sock), peer, listen);
-                }
-                Envelope::HandOff(h) => {
-                    let HandOff { sock, peer, listen_addr, id, unread } = *h;
-                    if let Some(ci) = self.register(TcpStream::from_std(sock), peer, listen_addr) {
-                        // Counted once, by the worker that accepted it.
-                        self.counters.total_connections -= 1;
-                        let c = &mut self.conns[ci];
-                        c.id = id;
-                        c.rbuf = unread;
-                        c.routed = true;
-                        c.proto = Some(Protocol::Text);
-                        dispatch::hello(&self.shared, self.shared.server_id, self.id, c.output.buf());
-                    }
-                }
-                Envelope::Release { cachelet, to, token } => {
-                    let peers = self.shared.peers();
-                    let now_ns = self.shared.clock_ns();
-                    let (store, tables, outbox) = (&mut self.store, &mut self.tables, &mut self.outbox);
-                    if moves::release(self.id, store, tables, outbox, peers, now_ns, cachelet, to, token) {
-                        // Already at `to`: the move is done as it stands.
-                        self.shared.tell_controller(CtlMsg::Moved { token, cachelet, worker: to });
-                    }
-                }
-                Envelope::Adopt { cachelet, ver, token } => {
-                    let c = cachelet.id();
-                    self.store.insert_cachelet(cachelet);
-                    moves::announce(self.id, &mut self.outbox, c, ver);
-                    if let Some(q) = self.tables.adopted(c, ver) {
-                        self.resend(c, q);
-                    }
-                    self.counters.cachelets_adopted += 1;
-                    self.shared.tell_controller(CtlMsg::Moved { token, cachelet: c, worker: self.id });
-                }
-                Envelope::Sample { seq } => {
-                    let sample = Box::new(self.sample());
-                    self.shared.tell_controller(CtlMsg::Sample { seq, sample });
-                }
-                Envelope::Owner { cachelet, worker, ver } => {
-                    if let Some(q) = self.tables.learn(cachelet, worker as u16, ver) {
-                        self.resend(cachelet, q);
-                    }
-                }
-                Envelope::Flush { at } => self.store.flush_all(at),
-                Envelope::StatsReq { to, want_conns } => {
-                    let snap = Box::new(self.snapshot(want_conns));
-                    self.outbox[to.worker].push(Envelope::StatsResp { to, snap });
-                }
-                Envelope::StatsResp { to, snap } => {
-                    if self.conns.get(to.conn).is_some_and(|c| c.gen == to.gen) {
-                        self.gathered(to.conn, to.seq, *snap);
-                    }
-                }
-                Envelope::ResetStats => {
-                    self.counters = Counters::default();
-                    self.store.reset_stats();
-                }
-                Envelope::Stall { ms } => std::thread::sleep(Duration::from_millis(ms)),
-            }
-        }
-        if self.inflight < self.max_inflight && !self.blocked.is_empty() {
-            for ci in std::mem::take(&mut self.blocked) {
-                self.requeue(ci);
-            }
-        }
-    }
-
-    /// A request another worker forwarded: execute it here and queue the
-    /// reply in the batch for its origin, or bounce it back to the origin if
-    /// its cachelet is not here (it moved on since the sender looked).
-    fn exec_forwarded(&mut self, req: &FwdReq, bytes: &[u8]) {
-        debug_assert_ne!(req.to.worker, self.id, "a worker never forwards to itself");
-        if !self.tables.executes(req.cachelet, req.stamp) {
-            debug_assert!(!self.store.owns(req.cachelet) || self.tables.owner[req.cachelet as usize].ver > req.stamp);
-            let hint = self.tables.owner[req.cachelet as usize];
-            self.outbox[req.to.worker].replies().bounce(req, bytes, hint);
-            return;
-        }
-        self.counters.forwarded_in += 1;
-        let mut ctx = exec_ctx(&mut self.store, &self.shared, &mut self.counters, self.now);
-        let limits = &self.limits;
-        let run = |out: &mut Vec<u8>| execute(&mut ctx, limits, req.kind, bytes, out);
-        self.outbox[req.to.worker].replies().push(req.to, req.cachelet, run);
-    }
-
-    /// Send requests parked for cachelet `c` again, in order, on its new
-    /// route (or execute them here if this worker owns it now).
-    fn resend(&mut self, c: u32, parked: VecDeque<Parked>) {
-        let (_, w) = self.tables.route(c);
-        for p in parked {
-            if w as usize == self.id {
-                let mut out = Vec::new();
-                let mut ctx = exec_ctx(&mut self.store, &self.shared, &mut self.counters, self.now);
-                execute(&mut ctx, &self.limits, p.kind, &p.bytes, &mut out);
-                self.deliver(p.to, &out);
-            } else {
-                self.tables.sent(c);
-                let stamp = self.tables.stamp(c);
-                self.outbox[w as usize].reqs().push(p.to, c, stamp, p.kind, |d| d.extend_from_slice(&p.bytes));
-            }
-        }
-    }
-
-    /// A batch sent at `sent_ns` was taken in at `now_ns`.
-    fn waited(&mut self, now_ns: u64, sent_ns: u64) {
-        let w = now_ns.saturating_sub(sent_ns);
-        self.inbox_batches += 1;
-        self.inbox_wait_ns += w;
-        self.inbox_wait_max_ns = self.inbox_wait_max_ns.max(w);
-    }
-
-    /// This worker's counters for the controller's epoch tick.
-    fn sample(&mut self) -> WorkerSample {
-        let cachelets = self
-            .store
-            .cachelet_ids()
-            .filter_map(|id| {
-                let s = self.store.cachelet(id)?.stats();
-                Some(CacheletSample {
-                    id,
-                    reads: s.reads,
-                    writes: s.writes,
-                    items: s.items,
-                    bytes: s.bytes,
-                    pages: s.pages,
-                })
-            })
-            .collect();
-        WorkerSample {
-            worker: self.id as u16,
-            at_ns: self.shared.clock_ns(),
-            busy_ns: self.busy_ns,
-            inbox_batches: self.inbox_batches,
-            inbox_wait_ns: self.inbox_wait_ns,
-            inbox_wait_max_ns: std::mem::take(&mut self.inbox_wait_max_ns),
-            forwarded_out: self.counters.forwarded_out,
-            forwarded_in: self.counters.forwarded_in,
-            inbox_len: self.inbox.len() as u64,
-            ready_conns: self.ready.len() as u64,
-            connections: self.conns.len() as u64,
-            cachelets,
-        }
-    }
-
-    /// Fill a waiting output slot of one of our connections; it is written
-    /// at the end of the round (`flush_dirty`). Every reply answers one
-    /// `Slot::Wait` reserved here (and counted in `inflight`), whether or
-    /// not its connection is still open.
-    fn deliver(&mut self, to: ReplyTo, data: &[u8]) {
-        debug_assert!(self.inflight > 0, "a reply nobody waits for");
-        self.inflight = self.inflight.saturating_sub(1);
-        let Some(c) = self.conns.get_mut(to.conn).filter(|c| c.gen == to.gen) else { return };
-        c.output.fill(to.seq, data);
-        if !c.dirty {
-            c.dirty = true;
-            self.dirty.push(to.conn);
-        }
-    }
-
-    fn gathered(&mut self, ci: usize, seq: u64, snap: WorkerSnapshot) {
-        let Some(c) = self.conns.get_mut(ci) else { return };
-        let Some(Slot::Gather { remaining, snaps, .. }) = c.output.slot_mut(seq) else { return };
-        snaps.push(snap);
-        *remaining -= 1;
-        if *remaining > 0 {
-            return;
-        }
-        let Some(Slot::Gather { group, format, mut snaps, .. }) =
-            c.output.slot_mut(seq).map(|s| std::mem::replace(s, Slot::Wait))
-        else {
-            return;
-        };
-        let mut data = Vec::new();
-        let ports = self.shared.worker_ports.get().cloned().unwrap_or_default();
-        render_stats(&self.shared, &ports, &group, &format, &mut snaps, &mut data);
-        self.conns[ci].output.fill(seq, &data);
-        self.flush(ci);
-    }
-
-    fn snapshot(&mut self, want_conns: bool) -> WorkerSnapshot {
-        let conns = if want_conns {
-            self.conns
-                .iter()
-                .map(|(_, c)| ConnInfo {
-                    id: c.id,
-                    addr: format!("tcp:{}", c.peer),
-                    listen_addr: format!("tcp:{}", c.listen_addr),
-                    state: if c.want_write { "conn_mwrite" } else { "conn_parse_cmd" },
-                    idle_secs: self.now.saturating_sub(c.last_active),
-                })
-                .collect()
-        } else {
-            Vec::new()
-        };
-        let cachelets = self
-            .store
-            .cachelet_ids()
-            .filter_map(|id| {
-                let stats = self.store.cachelet(id).map(|c| c.stats())?;
-                Some(CacheletInfo { id, owner: self.id, stats, reads_per_sec: 0, writes_per_sec: 0 })
-            })
-            .collect();
-        WorkerSnapshot {
-            worker: self.id,
-            counters: self.counters.clone(),
-            store: self.store.stats(),
-            curr_connections: self.conns.len() as u64,
-            conns,
-            cachelets,
-        }
-    }
-
-    /// Complete the local part of stats gathers started this round.
-    fn finish_self_stats(&mut self) {
-        let pending = std::mem::take(&mut self.self_stats);
-        for (ci, seq, want_conns) in pending {
-            let snap = self.snapshot(want_conns);
-            self.gathered(ci, seq, snap);
-        }
-    }
 }
 
-/// What `exec` needs, from a worker's parts (borrowed apart so the caller can
-/// still use its outbox).
-fn exec_ctx<'a>(store: &'a mut WorkerStore, shared: &'a Shared, counters: &'a mut Counters, now: u32) -> Ctx<'a> {
-    let detail = shared.detail();
-    Ctx { store, layout: &shared.layout, settings: &shared.settings, counters, now, detail }
-}
-
-/// Prefetch the index lines of a text get's or store's keys that live in this worker's store.
-fn prefetch_keys(store: &WorkerStore, layout: &KeySpace, req: &Request) {
-    match req {
-        Request::Text(TextCmd::Get { keys, .. }) => {
-            for key in keys.iter() {
-                let at = locate(layout, key);
-                store.prefetch(at.cachelet, at.hash);
+#[cfg(test)]
+mod listener_tests {
+    /// `-o sock_cookie_id=N` marks the listening sockets (SO_MARK needs CAP_NET_ADMIN; without
+    /// it, the start fails with a line naming the option).
+    #[test]
+    fn sock_cookie_id_marks_listeners() {
+        let addr: std::net::SocketAddr = "127.0.0.1:0".parse().unwrap();
+        match super::bind_listener(addr, 16, 42) {
+            Ok(l) => assert_eq!(socket2::SockRef::from(&l).mark().unwrap(), 42),
+            Err(e) => {
+                assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}");
+                assert!(e.to_string().contains("-o sock_cookie_id=42"), "{e}");
             }
         }
-        Request::Text(TextCmd::Store { key, .. }) => {
-            let at = locate(layout, key);
-            store.prefetch(at.cachelet, at.hash);
-        }
-        _ => {}
-    }
-}
-
-/// Execute one forwarded request on its owner, appending the reply to `out`.
-/// The cachelet was checked by the caller.
-fn execute(ctx: &mut Ctx, limits: &Limits, kind: FwdKind, bytes: &[u8], out: &mut Vec<u8>) {
-    match kind {
-        FwdKind::Values { cas, touch } => {
-            for key in bytes.split(|&b| b == b' ').filter(|k| !k.is_empty()) {
-                let at = locate(ctx.layout, key);
-                exec::text_get_one(ctx, key, at, cas, touch, out);
-            }
-        }
-        FwdKind::Raw(proto) => match mbal_proto::parse(proto, bytes, limits) {
-            Parsed::Req { req: Request::Text(cmd), .. } => {
-                let key = text_key(&cmd).expect("only keyed text commands are forwarded");
-                let at = locate(ctx.layout, key);
-                exec::text_keyed(ctx, &cmd, at, out);
-            }
-            Parsed::Req { req: Request::Meta(cmd), .. } => {
-                let mut scratch = [0u8; 256];
-                match meta_key(&cmd, &mut scratch) {
-                    Ok(key) => {
-                        let at = locate(ctx.layout, key);
-                        exec::meta_keyed(ctx, &cmd, key, at, out);
-                    }
-                    Err(e) => e.write(out),
-                }
-            }
-            Parsed::Req { req: Request::Bin(req), .. } => {
-                let at = locate(ctx.layout, req.key);
-                exec::bin_keyed(ctx, &req, at, out);
-            }
-            Parsed::Err { reply, .. } => reply.write(out),
-            Parsed::NeedMore => out.extend_from_slice(b"SERVER_ERROR internal forwarding error\r\n"),
-        },
-    }
-}
-
-/// Render a completed stats gather into reply bytes.
-fn render_stats(
-    shared: &Shared,
-    ports: &[u16],
-    group: &str,
-    format: &StatsFormat,
-    snaps: &mut [WorkerSnapshot],
-    out: &mut Vec<u8>,
-) {
-    let now_unix = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-    if group == "cachelets" {
-        // Rates over the controller's last epoch (0 before the first).
-        let latest = shared.latest.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        if let Some(epoch) = latest {
-            let rates: std::collections::HashMap<u32, (f64, f64)> = epoch
-                .workers
-                .iter()
-                .flat_map(|w| w.cachelets.iter().map(|c| (c.id, (c.reads_per_sec, c.writes_per_sec))))
-                .collect();
-            for c in snaps.iter_mut().flat_map(|w| w.cachelets.iter_mut()) {
-                let (r, w) = rates.get(&c.id).copied().unwrap_or_default();
-                (c.reads_per_sec, c.writes_per_sec) = (r.round() as u64, w.round() as u64);
-            }
-        }
-    }
-    let p = ProcessInfo {
-        settings: &shared.settings,
-        uptime: shared.now(),
-        now_unix,
-        main_port: shared.main_addr.port(),
-        rejected_conns: shared.rejected_conns.load(Ordering::Relaxed),
-        worker_ports: ports,
-        detail_enabled: shared.detail().is_some(),
-    };
-    match format {
-        StatsFormat::Text => {
-            if stats::render(group, &p, snaps, &mut TextSink(out)) {
-                out.extend_from_slice(b"END\r\n");
-            } else {
-                out.extend_from_slice(b"ERROR\r\n");
-            }
-        }
-        StatsFormat::Binary { opaque } => {
-            let ok = stats::render(group, &p, snaps, &mut BinSink { out, opaque: *opaque });
-            if ok {
-                write_response(out, op::STAT, st::NO_ERROR, *opaque, 0, &[], &[], &[]);
-            } else {
-                write_response(out, op::STAT, st::KEY_ENOENT, *opaque, 0, &[], &[], b"Not found");
-            }
-        }
+        let l = super::bind_listener(addr, 16, 0).unwrap();
+        assert_eq!(socket2::SockRef::from(&l).mark().unwrap(), 0, "no mark unless asked");
     }
 }

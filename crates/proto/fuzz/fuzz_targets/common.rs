@@ -1,6 +1,7 @@
 // Shared by the fuzz targets: parse everything in `buf` like a server would
 // and check the parser's contract.
-use mbal_proto::{meta, parse, Limits, Parsed, Protocol, Request};
+use mbal_proto::text::{Line, LineState, TextCmd};
+use mbal_proto::{meta, parse, parse_stream, Limits, Parsed, Protocol, Request, MAX_KEY_LEN};
 
 pub fn drive(proto: Protocol, data: &[u8]) {
     // Small limits so size paths are reachable; first byte picks max_line.
@@ -8,22 +9,26 @@ pub fn drive(proto: Protocol, data: &[u8]) {
         Some((&b, rest)) => (Limits { max_item_size: 64 + b as usize, max_line: 16 + 4 * b as usize }, rest),
         None => (Limits::default(), data),
     };
+    // A long get line is parsed in pieces of up to this many bytes.
+    let piece = limits.max_line.max(2 * (MAX_KEY_LEN + 2));
     let mut off = 0usize;
     let mut out = Vec::new();
     let mut steps = 0;
+    let mut state = LineState::Start;
     while off < buf.len() && steps < 10_000 {
         steps += 1;
         let cur = &buf[off..];
-        match parse(proto, cur, &limits) {
+        match parse_stream(&mut state, proto, cur, &limits) {
             Parsed::NeedMore => {
                 if proto == Protocol::Text {
                     // Bounded buffering: waiting is only for a command line
-                    // shorter than max_line, or for the data block of one
-                    // (at most max_item_size + 2 more bytes).
+                    // shorter than max_line (a piece of a long get line), or
+                    // for the data block of one (at most max_item_size + 2
+                    // more bytes).
                     match cur.iter().position(|&b| b == b'\n') {
-                        None => assert!(cur.len() < limits.max_line, "NeedMore with a too long line"),
+                        None => assert!(cur.len() < piece, "NeedMore with a too long line"),
                         Some(nl) => {
-                            assert!(nl < limits.max_line, "NeedMore after a too long line");
+                            assert!(nl < piece, "NeedMore after a too long line");
                             assert!(cur.len() < limits.max_line + limits.max_item_size + 2, "NeedMore past one item");
                         }
                     }
@@ -63,8 +68,10 @@ pub fn drive(proto: Protocol, data: &[u8]) {
                         );
                     }
                     Request::Text(cmd) => {
-                        if let mbal_proto::text::TextCmd::Get { keys, .. } = cmd {
+                        if let TextCmd::Get { keys, line, .. } = cmd {
                             assert_eq!(keys.iter().count(), keys.len());
+                            // Only a piece that more keys follow leaves the line open.
+                            assert_eq!(line == Line::Part, matches!(state, LineState::Keys { .. }));
                         }
                     }
                 }

@@ -1,0 +1,90 @@
+//! mbal's extension replies (docs/protocol.md, "mbal extensions"), written
+//! here by the server and parsed by [`crate::client`], so the wire format
+//! of each lives in one crate.
+
+/// `MBAL <server> <worker> <epoch>`: the answer to `mbal hello`.
+pub fn write_hello(out: &mut Vec<u8>, server: u16, worker: u16, epoch: u64) {
+    line(out, b"MBAL", &[server as u64, worker as u64, epoch]);
+}
+
+/// `RD <epoch> <server> <worker>`: a routed request's cachelet is served
+/// by (server, worker).
+pub fn write_redirect(out: &mut Vec<u8>, epoch: u64, server: u16, worker: u16) {
+    line(out, b"RD", &[epoch, server as u64, worker as u64]);
+}
+
+/// `RD <epoch> <server> <worker> [<key>]`: with the key when it stands for
+/// one key of a long get line (docs/protocol.md).
+pub fn write_redirect_key(out: &mut Vec<u8>, epoch: u64, server: u16, worker: u16, key: Option<&[u8]>) {
+    match key {
+        None => write_redirect(out, epoch, server, worker),
+        Some(key) => {
+            out.extend_from_slice(b"RD ");
+            let mut b = itoa::Buffer::new();
+            for n in [epoch, server as u64, worker as u64] {
+                out.extend_from_slice(b.format(n).as_bytes());
+                out.push(b' ');
+            }
+            out.extend_from_slice(key);
+            out.extend_from_slice(b"\r\n");
+        }
+    }
+}
+
+/// `MOVED <epoch>`: the answer to `mbal move`.
+pub fn write_moved(out: &mut Vec<u8>, epoch: u64) {
+    line(out, b"MOVED", &[epoch]);
+}
+
+/// `MAP <epoch> <bytes>` and the map's JSON: the answer to `mbal map`.
+pub fn write_map(out: &mut Vec<u8>, epoch: u64, json: &[u8]) {
+    blob(out, b"MAP", epoch, json);
+}
+
+/// `LOAD <seq> <bytes>` and an epoch snapshot's JSON: the answer to
+/// `mbal load`.
+pub fn write_load(out: &mut Vec<u8>, seq: u64, json: &[u8]) {
+    blob(out, b"LOAD", seq, json);
+}
+
+fn line(out: &mut Vec<u8>, word: &[u8], nums: &[u64]) {
+    let mut b = itoa::Buffer::new();
+    out.extend_from_slice(word);
+    for &n in nums {
+        out.push(b' ');
+        out.extend_from_slice(b.format(n).as_bytes());
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
+fn blob(out: &mut Vec<u8>, word: &[u8], n: u64, body: &[u8]) {
+    line(out, word, &[n, body.len() as u64]);
+    out.extend_from_slice(body);
+    out.extend_from_slice(b"\r\n");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::client::{Expect, Reply, ReplyReader};
+
+    /// What the server writes, the client codec reads back.
+    #[test]
+    fn every_extension_reply_round_trips_through_the_client_codec() {
+        let mut out = Vec::new();
+        write_hello(&mut out, 3, 1, 42);
+        write_redirect(&mut out, 43, 2, 0);
+        write_moved(&mut out, 44);
+        write_map(&mut out, 45, b"{\"m\":1}");
+        write_load(&mut out, 7, b"{\"seq\":7}");
+        assert_eq!(&out[..14], b"MBAL 3 1 42\r\nR");
+        let mut r = ReplyReader::new();
+        r.feed(&out);
+        assert_eq!(r.next(Expect::Line).unwrap(), Some(Reply::Hello { server: 3, worker: 1, epoch: 42 }));
+        assert_eq!(r.next(Expect::Line).unwrap(), Some(Reply::Redirect { epoch: 43, server: 2, worker: 0 }));
+        assert_eq!(r.next(Expect::Line).unwrap(), Some(Reply::Moved { epoch: 44 }));
+        assert_eq!(r.next(Expect::Line).unwrap(), Some(Reply::Map { epoch: 45, json: b"{\"m\":1}".to_vec() }));
+        assert_eq!(r.next(Expect::Line).unwrap(), Some(Reply::Load { seq: 7, json: b"{\"seq\":7}".to_vec() }));
+        assert_eq!(r.next(Expect::Line).unwrap(), None);
+    }
+}

@@ -1,0 +1,404 @@
+//! A worker's connections: accepting, reading, parsing and dispatching
+//! requests, writing replies, back-pressure (output, in-flight, emulated
+//! capacity), and handing a routed connection to another worker.
+
+use super::inbox::prefetch_keys;
+use super::*;
+
+impl Worker {
+    /// Connections on this worker's own port.
+    pub(super) fn accept(&mut self) {
+        loop {
+            let Some(listener) = &self.own_listener else { return };
+            let (sock, peer) = match listener.accept() {
+                Ok(x) => x,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) => {
+                    tracing::warn!(worker = self.id, "accept: {e}");
+                    return;
+                }
+            };
+            let max = self.shared.settings.max_conns;
+            if self.shared.curr_conns.fetch_add(1, Ordering::Relaxed) >= max {
+                self.shared.curr_conns.fetch_sub(1, Ordering::Relaxed);
+                self.counters.rejected_connections += 1;
+                let mut sock = sock;
+                // memcached's answer to one connection too many.
+                let _ = sock.write(b"ERROR Too many open connections\r\n");
+                continue;
+            }
+            self.shared.worker_conns[self.id].fetch_add(1, Ordering::Relaxed);
+            let listen_addr = listener.local_addr().unwrap_or(peer);
+            self.register(sock, peer, listen_addr);
+        }
+    }
+
+    /// Serve a connection here. It is already counted in `curr_conns` and
+    /// in this worker's `worker_conns`.
+    pub(super) fn register(&mut self, mut sock: TcpStream, peer: SocketAddr, listen_addr: SocketAddr) -> Option<usize> {
+        let _ = sock.set_nodelay(true);
+        let entry = self.conns.vacant_entry();
+        let ci = entry.key();
+        if let Err(e) = self.poll.registry().register(&mut sock, Token(ci + FIRST_CONN), Interest::READABLE) {
+            tracing::warn!("register: {e}");
+            self.shared.conn_closed(self.id);
+            return None;
+        }
+        self.counters.total_connections += 1;
+        let gen = self.next_gen;
+        self.next_gen += 1;
+        let proto = match self.shared.settings.binding {
+            Binding::Auto => None,
+            Binding::Ascii => Some(Protocol::Text),
+            Binding::Binary => Some(Protocol::Binary),
+        };
+        entry.insert(Conn {
+            sock,
+            id: self.shared.next_conn_id.fetch_add(1, Ordering::Relaxed),
+            gen,
+            peer,
+            listen_addr,
+            proto,
+            rbuf: Vec::new(),
+            skip: 0,
+            line: LineState::Start,
+            output: Output::default(),
+            closing: false,
+            last_active: self.now,
+            want_write: false,
+            queued: false,
+            read_blocked: false,
+            dirty: false,
+            routed: false,
+            throttled: false,
+        });
+        tracing::debug!(worker = self.id, %peer, "accepted");
+        // Bytes may have arrived before the registration.
+        self.requeue(ci);
+        Some(ci)
+    }
+
+    /// Give connection `ci` to worker `to`, with its input from `pos` on
+    /// (`mbal hello <epoch> <to>`; its output is empty, `dispatch` checked).
+    pub(super) fn hand_off(&mut self, ci: usize, pos: usize, to: usize) {
+        let Some(mut c) = self.conns.try_remove(ci) else { return };
+        let _ = self.poll.registry().deregister(&mut c.sock);
+        self.shared.worker_conns[self.id].fetch_sub(1, Ordering::Relaxed);
+        self.shared.worker_conns[to].fetch_add(1, Ordering::Relaxed);
+        let unread = c.rbuf.split_off(pos.min(c.rbuf.len()));
+        let h = HandOff {
+            sock: std::net::TcpStream::from(c.sock),
+            peer: c.peer,
+            listen_addr: c.listen_addr,
+            id: c.id,
+            unread,
+        };
+        self.outbox[to].push(Envelope::HandOff(Box::new(h)));
+    }
+
+    pub(super) fn close(&mut self, ci: usize) {
+        if let Some(mut c) = self.conns.try_remove(ci) {
+            let _ = self.poll.registry().deregister(&mut c.sock);
+            self.shared.conn_closed(self.id);
+        }
+    }
+
+    /// Read everything available, then process.
+    pub(super) fn on_readable(&mut self, ci: usize) {
+        let conn = &mut self.conns[ci];
+        if conn.output.unsent() > MAX_PENDING_OUTPUT {
+            // Back-pressure: do not read more until the client drains
+            // replies; `flush` queues the connection again when it has.
+            conn.read_blocked = true;
+            return;
+        }
+        conn.read_blocked = false;
+        if !self.capacity.has_credit() {
+            // Out of emulated capacity: the input waits in the socket.
+            self.throttle(ci);
+            return;
+        }
+        let mut eof = false;
+        // Whether the socket may still hold data we chose not to read yet.
+        let mut more = false;
+        loop {
+            let len = conn.rbuf.len();
+            // Zero-filled, so the read target is always initialised memory
+            // (the fill is a memset of what the last read did not use).
+            conn.rbuf.resize(len + READ_CHUNK, 0);
+            match conn.sock.read(&mut conn.rbuf[len..]) {
+                Ok(0) => {
+                    conn.rbuf.truncate(len);
+                    eof = true;
+                    break;
+                }
+                Ok(n) => {
+                    conn.rbuf.truncate(len + n);
+                    self.counters.bytes_read += n as u64;
+                    if n < READ_CHUNK {
+                        break;
+                    }
+                    // Do not buffer more than one big request's worth ahead.
+                    if conn.rbuf.len() > self.limits.max_item_size + self.limits.max_line + READ_CHUNK {
+                        more = true;
+                        break;
+                    }
+                }
+                Err(e) => {
+                    conn.rbuf.truncate(len);
+                    match e.kind() {
+                        io::ErrorKind::WouldBlock => break,
+                        io::ErrorKind::Interrupted => continue,
+                        _ => {
+                            eof = true;
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        conn.last_active = self.now;
+        self.process(ci);
+        if eof {
+            // Flush what we have, then close.
+            self.flush(ci);
+            self.close(ci);
+            return;
+        }
+        if more {
+            self.requeue(ci);
+        }
+    }
+
+    /// Come back to a connection in this loop turn's ready queue (input
+    /// left in the socket or in the buffer after a -R yield).
+    pub(super) fn requeue(&mut self, ci: usize) {
+        if let Some(c) = self.conns.get_mut(ci) {
+            if !c.queued && !c.closing {
+                c.queued = true;
+                self.ready.push_back(ci);
+            }
+        }
+    }
+
+    pub(super) fn run_ready(&mut self) {
+        let n = self.ready.len();
+        for _ in 0..n {
+            let Some(ci) = self.ready.pop_front() else { break };
+            if let Some(c) = self.conns.get_mut(ci) {
+                c.queued = false;
+                self.on_readable(ci);
+            }
+        }
+    }
+
+    /// Look ahead over the requests `process` is about to execute and start loading the index
+    /// lines of the keys this worker will look up, so the batch's cache misses overlap. Text
+    /// gets and stores (`prefetch_keys`); a prefetch is a hint, so a key that turns out to be
+    /// elsewhere costs nothing but the hash.
+    pub(super) fn prefetch_batch(&self, ci: usize) {
+        let conn = &self.conns[ci];
+        let Some(proto @ Protocol::Text) = conn.proto else { return };
+        let (mut pos, buf, mut line) = (0usize, &conn.rbuf[..], conn.line);
+        for _ in 0..self.shared.settings.reqs_per_event {
+            let Parsed::Req { req, consumed } = mbal_proto::parse_stream(&mut line, proto, &buf[pos..], &self.limits)
+            else {
+                break;
+            };
+            prefetch_keys(&self.store, &self.shared.layout, &req);
+            pos += consumed;
+        }
+    }
+
+    /// Parse and execute up to `reqs_per_event` requests from the buffer.
+    pub(super) fn process(&mut self, ci: usize) {
+        if self.conns[ci].skip == 0 {
+            self.prefetch_batch(ci);
+        }
+        let reqs_per_event = self.shared.settings.reqs_per_event;
+        let mut done = 0usize;
+        let mut pos = 0usize;
+        let worker = self.id;
+        let mut hand_off = None;
+        loop {
+            let conn = &mut self.conns[ci];
+            if conn.closing {
+                break;
+            }
+            if conn.skip > 0 {
+                let n = conn.skip.min(conn.rbuf.len() - pos);
+                conn.skip -= n;
+                pos += n;
+                if conn.skip > 0 {
+                    break;
+                }
+            }
+            if pos >= conn.rbuf.len() {
+                break;
+            }
+            if self.inflight >= self.max_inflight {
+                // Bounded queues: wait for replies before taking more.
+                self.counters.inflight_stalls += 1;
+                conn.read_blocked = true;
+                self.blocked.push(ci);
+                break;
+            }
+            if !matches!(conn.line, LineState::Start) && conn.output.unsent() > MAX_PENDING_OUTPUT {
+                // Inside a long get line: answer its next piece once the
+                // client has read this much (`flush` comes back here).
+                conn.read_blocked = true;
+                break;
+            }
+            if !self.capacity.has_credit() {
+                // Out of emulated capacity: the rest waits for a refill.
+                if !conn.throttled {
+                    conn.throttled = true;
+                    self.throttled.push(ci);
+                    self.counters.capacity_stalls += 1;
+                }
+                break;
+            }
+            if done >= reqs_per_event {
+                // Fairness (-R): yield to other connections, come back later.
+                self.counters.conn_yields += 1;
+                self.requeue(ci);
+                break;
+            }
+            let proto = *conn.proto.get_or_insert_with(|| mbal_proto::detect(conn.rbuf[pos]));
+            let Conn { rbuf, output, gen, routed, line, .. } = conn;
+            let buf = &rbuf[pos..];
+            let mut rt = Route {
+                worker,
+                conn: ci,
+                gen: *gen,
+                tables: &mut self.tables,
+                server: self.shared.server_id,
+                routed: *routed,
+                outbox: &mut self.outbox,
+                counters: &mut self.counters,
+                inflight: &mut self.inflight,
+                self_stats: &mut self.self_stats,
+            };
+            let fresh = matches!(line, LineState::Start);
+            match mbal_proto::parse_stream(line, proto, buf, &self.limits) {
+                Parsed::NeedMore => break,
+                Parsed::Err { reply, skip, close } => {
+                    if reply.is_too_large() {
+                        rt.counters.store_too_large += 1;
+                    }
+                    // memcached drops the old value of a key whose new value
+                    // was refused as too large; so do we (`buf` starts a
+                    // request only if no long line was in progress).
+                    if let Some(key) = fresh.then(|| mbal_proto::key_to_unlink_on_too_large(buf)).flatten() {
+                        dispatch::unlink(&self.shared.layout, &mut rt, &mut self.store, self.now, output, key);
+                    }
+                    reply.write(output.buf());
+                    let avail = buf.len();
+                    if skip <= avail {
+                        pos += skip;
+                    } else {
+                        pos += avail;
+                        conn.skip = skip - avail;
+                    }
+                    if close {
+                        conn.closing = true;
+                    }
+                }
+                Parsed::Req { req, consumed } => {
+                    let raw = &buf[..consumed];
+                    let forwarded_before = *rt.inflight;
+                    let action = dispatch::handle(&self.shared, &mut rt, &mut self.store, self.now, output, &req, raw);
+                    // Executed here unless it went to another worker (which pays for it).
+                    self.capacity.spend((*rt.inflight == forwarded_before) as u64);
+                    pos += consumed;
+                    done += 1;
+                    match action {
+                        Action::None => {}
+                        Action::Pause { at, rest } => {
+                            // A get stopped after `at` bytes: the rest of its
+                            // line is parsed again once the output drained.
+                            pos -= consumed - at;
+                            *line = rest;
+                        }
+                        Action::Routed => conn.routed = true,
+                        Action::HandOff(to) => {
+                            hand_off = Some(to);
+                            break;
+                        }
+                        Action::Close => conn.closing = true,
+                        Action::Shutdown => {
+                            conn.closing = true;
+                            self.shared.shutdown.store(true, Ordering::Relaxed);
+                            self.shared.wake_all();
+                        }
+                    }
+                }
+            }
+        }
+        self.finish_self_stats();
+        if let Some(to) = hand_off {
+            self.hand_off(ci, pos, to);
+            return;
+        }
+        let Some(conn) = self.conns.get_mut(ci) else { return };
+        conn.rbuf.drain(..pos.min(conn.rbuf.len()));
+        if conn.rbuf.capacity() > 4 * READ_CHUNK && conn.rbuf.len() < READ_CHUNK {
+            conn.rbuf.shrink_to(READ_CHUNK);
+        }
+        if !conn.output.waiting() || conn.output.unsent() > EARLY_FLUSH || conn.closing {
+            self.flush(ci);
+        }
+    }
+
+    /// Write as much output as the socket takes.
+    pub(super) fn flush(&mut self, ci: usize) {
+        let Some(conn) = self.conns.get_mut(ci) else { return };
+        conn.output.drain();
+        while conn.output.sent < conn.output.out.len() {
+            match conn.sock.write(&conn.output.out[conn.output.sent..]) {
+                Ok(0) => break,
+                Ok(n) => {
+                    conn.output.sent += n;
+                    self.counters.bytes_written += n as u64;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(_) => {
+                    self.close(ci);
+                    return;
+                }
+            }
+        }
+        if conn.output.sent == conn.output.out.len() {
+            conn.output.out.clear();
+            conn.output.sent = 0;
+            if conn.output.out.capacity() > 1 << 20 {
+                conn.output.out.shrink_to(64 << 10);
+            }
+        }
+        let need_write = conn.output.sent < conn.output.out.len();
+        if need_write != conn.want_write {
+            conn.want_write = need_write;
+            let interest = if need_write { Interest::READABLE | Interest::WRITABLE } else { Interest::READABLE };
+            let _ = self.poll.registry().reregister(&mut conn.sock, Token(ci + FIRST_CONN), interest);
+        }
+        if !need_write && !conn.output.waiting() && conn.closing {
+            self.close(ci);
+            return;
+        }
+        // Output drained: resume a read that back-pressure paused.
+        if !need_write && conn.read_blocked && self.inflight < self.max_inflight {
+            self.requeue(ci);
+        }
+    }
+
+    /// Write each connection that got replies this round, once.
+    pub(super) fn flush_dirty(&mut self) {
+        for ci in std::mem::take(&mut self.dirty) {
+            if let Some(c) = self.conns.get_mut(ci) {
+                c.dirty = false;
+                self.flush(ci);
+            }
+        }
+    }
+}

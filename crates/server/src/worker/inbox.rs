@@ -1,0 +1,492 @@
+//! A worker's inbox: what peers and the controller send it (requests to
+//! execute, replies to its forwarded requests, moves, samples, stats), the
+//! emulated capacity's hold queue, and the executor of forwarded requests.
+
+use super::*;
+
+impl Worker {
+    /// Handle what peers sent: as many envelopes as were queued when the
+    /// round got here (a peer that keeps sending cannot starve our own
+    /// connections), then resume connections paused on `max_inflight` if
+    /// the answers brought the count under it.
+    pub(super) fn drain_inbox(&mut self) {
+        let n = self.inbox.len();
+        let now_ns = if n > 0 { self.shared.clock_ns() } else { 0 };
+        for _ in 0..n {
+            let Ok(env) = self.inbox.try_recv() else { break };
+            if self.capacity.limited() && self.hold(&env) {
+                self.held.push_back(env);
+                continue;
+            }
+            self.take(env, now_ns);
+        }
+        if self.inflight < self.max_inflight && !self.blocked.is_empty() {
+            for ci in std::mem::take(&mut self.blocked) {
+                self.requeue(ci);
+            }
+        }
+    }
+
+    /// Handle one envelope from a peer or the controller (taken in at `now_ns`).
+    pub(super) fn take(&mut self, env: Envelope, now_ns: u64) {
+        match env {
+            Envelope::Reqs(batch) => self.exec_batch(batch, 0, now_ns),
+            Envelope::Replies(batch) => {
+                self.waited(now_ns, batch.sent_ns);
+                for (item, bytes) in batch.iter() {
+                    let c = item.cachelet;
+                    let resend = match item.bounce {
+                        None => {
+                            self.deliver(item.to, bytes);
+                            (c != NO_CACHELET).then(|| self.tables.answered(c)).flatten()
+                        }
+                        Some(b) => {
+                            let p = Parked { to: item.to, kind: b.kind, bytes: bytes.to_vec() };
+                            self.tables.bounced(c, b.hint, p)
+                        }
+                    };
+                    if let Some(q) = resend {
+                        self.resend(c, q);
+                    }
+                }
+            }
+            Envelope::Conn(sock, peer) => {
+                let listen = self.shared.main_addr;
+                self.register(TcpStream::from_std(sock), peer, listen);
+            }
+            Envelope::HandOff(h) => {
+                let HandOff { sock, peer, listen_addr, id, unread } = *h;
+                if let Some(ci) = self.register(TcpStream::from_std(sock), peer, listen_addr) {
+                    // Counted once, by the worker that accepted it.
+                    self.counters.total_connections -= 1;
+                    let c = &mut self.conns[ci];
+                    c.id = id;
+                    c.rbuf = unread;
+                    c.routed = true;
+                    c.proto = Some(Protocol::Text);
+                    dispatch::hello(&self.shared, self.shared.server_id, self.id, c.output.buf());
+                }
+            }
+            Envelope::Release { cachelet, to, token } => {
+                let peers = self.shared.peers();
+                let now_ns = self.shared.clock_ns();
+                let (store, tables, outbox) = (&mut self.store, &mut self.tables, &mut self.outbox);
+                if moves::release(self.id, store, tables, outbox, peers, now_ns, cachelet, to, token) {
+                    // Already at `to`: the move is done as it stands.
+                    self.shared.tell_controller(CtlMsg::Moved { token, cachelet, worker: to });
+                }
+            }
+            Envelope::Adopt { cachelet, ver, token } => {
+                let c = cachelet.id();
+                self.store.insert_cachelet(cachelet);
+                moves::announce(self.id, &mut self.outbox, c, ver);
+                if let Some(q) = self.tables.adopted(c, ver) {
+                    self.resend(c, q);
+                }
+                self.counters.cachelets_adopted += 1;
+                self.shared.tell_controller(CtlMsg::Moved { token, cachelet: c, worker: self.id });
+            }
+            Envelope::Sample { seq } => {
+                let sample = Box::new(self.sample());
+                self.shared.tell_controller(CtlMsg::Sample { seq, sample });
+            }
+            Envelope::Owner { cachelet, worker, ver } => {
+                if let Some(q) = self.tables.learn(cachelet, worker as u16, ver) {
+                    self.resend(cachelet, q);
+                }
+            }
+            Envelope::Flush { at } => self.store.flush_all(at),
+            Envelope::StatsReq { to, want_conns } => {
+                let snap = Box::new(self.snapshot(want_conns));
+                self.outbox[to.worker].push(Envelope::StatsResp { to, snap });
+            }
+            Envelope::StatsResp { to, snap } => {
+                if self.conns.get(to.conn).is_some_and(|c| c.gen == to.gen) {
+                    self.gathered(to.conn, to.seq, *snap);
+                }
+            }
+            Envelope::ResetStats => {
+                self.counters = Counters::default();
+                self.store.reset_stats();
+            }
+            Envelope::Stall { ms } => std::thread::sleep(Duration::from_millis(ms)),
+        }
+    }
+
+    /// Execute a peer's batch from its request `from` on. With a capacity
+    /// cap, only as many as the credit pays for: the rest of the batch
+    /// waits at the front of `held` (`held_pos` says where it resumes).
+    pub(super) fn exec_batch(&mut self, batch: ReqBatch, from: usize, now_ns: u64) {
+        if from == 0 {
+            self.waited(now_ns, batch.sent_ns);
+        }
+        let mut n = batch.len() - from;
+        if self.capacity.limited() {
+            n = n.min(self.capacity.available());
+        }
+        // Overlap the index misses of the batch's gets and text stores.
+        for (req, bytes) in batch.iter().skip(from).take(n) {
+            match req.kind {
+                FwdKind::Values { .. } => {
+                    for key in bytes.split(|&b| b == b' ').filter(|k| !k.is_empty()) {
+                        self.store.prefetch(req.cachelet, mbal_cluster::key_hash(key));
+                    }
+                }
+                FwdKind::Raw(proto) => {
+                    if let Parsed::Req { req, .. } = mbal_proto::parse(proto, bytes, &self.limits) {
+                        prefetch_keys(&self.store, &self.shared.layout, &req);
+                    }
+                }
+            }
+        }
+        for (req, bytes) in batch.iter().skip(from).take(n) {
+            self.exec_forwarded(req, bytes);
+        }
+        self.capacity.spend(n as u64);
+        if from + n < batch.len() {
+            self.held.push_front(Envelope::Reqs(batch));
+            self.held_pos = from + n;
+            self.counters.capacity_stalls += 1;
+        }
+    }
+
+    /// With a capacity cap: must `env` wait in `held` instead of being
+    /// handled now? A peer's batch waits while the worker is out of credit;
+    /// and once anything waits, whatever could be ordered after it does
+    /// too (requests, flushes, stats resets, the move protocol), so that a
+    /// connection's requests and control messages keep their order
+    /// (`msg`). Replies, new connections and the controller's and stats
+    /// gathers' questions do not wait: they are no one's requests and are
+    /// ordered after nothing here.
+    pub(super) fn hold(&mut self, env: &Envelope) -> bool {
+        let hold = match env {
+            Envelope::Reqs(_) => !self.held.is_empty() || !self.capacity.has_credit(),
+            Envelope::Replies(_)
+            | Envelope::Conn(..)
+            | Envelope::HandOff(_)
+            | Envelope::Sample { .. }
+            | Envelope::StatsReq { .. }
+            | Envelope::StatsResp { .. } => false,
+            Envelope::Flush { .. }
+            | Envelope::ResetStats
+            | Envelope::Release { .. }
+            | Envelope::Adopt { .. }
+            | Envelope::Owner { .. }
+            | Envelope::Stall { .. } => !self.held.is_empty(),
+        };
+        if hold && self.held.is_empty() {
+            self.counters.capacity_stalls += 1;
+        }
+        hold
+    }
+
+    /// Start of a round with a capacity cap: add the credit earned since
+    /// the last one, then spend it on the work that waited for it, oldest
+    /// first: peers' batches held in arrival order, then the connections.
+    pub(super) fn refill(&mut self, now_ns: u64) {
+        self.capacity.refill(now_ns);
+        while let Some(env) = self.held.front() {
+            if matches!(env, Envelope::Reqs(_)) && !self.capacity.has_credit() {
+                return;
+            }
+            match self.held.pop_front().expect("just looked") {
+                Envelope::Reqs(batch) => {
+                    let from = std::mem::take(&mut self.held_pos);
+                    self.exec_batch(batch, from, now_ns);
+                }
+                env => self.take(env, now_ns),
+            }
+        }
+        if self.capacity.has_credit() {
+            for ci in std::mem::take(&mut self.throttled) {
+                if let Some(c) = self.conns.get_mut(ci) {
+                    c.throttled = false;
+                    self.requeue(ci);
+                }
+            }
+        }
+    }
+
+    /// Connection `ci` waits for capacity (its input stays where it is).
+    pub(super) fn throttle(&mut self, ci: usize) {
+        let c = &mut self.conns[ci];
+        if !c.throttled {
+            c.throttled = true;
+            self.throttled.push(ci);
+            self.counters.capacity_stalls += 1;
+        }
+    }
+
+    /// A request another worker forwarded: execute it here and queue the
+    /// reply in the batch for its origin, or bounce it back to the origin if
+    /// its cachelet is not here (it moved on since the sender looked).
+    pub(super) fn exec_forwarded(&mut self, req: &FwdReq, bytes: &[u8]) {
+        debug_assert_ne!(req.to.worker, self.id, "a worker never forwards to itself");
+        if !self.tables.executes(req.cachelet, req.stamp) {
+            debug_assert!(!self.store.owns(req.cachelet) || self.tables.owner[req.cachelet as usize].ver > req.stamp);
+            let hint = self.tables.owner[req.cachelet as usize];
+            self.outbox[req.to.worker].replies().bounce(req, bytes, hint);
+            return;
+        }
+        self.counters.forwarded_in += 1;
+        let mut ctx = exec_ctx(&mut self.store, &self.shared, &mut self.counters, self.now);
+        let limits = &self.limits;
+        let run = |out: &mut Vec<u8>| execute(&mut ctx, limits, req.kind, bytes, out);
+        self.outbox[req.to.worker].replies().push(req.to, req.cachelet, run);
+    }
+
+    /// Send requests parked for cachelet `c` again, in order, on its new
+    /// route (or execute them here if this worker owns it now).
+    pub(super) fn resend(&mut self, c: u32, parked: VecDeque<Parked>) {
+        let (_, w) = self.tables.route(c);
+        for p in parked {
+            if w as usize == self.id {
+                self.capacity.spend(1);
+                let mut out = Vec::new();
+                let mut ctx = exec_ctx(&mut self.store, &self.shared, &mut self.counters, self.now);
+                execute(&mut ctx, &self.limits, p.kind, &p.bytes, &mut out);
+                self.deliver(p.to, &out);
+            } else {
+                self.tables.sent(c);
+                let stamp = self.tables.stamp(c);
+                self.outbox[w as usize].reqs().push(p.to, c, stamp, p.kind, |d| d.extend_from_slice(&p.bytes));
+            }
+        }
+    }
+
+    /// A batch sent at `sent_ns` was taken in at `now_ns`.
+    pub(super) fn waited(&mut self, now_ns: u64, sent_ns: u64) {
+        let w = now_ns.saturating_sub(sent_ns);
+        self.inbox_batches += 1;
+        self.inbox_wait_ns += w;
+        self.inbox_wait_max_ns = self.inbox_wait_max_ns.max(w);
+    }
+
+    /// This worker's counters for the controller's epoch tick.
+    pub(super) fn sample(&mut self) -> WorkerSample {
+        let cachelets = self
+            .store
+            .cachelet_ids()
+            .filter_map(|id| {
+                let s = self.store.cachelet(id)?.stats();
+                Some(CacheletSample {
+                    id,
+                    reads: s.reads,
+                    writes: s.writes,
+                    items: s.items,
+                    bytes: s.bytes,
+                    pages: s.pages,
+                })
+            })
+            .collect();
+        WorkerSample {
+            worker: self.id as u16,
+            at_ns: self.shared.clock_ns(),
+            busy_ns: self.busy_ns,
+            inbox_batches: self.inbox_batches,
+            inbox_wait_ns: self.inbox_wait_ns,
+            inbox_wait_max_ns: std::mem::take(&mut self.inbox_wait_max_ns),
+            forwarded_out: self.counters.forwarded_out,
+            forwarded_in: self.counters.forwarded_in,
+            inbox_len: self.inbox.len() as u64,
+            ready_conns: self.ready.len() as u64,
+            connections: self.conns.len() as u64,
+            cachelets,
+        }
+    }
+
+    /// Fill a waiting output slot of one of our connections; it is written
+    /// at the end of the round (`flush_dirty`). Every reply answers one
+    /// `Slot::Wait` reserved here (and counted in `inflight`), whether or
+    /// not its connection is still open.
+    pub(super) fn deliver(&mut self, to: ReplyTo, data: &[u8]) {
+        debug_assert!(self.inflight > 0, "a reply nobody waits for");
+        self.inflight = self.inflight.saturating_sub(1);
+        let Some(c) = self.conns.get_mut(to.conn).filter(|c| c.gen == to.gen) else { return };
+        c.output.fill(to.seq, data);
+        if !c.dirty {
+            c.dirty = true;
+            self.dirty.push(to.conn);
+        }
+    }
+
+    pub(super) fn gathered(&mut self, ci: usize, seq: u64, snap: WorkerSnapshot) {
+        let Some(c) = self.conns.get_mut(ci) else { return };
+        let Some(Slot::Gather { remaining, snaps, .. }) = c.output.slot_mut(seq) else { return };
+        snaps.push(snap);
+        *remaining -= 1;
+        if *remaining > 0 {
+            return;
+        }
+        let Some(Slot::Gather { group, format, mut snaps, .. }) =
+            c.output.slot_mut(seq).map(|s| std::mem::replace(s, Slot::Wait))
+        else {
+            return;
+        };
+        let mut data = Vec::new();
+        let ports = self.shared.worker_ports.get().cloned().unwrap_or_default();
+        render_stats(&self.shared, &ports, &group, &format, &mut snaps, &mut data);
+        self.conns[ci].output.fill(seq, &data);
+        self.flush(ci);
+    }
+
+    pub(super) fn snapshot(&mut self, want_conns: bool) -> WorkerSnapshot {
+        let conns = if want_conns {
+            self.conns
+                .iter()
+                .map(|(_, c)| ConnInfo {
+                    id: c.id,
+                    addr: format!("tcp:{}", c.peer),
+                    listen_addr: format!("tcp:{}", c.listen_addr),
+                    state: if c.want_write { "conn_mwrite" } else { "conn_parse_cmd" },
+                    idle_secs: self.now.saturating_sub(c.last_active),
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let cachelets = self
+            .store
+            .cachelet_ids()
+            .filter_map(|id| {
+                let stats = self.store.cachelet(id).map(|c| c.stats())?;
+                Some(CacheletInfo { id, owner: self.id, stats, reads_per_sec: 0, writes_per_sec: 0 })
+            })
+            .collect();
+        WorkerSnapshot {
+            worker: self.id,
+            counters: self.counters.clone(),
+            store: self.store.stats(),
+            curr_connections: self.conns.len() as u64,
+            conns,
+            cachelets,
+        }
+    }
+
+    /// Complete the local part of stats gathers started this round.
+    pub(super) fn finish_self_stats(&mut self) {
+        let pending = std::mem::take(&mut self.self_stats);
+        for (ci, seq, want_conns) in pending {
+            let snap = self.snapshot(want_conns);
+            self.gathered(ci, seq, snap);
+        }
+    }
+}
+
+/// What `exec` needs, from a worker's parts (borrowed apart so the caller can
+/// still use its outbox).
+pub(super) fn exec_ctx<'a>(
+    store: &'a mut WorkerStore,
+    shared: &'a Shared,
+    counters: &'a mut Counters,
+    now: u32,
+) -> Ctx<'a> {
+    let detail = shared.detail();
+    Ctx { store, layout: &shared.layout, settings: &shared.settings, counters, now, detail }
+}
+
+/// Prefetch the index lines of a text get's or store's keys that live in this worker's store.
+pub(super) fn prefetch_keys(store: &WorkerStore, layout: &KeySpace, req: &Request) {
+    match req {
+        Request::Text(TextCmd::Get { keys, .. }) => {
+            for key in keys.iter() {
+                let at = locate(layout, key);
+                store.prefetch(at.cachelet, at.hash);
+            }
+        }
+        Request::Text(TextCmd::Store { key, .. }) => {
+            let at = locate(layout, key);
+            store.prefetch(at.cachelet, at.hash);
+        }
+        _ => {}
+    }
+}
+
+/// Execute one forwarded request on its owner, appending the reply to `out`.
+/// The cachelet was checked by the caller.
+pub(super) fn execute(ctx: &mut Ctx, limits: &Limits, kind: FwdKind, bytes: &[u8], out: &mut Vec<u8>) {
+    match kind {
+        FwdKind::Values { cas, touch } => {
+            for key in bytes.split(|&b| b == b' ').filter(|k| !k.is_empty()) {
+                let at = locate(ctx.layout, key);
+                exec::text_get_one(ctx, key, at, cas, touch, out);
+            }
+        }
+        FwdKind::Raw(proto) => match mbal_proto::parse(proto, bytes, limits) {
+            Parsed::Req { req: Request::Text(cmd), .. } => {
+                let key = text_key(&cmd).expect("only keyed text commands are forwarded");
+                let at = locate(ctx.layout, key);
+                exec::text_keyed(ctx, &cmd, at, out);
+            }
+            Parsed::Req { req: Request::Meta(cmd), .. } => {
+                let mut scratch = [0u8; 256];
+                match meta_key(&cmd, &mut scratch) {
+                    Ok(key) => {
+                        let at = locate(ctx.layout, key);
+                        exec::meta_keyed(ctx, &cmd, key, at, out);
+                    }
+                    Err(e) => e.write(out),
+                }
+            }
+            Parsed::Req { req: Request::Bin(req), .. } => {
+                let at = locate(ctx.layout, req.key);
+                exec::bin_keyed(ctx, &req, at, out);
+            }
+            Parsed::Err { reply, .. } => reply.write(out),
+            Parsed::NeedMore => out.extend_from_slice(b"SERVER_ERROR internal forwarding error\r\n"),
+        },
+    }
+}
+
+/// Render a completed stats gather into reply bytes.
+pub(super) fn render_stats(
+    shared: &Shared,
+    ports: &[u16],
+    group: &str,
+    format: &StatsFormat,
+    snaps: &mut [WorkerSnapshot],
+    out: &mut Vec<u8>,
+) {
+    let now_unix = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    if group == "cachelets" {
+        // Rates over the controller's last epoch (0 before the first).
+        let latest = shared.latest.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if let Some(epoch) = latest {
+            let rates: std::collections::HashMap<u32, (f64, f64)> = epoch
+                .workers
+                .iter()
+                .flat_map(|w| w.cachelets.iter().map(|c| (c.id, (c.reads_per_sec, c.writes_per_sec))))
+                .collect();
+            for c in snaps.iter_mut().flat_map(|w| w.cachelets.iter_mut()) {
+                let (r, w) = rates.get(&c.id).copied().unwrap_or_default();
+                (c.reads_per_sec, c.writes_per_sec) = (r.round() as u64, w.round() as u64);
+            }
+        }
+    }
+    let p = ProcessInfo {
+        settings: &shared.settings,
+        uptime: shared.now(),
+        now_unix,
+        main_port: shared.main_addr.port(),
+        rejected_conns: shared.rejected_conns.load(Ordering::Relaxed),
+        worker_ports: ports,
+        detail_enabled: shared.detail().is_some(),
+    };
+    match format {
+        StatsFormat::Text => {
+            if stats::render(group, &p, snaps, &mut TextSink(out)) {
+                out.extend_from_slice(b"END\r\n");
+            } else {
+                out.extend_from_slice(b"ERROR\r\n");
+            }
+        }
+        StatsFormat::Binary { opaque } => {
+            let ok = stats::render(group, &p, snaps, &mut BinSink { out, opaque: *opaque });
+            if ok {
+                write_response(out, op::STAT, st::NO_ERROR, *opaque, 0, &[], &[], &[]);
+            } else {
+                write_response(out, op::STAT, st::KEY_ENOENT, *opaque, 0, &[], &[], b"Not found");
+            }
+        }
+    }
+}

@@ -1,0 +1,194 @@
+//! The local balancer (Phase 2) in a real server: under a sustained hot
+//! partition it moves cachelets away from the hot worker while plain and
+//! routed clients keep reading and writing, and every reply is right; under a
+//! uniform load it stays quiet.
+
+mod common;
+
+use common::{settings, start, Conn, Layout};
+use mbal_client::{Client, Config as ClientConfig};
+use mbal_cluster::key_hash;
+use serde_json::Value;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+/// `mbal load <after>` as raw JSON (the snapshot and the balancer's decision).
+fn load(c: &mut Conn, after: u64) -> Value {
+    let head = c.cmd(&format!("mbal load {after}\r\n"));
+    let n: usize = head.split_whitespace().nth(2).unwrap_or_else(|| panic!("bad {head:?}")).parse().unwrap();
+    let body = c.exact(n + 2);
+    serde_json::from_slice(&body[..n]).unwrap()
+}
+
+fn stats(c: &mut Conn, group: &str) -> HashMap<String, String> {
+    c.send(format!("stats {group}\r\n").as_bytes());
+    c.until_end()
+        .into_iter()
+        .map(|l| {
+            let mut p = l.split_whitespace().skip(1);
+            (p.next().unwrap().to_string(), p.next().unwrap_or("").to_string())
+        })
+        .collect()
+}
+
+/// Keys of the given cachelets, `per` each.
+fn keys_of(layout: &Layout, cachelets: &[u32], per: usize) -> Vec<String> {
+    let mut out = Vec::new();
+    for &c in cachelets {
+        out.extend(
+            (0..)
+                .map(|i| format!("hot:{c}:{i}"))
+                .filter(|k| layout.cachelet_of_hash(key_hash(k.as_bytes())) == c)
+                .take(per),
+        );
+    }
+    out
+}
+
+/// A plain main-port client: sets its own keys with a version it counts up
+/// and reads them back, checking every reply against what it wrote last.
+fn plain_client(addr: std::net::SocketAddr, keys: Vec<String>, stop: Arc<AtomicBool>, max_ops: usize) -> usize {
+    let mut c = Conn::open(addr);
+    let mut last: HashMap<&str, u64> = HashMap::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut ops = 0;
+    while !stop.load(Ordering::Relaxed) && ops < max_ops && Instant::now() < deadline {
+        let k = &keys[ops % keys.len()];
+        if ops % 4 == 0 {
+            let v = last.get(k.as_str()).map_or(1, |v| v + 1);
+            let val = v.to_string();
+            assert_eq!(c.cmd(&format!("set {k} 0 0 {}\r\n{val}\r\n", val.len())), "STORED\r\n");
+            last.insert(k, v);
+        } else {
+            let got = c.get(k).map(|v| String::from_utf8(v).unwrap().parse::<u64>().unwrap());
+            assert_eq!(got, last.get(k.as_str()).copied(), "key {k}: read what was last written");
+        }
+        ops += 1;
+    }
+    ops
+}
+
+/// A routed client (mbal-client): follows redirects as cachelets move.
+fn routed_client(addr: std::net::SocketAddr, keys: Vec<String>, stop: Arc<AtomicBool>, max_ops: usize) -> usize {
+    let mut c = Client::connect(addr, ClientConfig::default()).expect("routed client");
+    let mut last: HashMap<&str, u64> = HashMap::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut ops = 0;
+    while !stop.load(Ordering::Relaxed) && ops < max_ops && Instant::now() < deadline {
+        let k = &keys[ops % keys.len()];
+        if ops % 4 == 0 {
+            let v = last.get(k.as_str()).map_or(1, |v| v + 1);
+            assert!(c.set(k.as_bytes(), v.to_string().as_bytes(), 0, 0).unwrap());
+            last.insert(k, v);
+        } else {
+            let got = c.get(k.as_bytes()).unwrap().map(|v| String::from_utf8(v.data).unwrap().parse::<u64>().unwrap());
+            assert_eq!(got, last.get(k.as_str()).copied(), "key {k}: read what was last written");
+        }
+        ops += 1;
+    }
+    ops
+}
+
+fn balanced_settings(threads: usize) -> mbal_server::config::Settings {
+    let mut s = settings(threads);
+    s.worker_port_base = None;
+    s.epoch_ms = 50;
+    s.balancer = true;
+    s.balance.persistence = 2;
+    s.balance.lease_epochs = 1000;
+    s
+}
+
+#[test]
+fn a_hot_partition_is_spread_while_clients_read_their_writes() {
+    let s = balanced_settings(4);
+    let (cpw, vn) = (s.cachelets_per_worker, s.vn_count);
+    let srv = start(s);
+    let layout = Layout::even(1, 4, cpw, vn);
+    // Four cachelets of worker 0 carry all the traffic.
+    let hot: Vec<u32> = (0..layout.owners.len() as u32).filter(|&c| layout.owner(c).1 == 0).take(4).collect();
+    let keys = keys_of(&layout, &hot, 32);
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut clients = Vec::new();
+    for i in 0..4 {
+        // Disjoint key sets: each client checks its own writes.
+        let mine: Vec<String> = keys.iter().skip(i).step_by(4).cloned().collect();
+        let (addr, stop) = (srv.main_addr, stop.clone());
+        clients.push(thread::spawn(move || {
+            if i % 2 == 0 {
+                plain_client(addr, mine, stop, 2_000_000)
+            } else {
+                routed_client(addr, mine, stop, 2_000_000)
+            }
+        }));
+    }
+    // Await epochs until the balancer has moved cachelets away from worker 0
+    // and the hottest worker carries less than twice the mean.
+    let mut admin = Conn::open(srv.main_addr);
+    let (mut last, mut moved, mut settled) = (0, 0usize, false);
+    for _ in 0..400 {
+        let e = load(&mut admin, last);
+        last = e["seq"].as_u64().unwrap();
+        if let Some(d) = e["balancer"].as_object() {
+            moved += d["moves"].as_array().map_or(0, |m| m.len());
+            let moa = d["imbalance"]["max_over_avg"].as_f64().unwrap_or(0.0);
+            if moved > 0 && moa > 0.0 && moa < 2.0 {
+                settled = true;
+                break;
+            }
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    let ops: usize = clients.into_iter().map(|c| c.join().expect("a client saw a wrong reply")).sum();
+    assert!(ops > 0);
+    assert!(moved > 0, "the balancer moved nothing");
+    assert!(settled, "the load never spread (moves: {moved})");
+    let st = stats(&mut admin, "balancer");
+    assert_eq!(st["balancer"], "on");
+    assert!(st["moves"].parse::<u64>().unwrap() > 0, "{st:?}");
+    // The hot cachelets are not all on worker 0 any more.
+    let cl = stats(&mut admin, "cachelets");
+    let away = hot.iter().filter(|c| cl[&format!("cachelet:{c}:owner")] != "0").count();
+    assert!(away > 0, "every hot cachelet is still on worker 0");
+    srv.shutdown();
+}
+
+#[test]
+fn a_uniform_load_makes_no_moves() {
+    let mut s = balanced_settings(4);
+    // Longer epochs and the default persistence: per-epoch counts large
+    // enough that sampling noise is not an imbalance.
+    s.epoch_ms = 100;
+    s.balance.persistence = 4;
+    let srv = start(s);
+    let keys: Vec<String> = (0..4096).map(|i| format!("u:{i}")).collect();
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut clients = Vec::new();
+    for i in 0..4 {
+        let mine: Vec<String> = keys.iter().skip(i).step_by(4).cloned().collect();
+        let (addr, stop) = (srv.main_addr, stop.clone());
+        clients.push(thread::spawn(move || plain_client(addr, mine, stop, 2_000_000)));
+    }
+    let mut admin = Conn::open(srv.main_addr);
+    let mut last = 0;
+    let mut decisions = 0;
+    // 30 epochs of steady uniform traffic: far past the persistence.
+    while decisions < 30 {
+        let e = load(&mut admin, last);
+        last = e["seq"].as_u64().unwrap();
+        if let Some(d) = e["balancer"].as_object() {
+            decisions += 1;
+            assert_eq!(d["moves"].as_array().map_or(0, |m| m.len()), 0, "a move under uniform load: {d:?}");
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    for c in clients {
+        c.join().expect("a client saw a wrong reply");
+    }
+    let st = stats(&mut admin, "balancer");
+    assert_eq!(st["moves"], "0", "{st:?}");
+    srv.shutdown();
+}

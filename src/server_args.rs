@@ -1,0 +1,1076 @@
+//! `mbal server`'s options: memcached's command line, mbal's own options,
+//! and a TOML file for all of them, resolved into the library's
+//! [`Settings`]. Precedence: command line > config file > defaults.
+//!
+//! The options are declared once, in [`ServerArgs`]: clap reads it from the
+//! command line, serde from the config file (the same names, `_` for `-`).
+//! Every field is optional, so each source is a *layer* that says only what
+//! it sets; the layers are merged key by key ([`ServerArgs::merged`], the
+//! command line over the file) and the result is checked and turned into
+//! [`Settings`] over [`Settings::default`] in one place ([`ServerArgs::resolve`]).
+//!
+//! memcached's `-o` options are all recognised (the table in
+//! [`extended_option`]): the ones that mean something here are implemented,
+//! the ones that only tune memcached's slab allocator, LRU or helper threads
+//! are accepted with one log line, and the few mbal cannot honour are refused
+//! by name. Every memcached option mbal does not implement is likewise
+//! recognised, so that an operator gets a clear "not supported" error instead
+//! of clap's generic "unexpected argument" or, worse, a silent ignore.
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use mbal_server::config::{Binding, Settings};
+use serde::{Deserialize, Serialize};
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::str::FromStr;
+
+/// A memcached-style size (`-I`): `1m`, `512k`, `2097152`, `1g` on the
+/// command line; a number of bytes or such a string in the config file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "SizeRepr", into = "u64")]
+pub struct Size(pub usize);
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum SizeRepr {
+    Bytes(u64),
+    Text(String),
+}
+
+impl TryFrom<SizeRepr> for Size {
+    type Error = String;
+    fn try_from(r: SizeRepr) -> std::result::Result<Self, String> {
+        match r {
+            SizeRepr::Bytes(n) => usize::try_from(n).map(Size).map_err(|_| format!("size {n} is too large")),
+            SizeRepr::Text(s) => s.parse(),
+        }
+    }
+}
+
+impl From<Size> for u64 {
+    fn from(s: Size) -> u64 {
+        s.0 as u64
+    }
+}
+
+impl FromStr for Size {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        parse_size(s).map(Size).map_err(|e| format!("{e:#}"))
+    }
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+fn is_zero(v: &u8) -> bool {
+    *v == 0
+}
+
+/// `mbal server`'s options, declared once: the command line (short flags
+/// are memcached's) and, with the same names, the TOML config file. Every
+/// field is optional (or a flag that is off unless given), so one value of
+/// this type is one layer of configuration. Fields marked `serde(skip)` are
+/// command-line only.
+#[derive(Args, Serialize, Deserialize, Clone, Debug, Default)]
+#[serde(deny_unknown_fields)]
+pub struct ServerArgs {
+    /// TCP port of the main (memcached-compatible) listener [default: 11211; 0 = pick one]
+    #[arg(short = 'p', long = "port")]
+    pub port: Option<u16>,
+    /// Interface to listen on [default: 127.0.0.1]
+    #[arg(short = 'l', long = "listen")]
+    pub listen: Option<IpAddr>,
+    /// Number of worker threads [default: number of cores]
+    #[arg(short = 't', long = "threads")]
+    pub threads: Option<usize>,
+    /// Item memory in megabytes [default: 64]
+    #[arg(short = 'm', long = "memory-limit")]
+    pub memory_limit: Option<usize>,
+    /// Max simultaneous connections [default: 1024]
+    #[arg(short = 'c', long = "conn-limit")]
+    pub conn_limit: Option<usize>,
+    /// Max item size, e.g. 1m, 512k, 2097152; at most 1g and half of -m [default: 1m]
+    #[arg(short = 'I', long = "max-item-size")]
+    pub max_item_size: Option<Size>,
+    /// Return an error when memory is exhausted instead of evicting
+    #[arg(short = 'M', long = "disable-evictions")]
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub disable_evictions: bool,
+    /// Disable CAS (cas values are 0, `cas` always fails)
+    #[arg(short = 'C', long = "disable-cas")]
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub disable_cas: bool,
+    /// Disable flush_all
+    #[arg(short = 'F', long = "disable-flush-all")]
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub disable_flush_all: bool,
+    /// UDP port; only 0 (off) is supported
+    #[arg(short = 'U', long = "udp-port")]
+    pub udp_port: Option<u16>,
+    /// Binding protocol: ascii, binary or auto
+    #[arg(short = 'B', long = "protocol")]
+    pub protocol: Option<Binding>,
+    /// Max requests processed per connection per event-loop round [default: 20]
+    #[arg(short = 'R', long = "max-reqs-per-event")]
+    pub max_reqs_per_event: Option<usize>,
+    /// Enable the `shutdown` command
+    #[arg(short = 'A', long = "enable-shutdown")]
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub enable_shutdown: bool,
+    /// Verbose logging (-v, -vv, -vvv); `verbosity = N` in the config file
+    #[arg(short = 'v', action = clap::ArgAction::Count)]
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub verbosity: u8,
+    /// Listen backlog [default: 1024]
+    #[arg(short = 'b', long = "listen-backlog")]
+    pub listen_backlog: Option<i32>,
+    /// memcached's extended options, comma separated, `name` or `name=value`; may be repeated
+    /// (see docs/operations.md for what each does here)
+    #[arg(short = 'o', long = "extended")]
+    #[serde(default, skip_serializing)]
+    pub extended: Vec<String>,
+    /// `-o idle_timeout=N`: close connections idle for N seconds [default: 0 = never]
+    #[arg(skip)]
+    pub idle_timeout: Option<u32>,
+    /// `-o maxconns_fast` / `-o no_maxconns_fast`
+    #[arg(skip)]
+    pub maxconns_fast: Option<bool>,
+    /// `-o sock_cookie_id=N`
+    #[arg(skip)]
+    pub sock_cookie_id: Option<u32>,
+
+    /// Give each worker a port of its own too (worker i listens on base+i; 0: ephemeral ports).
+    /// Without it, routed clients reach a worker through the main port (`mbal hello <epoch>
+    /// <worker>`) [default: no worker ports]
+    #[arg(long = "worker-port-base")]
+    pub worker_port_base: Option<u16>,
+    /// Cachelets per worker [default: 16]
+    #[arg(long = "cachelets-per-worker")]
+    pub cachelets_per_worker: Option<u32>,
+    /// Number of virtual nodes in the key space [default: 16384]
+    #[arg(long = "vn-count")]
+    pub vn_count: Option<u32>,
+    /// Item memory page size in KiB [default: 64]
+    #[arg(long = "page-size-kb")]
+    pub page_size_kb: Option<usize>,
+    /// Requests a worker may have passed to other workers and not yet had answered; past it, the
+    /// worker stops reading its connections until answers come in [default: 16384]
+    #[arg(long = "max-inflight")]
+    pub max_inflight: Option<usize>,
+    /// Milliseconds per balancer epoch: how often the controller samples every worker's counters
+    /// [default: 1000]
+    #[arg(long = "epoch-ms")]
+    pub epoch_ms: Option<u64>,
+    /// The local load balancer (Phase 2: cachelet moves between this server's workers), on or
+    /// off [default: on in a cluster (--cluster), off for a stand-alone server]
+    #[arg(long = "balancer", value_parser = parse_on_off)]
+    pub balancer: Option<bool>,
+    /// Consecutive imbalanced epochs before the balancer acts [default: 4, MBal §3.1]
+    #[arg(long = "balance-persistence")]
+    pub balance_persistence: Option<u32>,
+    /// Imbalanced when the busiest worker carries more than this times the mean load
+    /// [default: 1.2]
+    #[arg(long = "balance-trigger")]
+    pub balance_trigger: Option<f64>,
+    /// T_j: the load a plan may leave on a worker, as a multiple of the mean [default: 1.1]
+    #[arg(long = "balance-target")]
+    pub balance_target: Option<f64>,
+    /// SERVER_LOAD_thresh: past this fraction of saturated workers the server asks for Phase 3
+    /// instead of moving locally [default: 0.75, MBal Algorithm 1]
+    #[arg(long = "balance-server-load-thresh")]
+    pub balance_server_load_thresh: Option<f64>,
+    /// Epochs a moved cachelet stays away from home before it may go back [default: 10]
+    #[arg(long = "balance-lease-epochs")]
+    pub balance_lease_epochs: Option<u32>,
+    /// Phase 2 planner: ilp (MILP solver, greedy fallback) or greedy [default: ilp]
+    #[arg(long = "balance-planner")]
+    pub balance_planner: Option<String>,
+    /// Emulated capacity of each worker, requests per second: a worker executes at most this many
+    /// (for its own connections and for other workers) and the rest wait, as on a saturated core;
+    /// for balancer experiments on a machine with fewer cores than workers [default: 0 = unlimited]
+    #[arg(long = "worker-capacity")]
+    pub worker_capacity: Option<u64>,
+
+    /// TOML file with any of the settings above (long names, with '_' for '-')
+    #[arg(long = "config")]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    /// Cluster description (TOML: vn_count, cachelets_per_worker, workers, [[servers]] addr,
+    /// worker_port_base); with --id, this server serves its part of the cluster's key space
+    #[arg(long = "cluster", requires = "id")]
+    #[serde(skip)]
+    pub cluster: Option<PathBuf>,
+    /// This server's index in the cluster file's servers list
+    #[arg(long = "id", requires = "cluster")]
+    #[serde(skip)]
+    pub id: Option<u16>,
+    /// Print the listening addresses as one JSON line on stdout once ready
+    #[arg(long = "print-ports")]
+    #[serde(skip)]
+    pub print_ports: bool,
+    /// Accept the `mbal debug` test hooks (stall a worker); for tests only
+    #[arg(long = "enable-debug-commands", hide = true)]
+    #[serde(skip)]
+    pub debug_commands: bool,
+
+    // memcached options that mbal recognises but does not implement.
+    #[arg(short = 'd', long = "daemon", hide = true)]
+    #[serde(skip)]
+    pub x_daemon: bool,
+    #[arg(short = 'u', long = "user", hide = true)]
+    #[serde(skip)]
+    pub x_user: Option<String>,
+    #[arg(short = 's', long = "unix-socket", hide = true)]
+    #[serde(skip)]
+    pub x_unix_socket: Option<String>,
+    #[arg(short = 'a', long = "unix-mask", hide = true)]
+    #[serde(skip)]
+    pub x_unix_mask: Option<String>,
+    #[arg(short = 'S', long = "enable-sasl", hide = true)]
+    #[serde(skip)]
+    pub x_sasl: bool,
+    #[arg(short = 'P', long = "pidfile", hide = true)]
+    #[serde(skip)]
+    pub x_pidfile: Option<String>,
+    #[arg(short = 'f', long = "slab-growth-factor", hide = true)]
+    #[serde(skip)]
+    pub x_factor: Option<String>,
+    #[arg(short = 'n', long = "slab-min-size", hide = true)]
+    #[serde(skip)]
+    pub x_min_size: Option<String>,
+    #[arg(short = 'L', long = "enable-largepages", hide = true)]
+    #[serde(skip)]
+    pub x_large_pages: bool,
+    /// Key prefix delimiter for `stats detail` [default: ':']
+    #[arg(short = 'D')]
+    #[serde(skip)]
+    pub x_delimiter: Option<String>,
+    #[arg(short = 'k', long = "lock-memory", hide = true)]
+    #[serde(skip)]
+    pub x_lock_memory: bool,
+    #[arg(short = 'e', long = "memory-file", hide = true)]
+    #[serde(skip)]
+    pub x_memory_file: Option<String>,
+    #[arg(short = 'r', long = "enable-coredumps", hide = true)]
+    #[serde(skip)]
+    pub x_coredumps: bool,
+    #[arg(short = 'Y', long = "auth-file", hide = true)]
+    #[serde(skip)]
+    pub x_auth_file: Option<String>,
+    #[arg(short = 'Z', long = "enable-ssl", hide = true)]
+    #[serde(skip)]
+    pub x_ssl: bool,
+}
+
+/// `on` / `off` (also `true`/`false`, `1`/`0`).
+fn parse_on_off(v: &str) -> Result<bool, String> {
+    match v {
+        "on" | "true" | "1" => Ok(true),
+        "off" | "false" | "0" => Ok(false),
+        _ => Err(format!("expected on or off, got {v:?}")),
+    }
+}
+
+/// Parse a memcached-style size: `1m`, `512k`, `2097152`, `1g`.
+pub fn parse_size(s: &str) -> Result<usize> {
+    let s = s.trim();
+    let (num, mult) = match s.chars().last() {
+        Some('k' | 'K') => (&s[..s.len() - 1], 1usize << 10),
+        Some('m' | 'M') => (&s[..s.len() - 1], 1 << 20),
+        Some('g' | 'G') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    let n: usize = num.parse().with_context(|| format!("bad size '{s}'"))?;
+    n.checked_mul(mult).with_context(|| format!("size '{s}' overflows"))
+}
+
+/// What mbal does with one of memcached's `-o` options.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExtKind {
+    /// Does here what it does in memcached (for `modern`, `inline_ascii_resp` and the like,
+    /// that is nothing, in memcached 1.6 too).
+    Implemented,
+    /// Accepted; it only tunes a part of memcached mbal does not have. One log line says so.
+    NoEffect,
+}
+
+const SLAB: &str = "mbal has no slab classes: items of any size share their cachelet's pages \
+                    (--page-size-kb), so there is nothing to size, reassign or move";
+const LRU: &str = "mbal evicts per worker, oldest segment first with a CLOCK second chance, not \
+                   with memcached's segmented LRU";
+const CRAWLER: &str = "mbal drops expired items when they are looked up and in a sweep every 50 ms; \
+                       there is no crawler thread";
+const INDEX: &str = "mbal's hash index is per cachelet and grows by doubling in small steps";
+const EXTSTORE: &str = "extstore tuning; mbal keeps items in memory only (ext_path is refused)";
+const LOGBUF: &str = "mbal has no `watch` log stream to buffer";
+
+fn ext_value<'a>(name: &str, value: Option<&'a str>) -> Result<&'a str> {
+    value.with_context(|| format!("-o {name}: missing value (use {name}=...)"))
+}
+
+fn ext_num<T: FromStr>(name: &str, value: Option<&str>) -> Result<T> {
+    let v = ext_value(name, value)?;
+    v.trim().parse().map_err(|_| anyhow::anyhow!("-o {name}: bad value '{v}'"))
+}
+
+/// Apply one memcached `-o` option (`name` or `name=value`) to a layer of options.
+/// Returns what mbal does with it and, for an option without effect here, the line to log.
+/// Refused options, unknown names and bad values are errors. Value checks are memcached's.
+pub fn extended_option(layer: &mut ServerArgs, opt: &str) -> Result<(ExtKind, Option<String>)> {
+    let (name, value) = match opt.split_once('=') {
+        Some((k, v)) => (k.trim(), Some(v)),
+        None => (opt.trim(), None),
+    };
+    let refuse =
+        |why: &str| -> Result<(ExtKind, Option<String>)> { bail!("-o {name} is not supported by mbal: {why}") };
+    let check = |ok: bool, what: &str| -> Result<()> {
+        if !ok {
+            bail!("-o {name}: {what} (got '{}')", value.unwrap_or(""))
+        }
+        Ok(())
+    };
+    let why: &str = match name {
+        "idle_timeout" => {
+            layer.idle_timeout = Some(ext_num(name, value)?);
+            return Ok((ExtKind::Implemented, None));
+        }
+        "maxconns_fast" | "no_maxconns_fast" => {
+            layer.maxconns_fast = Some(name == "maxconns_fast");
+            return Ok((ExtKind::Implemented, None));
+        }
+        "sock_cookie_id" => {
+            layer.sock_cookie_id = Some(ext_num(name, value)?);
+            return Ok((ExtKind::Implemented, None));
+        }
+        // memcached 1.6: `modern` sets nothing new, the ascii-response options are no-ops, and
+        // mbal never drops privileges: the same as asking for nothing, here as there.
+        "modern" | "inline_ascii_resp" | "no_inline_ascii_resp" | "no_drop_privileges" => {
+            return Ok((ExtKind::Implemented, None));
+        }
+        // memcached's 1.4 defaults, as a bundle: of these, only the connection limit's
+        // behaviour exists in mbal.
+        "no_modern" => {
+            layer.maxconns_fast = Some(false);
+            return Ok((
+                ExtKind::Implemented,
+                Some(
+                    "-o no_modern: connections over -c now wait in the listen backlog (no_maxconns_fast); \
+                     its slab, LRU, crawler and hash-algorithm parts have no effect in mbal"
+                        .into(),
+                ),
+            ));
+        }
+        "hash_algorithm" => {
+            let v = ext_value(name, value)?;
+            if !matches!(v, "jenkins" | "murmur3" | "xxh3") {
+                bail!("-o hash_algorithm: unknown '{v}' (jenkins, murmur3, xxh3)");
+            }
+            "mbal hashes keys with its one cluster-wide key hash (XXH3-64), which clients that \
+             route by the cluster map share; the choice is not visible to memcached clients"
+        }
+        "hashpower" => {
+            let n: u32 = ext_num(name, value)?;
+            check((12..=32).contains(&n), "must be between 12 and 32")?;
+            INDEX
+        }
+        "no_hashexpand" => INDEX,
+        "slab_reassign" | "no_slab_reassign" | "no_slab_automove" | "no_chunked_items" => SLAB,
+        "slab_automove" => {
+            if value.is_some() {
+                let n: u32 = ext_num(name, value)?;
+                check(n <= 2, "must be between 0 and 2")?;
+            }
+            SLAB
+        }
+        "slab_automove_ratio" => {
+            let f: f64 = ext_num(name, value)?;
+            check(f > 0.0 && f <= 1.0, "must be > 0 and <= 1")?;
+            SLAB
+        }
+        "slab_automove_window" => {
+            let n: u32 = ext_num(name, value)?;
+            check(n > 2, "must be > 2")?;
+            SLAB
+        }
+        "slab_automove_freeratio" => {
+            ext_num::<f64>(name, value)?;
+            SLAB
+        }
+        "slab_chunk_max" => {
+            ext_num::<u32>(name, value)?;
+            SLAB
+        }
+        "slab_sizes" => {
+            let v = ext_value(name, value)?;
+            check(v.split('-').all(|n| n.trim().parse::<u32>().is_ok()), "sizes separated by '-'")?;
+            SLAB
+        }
+        "tail_repair_time" => {
+            let n: u32 = ext_num(name, value)?;
+            check(n >= 10, "must be at least 10 seconds")?;
+            LRU
+        }
+        "lru_maintainer" | "no_lru_maintainer" => LRU,
+        "hot_lru_pct" | "warm_lru_pct" => {
+            let n: u32 = ext_num(name, value)?;
+            check((1..80).contains(&n), "must be between 1 and 79")?;
+            LRU
+        }
+        "hot_max_factor" | "warm_max_factor" => {
+            let f: f64 = ext_num(name, value)?;
+            check(f > 0.0, "must be > 0")?;
+            LRU
+        }
+        "temporary_ttl" => {
+            ext_num::<u32>(name, value)?;
+            LRU
+        }
+        "lru_crawler" | "no_lru_crawler" => CRAWLER,
+        "lru_crawler_sleep" => {
+            let n: u32 = ext_num(name, value)?;
+            check(n <= 1_000_000, "must be between 0 and 1000000 microseconds")?;
+            CRAWLER
+        }
+        "lru_crawler_tocrawl" => {
+            ext_num::<u32>(name, value)?;
+            CRAWLER
+        }
+        "watcher_logbuf_size" | "worker_logbuf_size" => {
+            ext_num::<u32>(name, value)?;
+            LOGBUF
+        }
+        "track_sizes" => "mbal keeps no item-size histogram; `stats sizes` is not provided",
+        "resp_obj_mem_limit" => "deprecated in memcached 1.6 as well",
+        "read_buf_mem_limit" => {
+            ext_num::<u32>(name, value)?;
+            "mbal bounds each connection's buffers instead (16 KiB idle; one request and 4 MiB of \
+             unsent replies busy), so the total is bounded by -c"
+        }
+        "ext_page_size" | "ext_wbuf_size" | "ext_threads" | "ext_io_depth" | "ext_item_size" | "ext_item_age"
+        | "ext_low_ttl" | "ext_recache_rate" | "ext_compact_under" | "ext_drop_under" | "ext_max_sleep"
+        | "ext_max_frag" | "ext_drop_unread" => EXTSTORE,
+        "ext_path" => return refuse("mbal keeps items in memory only; it has no external (flash) storage"),
+        "drop_privileges" => {
+            return refuse("mbal does not sandbox itself (seccomp); use the service manager's sandboxing")
+        }
+        "ssl_chain_cert" | "ssl_key" | "ssl_verify_mode" | "ssl_keyformat" | "ssl_ciphers" | "ssl_ca_cert"
+        | "ssl_wbuf_size" | "ssl_session_cache" | "ssl_kernel_tls" | "ssl_min_version" => {
+            return refuse("mbal has no TLS (-Z); terminate TLS in front of it")
+        }
+        "proxy_config" | "proxy_uring" => {
+            return refuse("memcached's built-in proxy; mbal routes by its cluster map (--cluster)")
+        }
+        _ => bail!("-o {name}: unknown option (memcached 1.6 has no such option either)"),
+    };
+    Ok((ExtKind::NoEffect, Some(format!("-o {name}: accepted, no effect in mbal: {why}"))))
+}
+
+impl ServerArgs {
+    /// Read a config file as a layer of options.
+    pub fn from_file(path: &std::path::Path) -> Result<ServerArgs> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading config file {}", path.display()))?;
+        toml::from_str(&text).map_err(|e| anyhow::anyhow!("config file {}: {}", path.display(), e.message()))
+    }
+
+    /// Turn this layer's `-o` options into its fields. Returns the lines to log.
+    fn expand_extended(&mut self) -> Result<Vec<String>> {
+        let mut notes = Vec::new();
+        for opt in std::mem::take(&mut self.extended).iter().flat_map(|o| o.split(',')) {
+            if opt.trim().is_empty() {
+                continue;
+            }
+            if let (_, Some(note)) = extended_option(self, opt)? {
+                notes.push(note);
+            }
+        }
+        Ok(notes)
+    }
+
+    /// This layer over `lower`, key by key: a value this layer sets wins, the
+    /// others come from `lower`. Command-line-only fields are not carried.
+    pub fn merged(&self, lower: &ServerArgs) -> Result<ServerArgs> {
+        let mut table = toml::Table::try_from(lower).context("serialising options")?;
+        table.extend(toml::Table::try_from(self).context("serialising options")?);
+        table.try_into().context("merging options")
+    }
+
+    /// Resolve command line + config file into settings, rejecting what mbal
+    /// does not implement. Also returns the lines to log once logging is up
+    /// (memcached options accepted without effect).
+    pub fn resolve(&self) -> Result<(Settings, Vec<String>)> {
+        self.reject_unsupported()?;
+        let mut file = match &self.config {
+            Some(p) => ServerArgs::from_file(p)?,
+            None => ServerArgs::default(),
+        };
+        let mut notes = file.expand_extended()?;
+        let mut cli = self.clone();
+        notes.extend(cli.expand_extended()?);
+        let o = cli.merged(&file)?;
+
+        let mut s = Settings::default();
+        if let Some(v) = o.port {
+            s.port = v;
+        }
+        if let Some(v) = o.listen {
+            s.listen = v;
+        }
+        if let Some(v) = o.threads {
+            if v == 0 || v > 256 {
+                bail!("-t must be between 1 and 256 (got {v})");
+            }
+            s.threads = v;
+        }
+        if let Some(v) = o.memory_limit {
+            if v == 0 {
+                bail!("-m must be at least 1 (megabytes)");
+            }
+            s.memory_limit = v.checked_mul(1 << 20).context("-m is too large")?;
+        }
+        if let Some(v) = o.conn_limit {
+            if v == 0 {
+                bail!("-c must be at least 1");
+            }
+            s.max_conns = v;
+        }
+        if let Some(Size(v)) = o.max_item_size {
+            s.max_item_size = v;
+        }
+        // memcached's rules for -I, in its order.
+        if s.max_item_size < 1024 {
+            bail!("-I must be at least 1k (got {} bytes)", s.max_item_size);
+        }
+        if s.max_item_size > s.memory_limit / 2 {
+            bail!(
+                "-I ({} bytes) cannot be larger than half of -m ({} MB), as in memcached",
+                s.max_item_size,
+                s.memory_limit >> 20
+            );
+        }
+        if s.max_item_size > 1 << 30 {
+            bail!("-I cannot be larger than 1g (got {} bytes)", s.max_item_size);
+        }
+        s.evictions = !o.disable_evictions;
+        s.cas_enabled = !o.disable_cas;
+        s.flush_enabled = !o.disable_flush_all;
+        if o.udp_port.is_some_and(|u| u != 0) {
+            bail!("mbal does not serve UDP: use -U 0 (the default)");
+        }
+        if let Some(b) = o.protocol {
+            s.binding = b;
+        }
+        if let Some(v) = o.max_reqs_per_event {
+            if v == 0 {
+                bail!("-R must be at least 1");
+            }
+            s.reqs_per_event = v;
+        }
+        if let Some(v) = o.max_inflight {
+            if v == 0 {
+                bail!("--max-inflight must be at least 1");
+            }
+            s.max_inflight = v;
+        }
+        let b = &mut s.balance;
+        if let Some(v) = o.balance_persistence {
+            if v == 0 {
+                bail!("--balance-persistence must be at least 1");
+            }
+            b.persistence = v;
+        }
+        if let Some(v) = o.balance_trigger {
+            if !(v > 1.0 && v.is_finite()) {
+                bail!("--balance-trigger must be above 1.0 (a multiple of the mean load)");
+            }
+            b.trigger_max_over_avg = v;
+        }
+        if let Some(v) = o.balance_target {
+            if !(v >= 1.0 && v.is_finite()) {
+                bail!("--balance-target must be at least 1.0 (a multiple of the mean load)");
+            }
+            b.target_max_over_avg = v;
+        }
+        if let Some(v) = o.balance_server_load_thresh {
+            if !(0.0..=1.0).contains(&v) {
+                bail!("--balance-server-load-thresh must be between 0 and 1");
+            }
+            b.server_load_thresh = v;
+        }
+        if let Some(v) = o.balance_lease_epochs {
+            b.lease_epochs = v;
+        }
+        if let Some(v) = &o.balance_planner {
+            b.planner = match v.as_str() {
+                "ilp" => mbal_balance::Planner::Ilp,
+                "greedy" => mbal_balance::Planner::Greedy,
+                _ => bail!("--balance-planner must be ilp or greedy (got {v:?})"),
+            };
+        }
+        if let Some(v) = o.epoch_ms {
+            if v == 0 {
+                bail!("--epoch-ms must be at least 1");
+            }
+            s.epoch_ms = v;
+        }
+        if let Some(v) = o.worker_capacity {
+            s.worker_capacity = v;
+        }
+        s.debug_commands = self.debug_commands;
+        if let Some(d) = &self.x_delimiter {
+            // memcached takes the first character of -D.
+            match d.as_bytes().first() {
+                Some(&c) if c.is_ascii_graphic() => s.prefix_delimiter = c,
+                _ => bail!("-D must start with a printable ASCII character (got {d:?})"),
+            }
+        }
+        s.shutdown_enabled = o.enable_shutdown;
+        s.verbosity = o.verbosity;
+        if let Some(v) = o.listen_backlog {
+            s.backlog = v;
+        }
+        if let Some(v) = o.idle_timeout {
+            s.idle_timeout = v;
+        }
+        if let Some(v) = o.maxconns_fast {
+            s.maxconns_fast = v;
+        }
+        if let Some(v) = o.sock_cookie_id {
+            s.sock_cookie_id = v;
+        }
+        s.worker_port_base = o.worker_port_base;
+        if let Some(v) = o.cachelets_per_worker {
+            if v == 0 || v > 4096 {
+                bail!("--cachelets-per-worker must be between 1 and 4096");
+            }
+            s.cachelets_per_worker = v;
+        }
+        if let Some(v) = o.vn_count {
+            s.vn_count = v;
+        }
+        let cachelets = s.threads as u64 * s.cachelets_per_worker as u64;
+        if (s.vn_count as u64) < cachelets {
+            bail!("--vn-count ({}) must be at least threads x cachelets-per-worker ({cachelets})", s.vn_count);
+        }
+        if let (Some(path), Some(id)) = (&self.cluster, self.id) {
+            let text =
+                std::fs::read_to_string(path).with_context(|| format!("reading cluster file {}", path.display()))?;
+            let spec = mbal_cluster::ClusterSpec::from_toml(&text)
+                .map_err(|e| anyhow::anyhow!("cluster file {}: {e}", path.display()))?;
+            s.apply_cluster(spec, id).map_err(anyhow::Error::msg)?;
+            if self.threads.is_some_and(|t| t != s.threads) || self.port.is_some_and(|p| p != s.port) {
+                bail!("-t and -p come from the cluster file when --cluster is given");
+            }
+        }
+        s.balancer = o.balancer.unwrap_or(s.cluster.is_some());
+        if let Some(v) = o.page_size_kb {
+            if !(4..=65536).contains(&v) {
+                bail!("--page-size-kb must be between 4 and 65536");
+            }
+            s.page_size = v << 10;
+        }
+        if s.memory_limit / s.page_size > mbal_store::MAX_PAGES {
+            bail!(
+                "-m {} MB in {} KiB pages is more than {} pages; raise --page-size-kb",
+                s.memory_limit >> 20,
+                s.page_size >> 10,
+                mbal_store::MAX_PAGES
+            );
+        }
+        Ok((s, notes))
+    }
+
+    fn reject_unsupported(&self) -> Result<()> {
+        let no = |flag: &str, what: &str| -> Result<()> {
+            bail!("memcached option {flag} ({what}) is not supported by mbal")
+        };
+        if self.x_daemon {
+            no("-d", "daemonize; run mbal under a process supervisor")?;
+        }
+        if self.x_user.is_some() {
+            no("-u", "switch user; start mbal as the user it should run as")?;
+        }
+        if self.x_unix_socket.is_some() || self.x_unix_mask.is_some() {
+            no("-s/-a", "unix sockets; mbal listens on TCP only")?;
+        }
+        if self.x_sasl || self.x_auth_file.is_some() {
+            no("-S/-Y", "authentication")?;
+        }
+        if self.x_ssl {
+            no("-Z", "TLS")?;
+        }
+        if self.x_pidfile.is_some() {
+            no("-P", "pid file")?;
+        }
+        if self.x_factor.is_some() || self.x_min_size.is_some() {
+            no("-f/-n", "slab class sizing; mbal stores items in segments, see --page-size-kb")?;
+        }
+        if self.x_large_pages || self.x_lock_memory || self.x_memory_file.is_some() || self.x_coredumps {
+            no("-L/-k/-e/-r", "memory placement options")?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: ServerArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<Settings> {
+        parse_noted(args).map(|(s, _)| s)
+    }
+
+    fn parse_noted(args: &[&str]) -> Result<(Settings, Vec<String>)> {
+        let mut v = vec!["mbal"];
+        v.extend_from_slice(args);
+        Cli::try_parse_from(v).map_err(anyhow::Error::from)?.a.resolve()
+    }
+
+    #[test]
+    fn worker_capacity_from_the_flag_and_the_config_file() {
+        assert_eq!(parse(&["--worker-capacity", "50000"]).unwrap().worker_capacity, 50_000);
+        assert_eq!(parse(&[]).unwrap().worker_capacity, 0, "unlimited unless asked");
+        let dir = std::env::temp_dir().join(format!("mbal-cap-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("mbal.toml");
+        std::fs::write(&f, "worker_capacity = 1234\n").unwrap();
+        assert_eq!(parse(&["--config", f.to_str().unwrap()]).unwrap().worker_capacity, 1234);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn balancer_flags_and_their_default() {
+        let s = parse(&[]).unwrap();
+        assert!(!s.balancer, "off for a stand-alone server");
+        let s = parse(&[
+            "--balancer",
+            "on",
+            "--balance-persistence",
+            "2",
+            "--balance-trigger",
+            "1.5",
+            "--balance-target",
+            "1.05",
+            "--balance-server-load-thresh",
+            "0.5",
+            "--balance-lease-epochs",
+            "7",
+            "--balance-planner",
+            "greedy",
+        ])
+        .unwrap();
+        assert!(s.balancer);
+        let b = &s.balance;
+        assert_eq!((b.persistence, b.lease_epochs), (2, 7));
+        assert_eq!((b.trigger_max_over_avg, b.target_max_over_avg, b.server_load_thresh), (1.5, 1.05, 0.5));
+        assert_eq!(b.planner, mbal_balance::Planner::Greedy);
+        for bad in [
+            &["--balancer", "maybe"][..],
+            &["--balance-persistence", "0"],
+            &["--balance-trigger", "0.9"],
+            &["--balance-planner", "magic"],
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?} accepted");
+        }
+    }
+
+    #[test]
+    fn memcached_flags() {
+        let s = parse(&[
+            "-p",
+            "12000",
+            "-t",
+            "2",
+            "-m",
+            "128",
+            "-c",
+            "10",
+            "-I",
+            "2m",
+            "-M",
+            "-C",
+            "-F",
+            "-U",
+            "0",
+            "-B",
+            "ascii",
+            "-R",
+            "5",
+            "-A",
+            "-vv",
+            "-o",
+            "idle_timeout=30",
+        ])
+        .unwrap();
+        assert_eq!(s.port, 12000);
+        assert_eq!(s.threads, 2);
+        assert_eq!(s.memory_limit, 128 << 20);
+        assert_eq!(s.max_conns, 10);
+        assert_eq!(s.max_item_size, 2 << 20);
+        assert!(!s.evictions && !s.cas_enabled && !s.flush_enabled && s.shutdown_enabled);
+        assert_eq!(s.binding, Binding::Ascii);
+        assert_eq!(s.reqs_per_event, 5);
+        assert_eq!(s.verbosity, 2);
+        assert_eq!(s.idle_timeout, 30);
+    }
+
+    #[test]
+    fn defaults() {
+        let s = parse(&[]).unwrap();
+        assert_eq!(s.port, 11211);
+        assert_eq!(s.listen.to_string(), "127.0.0.1");
+        assert_eq!(s.memory_limit, 64 << 20);
+        assert_eq!(s.max_item_size, 1 << 20);
+        assert_eq!(s.max_conns, 1024);
+        assert!(s.evictions && s.cas_enabled && s.flush_enabled);
+    }
+
+    #[test]
+    fn too_many_pages_is_an_error() {
+        // 2 TiB in 64 KiB pages is 32M pages: more than a cachelet's index can address
+        let e = parse(&["-m", "2097152"]).unwrap_err().to_string();
+        assert!(e.contains("--page-size-kb"), "{e}");
+        assert!(parse(&["-m", "2097152", "--page-size-kb", "1024"]).is_ok());
+    }
+
+    #[test]
+    fn unsupported_is_an_error() {
+        for bad in [&["-d"][..], &["-U", "11211"], &["-o", "ssl_key=k.pem"], &["-f", "1.25"], &["-B", "udp"], &["-S"]] {
+            let e = parse(bad).unwrap_err().to_string();
+            assert!(e.contains("not supported") || e.contains("must be") || e.contains("UDP"), "{bad:?}: {e}");
+        }
+        assert!(parse(&["--no-such-flag"]).is_err());
+    }
+
+    #[test]
+    fn config_file_and_precedence() {
+        let dir = std::env::temp_dir().join(format!("mbal-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("c.toml");
+        std::fs::write(&f, "port = 13000\nmemory_limit = 32\nmax_item_size = \"512k\"\ncachelets_per_worker = 8\n")
+            .unwrap();
+        let s = parse(&["--config", f.to_str().unwrap(), "-p", "14000"]).unwrap();
+        assert_eq!(s.port, 14000, "command line wins");
+        assert_eq!(s.memory_limit, 32 << 20);
+        assert_eq!(s.max_item_size, 512 << 10);
+        assert_eq!(s.cachelets_per_worker, 8);
+        std::fs::write(&f, "bogus = 1\n").unwrap();
+        assert!(parse(&["--config", f.to_str().unwrap()]).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("1m").unwrap(), 1 << 20);
+        assert_eq!(parse_size("512k").unwrap(), 512 << 10);
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert!(parse_size("x").is_err());
+    }
+    /// Every `-o` option of memcached 1.6.18 (memcached.c's `subopts_tokens` and extstore's
+    /// `storage_read_config`, builds with TLS and proxy), with a valid value, and what mbal
+    /// does with it.
+    #[derive(Debug, PartialEq)]
+    enum Expect {
+        Implemented,
+        NoEffect,
+        Refused,
+    }
+
+    const MEMCACHED_EXTENDED: &[(&str, Expect)] = {
+        use Expect::*;
+        &[
+            ("maxconns_fast", Implemented),
+            ("no_maxconns_fast", Implemented),
+            ("hashpower=16", NoEffect),
+            ("no_hashexpand", NoEffect),
+            ("slab_reassign", NoEffect),
+            ("no_slab_reassign", NoEffect),
+            ("slab_automove", NoEffect),
+            ("slab_automove=2", NoEffect),
+            ("no_slab_automove", NoEffect),
+            ("slab_automove_ratio=0.8", NoEffect),
+            ("slab_automove_window=30", NoEffect),
+            ("slab_automove_freeratio=0.01", NoEffect),
+            ("tail_repair_time=60", NoEffect),
+            ("hash_algorithm=murmur3", NoEffect),
+            ("hash_algorithm=jenkins", NoEffect),
+            ("hash_algorithm=xxh3", NoEffect),
+            ("lru_crawler", NoEffect),
+            ("no_lru_crawler", NoEffect),
+            ("lru_crawler_sleep=100", NoEffect),
+            ("lru_crawler_tocrawl=0", NoEffect),
+            ("lru_maintainer", NoEffect),
+            ("no_lru_maintainer", NoEffect),
+            ("hot_lru_pct=20", NoEffect),
+            ("warm_lru_pct=40", NoEffect),
+            ("hot_max_factor=0.2", NoEffect),
+            ("warm_max_factor=2.0", NoEffect),
+            ("temporary_ttl=61", NoEffect),
+            ("idle_timeout=30", Implemented),
+            ("watcher_logbuf_size=256", NoEffect),
+            ("worker_logbuf_size=64", NoEffect),
+            ("slab_sizes=96-192-384", NoEffect),
+            ("slab_chunk_max=16384", NoEffect),
+            ("track_sizes", NoEffect),
+            ("no_inline_ascii_resp", Implemented),
+            ("inline_ascii_resp", Implemented),
+            ("modern", Implemented),
+            ("no_modern", Implemented),
+            ("no_chunked_items", NoEffect),
+            ("no_drop_privileges", Implemented),
+            ("drop_privileges", Refused),
+            ("resp_obj_mem_limit", NoEffect),
+            ("read_buf_mem_limit=0", NoEffect),
+            ("sock_cookie_id=7", Implemented),
+            ("ssl_chain_cert=c.pem", Refused),
+            ("ssl_key=k.pem", Refused),
+            ("ssl_verify_mode=0", Refused),
+            ("ssl_keyformat=0", Refused),
+            ("ssl_ciphers=ALL", Refused),
+            ("ssl_ca_cert=ca.pem", Refused),
+            ("ssl_wbuf_size=16", Refused),
+            ("ssl_session_cache", Refused),
+            ("ssl_kernel_tls", Refused),
+            ("ssl_min_version=2", Refused),
+            ("proxy_config=p.lua", Refused),
+            ("proxy_uring", Refused),
+            ("ext_path=/tmp/extstore:1G", Refused),
+            ("ext_page_size=64", NoEffect),
+            ("ext_wbuf_size=4", NoEffect),
+            ("ext_threads=1", NoEffect),
+            ("ext_io_depth=1", NoEffect),
+            ("ext_item_size=512", NoEffect),
+            ("ext_item_age=10", NoEffect),
+            ("ext_low_ttl=0", NoEffect),
+            ("ext_recache_rate=2000", NoEffect),
+            ("ext_compact_under=4", NoEffect),
+            ("ext_drop_under=4", NoEffect),
+            ("ext_max_sleep=1000000", NoEffect),
+            ("ext_max_frag=0.8", NoEffect),
+            ("ext_drop_unread", NoEffect),
+        ]
+    };
+
+    #[test]
+    fn every_memcached_extended_option() {
+        for (opt, want) in MEMCACHED_EXTENDED {
+            let got = parse_noted(&["-o", opt]);
+            match (want, got) {
+                (Expect::Refused, Err(e)) => {
+                    let e = e.to_string();
+                    assert!(e.contains("is not supported by mbal: "), "{opt}: {e}");
+                }
+                (Expect::NoEffect, Ok((_, notes))) => {
+                    assert_eq!(notes.len(), 1, "{opt}: one log line");
+                    assert!(notes[0].contains("accepted, no effect in mbal: "), "{opt}: {notes:?}");
+                }
+                (Expect::Implemented, Ok((_, notes))) => {
+                    assert!(notes.len() <= 1, "{opt}: {notes:?}");
+                    let mut layer = ServerArgs::default();
+                    let (kind, _) = extended_option(&mut layer, opt).unwrap();
+                    assert_eq!(kind, ExtKind::Implemented, "{opt}");
+                }
+                (w, g) => panic!("{opt}: expected {w:?}, got {:?}", g.map(|(_, n)| n)),
+            }
+        }
+    }
+
+    #[test]
+    fn extended_options_take_effect() {
+        let s = parse(&["-o", "modern,idle_timeout=7,sock_cookie_id=42", "-o", "no_maxconns_fast"]).unwrap();
+        assert_eq!((s.idle_timeout, s.sock_cookie_id, s.maxconns_fast), (7, 42, false));
+        assert!(parse(&[]).unwrap().maxconns_fast, "memcached's default");
+        // no_modern is a bundle: its one part mbal has is the connection limit's behaviour
+        let (s, notes) = parse_noted(&["-o", "no_modern"]).unwrap();
+        assert!(!s.maxconns_fast);
+        assert_eq!(notes.len(), 1, "{notes:?}");
+        // later options win, as in memcached
+        let s = parse(&["-o", "no_modern", "-o", "maxconns_fast,idle_timeout=1,idle_timeout=2"]).unwrap();
+        assert!(s.maxconns_fast);
+        assert_eq!(s.idle_timeout, 2);
+        // one log line per accepted-without-effect option
+        let (_, notes) = parse_noted(&["-o", "slab_reassign,slab_automove=1", "-o", "lru_crawler"]).unwrap();
+        assert_eq!(notes.len(), 3, "{notes:?}");
+    }
+
+    #[test]
+    fn extended_option_errors_are_memcacheds() {
+        for (opt, msg) in [
+            ("bogus", "unknown option"),
+            ("idle_timeout", "missing value"),
+            ("idle_timeout=x", "bad value"),
+            ("hash_algorithm=md5", "unknown 'md5'"),
+            ("hash_algorithm", "missing value"),
+            ("slab_automove=5", "between 0 and 2"),
+            ("hashpower=8", "between 12 and 32"),
+            ("tail_repair_time=5", "at least 10"),
+            ("hot_lru_pct=80", "between 1 and 79"),
+            ("slab_automove_ratio=2", "<= 1"),
+            ("slab_sizes=96-x", "separated by '-'"),
+            ("lru_crawler_sleep=2000000", "1000000"),
+        ] {
+            let e = parse(&["-o", opt]).unwrap_err().to_string();
+            assert!(e.contains(msg), "{opt}: {e}");
+        }
+        // an error anywhere in a list stops the start
+        assert!(parse(&["-o", "modern,bogus"]).is_err());
+    }
+
+    #[test]
+    fn item_size_limits_are_memcacheds() {
+        // -I at most half of -m, and at most 1g
+        let e = parse(&["-m", "64", "-I", "33m"]).unwrap_err().to_string();
+        assert!(e.contains("half of -m"), "{e}");
+        assert_eq!(parse(&["-m", "64", "-I", "32m"]).unwrap().max_item_size, 32 << 20);
+        let e = parse(&["-m", "1"]).unwrap_err().to_string();
+        assert!(e.contains("half of -m"), "the default -I of 1m needs -m 2: {e}");
+        assert_eq!(parse(&["-m", "4096", "-I", "1g"]).unwrap().max_item_size, 1 << 30);
+        let e = parse(&["-m", "4096", "-I", "1025m"]).unwrap_err().to_string();
+        assert!(e.contains("1g"), "{e}");
+        let e = parse(&["-I", "1000"]).unwrap_err().to_string();
+        assert!(e.contains("at least 1k"), "{e}");
+    }
+
+    #[test]
+    fn layers_merge_key_by_key() {
+        let dir = std::env::temp_dir().join(format!("mbal-cfg-layers-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("c.toml");
+        std::fs::write(
+            &f,
+            "threads = 3\nmax_reqs_per_event = 9\nlisten_backlog = 77\nprotocol = \"binary\"\n\
+             disable_cas = true\nverbosity = 1\nmax_item_size = 2097152\nextended = [\"idle_timeout=5\"]\n",
+        )
+        .unwrap();
+        let fs = f.to_str().unwrap();
+        let s = parse(&["--config", fs]).unwrap();
+        assert_eq!((s.threads, s.reqs_per_event, s.backlog), (3, 9, 77));
+        assert_eq!(s.binding, Binding::Binary);
+        assert!(!s.cas_enabled);
+        assert_eq!((s.verbosity, s.max_item_size, s.idle_timeout), (1, 2 << 20, 5));
+        // each key the command line gives wins; the rest stay the file's
+        let s = parse(&["--config", fs, "-t", "2", "-vv", "-B", "ascii", "-o", "idle_timeout=6"]).unwrap();
+        assert_eq!((s.threads, s.reqs_per_event, s.backlog, s.verbosity, s.idle_timeout), (2, 9, 77, 2, 6));
+        assert_eq!(s.binding, Binding::Ascii);
+        assert!(!s.cas_enabled, "a flag not given on the command line leaves the file's");
+        // a bad value in the file names the file
+        std::fs::write(&f, "protocol = \"udp\"\n").unwrap();
+        let e = parse(&["--config", fs]).unwrap_err().to_string();
+        assert!(e.contains("c.toml") && e.contains("-B must be"), "{e}");
+        // command-line-only options are not file keys
+        std::fs::write(&f, "print_ports = true\n").unwrap();
+        assert!(parse(&["--config", fs]).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+        let e = parse(&["--config", "/nonexistent/mbal.toml"]).unwrap_err();
+        assert!(format!("{e:#}").contains("reading config file /nonexistent/mbal.toml"), "{e:#}");
+    }
+}

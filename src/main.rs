@@ -1,9 +1,10 @@
-//! `mbal`: the one binary. Subcommands: `server`, `bench`, `cluster up`.
+//! `mbal`: the one binary. Subcommands: `server`, `proxy`, `bench`, `cluster up`, `stats`.
 
 mod cluster_up;
+mod proxy_args;
 mod server_args;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
@@ -17,6 +18,8 @@ struct Cli {
 enum Cmd {
     /// Run a cache server (memcached's flags work: -p -l -t -m -c -I -M -C -F -U 0 -B -R -A -v -o)
     Server(Box<server_args::ServerArgs>),
+    /// Route unmodified memcached clients (text, meta, binary) to an mbal cluster (memcached's -p -l -t -c -I)
+    Proxy(Box<proxy_args::ProxyArgs>),
     /// Generate load against memcached-protocol servers and report throughput and latency
     Bench(Box<mbal_bench::BenchArgs>),
     /// Local clusters
@@ -100,6 +103,22 @@ fn run(cli: Cli) -> Result<()> {
             }
             let stopper = handle_stopper(&handle);
             ctrlc::set_handler(stopper)?;
+            handle.wait();
+            Ok(())
+        }
+        Cmd::Proxy(args) => {
+            tracing_subscriber::fmt()
+                .with_env_filter(
+                    tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+                )
+                .with_writer(std::io::stderr)
+                .init();
+            let (cfg, map) = args.resolve()?;
+            let handle = mbal_proxy::start(cfg, map).context("mbal proxy")?;
+            if args.print_ports {
+                println!("{}", serde_json::json!({ "main": handle.addr }));
+            }
+            ctrlc::set_handler(handle.stopper())?;
             handle.wait();
             Ok(())
         }

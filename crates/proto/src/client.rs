@@ -51,6 +51,10 @@ pub enum Expect {
     Stats,
     /// Every other request: one line (or `MAP` with its body).
     Line,
+    /// A meta command (`mg`, `ms`, `md`, `ma`, `me`, `mn`): one
+    /// [`Frame::Meta`] (`HD`, `VA` with its data, `EN`, `NF`, `NS`, `EX`,
+    /// `MN`, `ME ...`), or `RD`, or an error line.
+    Meta,
 }
 
 /// One `VALUE` item of a retrieval reply.
@@ -108,6 +112,15 @@ pub enum Frame<'a> {
     /// `MOVED <epoch>`: reply to `mbal move`.
     Moved {
         epoch: u64,
+    },
+    /// A meta reply (read with [`Expect::Meta`]): `code` is its two
+    /// letters (`HD`, `VA`, `EN`, `NF`, `NS`, `EX`, `MN`, `ME`), `line` the
+    /// whole line without its line end, `data` the value of a `VA` (without
+    /// its CR LF).
+    Meta {
+        code: [u8; 2],
+        line: &'a [u8],
+        data: Option<&'a [u8]>,
     },
     /// `LOAD <seq> <bytes>` + JSON: reply to `mbal load` (an epoch snapshot).
     Load {
@@ -242,7 +255,7 @@ impl Decoder {
             let line = line.strip_suffix(b"\r").unwrap_or(line);
             let next = pos + nl + 1;
             if line == b"END" {
-                if expect == Expect::Line {
+                if matches!(expect, Expect::Line | Expect::Meta) {
                     return bad("END in reply to a request that expects one line", line);
                 }
                 let items = self.items;
@@ -312,6 +325,30 @@ impl Decoder {
             }
             if self.multi {
                 return bad("unexpected line inside a multi-line reply", line);
+            }
+            if expect == Expect::Meta && first.len() == 2 && first != b"RD" {
+                let code = [first[0], first[1]];
+                match &code {
+                    b"HD" | b"EN" | b"NF" | b"NS" | b"EX" | b"MN" | b"ME" => {
+                        return Ok((next, Some(Frame::Meta { code, line, data: None })));
+                    }
+                    b"VA" => {
+                        let Some(len) = num::<usize>(w.next()) else { return bad("bad VA line", line) };
+                        let end = next.checked_add(len).filter(|&e| e <= usize::MAX - 2);
+                        let Some(end) = end else { return bad("value length overflows", line) };
+                        if buf.len() < end + 2 {
+                            if buf.len() > end && buf[end] != b'\r' {
+                                return Err(ReplyError("value data not followed by CR LF".into()));
+                            }
+                            return Ok((pos, None));
+                        }
+                        if &buf[end..end + 2] != b"\r\n" {
+                            return Err(ReplyError("value data not followed by CR LF".into()));
+                        }
+                        return Ok((end + 2, Some(Frame::Meta { code, line, data: Some(&buf[next..end]) })));
+                    }
+                    _ => return bad("unrecognised meta reply line", line),
+                }
             }
             let only = |f: Frame<'a>, w: &mut dyn Iterator<Item = &[u8]>| match w.next() {
                 None => Ok(f),
@@ -418,6 +455,11 @@ pub enum Reply {
     },
     Moved {
         epoch: u64,
+    },
+    /// A meta reply: its line (without CR LF) and the data of a `VA`.
+    Meta {
+        line: String,
+        data: Option<Vec<u8>>,
     },
     Load {
         seq: u64,
@@ -529,6 +571,7 @@ impl ReplyReader {
                 Frame::Hello { server, worker, epoch } => Reply::Hello { server, worker, epoch },
                 Frame::Map { epoch, json } => Reply::Map { epoch, json: json.to_vec() },
                 Frame::Moved { epoch } => Reply::Moved { epoch },
+                Frame::Meta { line, data, .. } => Reply::Meta { line: s(line), data: data.map(<[u8]>::to_vec) },
                 Frame::Load { seq, json } => Reply::Load { seq, json: json.to_vec() },
                 Frame::Error(l) => {
                     self.partial = Partial::None;

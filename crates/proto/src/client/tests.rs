@@ -366,3 +366,39 @@ proptest! {
         prop_assert_eq!(split, whole);
     }
 }
+
+#[test]
+fn meta_replies() {
+    let stream = b"HD\r\nVA 3 f5 c9\r\nabc\r\nEN\r\nNF Oxy\r\nNS\r\nEX c0\r\nMN\r\nME k exp=-1 la=1\r\nRD 3 1 0\r\n\
+VA 0\r\n\r\nCLIENT_ERROR bad command line format\r\n";
+    let m = |l: &str, d: Option<&[u8]>| Reply::Meta { line: l.into(), data: d.map(|d| d.to_vec()) };
+    let want = vec![
+        m("HD", None),
+        m("VA 3 f5 c9", Some(b"abc")),
+        m("EN", None),
+        m("NF Oxy", None),
+        m("NS", None),
+        m("EX c0", None),
+        m("MN", None),
+        m("ME k exp=-1 la=1", None),
+        Reply::Redirect { epoch: 3, server: 1, worker: 0 },
+        m("VA 0", Some(b"")),
+        Reply::Error("CLIENT_ERROR bad command line format".into()),
+    ];
+    let expects = vec![Expect::Meta; want.len()];
+    assert_eq!(parse_all(stream, &expects), want);
+    assert_eq!(parse_bytewise(stream, &expects), want);
+    // a meta reply where text was expected, and END where meta was, break the stream
+    // (a text status line is returned whatever was expected, as the module docs say)
+    for (bytes, e) in [(&b"HD\r\n"[..], Expect::Line), (b"END\r\n", Expect::Meta)] {
+        let mut p = ReplyReader::new();
+        p.feed(bytes);
+        assert!(p.next(e).is_err(), "{:?}", String::from_utf8_lossy(bytes));
+    }
+    let mut p = ReplyReader::new();
+    p.feed(b"VA 2\r\nabX\r\n");
+    assert!(p.next(Expect::Meta).is_err(), "data not followed by CR LF");
+    let mut p = ReplyReader::new();
+    p.feed(b"VA x\r\n");
+    assert!(p.next(Expect::Meta).is_err());
+}

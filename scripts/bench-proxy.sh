@@ -1,0 +1,146 @@
+#!/usr/bin/env bash
+# Loopback benchmark of `mbal proxy` against twemproxy (nutcracker), same
+# servers, same generator, same run.
+#
+#   scripts/bench-proxy.sh [RUNS] [SECONDS]
+#
+# One mbal server (`-t 1`) on core $SERVER_CPU (default 0) with the load
+# generator (`mbal bench`, plain memcached text client) on the same core; the
+# proxy under test alone on core $PROXY_CPU (default 1), one thread
+# (`mbal proxy -t 1`; twemproxy is single-threaded). twemproxy is pointed at
+# the same server (one pool, ketama, fnv1a_64). For each scenario the three
+# targets -- the server directly, mbal proxy, twemproxy -- alternate RUNS
+# times (default 3). Reported, as medians: throughput, the proxy's CPU time
+# per request (utime+stime from /proc/PID/stat over the run: "requests per
+# proxy core" is its inverse, the figure that holds on a shared 2-core VM),
+# and for the unloaded scenarios (one connection, one request at a time)
+# p50/p99 latency and what the proxy adds to the direct figure.
+# JSON reports land in $OUT (default results/proxy). Loopback only; kills
+# only the processes it started, by pid.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RUNS=${1:-3}
+SECS=${2:-3}
+SERVER_CPU=${SERVER_CPU:-0}
+PROXY_CPU=${PROXY_CPU:-1}
+OUT=${OUT:-results/proxy}
+KEYS=${KEYS:-100000}
+ONLY=${ONLY:-}
+source scripts/lib/loopback.sh
+command -v nutcracker >/dev/null || { echo "nutcracker is not installed (apt-get install nutcracker)" >&2; exit 1; }
+mkdir -p "$OUT"
+
+start_server mbal 1 "$SERVER_CPU"
+SPID=$PID SPORT=$PORT
+PID=""
+
+PPID_=""
+stop_proxy() { if [ -n "$PPID_" ]; then kill "$PPID_" 2>/dev/null && { wait "$PPID_" 2>/dev/null || true; }; fi; PPID_=""; return 0; }
+cleanup() { stop_proxy; kill "$SPID" 2>/dev/null && wait "$SPID" 2>/dev/null; return 0; }
+trap cleanup EXIT
+
+wait_port() { for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/"$1") 2>/dev/null && return 0; sleep 0.05; done; return 1; }
+
+start_proxy() { # kind -> sets PPID_ and TPORT
+  local kind=$1
+  for _try in 1 2 3 4 5; do
+    TPORT=$((21000 + RANDOM % 20000))
+    case $kind in
+      mbal)
+        taskset -c "$PROXY_CPU" "$BIN" proxy --server 127.0.0.1:"$SPORT" -l 127.0.0.1 -p "$TPORT" -t 1 2>/dev/null & ;;
+      twemproxy)
+        local conf="$OUT/nutcracker.yml"
+        cat >"$conf" <<EOF
+mbal:
+  listen: 127.0.0.1:$TPORT
+  hash: fnv1a_64
+  distribution: ketama
+  timeout: 1000
+  auto_eject_hosts: false
+  servers:
+   - 127.0.0.1:$SPORT:1
+EOF
+        local sport=$((TPORT + 1))
+        taskset -c "$PROXY_CPU" nutcracker -c "$conf" -s "$sport" -a 127.0.0.1 -o "$OUT/nutcracker.log" \
+          -p "$OUT/nutcracker.pid" 2>/dev/null & ;;
+    esac
+    PPID_=$!
+    wait_port "$TPORT" && kill -0 "$PPID_" 2>/dev/null && return 0
+    stop_proxy
+  done
+  echo "$kind did not start" >&2
+  exit 1
+}
+
+proxy_ticks() { awk '{print $14+$15}' "/proc/$PPID_/stat"; }
+
+taskset -c "$SERVER_CPU" "$BIN" bench --server 127.0.0.1:"$SPORT" --keys "$KEYS" --load-only --quiet >/dev/null
+
+scenario() { # name, bench args...
+  local name=$1; shift
+  [ -n "$ONLY" ] && [[ ",$ONLY," != *",$name,"* ]] && return 0
+  echo "== $name: $*" >&2
+  for r in $(seq "$RUNS"); do
+    for target in direct mbal twemproxy; do
+      local port=$SPORT
+      if [ "$target" != direct ]; then start_proxy "$target"; port=$TPORT; fi
+      local c0=0; [ "$target" != direct ] && c0=$(proxy_ticks)
+      taskset -c "$SERVER_CPU" "$BIN" bench --server 127.0.0.1:"$port" --keys "$KEYS" --duration "$SECS" --quiet \
+        --json "$OUT/$name.$target.$r.json" "$@" >/dev/null
+      local c1=0; [ "$target" != direct ] && c1=$(proxy_ticks)
+      echo "$(( c1 - c0 ))" >"$OUT/$name.$target.$r.cpu"
+      stop_proxy
+    done
+  done
+}
+
+# throughput: 8 connections x 16 requests in flight
+scenario get        --workload uniform --read-ratio 1 --conns 8 --pipeline 16
+scenario mget100    --workload uniform --read-ratio 1 --multiget 100 --conns 8 --pipeline 4
+scenario set        --workload uniform --read-ratio 0 --conns 8 --pipeline 16
+# latency: one connection, one request at a time
+scenario lat_get     --workload uniform --read-ratio 1 --conns 1 --pipeline 1
+scenario lat_mget100 --workload uniform --read-ratio 1 --multiget 100 --conns 1 --pipeline 1
+scenario lat_set     --workload uniform --read-ratio 0 --conns 1 --pipeline 1
+
+python3 - "$OUT" "$RUNS" "$HZ" <<'PY'
+import json, statistics, sys, os
+out, runs, hz = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+med = statistics.median
+def load(n, t):
+    rows = []
+    for r in range(1, runs + 1):
+        p = f"{out}/{n}.{t}.{r}.json"
+        if os.path.exists(p):
+            d = json.load(open(p))
+            ticks = int(open(f"{out}/{n}.{t}.{r}.cpu").read())
+            rows.append((d, ticks))
+    return rows
+print("throughput (keys/s for mget100, ops/s otherwise), medians; proxy CPU us per client request")
+print(f"{'scenario':10} {'direct':>10} {'mbal':>10} {'twemproxy':>10} {'mbal/twem':>9} {'cpu us mbal':>11} {'twem':>7} {'per-core ratio':>14}")
+for n in ("get", "mget100", "set"):
+    v, cpu = {}, {}
+    for t in ("direct", "mbal", "twemproxy"):
+        rows = load(n, t)
+        if not rows:
+            continue
+        key = "keys_per_sec" if n.startswith("mget") else "ops_per_sec"
+        v[t] = med([d["totals"][key] for d, _ in rows])
+        cpu[t] = med([ticks / hz / max(d["totals"]["requests"], 1) * 1e6 for d, ticks in rows])
+    if len(v) == 3:
+        pc = cpu["twemproxy"] / cpu["mbal"] if cpu["mbal"] else 0
+        print(f"{n:10} {v['direct']:10.0f} {v['mbal']:10.0f} {v['twemproxy']:10.0f} {v['mbal']/v['twemproxy']:9.2f} "
+              f"{cpu['mbal']:11.2f} {cpu['twemproxy']:7.2f} {pc:14.2f}")
+print()
+print("latency, one request at a time (us, medians of runs): p50 / p99, and added over direct")
+print(f"{'scenario':12} {'direct p50':>10} {'p99':>7} {'mbal p50':>9} {'p99':>7} {'twem p50':>9} {'p99':>7} {'added p50 mbal':>15} {'twem':>6} {'added p99 mbal':>15} {'twem':>6}")
+for n in ("lat_get", "lat_mget100", "lat_set"):
+    l = {}
+    for t in ("direct", "mbal", "twemproxy"):
+        rows = load(n, t)
+        if rows:
+            l[t] = (med([d["latency"]["all"]["p50_us"] for d, _ in rows]), med([d["latency"]["all"]["p99_us"] for d, _ in rows]))
+    if len(l) == 3:
+        d, m, w = l["direct"], l["mbal"], l["twemproxy"]
+        print(f"{n:12} {d[0]:10.1f} {d[1]:7.1f} {m[0]:9.1f} {m[1]:7.1f} {w[0]:9.1f} {w[1]:7.1f} {m[0]-d[0]:15.1f} {w[0]-d[0]:6.1f} {m[1]-d[1]:15.1f} {w[1]-d[1]:6.1f}")
+PY

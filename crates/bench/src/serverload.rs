@@ -121,9 +121,9 @@ struct Poller {
     /// (arrival, snapshot, the balancer's decision), in order.
     got: Mutex<Vec<(Instant, EpochSnapshot, Option<Decision>)>>,
     failed: Mutex<Option<String>>,
-    /// Answers that waited for their epoch to end (the history was read up to them), and the
-    /// epoch length seen; `fresh_cv` is told of each.
-    fresh: Mutex<(u64, f64)>,
+    /// When the last answer that waited for its epoch to end was asked for (the history was
+    /// read up to it), and the epoch length seen; `fresh_cv` is told of each.
+    fresh: Mutex<(Option<Instant>, f64)>,
     fresh_cv: Condvar,
     /// The poller's thread has ended (stopped or failed).
     ended: AtomicBool,
@@ -150,7 +150,7 @@ impl LoadWatch {
                 caught_up: Mutex::new(Some(tx.clone())),
                 got: Mutex::new(Vec::new()),
                 failed: Mutex::new(None),
-                fresh: Mutex::new((0, 0.0)),
+                fresh: Mutex::new((None, 0.0)),
                 fresh_cv: Condvar::new(),
                 ended: AtomicBool::new(false),
             });
@@ -186,15 +186,16 @@ impl LoadWatch {
 
     /// Stop the pollers and return what they saw of the run that started at `run_start` and
     /// ended now. First waits (at most two epochs and [`FINISH_WAIT`]) until each poller has
-    /// read an epoch that ended after now, so that one that fell behind catches up.
+    /// asked after now and had to wait for the answer's epoch to end: it has read every epoch
+    /// of the run, also one that fell behind (its connection's worker was saturated: an answer
+    /// to a request made during the run can be slow and still be history).
     pub fn finish(mut self, run_start: Instant) -> ServerLoad {
         let run_end = Instant::now();
         for (_, p) in &self.pollers {
-            let mark = p.fresh.lock().unwrap_or_else(|e| e.into_inner()).0;
             let epoch = p.fresh.lock().unwrap_or_else(|e| e.into_inner()).1.clamp(0.0, 10.0);
             let deadline = run_end + FINISH_WAIT + Duration::from_secs_f64(2.0 * epoch);
             let mut g = p.fresh.lock().unwrap_or_else(|e| e.into_inner());
-            while g.0 <= mark && !p.ended.load(Ordering::Relaxed) {
+            while !g.0.is_some_and(|asked| asked >= run_end) && !p.ended.load(Ordering::Relaxed) {
                 let left = deadline.saturating_duration_since(Instant::now());
                 if left.is_zero() {
                     break;
@@ -366,7 +367,7 @@ fn poll_loop(p: &Poller, stop: &AtomicBool) -> Result<()> {
         p.got.lock().unwrap_or_else(|e| e.into_inner()).push((at, snap.snapshot, snap.balancer));
         if fresh {
             let mut g = p.fresh.lock().unwrap_or_else(|e| e.into_inner());
-            *g = (g.0 + 1, secs);
+            *g = (Some(asked), secs);
             p.fresh_cv.notify_all();
         }
     }
@@ -468,7 +469,7 @@ mod tests {
             caught_up: Mutex::new(None),
             got: Mutex::new(got),
             failed: Mutex::new(None),
-            fresh: Mutex::new((0, 0.0)),
+            fresh: Mutex::new((None, 0.0)),
             fresh_cv: Condvar::new(),
             ended: AtomicBool::new(true),
         });

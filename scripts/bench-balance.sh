@@ -143,7 +143,12 @@ if [ "$MODE" = balance ] || [ "$MODE" = all ]; then
             --max-ops $((rate * SECS * 2)) --drain 10 --quiet --json "$OUT/$tag.json" --plot "$OUT/$tag.svg" >/dev/null
           if [ "$SWEEP" = 1 ]; then
             # Same cluster, keys already loaded: the balancer (on) has settled during the run above.
-            "$BIN" bench --routed --server "$FIRST" --keys "$KEYS" "${wargs[@]}" --conns 8 --pipeline 64 \
+            # The same hot cachelets as that run (by id: the hot worker's cachelets are others now).
+            hot=()
+            if [ "$wl" = hotpart ]; then
+              hot=(--hot-cachelet-ids "$(python3 -c "import json,sys;print(','.join(map(str,json.load(open(sys.argv[1]))['hot_cachelets'])))" "$OUT/$tag.json")")
+            fi
+            "$BIN" bench --routed --server "$FIRST" --keys "$KEYS" "${wargs[@]}" "${hot[@]}" --conns 8 --pipeline 64 \
               --rate-sweep "$((step * 4)):$total:$step" --p99-target-us "$P99_TARGET_US" --duration "$SWEEP_SECS" \
               --max-ops $((total * SWEEP_SECS * 2)) --drain 10 --quiet --json "$OUT/$tag.sweep.json" >/dev/null
           fi

@@ -40,8 +40,10 @@
 //!   found through the cluster map and `KeySpace`), `--rate-sweep FROM:TO:STEP` with
 //!   `--p99-target-us` (one open-loop run per rate; the highest throughput meeting the target:
 //!   [`Sweep`]), per-second per-target counts in the timeline, and [`serverload`]: the servers'
-//!   own per-worker load per epoch (`mbal load`, side threads) with the moves seen in it, in the
-//!   JSON ([`ServerLoad`]) and as a third plot panel. `scripts/bench-balance.sh` runs them.
+//!   own per-worker load per epoch (`mbal load`, side threads) with the balancer's decisions
+//!   (moves, requests for Phase 3) as events, in the JSON ([`ServerLoad`]) and as a third plot
+//!   panel; `--settle SECS`: throughput and latency after a settle period ([`Settled`]).
+//!   `scripts/bench-balance.sh` runs them.
 //! * [`stub`]: a tiny in-process memcached-text server for `--null-server` (measures the
 //!   generator's ceiling) and for tests.
 //!

@@ -195,7 +195,7 @@ impl LoadWatch {
             let epoch = p.fresh.lock().unwrap_or_else(|e| e.into_inner()).1.clamp(0.0, 10.0);
             let deadline = run_end + FINISH_WAIT + Duration::from_secs_f64(2.0 * epoch);
             let mut g = p.fresh.lock().unwrap_or_else(|e| e.into_inner());
-            while !g.0.is_some_and(|asked| asked >= run_end) && !p.ended.load(Ordering::Relaxed) {
+            while g.0.is_none_or(|asked| asked < run_end) && !p.ended.load(Ordering::Relaxed) {
                 let left = deadline.saturating_duration_since(Instant::now());
                 if left.is_zero() {
                     break;

@@ -1,33 +1,49 @@
 #!/usr/bin/env bash
-# Balancer experiments on one machine, with emulated per-worker capacity (issue 9 §2):
+# Balancer experiments on one machine, with emulated per-worker capacity (issue 9):
 #
 #   scripts/bench-balance.sh capacity   one capped worker, open-loop rate sweep: throughput
 #                                       levels off at the cap, p99 rises as the load nears it
-#   scripts/bench-balance.sh balance    1 server x 4 workers and 8 servers x 2 workers, each
-#                                       worker capped; Zipf 0.99 and the hot partition at a
-#                                       fixed offered rate; per-worker max/avg (the client's
-#                                       counts and the servers' own), p99, throughput
+#   scripts/bench-balance.sh balance    the local balancer (Phase 2) off and on, same run: for
+#                                       each topology and workload, RUNS times each of
+#                                       `--balancer off` and `--balancer on` on a fresh cluster
+#                                       (every worker capped), the same keys, workload and
+#                                       open-loop offered rate; reports per-worker max/avg at the
+#                                       hotspot's onset and once settled (the servers' epochs,
+#                                       `mbal load`), p99 and throughput at the fixed rate after
+#                                       the settle period, the maximum throughput at a p99 target
+#                                       (a rate sweep on the same cluster, after the fixed run),
+#                                       the settle time, and the moves made; medians over the
+#                                       runs and the on/off ratios
 #   scripts/bench-balance.sh all        both (the default)
 #
-# The servers' arguments come from SERVER_ARGS, so a balancer-off and a balancer-on run are one
-# line each (once `mbal server --balancer` exists):
-#   SERVER_ARGS="--balancer off" scripts/bench-balance.sh balance
-#   SERVER_ARGS="--balancer on"  scripts/bench-balance.sh balance
+# The hotspot starts with the measured phase: the keys are loaded first (uniform SETs), then
+# the workload runs at the fixed rate from t = 0. Settle time: from t = 0 to the start of the
+# first epoch from which every epoch's per-worker max/avg stays <= SETTLED_AT (1.15), "never"
+# if the last epochs are above it; and the first second from which every second's p99 stays
+# within P99_TARGET_US (the backlog built up before the moves has drained).
 #
 # Knobs (environment): CAP per-worker capacity, requests/s (default 2000); LOAD offered load as
-# a fraction of the cluster's total capacity (default 0.6); SECS seconds per run (default 15);
-# SETTLE seconds at the start of each run left out of the "settled" figures (default 5);
-# KEYS (default 50000); HOT_CACHELETS and HOT_OPS for the hot partition (4, 0.5); TOPOLOGIES
-# (default "1x4 8x2"); SWEEP_SECS seconds per rate of the capacity sweep (default 4);
-# OUT (default results/balance). Every run is bounded in time (--duration, --drain, a bounded
-# load phase) and in requests (--max-ops).
+# a fraction of the cluster's total capacity (default 0.7); SECS seconds of the fixed-rate run
+# (default 20); SETTLE seconds at its start left out of the "settled" figures (default 8);
+# RUNS runs per mode (default 3); MODES (default "off on"); WORKLOADS (default "zipf hotpart");
+# TOPOLOGIES (default "1x4 8x2"); SWEEP 1/0: the rate sweep after the fixed run (default 1);
+# SWEEP_SECS seconds per rate (default 4); P99_TARGET_US (default 20000); KEYS (default 50000);
+# HOT_CACHELETS and HOT_OPS for the hot partition (4, 0.5); SERVER_ARGS more server arguments
+# for both modes (e.g. "--balance-persistence 2"); OUT (default results/balance). Every run is
+# bounded in time (--duration, --drain, a bounded load phase) and in requests (--max-ops).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-all}
 CAP=${CAP:-2000}
-LOAD=${LOAD:-0.6}
-SECS=${SECS:-15}
-SETTLE=${SETTLE:-5}
+LOAD=${LOAD:-0.7}
+SECS=${SECS:-20}
+SETTLE=${SETTLE:-8}
+RUNS=${RUNS:-3}
+MODES=${MODES:-"off on"}
+WORKLOADS=${WORKLOADS:-"zipf hotpart"}
+SWEEP=${SWEEP:-1}
+P99_TARGET_US=${P99_TARGET_US:-20000}
+SETTLED_AT=${SETTLED_AT:-1.15}
 KEYS=${KEYS:-50000}
 HOT_CACHELETS=${HOT_CACHELETS:-4}
 HOT_OPS=${HOT_OPS:-0.5}
@@ -45,10 +61,10 @@ trap cleanup EXIT
 # Start `mbal cluster up` for SERVERS x WORKERS with the capacity; sets PID and FIRST (the
 # first server's address). Waits (bounded) for it to say it is up.
 cluster_up() {
-  local servers=$1 workers=$2 tag=$3
-  # shellcheck disable=SC2086 # SERVER_ARGS is a list of arguments
+  local servers=$1 workers=$2 tag=$3 args=${4:-$SERVER_ARGS}
+  # shellcheck disable=SC2086 # args is a list of arguments
   "$BIN" cluster up --servers "$servers" --workers "$workers" --worker-capacity "$CAP" -m 128 \
-    --file "$OUT/$tag.cluster.toml" $(for a in $SERVER_ARGS; do printf -- '--server-arg=%s ' "$a"; done) \
+    --file "$OUT/$tag.cluster.toml" $(for a in $args; do printf -- '--server-arg=%s ' "$a"; done) \
     >"$OUT/$tag.cluster.log" 2>&1 &
   PID=$!
   for _ in $(seq 300); do
@@ -60,32 +76,24 @@ cluster_up() {
   FIRST=$(sed -n 's/^  server 0: \([0-9.:]*\) .*/\1/p' "$OUT/$tag.cluster.log")
 }
 
-summary() { # json settle
+# `stats balancer` of every server in a cluster file, as one JSON object per server.
+stats_balancer() { # cluster.toml out.json
   python3 - "$1" "$2" <<'PY'
-import json, sys
-r = json.load(open(sys.argv[1])); settle = float(sys.argv[2])
-t, lat = r["totals"], r["latency"].get("all", {})
-def spread(v):
-    avg = sum(v) / len(v) if v else 0
-    return (max(v) / avg if avg else 0, max(v) if v else 0, avg)
-# the client's own counts per worker, over the settled seconds
-secs = [s for s in r["timeline"] if s["t"] >= settle]
-per = [sum(s["targets"][j] for s in secs) / max(len(secs), 1) for j in range(len(r["balance"]["targets"]))]
-c = spread(per)
-line = (f"  {t['ops_per_sec']:8.0f} ops/s (offered {t['target_rate']:.0f}), p50 {lat.get('p50_us', 0):8.0f} us, "
-        f"p99 {lat.get('p99_us', 0):9.0f} us, unfinished {t['unfinished']}; "
-        f"client per-worker max/avg {c[0]:.2f} (settled: max {c[1]:.0f} avg {c[2]:.0f} req/s)")
-load = r.get("server_load") or {}
-eps = [e for e in load.get("epochs", []) if e["t_end"] - e["secs"] >= settle]
-if eps:
-    ws = {}
-    for e in eps:
-        for w in e["workers"]:
-            ws.setdefault((w["server"], w["worker"]), []).append(w["ops_per_sec"])
-    s = spread([sum(v) / len(v) for v in ws.values()])
-    line += f"; servers' per-worker max/avg {s[0]:.2f} (max {s[1]:.0f} avg {s[2]:.0f} req/s, {len(eps)} epochs)"
-line += f"; moves {len(load.get('events', []))}"
-print(line)
+import json, re, socket, sys
+out = []
+for addr in re.findall(r'addr\s*=\s*"([^"]+)"', open(sys.argv[1]).read()):
+    host, port = addr.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=5)
+    s.sendall(b"stats balancer\r\n")
+    buf = b""
+    while not buf.endswith(b"END\r\n"):
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        buf += chunk
+    s.close()
+    out.append({l.split()[1]: l.split()[2] for l in buf.decode().splitlines() if l.startswith("STAT ")})
+json.dump(out, open(sys.argv[2], "w"))
 PY
 }
 
@@ -118,19 +126,37 @@ if [ "$MODE" = balance ] || [ "$MODE" = all ]; then
     servers=${topo%x*}; workers=${topo#*x}
     total=$((servers * workers * CAP))
     rate=$(python3 -c "print(int($total * $LOAD))")
-    for wl in zipf hotpart; do
-      tag="$topo.$wl"
-      echo "== $topo ($servers servers x $workers workers, $CAP req/s each), $wl at $rate ops/s; server args: '${SERVER_ARGS}'"
-      cluster_up "$servers" "$workers" "$tag"
+    step=$((total / 16))
+    for wl in $WORKLOADS; do
       case $wl in
         zipf) wargs=(--workload a --zipf 0.99) ;;
         hotpart) wargs=(--workload hotpart --hot-cachelets "$HOT_CACHELETS" --hot-ops "$HOT_OPS") ;;
+        *) echo "unknown workload $wl"; exit 1 ;;
       esac
-      "$BIN" bench --routed --server "$FIRST" --keys "$KEYS" --load --load-timeout 120 "${wargs[@]}" \
-        --conns 8 --pipeline 64 --rate "$rate" --duration "$SECS" --max-ops $((rate * SECS * 2)) \
-        --drain 10 --quiet --json "$OUT/$tag.json" --plot "$OUT/$tag.svg" >/dev/null
-      cleanup
-      summary "$OUT/$tag.json" "$SETTLE"
+      for run in $(seq "$RUNS"); do
+        for mode in $MODES; do
+          tag="$topo.$wl.$mode.$run"
+          echo "== $tag: $servers servers x $workers workers at $CAP req/s each, $wl at $rate ops/s, balancer $mode ${SERVER_ARGS}"
+          cluster_up "$servers" "$workers" "$tag" "--balancer $mode $SERVER_ARGS"
+          "$BIN" bench --routed --server "$FIRST" --keys "$KEYS" --load --load-timeout 120 "${wargs[@]}" \
+            --conns 8 --pipeline 64 --rate "$rate" --duration "$SECS" --settle "$SETTLE" \
+            --max-ops $((rate * SECS * 2)) --drain 10 --quiet --json "$OUT/$tag.json" --plot "$OUT/$tag.svg" >/dev/null
+          if [ "$SWEEP" = 1 ]; then
+            # Same cluster, keys already loaded: the balancer (on) has settled during the run above.
+            # The same hot cachelets as that run (by id: the hot worker's cachelets are others now).
+            hot=()
+            if [ "$wl" = hotpart ]; then
+              hot=(--hot-cachelet-ids "$(python3 -c "import json,sys;print(','.join(map(str,json.load(open(sys.argv[1]))['hot_cachelets'])))" "$OUT/$tag.json")")
+            fi
+            "$BIN" bench --routed --server "$FIRST" --keys "$KEYS" "${wargs[@]}" "${hot[@]}" --conns 8 --pipeline 64 \
+              --rate-sweep "$((step * 4)):$total:$step" --p99-target-us "$P99_TARGET_US" --duration "$SWEEP_SECS" \
+              --max-ops $((total * SWEEP_SECS * 2)) --drain 10 --quiet --json "$OUT/$tag.sweep.json" >/dev/null
+          fi
+          stats_balancer "$OUT/$tag.cluster.toml" "$OUT/$tag.stats.json"
+          cleanup
+        done
+      done
+      python3 scripts/lib/balance_report.py "$OUT" "$topo" "$wl" "$RUNS" "$MODES" "$SETTLED_AT" "$P99_TARGET_US" | tee "$OUT/$topo.$wl.report.md"
     done
   done
 fi

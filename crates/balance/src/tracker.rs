@@ -11,7 +11,7 @@
 //! ([`crate::hot::HotKeys`] does it).
 //!
 //! Three bounded candidates, measured against an exact count in
-//! `tests/hot_trackers.rs` (docs/benchmarks.md §10, docs/design-notes.md):
+//! `tests/hot_trackers.rs` (docs/benchmarks.md §11, docs/design-notes.md):
 //!
 //! * [`SporeEwma`]: SPORE's server-side metadata cache: per key an
 //!   exponentially weighted moving average of per-epoch reads and writes,

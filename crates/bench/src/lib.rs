@@ -40,8 +40,10 @@
 //!   found through the cluster map and `KeySpace`), `--rate-sweep FROM:TO:STEP` with
 //!   `--p99-target-us` (one open-loop run per rate; the highest throughput meeting the target:
 //!   [`Sweep`]), per-second per-target counts in the timeline, and [`serverload`]: the servers'
-//!   own per-worker load per epoch (`mbal load`, side threads) with the moves seen in it, in the
-//!   JSON ([`ServerLoad`]) and as a third plot panel. `scripts/bench-balance.sh` runs them.
+//!   own per-worker load per epoch (`mbal load`, side threads) with the balancer's decisions
+//!   (moves, requests for Phase 3) as events, in the JSON ([`ServerLoad`]) and as a third plot
+//!   panel; `--settle SECS`: throughput and latency after a settle period ([`Settled`]).
+//!   `scripts/bench-balance.sh` runs them.
 //! * [`stub`]: a tiny in-process memcached-text server for `--null-server` (measures the
 //!   generator's ceiling) and for tests.
 //!
@@ -195,6 +197,11 @@ pub struct BenchArgs {
     /// Run time in seconds (default 10, or the sum of --phases).
     #[arg(long)]
     pub duration: Option<f64>,
+    /// Seconds at the start of the run to leave out of the report's `settled` figures
+    /// (throughput and latency of the ops completed after them): a balancer's settle period.
+    #[arg(long)]
+    #[serde(default)]
+    pub settle: Option<f64>,
     /// Stop after this many ops (whichever of --duration and --max-ops comes first).
     #[arg(long)]
     pub max_ops: Option<u64>,
@@ -312,6 +319,20 @@ pub struct SecondStats {
     pub targets: Vec<u64>,
 }
 
+/// The run after its first `from_s` seconds (`--settle`): ops completed in the whole seconds
+/// from `from_s` on.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
+pub struct Settled {
+    pub from_s: f64,
+    /// Seconds counted (to the end of the run).
+    pub secs: f64,
+    pub ops: u64,
+    pub ops_per_sec: f64,
+    /// Latency (µs) of those ops, all op types.
+    pub latency: LatencySummary,
+}
+
 /// One rate of a `--rate-sweep`.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 #[serde(default)]
@@ -392,6 +413,9 @@ pub struct BenchReport {
     /// Hot partition: the hot cachelets.
     #[serde(default)]
     pub hot_cachelets: Vec<u32>,
+    /// `--settle`: throughput and latency after the settle period (a sweep: the last rate's).
+    #[serde(default)]
+    pub settled: Option<Settled>,
     /// `--rate-sweep`: each rate's results (the fields above are the last rate's).
     #[serde(default)]
     pub sweep: Option<Sweep>,
@@ -828,6 +852,7 @@ pub fn run_with(args: BenchArgs, factory: &dyn DriverFactory) -> Result<BenchRep
         client: ClientCost { threads: args.threads, ..Default::default() },
         hot_cachelets,
         sweep: None,
+        settled: None,
         server_load: None,
     };
 
@@ -986,6 +1011,23 @@ fn choose_hot(map: &ClusterMap, args: &BenchArgs) -> Result<Vec<u32>> {
     Ok(mine[..k].to_vec())
 }
 
+/// The seconds from `from` on (rounded up to a whole second) merged: throughput and latency.
+fn settled_after(secs: &[SecAcc], from: f64, elapsed: f64) -> Settled {
+    let first = from.ceil() as usize;
+    let mut acc = SecAcc::new();
+    for s in secs.iter().skip(first) {
+        acc.merge(s);
+    }
+    let span = (elapsed - first as f64).max(0.0);
+    Settled {
+        from_s: first as f64,
+        secs: span,
+        ops: acc.ops,
+        ops_per_sec: if span > 0.0 { acc.ops as f64 / span } else { 0.0 },
+        latency: if acc.hist.is_empty() { LatencySummary::default() } else { summarize(&acc.hist, 1000.0) },
+    }
+}
+
 fn fill_report(report: &mut BenchReport, o: &PhaseOutcome, phases: &[Phase], rate: Option<f64>) {
     let rs = &o.results;
     report.totals = totals_of(rs, rate);
@@ -1021,6 +1063,7 @@ fn fill_report(report: &mut BenchReport, o: &PhaseOutcome, phases: &[Phase], rat
         }
     }
     let elapsed = report.totals.elapsed_s;
+    report.settled = report.settings.settle.map(|from| settled_after(&secs, from.max(0.0), elapsed));
     let n_secs = secs.len();
     report.timeline = secs
         .iter()
@@ -1126,12 +1169,19 @@ fn print_summary(r: &BenchReport) {
             let avg = l.workers.iter().map(|w| w.1).sum::<f64>() / l.workers.len() as f64;
             let (name, max) = l.workers.iter().fold(("", 0.0f64), |m, w| if w.1 > m.1 { (&w.0, w.1) } else { m });
             println!(
-                "  server workers ({} epochs): max {max:.0} req/s ({name}), avg {avg:.0} req/s, max/avg {:.3}, moves {}",
+                "  server workers ({} epochs): max {max:.0} req/s ({name}), avg {avg:.0} req/s, max/avg {:.3}, moves {}, escalations {}",
                 l.epochs.len(),
                 l.max_over_avg,
-                l.events.iter().filter(|e| e.kind == "move").count()
+                l.events.iter().filter(|e| e.kind == "move").count(),
+                l.events.iter().filter(|e| e.kind == "escalate").count()
             );
         }
+    }
+    if let Some(st) = &r.settled {
+        println!(
+            "  after {:.0} s (settle): {} ops in {:.1} s, {:.0} ops/s, p50 {:.0} us, p99 {:.0} us, p99.9 {:.0} us",
+            st.from_s, st.ops, st.secs, st.ops_per_sec, st.latency.p50_us, st.latency.p99_us, st.latency.p999_us
+        );
     }
     if let Some(sw) = &r.sweep {
         println!(

@@ -157,13 +157,31 @@ where
         .x_label_formatter(&|v| format!("{v:.0}"))
         .draw()
         .map_err(|e| anyhow!("{e:?}"))?;
+    // Moves in red, labelled with the cachelet (several at one time stack downwards); the
+    // balancer's requests for Phase 3 in blue.
+    let mut stacked: Vec<(f64, usize)> = Vec::new();
     for ev in &load.events {
-        c.draw_series(LineSeries::new(vec![(ev.t, 0.0), (ev.t, max_y * 1.15)], RED.mix(0.5).stroke_width(1)))
+        let (color, text) = match ev.kind.as_str() {
+            "move" => (RED, format!("c{} w{}>w{}", ev.cachelet, ev.from_worker, ev.to_worker)),
+            "escalate" => (BLUE, format!("Phase 3 wanted ({})", ev.why)),
+            _ => continue,
+        };
+        let n = match stacked.iter_mut().find(|s| (s.0 - ev.t).abs() < 1e-6) {
+            Some(s) => {
+                s.1 += 1;
+                s.1
+            }
+            None => {
+                stacked.push((ev.t, 0));
+                0
+            }
+        };
+        c.draw_series(LineSeries::new(vec![(ev.t, 0.0), (ev.t, max_y * 1.15)], color.mix(0.5).stroke_width(1)))
             .map_err(|e| anyhow!("{e:?}"))?;
         c.draw_series(std::iter::once(Text::new(
-            format!("c{} w{}>w{}", ev.cachelet, ev.from_worker, ev.to_worker),
-            (ev.t, max_y * 1.1),
-            ("sans-serif", 11).into_font().color(&RED),
+            text,
+            (ev.t, max_y * (1.1 - 0.05 * n as f64)),
+            ("sans-serif", 11).into_font().color(&color),
         )))
         .map_err(|e| anyhow!("{e:?}"))?;
     }

@@ -3,31 +3,41 @@
 //! snapshot ([`mbal_balance::EpochSnapshot`]) as soon as that epoch ends. So the thread reads
 //! every epoch in turn and never sleeps: each request blocks until there is something new.
 //!
-//! Times: a snapshot's `end_ns` is on the server's clock; the bench places an epoch on its own
-//! time axis by when the answer arrived (an epoch's answer to a caller that keeps up leaves the
-//! server as the epoch ends), as `t_end` seconds since the run started, `t_end - secs` for
-//! its start. Epochs answered before the run started (the controller keeps the last 64; the
-//! thread reads them first to catch up) are dropped.
+//! Times: a snapshot's `end_ns` is on the server's clock. An epoch's answer to a caller that
+//! keeps up leaves the server as the epoch ends, but the answer can be late to arrive (a busy
+//! machine: the poller thread or the controller waited for a core), so the bench maps the
+//! server's clock onto its own with the smallest (arrival − `end_ns`) seen from that server —
+//! the answer that waited least — and places each epoch at its `end_ns` on that axis, as
+//! `t_end` seconds since the run started, `t_end - secs` for its start. Epochs that ended
+//! before the run started (the controller keeps the last 64; the thread reads them first to
+//! catch up) are dropped, and so are those that ended after the run (when `finish` is called).
+//! A poller whose connection sits on a saturated worker (`--worker-capacity`: the worker reads
+//! no input while out of tokens) falls behind during the run; `finish` waits (bounded) until
+//! every poller has read the history up to a fresh epoch, so it still reports every epoch.
 //!
-//! Moves are read off the snapshots too: a cachelet listed under another worker than in the
-//! previous epoch of the same server moved between them ([`LoadEvent`], source
-//! `"epoch-snapshots"`). The server's balancer will report its own decisions later (`stats
-//! balancer`); they belong in the same list with their own source.
+//! Balancer events ([`LoadEvent`]) come from two sources: the server's own decisions (the
+//! `balancer` field of each `mbal load` epoch, source `"balancer"`: the moves it decided at the
+//! end of that epoch, and its requests for Phase 3, kind `"escalate"`), and, for a server whose
+//! balancer is off, a cachelet listed under another worker than in the previous epoch of the
+//! same server (an operator's `mbal move`, source `"epoch-snapshots"`, at the end of the epoch
+//! it was seen in). A server that reports decisions has only its decisions listed.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use mbal_balance::EpochSnapshot;
+use mbal_balance::{Decision, EpochSnapshot};
 use serde::{Deserialize, Serialize};
 
 /// How often a poller looks at the stop flag while its request waits for the next epoch.
 const STOP_CHECK: Duration = Duration::from_millis(200);
 /// A reply that took this long was not in the server's history: the poller has caught up.
 const CAUGHT_UP_AFTER: Duration = Duration::from_millis(20);
+/// How long `finish` waits for a poller that fell behind, beyond two epochs.
+const FINISH_WAIT: Duration = Duration::from_secs(5);
 
 /// One worker in one epoch, from the server's counters.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -45,6 +55,15 @@ pub struct WorkerEpoch {
     pub cachelets: usize,
 }
 
+/// One `mbal load` answer: the snapshot and the balancer's decision at its end (docs/protocol.md).
+#[derive(Debug, Deserialize)]
+struct LoadRecord {
+    #[serde(flatten)]
+    snapshot: EpochSnapshot,
+    #[serde(default)]
+    balancer: Option<Decision>,
+}
+
 /// One epoch of one server.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 #[serde(default)]
@@ -56,6 +75,8 @@ pub struct ServerEpoch {
     pub t_end: f64,
     pub secs: f64,
     pub workers: Vec<WorkerEpoch>,
+    /// The balancer's state after this epoch (MBal Figure 4), when it runs.
+    pub balancer_state: Option<String>,
 }
 
 /// Something a balancer did, on the run's time axis.
@@ -65,14 +86,16 @@ pub struct LoadEvent {
     /// Seconds since the run started (the end of the epoch it was seen in).
     pub t: f64,
     pub server: u16,
-    /// `"move"`.
+    /// `"move"`, or `"escalate"` (the balancer asks for Phase 3; cachelet and workers are 0).
     pub kind: String,
     pub cachelet: u32,
     pub from_worker: u16,
     pub to_worker: u16,
-    /// Where it was learnt: `"epoch-snapshots"` (a cachelet listed under another worker than in
-    /// the epoch before).
+    /// Where it was learnt: `"balancer"` (the server's decision in `mbal load`) or
+    /// `"epoch-snapshots"` (a cachelet listed under another worker than in the epoch before).
     pub source: String,
+    /// The balancer's reason (`Balance`, `LeaseExpired`, `NoLocalPlan`, ...); empty otherwise.
+    pub why: String,
 }
 
 /// Per-worker load over the run from the servers' own counters.
@@ -95,9 +118,15 @@ struct Poller {
     addr: SocketAddr,
     /// Told once, when the poller has caught up (or given up).
     caught_up: Mutex<Option<std::sync::mpsc::Sender<()>>>,
-    /// (arrival, snapshot), in order.
-    got: Mutex<Vec<(Instant, EpochSnapshot)>>,
+    /// (arrival, snapshot, the balancer's decision), in order.
+    got: Mutex<Vec<(Instant, EpochSnapshot, Option<Decision>)>>,
     failed: Mutex<Option<String>>,
+    /// When the last answer that waited for its epoch to end was asked for (the history was
+    /// read up to it), and the epoch length seen; `fresh_cv` is told of each.
+    fresh: Mutex<(Option<Instant>, f64)>,
+    fresh_cv: Condvar,
+    /// The poller's thread has ended (stopped or failed).
+    ended: AtomicBool,
 }
 
 /// The side threads polling every server's `mbal load`.
@@ -121,6 +150,9 @@ impl LoadWatch {
                 caught_up: Mutex::new(Some(tx.clone())),
                 got: Mutex::new(Vec::new()),
                 failed: Mutex::new(None),
+                fresh: Mutex::new((None, 0.0)),
+                fresh_cv: Condvar::new(),
+                ended: AtomicBool::new(false),
             });
             let (p2, stop2) = (p.clone(), stop.clone());
             let spawned = std::thread::Builder::new().name(format!("bench-load-{i}")).spawn(move || {
@@ -128,6 +160,9 @@ impl LoadWatch {
                     *p2.failed.lock().unwrap_or_else(|e| e.into_inner()) = Some(format!("{e:#}"));
                 }
                 p2.tell_caught_up();
+                let _g = p2.fresh.lock().unwrap_or_else(|e| e.into_inner());
+                p2.ended.store(true, Ordering::Relaxed);
+                p2.fresh_cv.notify_all();
             });
             if let Ok(h) = spawned {
                 threads.push(h);
@@ -149,42 +184,82 @@ impl LoadWatch {
         }
     }
 
-    /// Stop the pollers and return what they saw of the run that started at `run_start`.
+    /// Stop the pollers and return what they saw of the run that started at `run_start` and
+    /// ended now. First waits (at most two epochs and [`FINISH_WAIT`]) until each poller has
+    /// asked after now and had to wait for the answer's epoch to end: it has read every epoch
+    /// of the run, also one that fell behind (its connection's worker was saturated: an answer
+    /// to a request made during the run can be slow and still be history).
     pub fn finish(mut self, run_start: Instant) -> ServerLoad {
+        let run_end = Instant::now();
+        for (_, p) in &self.pollers {
+            let epoch = p.fresh.lock().unwrap_or_else(|e| e.into_inner()).1.clamp(0.0, 10.0);
+            let deadline = run_end + FINISH_WAIT + Duration::from_secs_f64(2.0 * epoch);
+            let mut g = p.fresh.lock().unwrap_or_else(|e| e.into_inner());
+            while g.0.is_none_or(|asked| asked < run_end) && !p.ended.load(Ordering::Relaxed) {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                g = p.fresh_cv.wait_timeout(g, left.min(STOP_CHECK)).unwrap_or_else(|e| e.into_inner()).0;
+            }
+        }
         self.stop.store(true, Ordering::Relaxed);
         for h in self.threads.drain(..) {
             let _ = h.join();
         }
+        self.collect(run_start, run_end.saturating_duration_since(run_start).as_secs_f64())
+    }
+
+    /// What the pollers got, placed on the run's axis; epochs ending outside (0, run_end_s] left out.
+    fn collect(&self, run_start: Instant, run_end_s: f64) -> ServerLoad {
         let mut out = ServerLoad::default();
         for (server, p) in &self.pollers {
             if p.failed.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
                 continue;
             }
             out.servers.push(p.addr.to_string());
-            let got = std::mem::take(&mut *p.got.lock().unwrap_or_else(|e| e.into_inner()));
+            let got = p.got.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            // The server's clock on the run's axis: the least-delayed answer's offset.
+            let rel = |at: Instant| match at.checked_duration_since(run_start) {
+                Some(d) => d.as_secs_f64(),
+                None => -run_start.duration_since(at).as_secs_f64(),
+            };
+            let offset =
+                got.iter().map(|(at, snap, _)| rel(*at) - snap.end_ns as f64 / 1e9).fold(f64::INFINITY, f64::min);
+            let decides = got.iter().any(|g| g.2.is_some());
             let mut prev_owner: Option<std::collections::HashMap<u32, u16>> = None;
-            for (at, snap) in got {
+            for (_, snap, decision) in got {
                 let owners: std::collections::HashMap<u32, u16> =
                     snap.workers.iter().flat_map(|w| w.cachelets.iter().map(move |c| (c.id, w.worker))).collect();
-                if at < run_start {
+                let t_end = snap.end_ns as f64 / 1e9 + offset;
+                if t_end <= 0.0 || t_end > run_end_s {
                     prev_owner = Some(owners);
                     continue;
                 }
-                let t_end = at.duration_since(run_start).as_secs_f64();
-                if let Some(prev) = &prev_owner {
+                let event = |kind: &str, cachelet, from_worker, to_worker, source: &str, why: String| LoadEvent {
+                    t: t_end,
+                    server: *server,
+                    kind: kind.into(),
+                    cachelet,
+                    from_worker,
+                    to_worker,
+                    source: source.into(),
+                    why,
+                };
+                if let Some(d) = &decision {
+                    for m in &d.moves {
+                        out.events.push(event("move", m.cachelet, m.from, m.to, "balancer", format!("{:?}", m.why)));
+                    }
+                    if let Some(e) = &d.escalate {
+                        out.events.push(event("escalate", 0, 0, 0, "balancer", format!("{:?}", e.why)));
+                    }
+                }
+                if let (Some(prev), false) = (&prev_owner, decides) {
                     let mut moved: Vec<LoadEvent> = owners
                         .iter()
                         .filter_map(|(&c, &w)| {
                             let was = *prev.get(&c)?;
-                            (was != w).then(|| LoadEvent {
-                                t: t_end,
-                                server: *server,
-                                kind: "move".into(),
-                                cachelet: c,
-                                from_worker: was,
-                                to_worker: w,
-                                source: "epoch-snapshots".into(),
-                            })
+                            (was != w).then(|| event("move", c, was, w, "epoch-snapshots", String::new()))
                         })
                         .collect();
                     moved.sort_by_key(|e| e.cachelet);
@@ -210,6 +285,7 @@ impl LoadWatch {
                             cachelets: w.cachelets.len(),
                         })
                         .collect(),
+                    balancer_state: decision.map(|d| format!("{:?}", d.state)),
                 });
             }
         }
@@ -282,18 +358,25 @@ fn poll_loop(p: &Poller, stop: &AtomicBool) -> Result<()> {
             }
         };
         let at = Instant::now();
-        if at.duration_since(asked) >= CAUGHT_UP_AFTER {
+        let fresh = at.duration_since(asked) >= CAUGHT_UP_AFTER;
+        if fresh {
             p.tell_caught_up();
         }
-        after = snap.seq;
-        p.got.lock().unwrap_or_else(|e| e.into_inner()).push((at, snap));
+        after = snap.snapshot.seq;
+        let secs = snap.snapshot.workers.iter().map(|w| w.secs).fold(0.0, f64::max);
+        p.got.lock().unwrap_or_else(|e| e.into_inner()).push((at, snap.snapshot, snap.balancer));
+        if fresh {
+            let mut g = p.fresh.lock().unwrap_or_else(|e| e.into_inner());
+            *g = (Some(asked), secs);
+            p.fresh_cv.notify_all();
+        }
     }
     Ok(())
 }
 
 /// `LOAD <seq> <len>\r\n<json>\r\n` at the start of `buf`: the snapshot and the bytes used, or
 /// None if incomplete.
-fn parse_load(buf: &[u8]) -> Result<Option<(EpochSnapshot, usize)>> {
+fn parse_load(buf: &[u8]) -> Result<Option<(LoadRecord, usize)>> {
     let Some(eol) = buf.windows(2).position(|w| w == b"\r\n") else {
         if buf.len() > 1024 {
             bail!("no LOAD header in the first 1 KiB");
@@ -311,7 +394,7 @@ fn parse_load(buf: &[u8]) -> Result<Option<(EpochSnapshot, usize)>> {
     if buf.len() < start + len + 2 {
         return Ok(None);
     }
-    let snap: EpochSnapshot = serde_json::from_slice(&buf[start..start + len]).context("bad LOAD JSON")?;
+    let snap: LoadRecord = serde_json::from_slice(&buf[start..start + len]).context("bad LOAD JSON")?;
     Ok(Some((snap, start + len + 2)))
 }
 
@@ -327,8 +410,102 @@ mod tests {
             assert!(parse_load(&full.as_bytes()[..cut]).unwrap().is_none(), "cut at {cut}");
         }
         let (snap, used) = parse_load(full.as_bytes()).unwrap().unwrap();
-        assert_eq!((snap.seq, used), (7, full.len()));
+        assert_eq!((snap.snapshot.seq, used, snap.balancer), (7, full.len(), None));
         assert!(parse_load(b"ERROR\r\n").is_err());
+    }
+
+    /// A server's decisions become events (and its snapshot diffs do not double them), and
+    /// epochs are placed on the server's clock: a late answer does not move its epoch.
+    #[test]
+    fn decisions_become_events_on_the_servers_clock() {
+        use mbal_balance::{EscalateWhy, Escalation, Move, State, Why, WorkerLoad};
+        let run_start = Instant::now();
+        let snap = |seq: u64, owners: &[(u16, u32)]| EpochSnapshot {
+            seq,
+            end_ns: seq * 1_000_000_000,
+            workers: (0..2u16)
+                .map(|w| WorkerLoad {
+                    worker: w,
+                    secs: 1.0,
+                    reads: 100 * (u64::from(w) + 1),
+                    cachelets: owners
+                        .iter()
+                        .filter(|o| o.0 == w)
+                        .map(|o| mbal_balance::CacheletLoad { id: o.1, ..Default::default() })
+                        .collect(),
+                    ..Default::default()
+                })
+                .collect(),
+        };
+        let decision = |seq: u64, moves: Vec<Move>, escalate: Option<Escalation>| Decision {
+            epoch: seq,
+            state: State::LocalMigration,
+            transition: None,
+            imbalance: Default::default(),
+            loads: vec![],
+            limit: 0.0,
+            overloaded: vec![],
+            moves,
+            plan: None,
+            escalate,
+            leases: 0,
+        };
+        let mv = Move { cachelet: 3, from: 1, to: 0, why: Why::Balance, lease_epochs: 10 };
+        // Epoch k ends at k s on the server; the run starts as epoch 1 ends. Epochs 1 and 2 are
+        // answered as they end; epoch 3's answer comes 1 s late, with epoch 4's.
+        let at = |secs: f64| run_start + Duration::from_secs_f64(secs);
+        let got = vec![
+            (run_start, snap(1, &[(0, 2), (1, 3)]), Some(decision(1, vec![], None))),
+            (at(1.0), snap(2, &[(0, 2), (1, 3)]), Some(decision(2, vec![mv], None))),
+            (at(4.0), snap(3, &[(0, 2), (0, 3)]), Some(decision(3, vec![], None))),
+            (
+                at(4.0),
+                snap(4, &[(0, 2), (0, 3)]),
+                Some(decision(4, vec![], Some(Escalation { why: EscalateWhy::NoLocalPlan, sources: vec![0] }))),
+            ),
+        ];
+        let poller = Arc::new(Poller {
+            addr: "127.0.0.1:1".parse().unwrap(),
+            caught_up: Mutex::new(None),
+            got: Mutex::new(got),
+            failed: Mutex::new(None),
+            fresh: Mutex::new((None, 0.0)),
+            fresh_cv: Condvar::new(),
+            ended: AtomicBool::new(true),
+        });
+        let (_tx, caught_up) = std::sync::mpsc::channel();
+        let watch = LoadWatch {
+            pollers: vec![(0, poller)],
+            caught_up,
+            stop: Arc::new(AtomicBool::new(false)),
+            threads: vec![],
+        };
+        // Epoch 1 ended at t = 0 (dropped); the others at 1, 2, 3 s, whenever they arrived;
+        // the run ended at 3.5 s. Then the same with the run ending at 2.5 s: epoch 4 is after it.
+        assert_eq!(watch.collect(run_start, 2.5).epochs.len(), 2);
+        let load = watch.collect(run_start, 3.5);
+        let ts: Vec<f64> = load.epochs.iter().map(|e| (e.t_end * 10.0).round() / 10.0).collect();
+        assert_eq!(ts, vec![1.0, 2.0, 3.0], "epochs at their servers' times");
+        assert_eq!(load.epochs[0].balancer_state.as_deref(), Some("LocalMigration"));
+        let ev: Vec<(f64, &str, u32, u16, u16, &str, &str)> = load
+            .events
+            .iter()
+            .map(|e| {
+                (
+                    (e.t * 10.0).round() / 10.0,
+                    e.kind.as_str(),
+                    e.cachelet,
+                    e.from_worker,
+                    e.to_worker,
+                    e.source.as_str(),
+                    e.why.as_str(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            ev,
+            vec![(1.0, "move", 3, 1, 0, "balancer", "Balance"), (3.0, "escalate", 0, 0, 0, "balancer", "NoLocalPlan")]
+        );
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! What a balancer experiment needs from `mbal bench`, end to end against real mbal servers
 //! started in-process on loopback ephemeral ports: the hot-partition workload, the servers'
-//! per-worker load timeline (`mbal load`) with moves read off it, and the open-loop rate sweep
-//! against a worker with an emulated capacity.
+//! per-worker load timeline (`mbal load`) with moves read off it or taken from the balancer's
+//! decisions, `--settle`, and the open-loop rate sweep against a worker with an emulated
+//! capacity.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
@@ -110,6 +111,46 @@ fn a_move_during_the_run_is_seen_in_the_servers_epochs() {
     let m = moves[0];
     assert_eq!((m.cachelet, m.from_worker, m.to_worker, m.source.as_str()), (0, 0, 1, "epoch-snapshots"));
     assert!(m.t > 0.0 && m.t <= r.totals.elapsed_s + 1.0, "move at {}", m.t);
+    srv.shutdown();
+}
+
+#[test]
+fn the_balancers_decisions_are_the_timelines_events_and_settled_figures_follow_the_settle_period() {
+    // A server with its balancer on (200 ms epochs, persistence 4) under a hot partition: its
+    // decisions in `mbal load` become the run's events (source "balancer"), the first moving
+    // a hot cachelet off the hot worker; no move is also listed from the snapshots.
+    let srv = mbal_server::start(Settings { balancer: true, ..settings(4) }).unwrap();
+    let a = BenchArgs {
+        server: vec![srv.main_addr.to_string()],
+        routed: true,
+        workload: WorkloadKind::Hotpart,
+        hot_cachelets: 4,
+        hot_ops: 0.9,
+        keys: 20_000,
+        conns: 2,
+        pipeline: 8,
+        rate: Some(4_000.0),
+        duration: Some(3.0),
+        settle: Some(2.0),
+        max_ops: Some(40_000),
+        quiet: true,
+        ..BenchArgs::default()
+    };
+    let r = run(a).unwrap();
+    let load = r.server_load.expect("an mbal server answers mbal load");
+    assert!(!load.events.is_empty(), "the balancer moved nothing: {:?}", load.epochs);
+    assert!(load.events.iter().all(|e| e.source == "balancer"), "{:?}", load.events);
+    let first = &load.events[0];
+    assert_eq!((first.kind.as_str(), first.why.as_str()), ("move", "Balance"), "{first:?}");
+    let at_first: Vec<_> = load.events.iter().filter(|e| e.t == first.t).collect();
+    assert!(at_first.iter().any(|e| r.hot_cachelets.contains(&e.cachelet)), "{at_first:?}");
+    assert!(first.t > 0.0 && first.t <= r.totals.elapsed_s + 0.5, "move at {}", first.t);
+    assert!(load.epochs.iter().any(|e| e.balancer_state.is_some()));
+    // --settle 2: the ops completed from the third second on.
+    let st = r.settled.expect("--settle reports settled figures");
+    assert_eq!(st.from_s, 2.0);
+    assert!(st.ops > 0 && st.ops < r.totals.ops, "{st:?}");
+    assert!(st.latency.p99_us > 0.0);
     srv.shutdown();
 }
 

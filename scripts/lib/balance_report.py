@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""The balancer-off/on table of scripts/bench-balance.sh, from the JSON it wrote.
+
+usage: balance_report.py OUT TOPO WORKLOAD RUNS "MODES" SETTLED_AT P99_TARGET_US
+
+For each mode and run it reads OUT/TOPO.WORKLOAD.MODE.RUN.json (the fixed-rate run, with the
+servers' epochs from `mbal load`), .sweep.json (the rate sweep, if any) and .stats.json (every
+server's `stats balancer` at the end), prints one line per run and a markdown table of the
+medians, and the on/off ratios.
+"""
+import json
+import os
+import statistics
+import sys
+
+out, topo, wl, runs, modes, settled_at, p99_target = sys.argv[1:8]
+runs, modes, settled_at, p99_target = int(runs), modes.split(), float(settled_at), float(p99_target)
+ONSET_END = 3.5  # seconds: epochs ending by then are the hotspot's onset (before any move can act)
+
+
+def spread(epochs):
+    """Per-worker mean req/s over the epochs: (max/avg, max, avg)."""
+    per = {}
+    for e in epochs:
+        for w in e["workers"]:
+            per.setdefault((w["server"], w["worker"]), []).append(w["ops_per_sec"])
+    means = [sum(v) / len(v) for v in per.values()]
+    if not means:
+        return (float("nan"), 0.0, 0.0)
+    avg = sum(means) / len(means)
+    return (max(means) / avg if avg else float("nan"), max(means), avg)
+
+
+def rounds(epochs):
+    """The k-th epoch of every server together: [(start, end, max/avg over all workers)]."""
+    by = {}
+    for e in epochs:
+        by.setdefault(e["server"], []).append(e)
+    n = min(len(v) for v in by.values()) if by else 0
+    out = []
+    for k in range(n):
+        es = [v[k] for v in by.values()]
+        loads = [w["ops_per_sec"] for e in es for w in e["workers"]]
+        avg = sum(loads) / len(loads)
+        out.append((min(e["t_end"] - e["secs"] for e in es), max(e["t_end"] for e in es), max(loads) / avg if avg else 0))
+    return out
+
+
+def settle_time(epochs, secs):
+    """Start of the first round from which max/avg stays <= settled_at (None: never)."""
+    rs = [r for r in rounds(epochs) if r[1] <= secs + 0.5]
+    if not rs or rs[-1][2] > settled_at:
+        return None
+    k = len(rs)
+    while k > 0 and rs[k - 1][2] <= settled_at:
+        k -= 1
+    return max(rs[k][0], 0.0) if k < len(rs) else None
+
+
+def recovered(timeline):
+    """Start of the first whole second from which every second's p99 stays within the target."""
+    secs = timeline[:-1] if len(timeline) > 1 else timeline  # the last one holds the drain
+    k = len(secs)
+    while k > 0 and secs[k - 1]["p99_us"] <= p99_target:
+        k -= 1
+    return float(secs[k]["t"]) if k < len(secs) else None
+
+
+def one(mode, run):
+    base = os.path.join(out, f"{topo}.{wl}.{mode}.{run}")
+    if not os.path.exists(base + ".json"):
+        return None
+    r = json.load(open(base + ".json"))
+    secs = r["settings"]["duration"] or 0
+    settle = r["settings"].get("settle") or 0
+    eps = (r.get("server_load") or {}).get("epochs", [])
+    events = (r.get("server_load") or {}).get("events", [])
+    st = r.get("settled") or {}
+    row = {
+        "onset": spread([e for e in eps if e["t_end"] > 0.5 and e["t_end"] <= ONSET_END])[0],
+        "settled": spread([e for e in eps if e["t_end"] - e["secs"] >= settle - 0.05])[0],
+        "hottest": spread([e for e in eps if e["t_end"] - e["secs"] >= settle - 0.05])[1],
+        "settle_s": settle_time(eps, secs),
+        "recovered_s": recovered(r["timeline"]),
+        "offered": r["totals"].get("target_rate") or 0,
+        "ops": st.get("ops_per_sec", 0.0),
+        "p99": (st.get("latency") or {}).get("p99_us", 0.0),
+        "p99_all": r["latency"].get("all", {}).get("p99_us", 0.0),
+        # the median second's p99 after the settle period: robust to a stall of the machine
+        "p99_sec": statistics.median([s["p99_us"] for s in r["timeline"][:-1] if s["t"] >= settle] or [0.0]),
+        "moves_run": sum(1 for e in events if e["kind"] == "move"),
+        "escalations_run": sum(1 for e in events if e["kind"] == "escalate"),
+        "why": sorted({e["why"] for e in events if e["kind"] == "escalate"}),
+        "max_at_target": None,
+        "moves_total": None,
+        "state": "",
+    }
+    if os.path.exists(base + ".sweep.json"):
+        sw = json.load(open(base + ".sweep.json")).get("sweep") or {}
+        row["max_at_target"] = sw.get("max_ops_per_sec_at_target") or 0.0
+        row["p99_target"] = sw.get("p99_target_us")
+    if os.path.exists(base + ".stats.json"):
+        stats = json.load(open(base + ".stats.json"))
+        row["moves_total"] = sum(int(s.get("moves", 0)) for s in stats)
+        row["escalations_total"] = sum(int(s.get("escalations", 0)) for s in stats)
+        row["state"] = "/".join(sorted({s.get("state", "?") for s in stats}))
+    return row
+
+
+def med(rows, key):
+    v = [x[key] for x in rows if x.get(key) is not None]
+    return statistics.median(v) if v else None
+
+
+def f(v, fmt="{:.2f}"):
+    return "-" if v is None else fmt.format(v)
+
+
+results = {m: [x for x in (one(m, i) for i in range(1, runs + 1)) if x] for m in modes}
+print(f"### {topo}, {wl}: balancer {' vs '.join(modes)}, {runs} run(s) each; medians")
+print()
+for m in modes:
+    for i, x in enumerate(results[m], 1):
+        print(
+            f"<!-- {m} run {i}: onset {f(x['onset'])} settled {f(x['settled'])} settle_s {f(x['settle_s'], '{:.1f}')} "
+            f"p99_ok_from {f(x['recovered_s'], '{:.0f}')} ops {x['ops']:.0f} p99 {x['p99']:.0f} p99_all {x['p99_all']:.0f} max_at_target {f(x['max_at_target'], '{:.0f}')} "
+            f"moves {x['moves_run']}/{f(x['moves_total'], '{:.0f}')} escalations {x['escalations_run']} {x['why']} state {x['state']} -->"
+        )
+print()
+print(
+    "| balancer | max/avg at onset (0–3.5 s) | max/avg settled | hottest worker req/s settled | settle time s "
+    "(runs) | p99 within target from s (runs) | ops/s settled (offered) | p99 µs settled | median second's p99 µs settled | p99 µs whole run | max ops/s at p99 target "
+    "| moves in the run (all, with the sweep) | Phase 3 wanted |"
+)
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+for m in modes:
+    rs = results[m]
+    if not rs:
+        continue
+    settles = ", ".join(f(x["settle_s"], "{:.1f}") if x["settle_s"] is not None else "never" for x in rs)
+    recovers = ", ".join(f(x["recovered_s"], "{:.0f}") if x["recovered_s"] is not None else "never" for x in rs)
+    why = sorted({w for x in rs for w in x["why"]})
+    print(
+        f"| {m} | {f(med(rs, 'onset'))} | {f(med(rs, 'settled'))} | {f(med(rs, 'hottest'), '{:,.0f}')} | "
+        f"{f(med(rs, 'settle_s'), '{:.1f}') if all(x['settle_s'] is not None for x in rs) else 'never'} ({settles}) | "
+        f"{f(med(rs, 'recovered_s'), '{:.0f}') if all(x['recovered_s'] is not None for x in rs) else 'never'} ({recovers}) | "
+        f"{f(med(rs, 'ops'), '{:,.0f}')} ({f(med(rs, 'offered'), '{:,.0f}')}) | {f(med(rs, 'p99'), '{:,.0f}')} | {f(med(rs, 'p99_sec'), '{:,.0f}')} | "
+        f"{f(med(rs, 'p99_all'), '{:,.0f}')} | {f(med(rs, 'max_at_target'), '{:,.0f}')} | "
+        f"{f(med(rs, 'moves_run'), '{:.0f}')} ({f(med(rs, 'moves_total'), '{:.0f}')}) | "
+        f"{f(med(rs, 'escalations_run'), '{:.0f}')}{' ' + ','.join(why) if why else ''} |"
+    )
+if "off" in results and "on" in results and results["off"] and results["on"]:
+    def ratio(key):
+        a, b = med(results["on"], key), med(results["off"], key)
+        return f"{a / b:.2f}" if a is not None and b else "-"
+
+    print()
+    print(
+        f"on / off (medians): max ops/s at the p99 target {ratio('max_at_target')}, p99 at the fixed rate "
+        f"{ratio('p99')} (median second's: {ratio('p99_sec')}), ops/s at the fixed rate {ratio('ops')}, settled max/avg {ratio('settled')}"
+    )

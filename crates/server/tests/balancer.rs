@@ -98,12 +98,32 @@ fn balanced_settings(threads: usize) -> mbal_server::config::Settings {
     s.epoch_ms = 50;
     s.balancer = true;
     s.balance.persistence = 2;
-    s.balance.lease_epochs = 1000;
+    s.balance.lease_epochs = 10;
     s
 }
 
+/// Start plain (even) and routed (odd) clients, each on its own share of `keys`.
+fn clients(addr: std::net::SocketAddr, keys: &[String], stop: &Arc<AtomicBool>) -> Vec<thread::JoinHandle<usize>> {
+    (0..4)
+        .map(|i| {
+            let mine: Vec<String> = keys.iter().skip(i).step_by(4).cloned().collect();
+            let stop = stop.clone();
+            thread::spawn(move || {
+                if i % 2 == 0 {
+                    plain_client(addr, mine, stop, 2_000_000)
+                } else {
+                    routed_client(addr, mine, stop, 2_000_000)
+                }
+            })
+        })
+        .collect()
+}
+
+/// Moves away under a hot partition, and home again once it has cooled
+/// and the leases end, with plain and routed clients reading their own
+/// writes throughout (in the moving cachelets too).
 #[test]
-fn a_hot_partition_is_spread_while_clients_read_their_writes() {
+fn a_hot_partition_is_spread_and_goes_home_while_clients_read_their_writes() {
     let s = balanced_settings(4);
     let (cpw, vn) = (s.cachelets_per_worker, s.vn_count);
     let srv = start(s);
@@ -112,19 +132,8 @@ fn a_hot_partition_is_spread_while_clients_read_their_writes() {
     let hot: Vec<u32> = (0..layout.owners.len() as u32).filter(|&c| layout.owner(c).1 == 0).take(4).collect();
     let keys = keys_of(&layout, &hot, 32);
     let stop = Arc::new(AtomicBool::new(false));
-    let mut clients = Vec::new();
-    for i in 0..4 {
-        // Disjoint key sets: each client checks its own writes.
-        let mine: Vec<String> = keys.iter().skip(i).step_by(4).cloned().collect();
-        let (addr, stop) = (srv.main_addr, stop.clone());
-        clients.push(thread::spawn(move || {
-            if i % 2 == 0 {
-                plain_client(addr, mine, stop, 2_000_000)
-            } else {
-                routed_client(addr, mine, stop, 2_000_000)
-            }
-        }));
-    }
+    // Disjoint key sets: each client checks its own writes.
+    let hot_clients = clients(srv.main_addr, &keys, &stop);
     // Await epochs until the balancer has moved cachelets away from worker 0
     // and the hottest worker carries less than twice the mean.
     let mut admin = Conn::open(srv.main_addr);
@@ -142,17 +151,41 @@ fn a_hot_partition_is_spread_while_clients_read_their_writes() {
         }
     }
     stop.store(true, Ordering::Relaxed);
-    let ops: usize = clients.into_iter().map(|c| c.join().expect("a client saw a wrong reply")).sum();
+    let ops: usize = hot_clients.into_iter().map(|c| c.join().expect("a client saw a wrong reply")).sum();
     assert!(ops > 0);
     assert!(moved > 0, "the balancer moved nothing");
     assert!(settled, "the load never spread (moves: {moved})");
+
+    // The hotspot ends: every cachelet as busy as the next (the hot keys
+    // among them, so clients read the cachelets as they go home).
+    let mut cool: Vec<String> = (0..2048).map(|i| format!("cool:{i}")).collect();
+    cool.extend(keys.iter().cloned());
+    let stop = Arc::new(AtomicBool::new(false));
+    let cool_clients = clients(srv.main_addr, &cool, &stop);
+    let mut home = 0;
+    for _ in 0..400 {
+        let e = load(&mut admin, last);
+        last = e["seq"].as_u64().unwrap();
+        if let Some(moves) = e["balancer"]["moves"].as_array() {
+            home += moves.iter().filter(|m| m["why"] == "LeaseExpired").count();
+        }
+        if home >= moved.min(1) && e["balancer"]["leases"] == 0 {
+            break;
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    for c in cool_clients {
+        c.join().expect("a client saw a wrong reply");
+    }
+    assert!(home > 0, "no cachelet went home after the hotspot ended");
     let st = stats(&mut admin, "balancer");
     assert_eq!(st["balancer"], "on");
-    assert!(st["moves"].parse::<u64>().unwrap() > 0, "{st:?}");
-    // The hot cachelets are not all on worker 0 any more.
+    assert!(st["moves_home"].parse::<u64>().unwrap() > 0, "{st:?}");
+    assert_eq!(st["leases"], "0", "every lease ended: {st:?}");
+    // Every hot cachelet is back on worker 0, its home.
     let cl = stats(&mut admin, "cachelets");
-    let away = hot.iter().filter(|c| cl[&format!("cachelet:{c}:owner")] != "0").count();
-    assert!(away > 0, "every hot cachelet is still on worker 0");
+    let away: Vec<&u32> = hot.iter().filter(|c| cl[&format!("cachelet:{c}:owner")] != "0").collect();
+    assert!(away.is_empty(), "hot cachelets still away from home: {away:?}");
     srv.shutdown();
 }
 

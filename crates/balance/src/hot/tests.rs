@@ -1,0 +1,344 @@
+use super::*;
+use crate::snapshot::{CacheletLoad, WorkerLoad};
+use KeyEvent as E;
+use KeyState as S;
+use KeyTransition as T;
+
+const STATES: [KeyState; 5] = [S::Invalid, S::Cold, S::HotPending, S::Hot, S::ColdPending];
+const EVENTS: [KeyEvent; 9] =
+    [E::Tracked, E::Dropped, E::Heated, E::Grew, E::Ready, E::Failed, E::WriteStarted, E::Cooled, E::LeasesEnded];
+
+/// Every (state, event) pair: the edges of SPORE Fig. 5 (with the
+/// growth and failure edges) and nothing else.
+#[test]
+fn state_table() {
+    let table: &[(KeyState, KeyEvent, KeyState, KeyTransition)] = &[
+        (S::Invalid, E::Tracked, S::Cold, T::Track),
+        (S::Cold, E::Dropped, S::Invalid, T::Evict),
+        (S::Cold, E::Heated, S::HotPending, T::Replicate),
+        (S::HotPending, E::Ready, S::Hot, T::ReplicasReady),
+        (S::HotPending, E::Failed, S::ColdPending, T::ReplicationFailed),
+        (S::Hot, E::Grew, S::HotPending, T::AddReplicas),
+        (S::Hot, E::WriteStarted, S::HotPending, T::PropagateWrite),
+        (S::Hot, E::Cooled, S::ColdPending, T::Cool),
+        (S::ColdPending, E::Heated, S::Hot, T::Reheat),
+        (S::ColdPending, E::LeasesEnded, S::Cold, T::Retire),
+    ];
+    let mut named = std::collections::HashSet::new();
+    for s in STATES {
+        for e in EVENTS {
+            let want = table.iter().find(|r| r.0 == s && r.1 == e).map(|r| (r.2, r.3));
+            assert_eq!(step(s, e), want, "{s:?} on {e:?}");
+            if let Some((_, t)) = want {
+                named.insert(t);
+            }
+        }
+    }
+    assert_eq!(named.len(), table.len(), "every transition has its own name");
+    // Only COLD entries are ever evicted.
+    for s in STATES {
+        assert_eq!(step(s, E::Dropped).is_some(), s == S::Cold);
+    }
+}
+
+#[test]
+fn expected_maximum_of_normals() {
+    // Tabulated values: E[max of 2] = 1/√π, of 16 ≈ 1.766, of 100 ≈ 2.508.
+    assert!((expected_max_normal(2) - 1.0 / std::f64::consts::PI.sqrt()).abs() < 1e-4);
+    assert!((expected_max_normal(16) - 1.766).abs() < 2e-3);
+    assert!((expected_max_normal(100) - 2.508).abs() < 2e-3);
+    assert_eq!(expected_max_normal(1), 0.0);
+}
+
+#[test]
+fn replica_count_rule() {
+    assert_eq!(copies(100.0, 100.0, 16), 1, "at T: not hot");
+    assert_eq!(copies(100.1, 100.0, 16), 2);
+    assert_eq!(copies(250.0, 100.0, 16), 3);
+    assert_eq!(copies(10_000.0, 100.0, 16), 16, "capped at the copies the cluster has");
+    assert_eq!(copies(5.0, 0.0, 16), 1);
+    assert_eq!(copies(500.0, 100.0, 1), 1, "one server: no shadows");
+}
+
+proptest::proptest! {
+    #[test]
+    fn copies_follow_ceil_f_over_t(f in 0.0f64..1e6, t in 1.0f64..1e5, max in 1u32..64) {
+        let r = copies(f, t, max);
+        proptest::prop_assert!(r >= 1 && r <= max);
+        if r < max && r > 1 {
+            proptest::prop_assert!(f / f64::from(r) <= t + 1e-9 && f / f64::from(r - 1) > t - 1e-9);
+        }
+    }
+
+    #[test]
+    fn placement_is_never_home_and_deterministic(
+        hash in proptest::num::u64::ANY,
+        servers in 2u16..40,
+        workers in 1u16..8,
+        home_s in 0u16..40,
+        home_w in 0u16..8,
+    ) {
+        let home = (home_s % servers, home_w % workers);
+        let most = u32::from(servers - 1) * u32::from(workers);
+        let mut seen = std::collections::HashSet::new();
+        for i in 1..=most {
+            let at = replica_location(hash, i, home, servers, workers).expect("in range");
+            proptest::prop_assert_ne!(at.0, home.0, "replica {} on the home server", i);
+            proptest::prop_assert!(at.0 < servers && at.1 < workers);
+            proptest::prop_assert_eq!(Some(at), replica_location(hash, i, home, servers, workers));
+            proptest::prop_assert!(seen.insert(at), "replica {} repeats {:?}", i, at);
+            if i < u32::from(servers) {
+                proptest::prop_assert!(seen.iter().filter(|s| s.0 == at.0).count() == 1);
+            }
+        }
+        proptest::prop_assert_eq!(replica_location(hash, 0, home, servers, workers), None);
+        proptest::prop_assert_eq!(replica_location(hash, most + 1, home, servers, workers), None);
+    }
+}
+
+#[test]
+fn no_placement_without_another_server() {
+    assert_eq!(replica_location(42, 1, (0, 0), 1, 4), None);
+}
+
+#[test]
+fn placement_spreads_over_servers() {
+    // Replica 1 of many keys homed on server 0 lands evenly on 1..8.
+    let mut counts = [0u32; 8];
+    for k in 0..8000u64 {
+        let (s, _) = replica_location(k.wrapping_mul(0x9E37_79B9), 1, (0, 0), 8, 2).unwrap();
+        counts[usize::from(s)] += 1;
+    }
+    assert_eq!(counts[0], 0);
+    for c in &counts[1..] {
+        assert!((900..1400).contains(c), "{counts:?}");
+    }
+}
+
+#[test]
+fn estimate_is_one_when_nothing_is_skewed_and_falls_with_copies() {
+    assert!((estimate_max_over_avg(&[], 100.0, 16, 1.0) - 1.0).abs() < 1e-12);
+    let one = estimate_max_over_avg(&[(1000.0, 1)], 100.0, 16, 1.0);
+    let two = estimate_max_over_avg(&[(1000.0, 2)], 100.0, 16, 1.0);
+    let all = estimate_max_over_avg(&[(1000.0, 16)], 100.0, 16, 1.0);
+    assert!(one > two && two > all, "{one} {two} {all}");
+    assert!((all - 1.0).abs() < 1e-12, "a key on every worker adds no imbalance");
+    // One key carrying 10 workers' worth of load, unreplicated, is at
+    // least that much above the mean on its worker.
+    assert!(one >= 1.0 + (1000.0 - 1000.0 / 16.0) / 100.0 - 1e-9);
+}
+
+#[test]
+fn threshold_meets_the_target_on_zipf() {
+    // 16 workers, mean 1000 req/s: Zipf 0.99 over 100k keys, the top
+    // 256 tracked.
+    let n = 16usize;
+    let avg = 1000.0;
+    let h: f64 = (1..=100_000).map(|i| 1.0 / f64::from(i).powf(0.99)).sum();
+    let keys: Vec<(f64, bool)> = (1..=256).map(|i| (avg * n as f64 / f64::from(i).powf(0.99) / h, true)).collect();
+    let (t, est) = choose_threshold(&keys, avg, n, 1.0, 16, 1.1);
+    let replicated = keys.iter().filter(|k| copies(k.0, t, 16) > 1).count();
+    eprintln!("T {t} est {est} replicated {replicated}");
+    assert!(est <= 1.1, "T {t} est {est}");
+    let bound = 2.0 * n as f64 * (n as f64).ln();
+    assert!((replicated as f64) <= bound, "{replicated} keys > 2 n ln n = {bound}");
+    // The largest such T: 10% more would not do.
+    let more: Vec<(f64, u32)> = keys.iter().map(|k| (k.0, copies(k.0, t / 0.9, 16))).collect();
+    assert!(estimate_max_over_avg(&more, avg, n, 1.0) > 1.1);
+}
+
+fn snapshot(seq: u64, loads: &[f64]) -> EpochSnapshot {
+    EpochSnapshot {
+        seq,
+        end_ns: seq * 1_000_000_000,
+        workers: loads
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| WorkerLoad {
+                worker: i as u16,
+                secs: 1.0,
+                reads: l as u64,
+                cachelets: vec![CacheletLoad { id: i as u32, reads_per_sec: l, ..CacheletLoad::default() }],
+                ..WorkerLoad::default()
+            })
+            .collect(),
+    }
+}
+
+const VIEW: ClusterView = ClusterView { server: 0, servers: 8, workers: 2, avg_load: Some(1000.0) };
+
+/// Feeds one epoch of samples: `hot` gets `rate` sampled reads/s
+/// (already sampled: sample_rate 1), plus 200 one-off keys.
+fn feed(h: &mut HotKeys, epoch: u64, hot: &[(&[u8], f64, f64)]) {
+    for (k, reads, writes) in hot {
+        for _ in 0..(*reads as u64) {
+            h.observe(k, Access::Read, 0);
+        }
+        for _ in 0..(*writes as u64) {
+            h.observe(k, Access::Write, 0);
+        }
+    }
+    for j in 0..200 {
+        h.observe(format!("cold{epoch}-{j}").as_bytes(), Access::Read, 1);
+    }
+}
+
+fn policy() -> HotKeys {
+    let cfg = HotConfig { sample_rate: 1.0, decay: 0.0, ..HotConfig::default() };
+    HotKeys::new(cfg, Config::default())
+}
+
+#[test]
+fn a_hot_read_key_on_a_hot_worker_is_replicated_then_retired() {
+    let mut h = policy();
+    // Worker 0 at 2.5× the cluster mean, carried by one key.
+    feed(&mut h, 1, &[(b"hot", 1600.0, 0.0)]);
+    let d = h.on_epoch(&snapshot(1, &[2500.0, 900.0]), &VIEW);
+    assert_eq!(d.hot_workers, vec![0]);
+    assert_eq!(d.replicate.len(), 1, "{d:?}");
+    let r = &d.replicate[0];
+    assert_eq!((r.key.as_slice(), r.worker), (&b"hot"[..], 0));
+    assert_eq!(r.replicas + 1, copies(1600.0, d.threshold, VIEW.max_copies()));
+    assert!(r.replicas >= 1);
+    assert_eq!(h.state(b"hot"), S::HotPending);
+    assert_eq!(h.hint(b"hot"), 0, "no lease while pending");
+    assert!(d.transitions.contains(&(b"hot".to_vec(), T::Replicate)));
+    assert_eq!(h.replicas_ready(b"hot"), Some(T::ReplicasReady));
+    assert_eq!(h.hint(b"hot"), r.replicas);
+    // A write: leases revoked until propagated.
+    assert_eq!(h.write_propagating(b"hot"), Some(T::PropagateWrite));
+    assert_eq!(h.hint(b"hot"), 0);
+    assert_eq!(h.replicas_ready(b"hot"), Some(T::ReplicasReady));
+
+    // It cools: after cool_epochs, COLD_PENDING; after the lease, retired.
+    let mut states = Vec::new();
+    let mut retired = None;
+    for e in 2..12 {
+        feed(&mut h, e, &[(b"hot", 2.0, 0.0)]);
+        let d = h.on_epoch(&snapshot(e, &[1000.0, 1000.0]), &VIEW);
+        states.push(h.state(b"hot"));
+        if let Some(r) = d.retire.first() {
+            retired = Some((e, r.clone()));
+            break;
+        }
+    }
+    let (e, r) = retired.expect("retired");
+    assert_eq!(r.key, b"hot");
+    assert!(r.replicas >= 1);
+    assert_eq!(h.state(b"hot"), S::Cold);
+    assert_eq!(states[..2], [S::Hot, S::Hot], "hysteresis: {states:?}");
+    assert!(states.contains(&S::ColdPending));
+    assert!(e >= 2 + u64::from(h.config().cool_epochs + h.config().lease_epochs));
+}
+
+#[test]
+fn a_cool_worker_does_not_replicate() {
+    let mut h = policy();
+    feed(&mut h, 1, &[(b"hot", 1600.0, 0.0)]);
+    // Every worker at the mean: no hotspot, nothing replicated.
+    let d = h.on_epoch(&snapshot(1, &[1000.0, 1000.0]), &VIEW);
+    assert!(d.hot_workers.is_empty());
+    assert!(d.replicate.is_empty());
+    assert_eq!(h.state(b"hot"), S::Cold);
+}
+
+#[test]
+fn a_write_heavy_hotspot_escalates() {
+    let mut h = policy();
+    feed(&mut h, 1, &[(b"counter", 800.0, 800.0)]);
+    let d = h.on_epoch(&snapshot(1, &[2500.0, 900.0]), &VIEW);
+    assert!(d.replicate.is_empty(), "{d:?}");
+    assert_eq!(d.escalate.map(|e| e.why), Some(HotEscalateWhy::WriteHeavy));
+}
+
+#[test]
+fn a_hot_partition_escalates_with_no_hot_keys() {
+    let mut h = policy();
+    let keys: Vec<Vec<u8>> = (0..100).map(|i| format!("p{i}").into_bytes()).collect();
+    let hot: Vec<(&[u8], f64, f64)> = keys.iter().map(|k| (&k[..], 3.0, 0.0)).collect();
+    feed(&mut h, 1, &hot);
+    let d = h.on_epoch(&snapshot(1, &[2500.0, 900.0]), &VIEW);
+    assert!(d.replicate.is_empty(), "{d:?}");
+    assert_eq!(d.escalate.map(|e| e.why), Some(HotEscalateWhy::NoHotKeys));
+}
+
+#[test]
+fn repl_high_caps_and_escalates() {
+    let cfg = HotConfig { sample_rate: 1.0, decay: 0.0, repl_high: Some(2), ..HotConfig::default() };
+    let mut h = HotKeys::new(cfg, Config::default());
+    feed(&mut h, 1, &[(b"a", 900.0, 0.0), (b"b", 800.0, 0.0), (b"c", 700.0, 0.0)]);
+    let d = h.on_epoch(&snapshot(1, &[3000.0, 900.0]), &VIEW);
+    let keys: Vec<&[u8]> = d.replicate.iter().map(|r| &r.key[..]).collect();
+    assert_eq!(keys, [&b"a"[..], b"b"], "hottest first");
+    assert_eq!(d.replicated, 2);
+    assert_eq!(d.escalate.map(|e| e.why), Some(HotEscalateWhy::ReplHigh { wanted: 3, cap: 2 }));
+}
+
+#[test]
+fn default_repl_high_is_the_share_of_2_n_ln_n() {
+    let h = HotKeys::new(HotConfig::default(), Config::default());
+    // 8 servers × 2 workers: 2·16·ln 16 = 88.7 over 8 servers.
+    assert_eq!(h.repl_high(&VIEW), (2.0 * 2.0 * 16f64.ln()).ceil() as usize);
+}
+
+#[test]
+fn pending_that_is_never_confirmed_fails_and_retires() {
+    let mut h = policy();
+    feed(&mut h, 1, &[(b"hot", 1600.0, 0.0)]);
+    h.on_epoch(&snapshot(1, &[2500.0, 900.0]), &VIEW);
+    assert_eq!(h.state(b"hot"), S::HotPending);
+    let mut failed = false;
+    for e in 2..12 {
+        feed(&mut h, e, &[(b"hot", 5.0, 0.0)]);
+        let d = h.on_epoch(&snapshot(e, &[1000.0, 1000.0]), &VIEW);
+        failed |= d.transitions.contains(&(b"hot".to_vec(), T::ReplicationFailed));
+        if !d.retire.is_empty() {
+            break;
+        }
+    }
+    assert!(failed);
+    assert_eq!(h.state(b"hot"), S::Cold);
+    assert_eq!(h.replicated(), 0);
+}
+
+#[test]
+fn a_key_that_heats_again_while_cold_pending_is_reheated() {
+    let mut h = policy();
+    feed(&mut h, 1, &[(b"hot", 1600.0, 0.0)]);
+    h.on_epoch(&snapshot(1, &[2500.0, 900.0]), &VIEW);
+    h.replicas_ready(b"hot");
+    let mut e = 2;
+    while h.state(b"hot") != S::ColdPending {
+        feed(&mut h, e, &[(b"hot", 2.0, 0.0)]);
+        h.on_epoch(&snapshot(e, &[1000.0, 1000.0]), &VIEW);
+        e += 1;
+        assert!(e < 10);
+    }
+    feed(&mut h, e, &[(b"hot", 1600.0, 0.0)]);
+    let d = h.on_epoch(&snapshot(e, &[2000.0, 1000.0]), &VIEW);
+    assert!(d.transitions.contains(&(b"hot".to_vec(), T::Reheat)), "{d:?}");
+    assert_eq!(h.state(b"hot"), S::Hot);
+    assert!(d.retire.is_empty());
+}
+
+#[test]
+fn untracked_cold_keys_are_evicted() {
+    let mut h = policy();
+    feed(&mut h, 1, &[]);
+    let d = h.on_epoch(&snapshot(1, &[1000.0, 1000.0]), &VIEW);
+    assert!(d.transitions.iter().any(|t| t.1 == T::Track));
+    feed(&mut h, 2, &[]);
+    let d = h.on_epoch(&snapshot(2, &[1000.0, 1000.0]), &VIEW);
+    assert!(d.transitions.iter().any(|t| t.1 == T::Evict));
+    assert_eq!(h.state(b"cold1-0"), S::Invalid);
+}
+
+#[test]
+fn one_server_escalates_no_shadows() {
+    let mut h = policy();
+    feed(&mut h, 1, &[(b"hot", 1600.0, 0.0)]);
+    let view = ClusterView { server: 0, servers: 1, workers: 2, avg_load: None };
+    let d = h.on_epoch(&snapshot(1, &[2500.0, 900.0]), &view);
+    assert!(d.replicate.is_empty());
+    assert_eq!(d.escalate.map(|e| e.why), Some(HotEscalateWhy::NoShadows));
+}

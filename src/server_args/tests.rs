@@ -1,0 +1,357 @@
+use super::*;
+use clap::Parser;
+
+#[derive(Parser)]
+struct Cli {
+    #[command(flatten)]
+    a: ServerArgs,
+}
+
+fn parse(args: &[&str]) -> Result<Settings> {
+    parse_noted(args).map(|(s, _)| s)
+}
+
+fn parse_noted(args: &[&str]) -> Result<(Settings, Vec<String>)> {
+    let mut v = vec!["mbal"];
+    v.extend_from_slice(args);
+    Cli::try_parse_from(v).map_err(anyhow::Error::from)?.a.resolve()
+}
+
+#[test]
+fn worker_capacity_from_the_flag_and_the_config_file() {
+    assert_eq!(parse(&["--worker-capacity", "50000"]).unwrap().worker_capacity, 50_000);
+    assert_eq!(parse(&[]).unwrap().worker_capacity, 0, "unlimited unless asked");
+    let dir = std::env::temp_dir().join(format!("mbal-cap-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = dir.join("mbal.toml");
+    std::fs::write(&f, "worker_capacity = 1234\n").unwrap();
+    assert_eq!(parse(&["--config", f.to_str().unwrap()]).unwrap().worker_capacity, 1234);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn balancer_flags_and_their_default() {
+    let s = parse(&[]).unwrap();
+    assert!(!s.balancer, "off for a stand-alone server");
+    let s = parse(&[
+        "--balancer",
+        "on",
+        "--balance-persistence",
+        "2",
+        "--balance-trigger",
+        "1.5",
+        "--balance-target",
+        "1.05",
+        "--balance-server-load-thresh",
+        "0.5",
+        "--balance-lease-epochs",
+        "7",
+        "--balance-planner",
+        "greedy",
+    ])
+    .unwrap();
+    assert!(s.balancer);
+    let b = &s.balance;
+    assert_eq!((b.persistence, b.lease_epochs), (2, 7));
+    assert_eq!((b.trigger_max_over_avg, b.target_max_over_avg, b.server_load_thresh), (1.5, 1.05, 0.5));
+    assert_eq!(b.planner, mbal_balance::Planner::Greedy);
+    for bad in [
+        &["--balancer", "maybe"][..],
+        &["--balance-persistence", "0"],
+        &["--balance-trigger", "0.9"],
+        &["--balance-planner", "magic"],
+    ] {
+        assert!(parse(bad).is_err(), "{bad:?} accepted");
+    }
+}
+
+#[test]
+fn memcached_flags() {
+    let s = parse(&[
+        "-p",
+        "12000",
+        "-t",
+        "2",
+        "-m",
+        "128",
+        "-c",
+        "10",
+        "-I",
+        "2m",
+        "-M",
+        "-C",
+        "-F",
+        "-U",
+        "0",
+        "-B",
+        "ascii",
+        "-R",
+        "5",
+        "-A",
+        "-vv",
+        "-o",
+        "idle_timeout=30",
+    ])
+    .unwrap();
+    assert_eq!(s.port, 12000);
+    assert_eq!(s.threads, 2);
+    assert_eq!(s.memory_limit, 128 << 20);
+    assert_eq!(s.max_conns, 10);
+    assert_eq!(s.max_item_size, 2 << 20);
+    assert!(!s.evictions && !s.cas_enabled && !s.flush_enabled && s.shutdown_enabled);
+    assert_eq!(s.binding, Binding::Ascii);
+    assert_eq!(s.reqs_per_event, 5);
+    assert_eq!(s.verbosity, 2);
+    assert_eq!(s.idle_timeout, 30);
+}
+
+#[test]
+fn defaults() {
+    let s = parse(&[]).unwrap();
+    assert_eq!(s.port, 11211);
+    assert_eq!(s.listen.to_string(), "127.0.0.1");
+    assert_eq!(s.memory_limit, 64 << 20);
+    assert_eq!(s.max_item_size, 1 << 20);
+    assert_eq!(s.max_conns, 1024);
+    assert!(s.evictions && s.cas_enabled && s.flush_enabled);
+}
+
+#[test]
+fn too_many_pages_is_an_error() {
+    // 2 TiB in 64 KiB pages is 32M pages: more than a cachelet's index can address
+    let e = parse(&["-m", "2097152"]).unwrap_err().to_string();
+    assert!(e.contains("--page-size-kb"), "{e}");
+    assert!(parse(&["-m", "2097152", "--page-size-kb", "1024"]).is_ok());
+}
+
+#[test]
+fn unsupported_is_an_error() {
+    for bad in [&["-d"][..], &["-U", "11211"], &["-o", "ssl_key=k.pem"], &["-f", "1.25"], &["-B", "udp"], &["-S"]] {
+        let e = parse(bad).unwrap_err().to_string();
+        assert!(e.contains("not supported") || e.contains("must be") || e.contains("UDP"), "{bad:?}: {e}");
+    }
+    assert!(parse(&["--no-such-flag"]).is_err());
+}
+
+#[test]
+fn config_file_and_precedence() {
+    let dir = std::env::temp_dir().join(format!("mbal-cfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = dir.join("c.toml");
+    std::fs::write(&f, "port = 13000\nmemory_limit = 32\nmax_item_size = \"512k\"\ncachelets_per_worker = 8\n")
+        .unwrap();
+    let s = parse(&["--config", f.to_str().unwrap(), "-p", "14000"]).unwrap();
+    assert_eq!(s.port, 14000, "command line wins");
+    assert_eq!(s.memory_limit, 32 << 20);
+    assert_eq!(s.max_item_size, 512 << 10);
+    assert_eq!(s.cachelets_per_worker, 8);
+    std::fs::write(&f, "bogus = 1\n").unwrap();
+    assert!(parse(&["--config", f.to_str().unwrap()]).is_err());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn sizes() {
+    assert_eq!(parse_size("1m").unwrap(), 1 << 20);
+    assert_eq!(parse_size("512k").unwrap(), 512 << 10);
+    assert_eq!(parse_size("4096").unwrap(), 4096);
+    assert!(parse_size("x").is_err());
+}
+/// Every `-o` option of memcached 1.6.18 (memcached.c's `subopts_tokens` and extstore's
+/// `storage_read_config`, builds with TLS and proxy), with a valid value, and what mbal
+/// does with it.
+#[derive(Debug, PartialEq)]
+enum Expect {
+    Implemented,
+    NoEffect,
+    Refused,
+}
+
+const MEMCACHED_EXTENDED: &[(&str, Expect)] = {
+    use Expect::*;
+    &[
+        ("maxconns_fast", Implemented),
+        ("no_maxconns_fast", Implemented),
+        ("hashpower=16", NoEffect),
+        ("no_hashexpand", NoEffect),
+        ("slab_reassign", NoEffect),
+        ("no_slab_reassign", NoEffect),
+        ("slab_automove", NoEffect),
+        ("slab_automove=2", NoEffect),
+        ("no_slab_automove", NoEffect),
+        ("slab_automove_ratio=0.8", NoEffect),
+        ("slab_automove_window=30", NoEffect),
+        ("slab_automove_freeratio=0.01", NoEffect),
+        ("tail_repair_time=60", NoEffect),
+        ("hash_algorithm=murmur3", NoEffect),
+        ("hash_algorithm=jenkins", NoEffect),
+        ("hash_algorithm=xxh3", NoEffect),
+        ("lru_crawler", NoEffect),
+        ("no_lru_crawler", NoEffect),
+        ("lru_crawler_sleep=100", NoEffect),
+        ("lru_crawler_tocrawl=0", NoEffect),
+        ("lru_maintainer", NoEffect),
+        ("no_lru_maintainer", NoEffect),
+        ("hot_lru_pct=20", NoEffect),
+        ("warm_lru_pct=40", NoEffect),
+        ("hot_max_factor=0.2", NoEffect),
+        ("warm_max_factor=2.0", NoEffect),
+        ("temporary_ttl=61", NoEffect),
+        ("idle_timeout=30", Implemented),
+        ("watcher_logbuf_size=256", NoEffect),
+        ("worker_logbuf_size=64", NoEffect),
+        ("slab_sizes=96-192-384", NoEffect),
+        ("slab_chunk_max=16384", NoEffect),
+        ("track_sizes", NoEffect),
+        ("no_inline_ascii_resp", Implemented),
+        ("inline_ascii_resp", Implemented),
+        ("modern", Implemented),
+        ("no_modern", Implemented),
+        ("no_chunked_items", NoEffect),
+        ("no_drop_privileges", Implemented),
+        ("drop_privileges", Refused),
+        ("resp_obj_mem_limit", NoEffect),
+        ("read_buf_mem_limit=0", NoEffect),
+        ("sock_cookie_id=7", Implemented),
+        ("ssl_chain_cert=c.pem", Refused),
+        ("ssl_key=k.pem", Refused),
+        ("ssl_verify_mode=0", Refused),
+        ("ssl_keyformat=0", Refused),
+        ("ssl_ciphers=ALL", Refused),
+        ("ssl_ca_cert=ca.pem", Refused),
+        ("ssl_wbuf_size=16", Refused),
+        ("ssl_session_cache", Refused),
+        ("ssl_kernel_tls", Refused),
+        ("ssl_min_version=2", Refused),
+        ("proxy_config=p.lua", Refused),
+        ("proxy_uring", Refused),
+        ("ext_path=/tmp/extstore:1G", Refused),
+        ("ext_page_size=64", NoEffect),
+        ("ext_wbuf_size=4", NoEffect),
+        ("ext_threads=1", NoEffect),
+        ("ext_io_depth=1", NoEffect),
+        ("ext_item_size=512", NoEffect),
+        ("ext_item_age=10", NoEffect),
+        ("ext_low_ttl=0", NoEffect),
+        ("ext_recache_rate=2000", NoEffect),
+        ("ext_compact_under=4", NoEffect),
+        ("ext_drop_under=4", NoEffect),
+        ("ext_max_sleep=1000000", NoEffect),
+        ("ext_max_frag=0.8", NoEffect),
+        ("ext_drop_unread", NoEffect),
+    ]
+};
+
+#[test]
+fn every_memcached_extended_option() {
+    for (opt, want) in MEMCACHED_EXTENDED {
+        let got = parse_noted(&["-o", opt]);
+        match (want, got) {
+            (Expect::Refused, Err(e)) => {
+                let e = e.to_string();
+                assert!(e.contains("is not supported by mbal: "), "{opt}: {e}");
+            }
+            (Expect::NoEffect, Ok((_, notes))) => {
+                assert_eq!(notes.len(), 1, "{opt}: one log line");
+                assert!(notes[0].contains("accepted, no effect in mbal: "), "{opt}: {notes:?}");
+            }
+            (Expect::Implemented, Ok((_, notes))) => {
+                assert!(notes.len() <= 1, "{opt}: {notes:?}");
+                let mut layer = ServerArgs::default();
+                let (kind, _) = extended_option(&mut layer, opt).unwrap();
+                assert_eq!(kind, ExtKind::Implemented, "{opt}");
+            }
+            (w, g) => panic!("{opt}: expected {w:?}, got {:?}", g.map(|(_, n)| n)),
+        }
+    }
+}
+
+#[test]
+fn extended_options_take_effect() {
+    let s = parse(&["-o", "modern,idle_timeout=7,sock_cookie_id=42", "-o", "no_maxconns_fast"]).unwrap();
+    assert_eq!((s.idle_timeout, s.sock_cookie_id, s.maxconns_fast), (7, 42, false));
+    assert!(parse(&[]).unwrap().maxconns_fast, "memcached's default");
+    // no_modern is a bundle: its one part mbal has is the connection limit's behaviour
+    let (s, notes) = parse_noted(&["-o", "no_modern"]).unwrap();
+    assert!(!s.maxconns_fast);
+    assert_eq!(notes.len(), 1, "{notes:?}");
+    // later options win, as in memcached
+    let s = parse(&["-o", "no_modern", "-o", "maxconns_fast,idle_timeout=1,idle_timeout=2"]).unwrap();
+    assert!(s.maxconns_fast);
+    assert_eq!(s.idle_timeout, 2);
+    // one log line per accepted-without-effect option
+    let (_, notes) = parse_noted(&["-o", "slab_reassign,slab_automove=1", "-o", "lru_crawler"]).unwrap();
+    assert_eq!(notes.len(), 3, "{notes:?}");
+}
+
+#[test]
+fn extended_option_errors_are_memcacheds() {
+    for (opt, msg) in [
+        ("bogus", "unknown option"),
+        ("idle_timeout", "missing value"),
+        ("idle_timeout=x", "bad value"),
+        ("hash_algorithm=md5", "unknown 'md5'"),
+        ("hash_algorithm", "missing value"),
+        ("slab_automove=5", "between 0 and 2"),
+        ("hashpower=8", "between 12 and 32"),
+        ("tail_repair_time=5", "at least 10"),
+        ("hot_lru_pct=80", "between 1 and 79"),
+        ("slab_automove_ratio=2", "<= 1"),
+        ("slab_sizes=96-x", "separated by '-'"),
+        ("lru_crawler_sleep=2000000", "1000000"),
+    ] {
+        let e = parse(&["-o", opt]).unwrap_err().to_string();
+        assert!(e.contains(msg), "{opt}: {e}");
+    }
+    // an error anywhere in a list stops the start
+    assert!(parse(&["-o", "modern,bogus"]).is_err());
+}
+
+#[test]
+fn item_size_limits_are_memcacheds() {
+    // -I at most half of -m, and at most 1g
+    let e = parse(&["-m", "64", "-I", "33m"]).unwrap_err().to_string();
+    assert!(e.contains("half of -m"), "{e}");
+    assert_eq!(parse(&["-m", "64", "-I", "32m"]).unwrap().max_item_size, 32 << 20);
+    let e = parse(&["-m", "1"]).unwrap_err().to_string();
+    assert!(e.contains("half of -m"), "the default -I of 1m needs -m 2: {e}");
+    assert_eq!(parse(&["-m", "4096", "-I", "1g"]).unwrap().max_item_size, 1 << 30);
+    let e = parse(&["-m", "4096", "-I", "1025m"]).unwrap_err().to_string();
+    assert!(e.contains("1g"), "{e}");
+    let e = parse(&["-I", "1000"]).unwrap_err().to_string();
+    assert!(e.contains("at least 1k"), "{e}");
+}
+
+#[test]
+fn layers_merge_key_by_key() {
+    let dir = std::env::temp_dir().join(format!("mbal-cfg-layers-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = dir.join("c.toml");
+    std::fs::write(
+        &f,
+        "threads = 3\nmax_reqs_per_event = 9\nlisten_backlog = 77\nprotocol = \"binary\"\n\
+         disable_cas = true\nverbosity = 1\nmax_item_size = 2097152\nextended = [\"idle_timeout=5\"]\n",
+    )
+    .unwrap();
+    let fs = f.to_str().unwrap();
+    let s = parse(&["--config", fs]).unwrap();
+    assert_eq!((s.threads, s.reqs_per_event, s.backlog), (3, 9, 77));
+    assert_eq!(s.binding, Binding::Binary);
+    assert!(!s.cas_enabled);
+    assert_eq!((s.verbosity, s.max_item_size, s.idle_timeout), (1, 2 << 20, 5));
+    // each key the command line gives wins; the rest stay the file's
+    let s = parse(&["--config", fs, "-t", "2", "-vv", "-B", "ascii", "-o", "idle_timeout=6"]).unwrap();
+    assert_eq!((s.threads, s.reqs_per_event, s.backlog, s.verbosity, s.idle_timeout), (2, 9, 77, 2, 6));
+    assert_eq!(s.binding, Binding::Ascii);
+    assert!(!s.cas_enabled, "a flag not given on the command line leaves the file's");
+    // a bad value in the file names the file
+    std::fs::write(&f, "protocol = \"udp\"\n").unwrap();
+    let e = parse(&["--config", fs]).unwrap_err().to_string();
+    assert!(e.contains("c.toml") && e.contains("-B must be"), "{e}");
+    // command-line-only options are not file keys
+    std::fs::write(&f, "print_ports = true\n").unwrap();
+    assert!(parse(&["--config", fs]).is_err());
+    std::fs::remove_dir_all(&dir).unwrap();
+    let e = parse(&["--config", "/nonexistent/mbal.toml"]).unwrap_err();
+    assert!(format!("{e:#}").contains("reading config file /nonexistent/mbal.toml"), "{e:#}");
+}

@@ -1,0 +1,565 @@
+//! The upstream side of a proxy thread: pooled, pipelined connections to
+//! the owning workers, timeouts and backoff, decoding replies, following
+//! redirects and fetching newer maps.
+
+use super::client::{get_line, get_prefix, match_key, slot_mut};
+use super::*;
+
+impl Engine {
+    pub(super) fn upstream(&mut self, owner: Owner) -> usize {
+        if let Some(&ui) = self.up_of.get(&owner) {
+            return ui;
+        }
+        let ui = self.ups.len();
+        let addr = self.addr_of(owner);
+        self.ups.push(Upstream {
+            owner,
+            addr,
+            addr_s: addr.to_string(),
+            sock: None,
+            state: UpState::Idle,
+            backoff: BACKOFF_MIN,
+            wbuf: Vec::new(),
+            wpos: 0,
+            rbuf: Vec::new(),
+            rpos: 0,
+            rend: 0,
+            dec: Decoder::new(),
+            inflight: VecDeque::new(),
+            dirty: false,
+            delta: UpDelta::default(),
+        });
+        self.up_of.insert(owner, ui);
+        ui
+    }
+
+    pub(super) fn addr_of(&self, (s, w): Owner) -> SocketAddr {
+        if w == BIN {
+            self.router.map().servers()[s as usize].main
+        } else {
+            self.router.map().worker_addr(s, w)
+        }
+    }
+
+    pub(super) fn mark_up(&mut self, ui: usize) {
+        let u = &mut self.ups[ui];
+        if !u.dirty {
+            u.dirty = true;
+            self.dirty_ups.push(ui);
+        }
+    }
+
+    pub(super) fn send_hash(&mut self, hash: u64, inf: Inflight) {
+        let owner = self.router.route_hash(hash).1;
+        self.send(owner, inf);
+    }
+
+    /// Queue a request on the upstream of `owner` (connecting if needed).
+    pub(super) fn send(&mut self, owner: Owner, mut inf: Inflight) {
+        let known = if owner.1 == BIN {
+            (owner.0 as usize) < self.router.map().servers().len()
+        } else {
+            self.router.map().has_worker(owner)
+        };
+        if !known {
+            return self.fail(inf, "SERVER_ERROR upstream not in the cluster map");
+        }
+        let ui = self.upstream(owner);
+        let now = self.now;
+        match self.ups[ui].state {
+            UpState::Up => {}
+            UpState::Down { until } if now < until => {
+                self.ups[ui].delta.errors += 1;
+                return self.fail(inf, "SERVER_ERROR upstream unavailable");
+            }
+            UpState::Down { .. } | UpState::Idle => {
+                if let Err(e) = self.connect(ui) {
+                    tracing::debug!("proxy: connect to {}: {e}", self.ups[ui].addr);
+                    self.ups[ui].delta.errors += 1;
+                    self.down(ui);
+                    return self.fail(inf, "SERVER_ERROR upstream unavailable");
+                }
+            }
+        }
+        inf.sent = now;
+        let u = &mut self.ups[ui];
+        u.delta.requests += 1;
+        u.wbuf.extend_from_slice(&inf.req);
+        u.inflight.push_back(inf);
+        self.mark_up(ui);
+    }
+
+    pub(super) fn connect(&mut self, ui: usize) -> io::Result<()> {
+        let epoch = self.router.map().epoch();
+        let addr = self.addr_of(self.ups[ui].owner);
+        let u = &mut self.ups[ui];
+        if addr != u.addr {
+            u.addr = addr;
+            u.addr_s = addr.to_string();
+        }
+        let mut sock = TcpStream::connect(u.addr)?;
+        let _ = sock.set_nodelay(true);
+        self.poll.registry().register(&mut sock, Token(UP_BASE + ui), Interest::READABLE | Interest::WRITABLE)?;
+        u.sock = Some(sock);
+        u.state = UpState::Up;
+        u.wbuf.clear();
+        u.wpos = 0;
+        u.rpos = 0;
+        u.rend = 0;
+        u.dec = Decoder::new();
+        u.delta.connects += 1;
+        if u.owner.1 == BIN {
+            return Ok(()); // a plain binary connection: no hello
+        }
+        let hello = format!("mbal hello {epoch} {}\r\n", u.owner.1).into_bytes();
+        u.wbuf.extend_from_slice(&hello);
+        u.inflight.push_back(Inflight {
+            client: usize::MAX,
+            cid: 0,
+            seq: 0,
+            req: hello,
+            what: What::Hello,
+            quiet: false,
+            sent: self.now,
+            hops: 0,
+            rd: None,
+        });
+        Ok(())
+    }
+
+    /// Take the upstream down: drop its connection, fail what is in flight,
+    /// and refuse requests to it for the backoff.
+    pub(super) fn down(&mut self, ui: usize) {
+        let u = &mut self.ups[ui];
+        if let Some(mut s) = u.sock.take() {
+            let _ = self.poll.registry().deregister(&mut s);
+        }
+        u.state = UpState::Down { until: self.now + u.backoff };
+        u.backoff = (u.backoff * 2).min(BACKOFF_MAX);
+        u.wbuf.clear();
+        u.wpos = 0;
+        u.rpos = 0;
+        u.rend = 0;
+        u.dec = Decoder::new();
+        let lost: Vec<Inflight> = u.inflight.drain(..).collect();
+        for inf in lost {
+            if inf.cid != 0 {
+                self.ups[ui].delta.errors += 1;
+            }
+            self.fail(inf, "SERVER_ERROR upstream failed");
+        }
+    }
+
+    /// Answer a request with an error line (its slot's whole reply).
+    pub(super) fn fail(&mut self, inf: Inflight, msg: &'static str) {
+        if matches!(inf.what, What::Map) {
+            self.fetching_map = false;
+        }
+        if inf.cid == 0 {
+            return;
+        }
+        if let Some(s) = slot_mut(&mut self.clients, inf.client, inf.cid, inf.seq) {
+            if s.err.is_none() {
+                let mut e = Vec::new();
+                match s.bin {
+                    Some((opcode, opaque)) => {
+                        let text = msg.strip_prefix("SERVER_ERROR ").unwrap_or(msg);
+                        mbal_proto::binary::write_response(
+                            &mut e,
+                            opcode,
+                            BIN_UPSTREAM_FAILED,
+                            opaque,
+                            0,
+                            &[],
+                            &[],
+                            text.as_bytes(),
+                        );
+                    }
+                    None => {
+                        e.extend_from_slice(msg.as_bytes());
+                        e.extend_from_slice(b"\r\n");
+                    }
+                }
+                s.err = Some(e);
+            }
+        }
+        self.part_done(inf.client, inf.cid, inf.seq);
+    }
+
+    pub(super) fn check_timeouts(&mut self) {
+        let now = self.now;
+        let t = self.cfg.upstream_timeout;
+        for ui in 0..self.ups.len() {
+            let late = self.ups[ui].inflight.front().is_some_and(|f| now.duration_since(f.sent) >= t);
+            if late {
+                tracing::debug!("proxy: upstream {} timed out", self.ups[ui].addr);
+                self.ups[ui].delta.timeouts += 1;
+                self.down(ui);
+            }
+        }
+    }
+
+    pub(super) fn next_deadline(&self) -> Option<Instant> {
+        if !self.resume.is_empty() {
+            return Some(Instant::now());
+        }
+        self.ups.iter().filter_map(|u| u.inflight.front()).map(|f| f.sent + self.cfg.upstream_timeout).min()
+    }
+
+    pub(super) fn flush_upstreams(&mut self) {
+        while let Some(ui) = self.dirty_ups.pop() {
+            let u = &mut self.ups[ui];
+            u.dirty = false;
+            let Some(sock) = u.sock.as_mut() else { continue };
+            let mut broken = false;
+            while u.wpos < u.wbuf.len() {
+                match sock.write(&u.wbuf[u.wpos..]) {
+                    Ok(n) => u.wpos += n,
+                    Err(e) if would_block(&e) || e.kind() == io::ErrorKind::NotConnected => break,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(_) => {
+                        broken = true;
+                        break;
+                    }
+                }
+            }
+            if u.wpos == u.wbuf.len() {
+                u.wbuf.clear();
+                u.wpos = 0;
+            }
+            if broken {
+                self.down(ui);
+            }
+        }
+    }
+
+    pub(super) fn read_upstream(&mut self, ui: usize) {
+        let mut broken = false;
+        {
+            let u = &mut self.ups[ui];
+            let Some(sock) = u.sock.as_mut() else { return };
+            loop {
+                let r = fill(sock, &mut u.rbuf, &mut u.rpos, &mut u.rend);
+                match r {
+                    Ok(0) => {
+                        broken = true;
+                        break;
+                    }
+                    Ok(n) if n < READ_CHUNK / 2 => break,
+                    Ok(_) => {}
+                    Err(e) if would_block(&e) => break,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(_) => {
+                        broken = true;
+                        break;
+                    }
+                }
+            }
+        }
+        self.decode_upstream(ui);
+        if broken && self.ups[ui].sock.is_some() {
+            self.down(ui);
+        }
+    }
+
+    /// Match the upstream's replies to its requests in flight.
+    pub(super) fn decode_upstream(&mut self, ui: usize) {
+        if self.ups[ui].owner.1 == BIN {
+            return self.decode_binary(ui);
+        }
+        let rbuf_all = std::mem::take(&mut self.ups[ui].rbuf);
+        let rbuf = &rbuf_all[..self.ups[ui].rend];
+        let mut rpos = self.ups[ui].rpos;
+        let now = self.now;
+        let owner = self.ups[ui].owner;
+        let mut after = std::mem::take(&mut self.after);
+        'frames: loop {
+            let u = &mut self.ups[ui];
+            let Some(front) = u.inflight.front_mut() else {
+                if rpos < rbuf.len() {
+                    after.push(After::UpstreamBroken("reply to no request"));
+                }
+                break;
+            };
+            if let What::Admin = front.what {
+                // one line, whatever it says (memcached's admin replies are not all standard)
+                let Some(nl) = rbuf[rpos..].iter().position(|&b| b == b'\n') else { break };
+                let line = &rbuf[rpos..rpos + nl + 1];
+                rpos += nl + 1;
+                if let Some(s) = slot_mut(&mut self.clients, front.client, front.cid, front.seq) {
+                    s.buf.extend_from_slice(line);
+                }
+                let inf = u.inflight.pop_front().unwrap();
+                u.delta.latencies.push(now.duration_since(inf.sent).as_micros().min(u32::MAX as u128) as u32);
+                after.push(After::Done { client: inf.client, cid: inf.cid, seq: inf.seq });
+                continue;
+            }
+            let expect = front.expect();
+            let (n, frame) = match u.dec.decode(&rbuf[rpos..], expect) {
+                Ok(x) => x,
+                Err(e) => {
+                    tracing::debug!("proxy: upstream {}: {e}", u.addr);
+                    after.push(After::UpstreamBroken("bad reply"));
+                    break;
+                }
+            };
+            let bytes = &rbuf[rpos..rpos + n];
+            rpos += n;
+            let Some(frame) = frame else { break };
+            let quiet = front.quiet;
+            let mut end = !quiet && frame.ends_reply();
+            match frame {
+                Frame::Redirect { epoch, server, worker } => {
+                    front.rd = Some(Redirect { epoch, to: (server, worker) });
+                    u.delta.redirects += 1;
+                }
+                Frame::Meta { code: [b'M', b'N'], .. } if quiet => end = true,
+                Frame::Hello { server, worker, .. } if matches!(front.what, What::Hello) => {
+                    if (server, worker) != owner {
+                        after.push(After::UpstreamBroken("hello answered by another worker"));
+                        break 'frames;
+                    }
+                    u.backoff = BACKOFF_MIN;
+                }
+                Frame::Map { json, .. } if matches!(front.what, What::Map) => {
+                    after.push(After::InstallMap(json.to_vec()));
+                }
+                _ if matches!(front.what, What::Hello | What::Map) => {
+                    after.push(After::UpstreamBroken("unexpected reply to mbal hello or mbal map"));
+                    break 'frames;
+                }
+                Frame::Value(v) => {
+                    self.counters.get_hits += 1;
+                    let Some(s) = slot_mut(&mut self.clients, front.client, front.cid, front.seq) else {
+                        continue;
+                    };
+                    match (&mut front.what, s.multi.as_mut()) {
+                        (What::Get { positions: Some(pos), cursor }, Some(m)) => {
+                            // the next key of this request that is this value's key
+                            let Some(p) = match_key(&front.req, pos, cursor, v.key) else {
+                                after.push(After::UpstreamBroken("value of a key not asked for"));
+                                break 'frames;
+                            };
+                            m.spans[p as usize] = (m.arena.len() as u32, bytes.len() as u32);
+                            m.arena.extend_from_slice(bytes);
+                        }
+                        _ => s.buf.extend_from_slice(bytes),
+                    }
+                }
+                Frame::End { .. } => {
+                    if let (What::Get { positions: None, .. }, Some(s)) =
+                        (&front.what, slot_mut(&mut self.clients, front.client, front.cid, front.seq))
+                    {
+                        s.buf.extend_from_slice(bytes);
+                    }
+                }
+                Frame::Error(line) if matches!(front.what, What::Flush | What::Get { positions: Some(_), .. }) => {
+                    if let Some(s) = slot_mut(&mut self.clients, front.client, front.cid, front.seq) {
+                        if s.err.is_none() {
+                            let mut e = line.to_vec();
+                            e.extend_from_slice(b"\r\n");
+                            s.err = Some(e);
+                        }
+                    }
+                }
+                _ if matches!(front.what, What::Flush | What::FlushSync) => {}
+                _ => {
+                    if let Some(s) = slot_mut(&mut self.clients, front.client, front.cid, front.seq) {
+                        s.buf.extend_from_slice(bytes);
+                    }
+                }
+            }
+            if end {
+                let inf = u.inflight.pop_front().unwrap();
+                u.delta.latencies.push(now.duration_since(inf.sent).as_micros().min(u32::MAX as u128) as u32);
+                match inf.rd {
+                    Some(_) => after.push(After::Resend(inf)),
+                    None if matches!(inf.what, What::Hello | What::Map) => {}
+                    None => after.push(After::Done { client: inf.client, cid: inf.cid, seq: inf.seq }),
+                }
+            }
+        }
+        let u = &mut self.ups[ui];
+        u.rbuf = rbuf_all;
+        u.rpos = rpos;
+        for a in after.drain(..) {
+            match a {
+                After::Done { client, cid, seq } => self.part_done(client, cid, seq),
+                After::Resend(inf) => self.redirected(owner, inf),
+                After::InstallMap(json) => {
+                    self.fetching_map = false;
+                    match ClusterMap::from_json(&String::from_utf8_lossy(&json)) {
+                        Ok(m) => {
+                            if let Err(e) = self.router.install_map(m) {
+                                tracing::warn!("proxy: map from {}: {e}", self.ups[ui].addr);
+                            }
+                        }
+                        Err(e) => tracing::warn!("proxy: bad map from {}: {e}", self.ups[ui].addr),
+                    }
+                }
+                After::UpstreamBroken(why) => {
+                    tracing::debug!("proxy: upstream {}: {why}", self.ups[ui].addr);
+                    if self.ups[ui].sock.is_some() {
+                        self.down(ui);
+                    }
+                }
+            }
+        }
+        self.after = after;
+    }
+
+    /// Match a binary upstream's responses to its requests in flight.
+    pub(super) fn decode_binary(&mut self, ui: usize) {
+        use mbal_proto::binary::{opcode as op, BinHeader, HEADER_LEN, MAGIC_RESPONSE};
+        let rbuf_all = std::mem::take(&mut self.ups[ui].rbuf);
+        let rbuf = &rbuf_all[..self.ups[ui].rend];
+        let mut rpos = self.ups[ui].rpos;
+        let now = self.now;
+        let mut done = Vec::new();
+        let mut broken = false;
+        loop {
+            let u = &mut self.ups[ui];
+            let Some(front) = u.inflight.front() else {
+                broken = rpos < rbuf.len();
+                break;
+            };
+            if rbuf.len() - rpos < HEADER_LEN {
+                break;
+            }
+            let h = BinHeader::decode(&rbuf[rpos..]);
+            if h.magic != MAGIC_RESPONSE {
+                broken = true;
+                break;
+            }
+            let total = HEADER_LEN + h.body_len as usize;
+            if rbuf.len() - rpos < total {
+                break;
+            }
+            let bytes = &rbuf[rpos..rpos + total];
+            rpos += total;
+            let status = u16::from_be_bytes([bytes[6], bytes[7]]);
+            let ours = front.quiet && h.opcode == op::NOOP;
+            if !ours {
+                if let Some(s) = slot_mut(&mut self.clients, front.client, front.cid, front.seq) {
+                    match front.what {
+                        What::BinFlush if status == 0 => {}
+                        What::BinFlush => s.err = s.err.take().or_else(|| Some(bytes.to_vec())),
+                        _ => s.buf.extend_from_slice(bytes),
+                    }
+                }
+            }
+            if ours || !front.quiet {
+                let inf = u.inflight.pop_front().unwrap();
+                u.delta.latencies.push(now.duration_since(inf.sent).as_micros().min(u32::MAX as u128) as u32);
+                done.push((inf.client, inf.cid, inf.seq));
+            }
+        }
+        let u = &mut self.ups[ui];
+        u.rbuf = rbuf_all;
+        u.rpos = rpos;
+        for (ci, cid, seq) in done {
+            self.part_done(ci, cid, seq);
+        }
+        if broken && self.ups[ui].sock.is_some() {
+            tracing::debug!("proxy: binary upstream {}: bad response", self.ups[ui].addr);
+            self.down(ui);
+        }
+    }
+
+    /// A request came back `RD`: learn, then resend it where the router now says.
+    pub(super) fn redirected(&mut self, from: Owner, mut inf: Inflight) {
+        let rd = inf.rd.take().unwrap();
+        inf.hops += 1;
+        if inf.hops > self.cfg.max_redirects {
+            return self.fail(inf, "SERVER_ERROR too many redirects");
+        }
+        match inf.what {
+            What::Keyed { hash, .. } => {
+                match self.router.learn(from, rd, [hash]) {
+                    Ok(l) => self.maybe_fetch_map(l.fetch_map_from),
+                    Err(_) => return self.fail(inf, "SERVER_ERROR bad redirect"),
+                }
+                self.send_hash(hash, inf);
+            }
+            What::Get { ref mut positions, .. } => {
+                let positions = positions.take();
+                // the keys of this request, and their positions in the client's
+                let Parsed::Req { req: Request::Text(TextCmd::Get { keys, cas, touch, .. }), .. } =
+                    mbal_proto::parse(Protocol::Text, &inf.req, &self.limits)
+                else {
+                    return self.fail(inf, "SERVER_ERROR proxy lost a request");
+                };
+                let key_list: Vec<&[u8]> = keys.iter().collect();
+                let positions = positions.unwrap_or_else(|| (0..key_list.len() as u32).collect());
+                self.hashes.clear();
+                self.hashes.extend(key_list.iter().map(|k| key_hash(k)));
+                match self.router.learn(from, rd, self.hashes.iter().copied()) {
+                    Ok(l) => self.maybe_fetch_map(l.fetch_map_from),
+                    Err(_) => return self.fail(inf, "SERVER_ERROR bad redirect"),
+                }
+                let Some(s) = slot_mut(&mut self.clients, inf.client, inf.cid, inf.seq) else { return };
+                if s.multi.is_none() {
+                    // it was the whole request: from now on, values go by position
+                    s.multi = Some(Box::new(Multi { spans: vec![(0, 0); key_list.len()], arena: Vec::new() }));
+                }
+                let mut split = std::mem::take(&mut self.split);
+                self.router.split(self.hashes.iter().copied(), true, &mut split);
+                s.parts += split.groups().len() as u32 - 1;
+                let prefix = get_prefix(cas, touch);
+                for g in split.groups() {
+                    let idx = split.positions(g);
+                    let (req, cursor) = get_line(&prefix, idx.iter().map(|&i| key_list[i as usize]));
+                    let pos: Vec<u32> = idx.iter().map(|&i| positions[i as usize]).collect();
+                    let mut next = self.inflight(
+                        inf.client,
+                        inf.cid,
+                        inf.seq,
+                        req,
+                        What::Get { positions: Some(pos), cursor },
+                        false,
+                    );
+                    next.hops = inf.hops;
+                    self.send(g.owner, next);
+                }
+                self.split = split;
+            }
+            _ => self.fail(inf, "SERVER_ERROR unexpected redirect"),
+        }
+    }
+
+    pub(super) fn maybe_fetch_map(&mut self, from: Option<Owner>) {
+        let Some(owner) = from else { return };
+        if self.fetching_map {
+            return;
+        }
+        self.fetching_map = true;
+        self.counters.map_fetches += 1;
+        let inf = self.inflight(usize::MAX, 0, 0, b"mbal map\r\n".to_vec(), What::Map, false);
+        self.send(owner, inf);
+    }
+}
+
+/// Read once into `buf[end..]`, first making room: the unread bytes
+/// `buf[pos..end]` move to the front when the free tail is short, and the
+/// buffer grows only when they fill most of it (so it is zero-filled once,
+/// not on every read).
+pub(super) fn fill(sock: &mut TcpStream, buf: &mut Vec<u8>, pos: &mut usize, end: &mut usize) -> io::Result<usize> {
+    if *pos == *end {
+        *pos = 0;
+        *end = 0;
+    }
+    if buf.len() - *end < READ_CHUNK / 2 {
+        if *pos > 0 {
+            buf.copy_within(*pos..*end, 0);
+            *end -= *pos;
+            *pos = 0;
+        }
+        if buf.len() - *end < READ_CHUNK / 2 {
+            let grow = (buf.len() * 2).max(READ_CHUNK);
+            buf.resize(grow, 0);
+        }
+    }
+    let n = sock.read(&mut buf[*end..])?;
+    *end += n;
+    Ok(n)
+}

@@ -18,9 +18,11 @@
 //!   destination. The routing client, the bench and the proxy share it.
 
 mod map;
+mod replica;
 mod router;
 
 pub use map::{ClusterMap, ClusterSpec, MapDiff, ServerInfo, ServerSpec};
+pub use replica::replica_location;
 pub use router::{BadRedirect, Group, Learned, Redirect, Router, Split};
 
 /// Default number of virtual nodes for a cluster's life (DESIGN.md §2).

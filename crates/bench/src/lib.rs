@@ -342,7 +342,7 @@ pub fn run_with(args: BenchArgs, factory: &dyn DriverFactory) -> Result<BenchRep
         SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
     let phases = match &args.phases {
         Some(p) => workload::parse_phases(p)?,
-        None => vec![Phase { workload: args.workload, secs: args.duration.unwrap_or(10.0) }],
+        None => vec![Phase { workload: args.workload, secs: args.duration.unwrap_or(10.0), hot_set: 0 }],
     };
     let hot_partition = phases.iter().any(|p| {
         p.workload == WorkloadKind::Hotpart || (p.workload == WorkloadKind::Custom && args.dist == DistKind::Hotpart)
@@ -408,7 +408,13 @@ pub fn run_with(args: BenchArgs, factory: &dyn DriverFactory) -> Result<BenchRep
     };
 
     if !args.load_only {
-        let perm = Arc::new(workload::scramble_permutation(args.keys, 0x6d62_616c));
+        // One permutation per hot set (`NAME@K` phases), shared by every thread.
+        let mut perms: BTreeMap<u32, Arc<Vec<u32>>> = BTreeMap::new();
+        for p in &phases {
+            perms.entry(p.hot_set).or_insert_with(|| {
+                Arc::new(workload::scramble_permutation(args.keys, 0x6d62_616c + u64::from(p.hot_set)))
+            });
+        }
         let make_sources = || -> Result<Vec<OpSource>> {
             let mut sources = Vec::new();
             for _ in 0..args.threads {
@@ -417,7 +423,7 @@ pub fn run_with(args: BenchArgs, factory: &dyn DriverFactory) -> Result<BenchRep
                 for p in &phases {
                     end += p.secs;
                     let mix = workload::mix_of(p.workload, &params);
-                    ph.push((end, mix.read_ratio, KeyGen::new(mix.dist, &params, perm.clone())?));
+                    ph.push((end, mix.read_ratio, KeyGen::new(mix.dist, &params, perms[&p.hot_set].clone())?));
                 }
                 sources.push(OpSource::Mix { phases: ph });
             }

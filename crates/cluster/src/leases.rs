@@ -25,7 +25,10 @@
 //! * **What ends a lease early**: a write by this client ([`Leases::end`]:
 //!   it reads its writes at home until the home grants a new lease), and an
 //!   `RD`, an I/O error or a refused connection at the copy ([`Leases::end`]
-//!   for the key, or [`Leases::end_at`] for every key read at that copy).
+//!   for the key, or [`Leases::copy_failed`] for every key read at that
+//!   copy: its leases end, and until a given time leases that draw it read
+//!   at home instead, so a dead server costs one failed connection per
+//!   retry period, not one per key).
 //! * **Bounded memory**: at most `cap` keys; granting a lease beyond that
 //!   drops the oldest granted one. Keys are held by their 64-bit hash (two
 //!   keys with the same hash would share a lease: the wrong one's read at a
@@ -38,6 +41,11 @@ use std::time::{Duration, Instant};
 
 /// Default cap on the keys a [`Leases`] holds.
 pub const DEFAULT_MAX_LEASES: usize = 65_536;
+/// How long a copy whose connection failed is not read (see
+/// [`Leases::copy_failed`]) by the client, the bench and the proxy.
+pub const COPY_RETRY: Duration = Duration::from_secs(1);
+/// Most copies remembered as failed at once.
+const MAX_DOWN: usize = 1024;
 
 /// One key's lease. See the module docs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,13 +74,15 @@ pub struct Leases {
     /// (key hash, lease number) in grant order; entries whose lease was
     /// replaced or ended are skipped when met (and compacted away).
     order: VecDeque<(u64, u64)>,
+    /// Copies not to read until the instant given (their connection failed).
+    down: Vec<(Owner, Instant)>,
 }
 
 impl Leases {
     /// An empty cache. `seed` should differ between clients (it spreads
     /// them over the copies); `cap` bounds the keys held (at least 1).
     pub fn new(seed: u64, cap: usize) -> Leases {
-        Leases { seed, cap: cap.max(1), granted: 0, live: HashMap::new(), order: VecDeque::new() }
+        Leases { seed, cap: cap.max(1), granted: 0, live: HashMap::new(), order: VecDeque::new(), down: Vec::new() }
     }
 
     /// Keys with a lease (live or expired but not yet dropped).
@@ -147,14 +157,30 @@ impl Leases {
 
     /// Where a read of the key with hash `hash` goes at `now`: `Some(copy)`
     /// while a live lease drew a copy other than the home, `None` to read at
-    /// home. An expired lease is dropped.
+    /// home. An expired lease is dropped. A lease whose copy failed (see
+    /// [`Leases::copy_failed`]) reads at home until the copy may be tried
+    /// again.
     pub fn read_target(&mut self, hash: u64, now: Instant) -> Option<Owner> {
         let l = self.live.get(&hash)?;
         if now >= l.until {
             self.live.remove(&hash);
             return None;
         }
-        (l.copy != 0).then_some(l.at)
+        if l.copy == 0 || self.down.iter().any(|&(o, until)| o == l.at && now < until) {
+            return None;
+        }
+        Some(l.at)
+    }
+
+    /// A connection to `copy` failed at `now`: every lease reading there
+    /// ends, and leases drawn to it until `now + retry` read at home.
+    /// Returns how many leases ended.
+    pub fn copy_failed(&mut self, copy: Owner, now: Instant, retry: Duration) -> usize {
+        self.down.retain(|&(o, until)| o != copy && now < until);
+        if self.down.len() < MAX_DOWN {
+            self.down.push((copy, now + retry));
+        }
+        self.end_at(copy)
     }
 
     /// End the key's lease (a write by this client, or a failed read at its

@@ -25,7 +25,7 @@ mod map;
 mod replica;
 mod router;
 
-pub use leases::{Lease, Leases, DEFAULT_MAX_LEASES};
+pub use leases::{Lease, Leases, COPY_RETRY, DEFAULT_MAX_LEASES};
 pub use map::{ClusterMap, ClusterSpec, MapDiff, ServerInfo, ServerSpec};
 pub use replica::replica_location;
 pub use router::{BadRedirect, Group, Learned, Redirect, Router, Split};

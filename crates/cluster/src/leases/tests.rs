@@ -114,6 +114,30 @@ fn writes_failures_and_zero_hints_end_leases() {
 }
 
 #[test]
+fn a_failed_copy_is_not_read_until_its_retry_time() {
+    let m = map(2, 1);
+    let t0 = Instant::now();
+    let mut l = Leases::new(4, 100);
+    let keys: Vec<u64> = (0..100u32).map(|i| key_hash(&i.to_le_bytes())).collect();
+    for &k in &keys {
+        l.record(&m, k, (0, 0), 1, 10_000, t0);
+    }
+    let at_copy = keys.iter().filter(|&&k| l.read_target(k, t0) == Some((1, 0))).count();
+    assert!(at_copy > 20);
+    assert_eq!(l.copy_failed((1, 0), t0, ms(500)), at_copy);
+    // new leases may draw the failed copy: they read at home until the retry time
+    for &k in &keys {
+        l.record(&m, k, (0, 0), 1, 10_000, t0 + ms(1));
+    }
+    let drawn: Vec<u64> = keys.iter().copied().filter(|&k| l.lease(k).unwrap().copy == 1).collect();
+    assert!(!drawn.is_empty());
+    for &k in &drawn {
+        assert_eq!(l.read_target(k, t0 + ms(499)), None, "the copy is not tried yet");
+        assert_eq!(l.read_target(k, t0 + ms(500)), Some((1, 0)), "then it is, with the lease unchanged");
+    }
+}
+
+#[test]
 fn hints_the_map_cannot_place_are_ignored_or_cut() {
     let t0 = Instant::now();
     let mut l = Leases::new(0, 10);

@@ -193,6 +193,36 @@ pub struct ServerArgs {
     /// for balancer experiments on a machine with fewer cores than workers [default: 0 = unlimited]
     #[arg(long = "worker-capacity")]
     pub worker_capacity: Option<u64>,
+    /// Phase 1, hot-key replication: copies of the hottest keys of an overloaded worker on other
+    /// servers, read by routing clients under leases [default: on in a cluster of two or more
+    /// servers]
+    #[arg(long = "hot-keys", value_parser = parse_on_off)]
+    pub hot_keys: Option<bool>,
+    /// Fraction of requests sampled into the hot-key tracker [default: 0.03]
+    #[arg(long = "hot-sample-rate")]
+    pub hot_sample_rate: Option<f64>,
+    /// The per-worker max/avg load Phase 1 aims for; picks each key's replica count [default: 1.1]
+    #[arg(long = "hot-target")]
+    pub hot_target: Option<f64>,
+    /// REPL_high: most keys of this server replicated at once [default: this server's share of
+    /// 2·n·ln n for the cluster's n workers]
+    #[arg(long = "hot-repl-high")]
+    pub hot_repl_high: Option<usize>,
+    /// Epochs a client may read a hot key's copies after a hint [default: 2]
+    #[arg(long = "hot-lease-epochs")]
+    pub hot_lease_epochs: Option<u32>,
+    /// Megabytes of other servers' hot-key copies this server holds at most (never evicts its
+    /// own items for them) [default: 64]
+    #[arg(long = "replica-memory")]
+    pub replica_memory: Option<usize>,
+    /// Writes to a replicated key: async (answered at once, copies updated right after) or sync
+    /// (answered once every copy holds the write) [default: async]
+    #[arg(long = "replica-writes")]
+    pub replica_writes: Option<String>,
+    /// Milliseconds the replicator waits for a shadow server before giving up on it
+    /// [default: 500]
+    #[arg(long = "replica-timeout-ms")]
+    pub replica_timeout_ms: Option<u64>,
 
     /// TOML file with any of the settings above (long names, with '_' for '-')
     #[arg(long = "config")]
@@ -665,6 +695,44 @@ impl ServerArgs {
             }
         }
         s.balancer = o.balancer.unwrap_or(s.cluster.is_some());
+        let servers = s.cluster.as_ref().map_or(1, |(spec, _)| spec.servers.len());
+        let h = &mut s.hot;
+        h.enabled = o.hot_keys.unwrap_or(servers >= 2);
+        h.epoch_ms = s.epoch_ms;
+        if let Some(v) = o.hot_sample_rate {
+            if !(v > 0.0 && v <= 1.0) {
+                bail!("--hot-sample-rate must be in (0, 1] (got {v})");
+            }
+            h.policy.sample_rate = v;
+        }
+        if let Some(v) = o.hot_target {
+            if v < 1.0 {
+                bail!("--hot-target must be at least 1.0 (got {v})");
+            }
+            h.policy.target_imbalance = v;
+        }
+        if let Some(v) = o.hot_repl_high {
+            h.policy.repl_high = Some(v);
+        }
+        if let Some(v) = o.hot_lease_epochs {
+            if v == 0 {
+                bail!("--hot-lease-epochs must be at least 1");
+            }
+            h.policy.lease_epochs = v;
+        }
+        if let Some(v) = o.replica_memory {
+            h.memory = v << 20;
+        }
+        if let Some(v) = &o.replica_writes {
+            h.sync = match v.as_str() {
+                "async" => false,
+                "sync" => true,
+                _ => bail!("--replica-writes must be async or sync (got {v:?})"),
+            };
+        }
+        if let Some(v) = o.replica_timeout_ms {
+            h.timeout_ms = v.max(1);
+        }
         if let Some(v) = o.page_size_kb {
             if !(4..=65536).contains(&v) {
                 bail!("--page-size-kb must be between 4 and 65536");

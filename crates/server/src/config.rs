@@ -105,6 +105,57 @@ pub struct Settings {
     /// `--worker-capacity`: emulated capacity of each worker, requests per
     /// second (`capacity.rs`); 0: unlimited.
     pub worker_capacity: u64,
+    /// Phase 1, hot-key replication.
+    pub hot: HotSettings,
+}
+
+/// Phase 1's settings (`--hot-keys` and friends; DESIGN.md §6).
+#[derive(Clone, Debug)]
+pub struct HotSettings {
+    /// Replicate hot keys to other servers. Default: on in a cluster of
+    /// two or more servers.
+    pub enabled: bool,
+    /// The policy's knobs (sampling rate, tracker, target imbalance,
+    /// REPL_high, lease length in epochs...).
+    pub policy: mbal_balance::HotConfig,
+    /// `--replica-memory`: bytes of copies of other servers' keys this
+    /// server holds at most (split evenly between its workers).
+    pub memory: usize,
+    /// `--replica-writes sync`: a write to a replicated key is answered
+    /// once every copy holds it (SE mode); default async (the reply does
+    /// not wait; copies lag by the copy time, at most their time to live).
+    pub sync: bool,
+    /// `--replica-timeout-ms`: how long the replicator waits for a shadow.
+    pub timeout_ms: u64,
+    /// Set by `apply`: the epoch length, which leases are counted in.
+    pub epoch_ms: u64,
+}
+
+impl Default for HotSettings {
+    fn default() -> Self {
+        HotSettings {
+            enabled: false,
+            policy: mbal_balance::HotConfig::default(),
+            memory: 64 << 20,
+            sync: false,
+            timeout_ms: 500,
+            epoch_ms: 1000,
+        }
+    }
+}
+
+impl HotSettings {
+    /// How long a client may read from copies after a hint: the policy's
+    /// `lease_epochs` epochs.
+    pub fn lease_ms(&self) -> u64 {
+        u64::from(self.policy.lease_epochs.max(1)) * self.epoch_ms
+    }
+
+    /// How long a copy lives without renewal: two epochs beyond a lease, so
+    /// that a lease granted just before a renewal is due still ends first.
+    pub fn copy_ttl_ms(&self) -> u64 {
+        self.lease_ms() + 2 * self.epoch_ms
+    }
 }
 
 impl Default for Settings {
@@ -139,6 +190,7 @@ impl Default for Settings {
             balance: mbal_balance::Config::default(),
             prefix_delimiter: b':',
             worker_capacity: 0,
+            hot: HotSettings::default(),
         }
     }
 }

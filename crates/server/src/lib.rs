@@ -15,6 +15,10 @@
 //! * `moves`: the server-local move protocol (release, adopt, owner notices).
 //! * `control`: the controller thread: the cluster map, every move, and the
 //!   epoch tick that samples the workers' counters for the balancer.
+//! * `replica`: Phase 1's tables on a worker: its hot keys (leases, writes
+//!   being copied) and the shadow table of other servers' copies.
+//! * `replicate`: the replicator thread, which carries copies to the shadow
+//!   workers of other servers.
 //! * `stats`: counters and memcached-named stats.
 //!
 //! Threads and ports: one acceptor thread owns the main port and hands each
@@ -31,6 +35,8 @@ mod exec;
 mod moves;
 mod msg;
 mod output;
+mod replica;
+mod replicate;
 pub mod stats;
 mod tune;
 mod worker;
@@ -153,6 +159,9 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
     let owners = map.owners().to_vec();
     let epoch = map.epoch();
     let (control_tx, control_rx) = crossbeam_channel::unbounded();
+    // Phase 1 needs another server for its copies.
+    let replicating = settings.hot.enabled && map.servers().len() > 1;
+    let (rep_tx, rep_rx) = crossbeam_channel::unbounded();
 
     let start_unix = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let pool = GlobalPool::new(settings.memory_limit, settings.page_size);
@@ -163,6 +172,7 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
         control: control_tx,
         latest: Mutex::new(None),
         balancer: Mutex::new(None),
+        hotkeys: Mutex::new(None),
         start: Instant::now(),
         start_unix,
         curr_conns: AtomicUsize::new(0),
@@ -176,6 +186,7 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
         next_conn_id: AtomicU64::new(1),
         accept_paused: AtomicBool::new(false),
         accept_waker: OnceLock::new(),
+        replicator: replicating.then_some(rep_tx),
         settings: settings.clone(),
     });
     let _ = shared.worker_ports.set(worker_addrs.iter().map(|a| a.port()).collect());
@@ -210,6 +221,11 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
     let mut threads = Vec::new();
     for (i, w) in built.into_iter().enumerate() {
         threads.push(std::thread::Builder::new().name(format!("mbal-worker-{i}")).spawn(move || w.run())?);
+    }
+    if replicating {
+        let servers = map.servers().iter().map(|s| s.main).collect();
+        let r = replicate::Replicator::new(shared.clone(), rep_rx, servers);
+        threads.push(std::thread::Builder::new().name("mbal-replicate".into()).spawn(move || r.run())?);
     }
     let controller = control::Controller::new(shared.clone(), control_rx, map);
     threads.push(std::thread::Builder::new().name("mbal-control".into()).spawn(move || controller.run())?);

@@ -37,6 +37,16 @@ pub struct Counters {
     pub idle_kicks: u64,
     /// Values refused as larger than `-I` (memcached's `store_too_large`).
     pub store_too_large: u64,
+    /// Phase 1: copies made of hot keys homed here, `RH hot` hints sent,
+    /// reads served from the shadow table, shadow misses redirected home,
+    /// and the shadow table's size and refusals (set when snapshotted).
+    pub hot_replications: u64,
+    pub hot_hints: u64,
+    pub replica_reads: u64,
+    pub replica_redirects: u64,
+    pub replica_items: u64,
+    pub replica_bytes: u64,
+    pub replica_refused: u64,
     /// `stats detail`: per key prefix counts of what this worker executed.
     pub prefixes: PrefixStats,
 }
@@ -113,7 +123,14 @@ impl Counters {
             inflight_stalls,
             capacity_stalls,
             idle_kicks,
-            store_too_large
+            store_too_large,
+            hot_replications,
+            hot_hints,
+            replica_reads,
+            replica_redirects,
+            replica_items,
+            replica_bytes,
+            replica_refused
         );
         self.prefixes.add(&o.prefixes);
     }
@@ -358,6 +375,13 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
             sink.stat("redirects", &c.redirects);
             sink.stat("foreign_keys", &c.foreign_keys);
             sink.stat("cachelets_moved", &c.cachelets_adopted);
+            sink.stat("hot_replications", &c.hot_replications);
+            sink.stat("hot_hints", &c.hot_hints);
+            sink.stat("replica_reads", &c.replica_reads);
+            sink.stat("replica_redirects", &c.replica_redirects);
+            sink.stat("replica_items", &c.replica_items);
+            sink.stat("replica_bytes", &c.replica_bytes);
+            sink.stat("replica_refused", &c.replica_refused);
             sink.stat("cachelets", &snaps.iter().map(|w| w.cachelets.len()).sum::<usize>());
         }
         "settings" => {
@@ -513,6 +537,43 @@ pub(crate) fn render_balancer(shared: &crate::worker::Shared, sink: &mut dyn Sta
     sink.stat("planner_us_max", &st.planner_us_max);
     for (w, load) in &st.loads {
         sink.stat(&format!("worker:{w}:load"), &format_args!("{load:.0}"));
+    }
+}
+
+/// `stats hotkeys`: Phase 1's last epoch and its hottest tracked keys (by
+/// estimated requests per second over all copies), with their replica
+/// counts and states.
+pub(crate) fn render_hotkeys(shared: &crate::worker::Shared, sink: &mut dyn StatSink) {
+    let st = shared.hotkeys.lock().unwrap_or_else(|p| p.into_inner()).clone().unwrap_or_default();
+    let on = shared.replicator.is_some();
+    sink.stat("hot_keys", &if on { "on" } else { "off" });
+    let h = &shared.settings.hot;
+    sink.stat("sample_rate", &h.policy.sample_rate);
+    sink.stat("target_imbalance", &h.policy.target_imbalance);
+    sink.stat("replica_writes", &if h.sync { "sync" } else { "async" });
+    sink.stat("lease_ms", &h.lease_ms());
+    sink.stat("copy_ttl_ms", &h.copy_ttl_ms());
+    sink.stat("epoch", &st.epoch);
+    sink.stat("threshold", &format_args!("{:.0}", st.threshold));
+    sink.stat("estimated_max_over_avg", &format_args!("{:.3}", st.estimated_max_over_avg));
+    sink.stat("unreplicated_max_over_avg", &format_args!("{:.3}", st.unreplicated_max_over_avg));
+    sink.stat("replicated", &st.replicated);
+    sink.stat("copies_made", &st.copies_made);
+    sink.stat("copies_failed", &st.copies_failed);
+    sink.stat("escalate", &st.escalate.as_deref().unwrap_or("none"));
+    for (i, k) in st.top.iter().enumerate() {
+        sink.stat(
+            &format!("key:{i}"),
+            &format_args!(
+                "{} worker={} reads_per_sec={:.0} writes_per_sec={:.0} state={:?} replicas={}",
+                String::from_utf8_lossy(&k.key),
+                k.worker,
+                k.reads_per_sec,
+                k.writes_per_sec,
+                k.state,
+                k.replicas
+            ),
+        );
     }
 }
 

@@ -28,7 +28,10 @@
 //! stops between keys once `MAX_PENDING_OUTPUT` of replies are unsent.
 
 mod conn;
+mod hot;
 mod inbox;
+
+pub(crate) use hot::flush_hot;
 
 use crate::capacity::Capacity;
 use crate::config::{Binding, Settings};
@@ -38,6 +41,7 @@ use crate::exec::{self, locate, Ctx};
 use crate::moves::{self, Parked, Tables};
 use crate::msg::{Envelope, FwdKind, FwdReq, HandOff, Mailbox, Outbox, Peers, ReplyTo, ReqBatch, NO_CACHELET};
 use crate::output::{Output, Slot, StatsFormat, MAX_PENDING_OUTPUT};
+use crate::replica::{Replicas, ShadowTable};
 use crate::stats::{self, BinSink, CacheletInfo, ConnInfo, Counters, ProcessInfo, TextSink, WorkerSnapshot};
 use crossbeam_channel::{Receiver, Sender};
 use mbal_balance::{CacheletSample, EpochSnapshot, WorkerSample};
@@ -91,6 +95,9 @@ pub(crate) struct Shared {
     /// The balancer's figures for `stats balancer`, written by the
     /// controller once per epoch and after each move.
     pub balancer: Mutex<Option<crate::control::BalancerStatus>>,
+    /// Phase 1's figures for `stats hotkeys`, written by the controller
+    /// once per epoch.
+    pub hotkeys: Mutex<Option<crate::control::HotStatus>>,
     pub start: Instant,
     pub start_unix: u64,
     pub curr_conns: AtomicUsize,
@@ -110,6 +117,8 @@ pub(crate) struct Shared {
     /// and waits for a close to wake it (`accept_waker`).
     pub accept_paused: AtomicBool,
     pub accept_waker: OnceLock<Arc<mio::Waker>>,
+    /// The replicator's job queue (Phase 1), when it runs.
+    pub replicator: Option<Sender<crate::replicate::Job>>,
 }
 
 impl Shared {
@@ -233,6 +242,8 @@ pub(crate) struct Worker {
     held: VecDeque<Envelope>,
     /// Where the front of `held`, a batch cut short, resumes.
     held_pos: usize,
+    /// Phase 1: hot keys homed here and copies of other servers' keys.
+    replicas: Replicas,
 }
 
 /// A listening socket; `mark` (`-o sock_cookie_id`, 0: none) is set as its
@@ -269,6 +280,15 @@ impl Worker {
         let tables = Tables::new(owners, id);
         let workers = shared.settings.threads;
         let limits = Limits { max_item_size: shared.settings.max_item_size, ..Limits::default() };
+        let mut store = store;
+        let hot = &shared.settings.hot;
+        let mut replicas = Replicas::default();
+        if shared.replicator.is_some() {
+            // Sample for the tracker; hold other servers' copies.
+            store.watch().set_sampling(hot.policy.sample_rate, 1 << 16, id as u64 + 1);
+            replicas.shadow = ShadowTable::with_cap(hot.memory / workers.max(1));
+            replicas.hot.lease_cap_ms = hot.lease_ms();
+        }
         Ok(Worker {
             id,
             poll,
@@ -297,6 +317,7 @@ impl Worker {
             throttled: Vec::new(),
             held: VecDeque::new(),
             held_pos: 0,
+            replicas,
             shared,
         })
     }
@@ -348,6 +369,10 @@ impl Worker {
             }
             self.run_ready();
             self.drain_inbox();
+            if self.store.watch().has_dirty() {
+                let (shared, store, hot) = (&self.shared, &mut self.store, &mut self.replicas.hot);
+                hot::copy_writes(shared, self.id, store, hot, self.now, None);
+            }
             self.flush_dirty();
             let round_end = self.shared.clock_ns();
             self.busy_ns += round_end.saturating_sub(round_start);
@@ -365,6 +390,9 @@ impl Worker {
     /// Periodic work off the request path: expiry sweep, idle timeouts.
     fn housekeeping(&mut self) {
         self.store.sweep(self.now, 256);
+        if !self.replicas.shadow.is_empty() {
+            self.replicas.shadow.sweep(self.shared.clock_ns());
+        }
         let idle = self.shared.settings.idle_timeout;
         if idle > 0 {
             let stale: Vec<usize> = self

@@ -278,6 +278,7 @@ impl Worker {
                 counters: &mut self.counters,
                 inflight: &mut self.inflight,
                 self_stats: &mut self.self_stats,
+                replicas: &mut self.replicas,
             };
             let fresh = matches!(line, LineState::Start);
             match mbal_proto::parse_stream(line, proto, buf, &self.limits) {
@@ -307,7 +308,20 @@ impl Worker {
                 Parsed::Req { req, consumed } => {
                     let raw = &buf[..consumed];
                     let forwarded_before = *rt.inflight;
+                    let reply_at = output.buf().len();
                     let action = dispatch::handle(&self.shared, &mut rt, &mut self.store, self.now, output, &req, raw);
+                    if self.store.watch().has_dirty() {
+                        // A write to a replicated key: copy it; in sync mode
+                        // its reply waits until every copy has it.
+                        let mut hold = None;
+                        if self.shared.settings.hot.sync && output.buf().len() > reply_at {
+                            let bytes = output.buf().split_off(reply_at);
+                            let seq = output.push(Slot::Wait);
+                            *rt.inflight += 1;
+                            hold = Some((ReplyTo { worker, conn: ci, gen: *gen, seq }, NO_CACHELET, bytes));
+                        }
+                        hot::copy_writes(&self.shared, worker, &mut self.store, &mut rt.replicas.hot, self.now, hold);
+                    }
                     // Executed here unless it went to another worker (which pays for it).
                     self.capacity.spend((*rt.inflight == forwarded_before) as u64);
                     pos += consumed;

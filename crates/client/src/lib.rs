@@ -53,8 +53,9 @@
 //!   hint `RH hot <key> <replicas> <lease-ms>` (docs/protocol.md); the
 //!   client records it in an [`mbal_cluster::Leases`] (the lease cache the
 //!   bench and the proxy use too), which draws one copy per lease. While a
-//!   key's lease is live, `get`/`gets` (and `get_multi`, one `get` per such
-//!   key) read the drawn copy; the copies' requests of a `get_multi` go out
+//!   key's lease is live, `get` (and `get_multi`, one `get` per such key)
+//!   reads the drawn copy (`gets` always reads at home: a copy has no CAS of
+//!   its own); the copies' requests of a `get_multi` go out
 //!   and are answered before the rest is sent home. Writes always go home,
 //!   and a write (any storage command, `delete`, `incr`/`decr`, `touch`,
 //!   `set_multi`) ends this client's lease on the key, so it reads its
@@ -494,7 +495,9 @@ impl Client {
         req.extend_from_slice(key);
         req.extend_from_slice(b"\r\n");
         let hash = key_hash(key);
-        if let Some(copy) = self.leases.read_target(hash, Instant::now()) {
+        // only `get` reads a copy: a copy has no CAS of its own (`gets` goes home)
+        let copy = if cmd == "get" { self.leases.read_target(hash, Instant::now()) } else { None };
+        if let Some(copy) = copy {
             if let Some(v) = self.read_copy(copy, key, &req) {
                 return Ok(v);
             }

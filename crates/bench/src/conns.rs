@@ -135,7 +135,9 @@ impl<P: Pending> Conns<P> {
     /// Wait up to `timeout` for events, write what is pending, and call `on_reply(ci, p, reply)`
     /// for each reply read, in order per connection (`p` is the request it answers, already
     /// removed from the connection's queue; `reply` is the frame that completed it: `End` of a
-    /// get, a status line, an error or a redirect — anything else is a protocol error).
+    /// get, a status line, an error or a redirect — anything else is a protocol error). A hot-key
+    /// hint (`Frame::Hint`, routed connections) is passed the same way before the reply it
+    /// precedes, with `p` the request it belongs to, which stays queued for its reply.
     pub(crate) fn poll(&mut self, timeout: Duration, mut on_reply: impl FnMut(usize, P, Frame<'_>)) -> Result<()> {
         match self.poll.poll(&mut self.events, Some(timeout)) {
             Ok(()) => {}
@@ -195,6 +197,10 @@ impl<P: Pending> Conns<P> {
                     .map_err(|e| anyhow::anyhow!("{addr}: {e}"))?;
                 c.rstart += used;
                 let Some(reply) = reply else { break };
+                if let Frame::Hint(_) = reply {
+                    on_reply(ci, p, reply);
+                    continue;
+                }
                 if !fits(p.expect(), &reply) {
                     bail!("{label} {addr}: unexpected reply {reply:?} to a {:?} request", p.expect());
                 }

@@ -227,6 +227,8 @@ fn totals_of(results: &[ThreadResult], rate: Option<f64>) -> Totals {
         t.errors += r.errors;
         t.unfinished += r.unfinished;
         t.redirects += r.redirects;
+        t.replica_reads += r.replica_reads;
+        t.replica_fallbacks += r.replica_fallbacks;
         t.late_ops += r.late;
         t.requests += r.target_requests.iter().sum::<u64>();
         elapsed = elapsed.max(r.elapsed);

@@ -2,7 +2,7 @@
 //! its reply parser, and the mapping of I/O failures to [`Error`].
 
 use crate::{Error, Peer, Result};
-use mbal_proto::client::{Expect, Reply, ReplyReader};
+use mbal_proto::client::{Expect, OwnedHint, Reply, ReplyReader};
 use std::io::{self, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
@@ -61,6 +61,12 @@ impl Conn {
                 Err(e) => return Err(io_err(self.addr, self.peer, e)),
             }
         }
+    }
+
+    /// The hot-key hints read since the last call (see
+    /// [`ReplyReader::take_hints`]).
+    pub fn take_hints(&mut self) -> Vec<OwnedHint> {
+        self.parser.take_hints()
     }
 
     /// Send one request and read its reply.

@@ -18,6 +18,7 @@
 //!   destination. The routing client, the bench and the proxy share it.
 
 mod map;
+pub mod peer_auth;
 mod replica;
 mod router;
 

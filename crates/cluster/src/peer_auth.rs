@@ -100,7 +100,7 @@ pub fn to_hex(bytes: &[u8]) -> String {
 
 /// Hex (either case) to bytes; None if not an even number of hex digits.
 pub fn from_hex(s: &str) -> Option<Vec<u8>> {
-    if s.len() % 2 != 0 {
+    if !s.len().is_multiple_of(2) {
         return None;
     }
     let digit = |c: u8| (c as char).to_digit(16).map(|d| d as u8);

@@ -54,6 +54,8 @@ pub(crate) struct Route<'a> {
     pub inflight: &'a mut usize,
     /// Stats gathers that still need this worker's own snapshot.
     pub self_stats: &'a mut Vec<(usize, u64, bool)>,
+    /// The connection's authentication (data and control plane).
+    pub auth: &'a mut crate::auth::ConnAuth,
 }
 
 impl Route<'_> {
@@ -392,7 +394,19 @@ fn foreign_meta(cmd: &mbal_proto::meta::MetaCmd, out: &mut Vec<u8>) {
 fn admin(shared: &Shared, rt: &mut Route, output: &mut Output, args: &[u8]) -> Action {
     let args = String::from_utf8_lossy(args);
     let mut it = args.split_whitespace();
+    let word = it.clone().next().unwrap_or("");
+    if mbal_cluster::peer_auth::is_control(word) {
+        if let Err(reply) = crate::auth::control_allowed(&shared.settings, rt.auth) {
+            rt.counters.control_refused += 1;
+            output.buf().extend_from_slice(reply);
+            return Action::None;
+        }
+    }
     match (it.next(), it.next(), it.next(), it.next()) {
+        (Some("peer"), answer, None, None) => {
+            crate::auth::peer(&shared.settings, rt.counters, rt.auth, answer, output);
+            Action::None
+        }
         (Some("hello"), Some(epoch), w, None) if epoch.parse::<u64>().is_ok() => {
             let to = match w.map(str::parse::<usize>) {
                 None => rt.worker,
@@ -456,7 +470,7 @@ fn admin(shared: &Shared, rt: &mut Route, output: &mut Output, args: &[u8]) -> A
         }
         _ => {
             output.buf().extend_from_slice(
-                b"CLIENT_ERROR unknown mbal command (hello <epoch> | map | move <cachelet> <worker> | load [<after>])\r\n",
+                b"CLIENT_ERROR unknown mbal command (hello <epoch> | map | load [<after>] | peer [<answer>] | move <cachelet> <worker>)\r\n",
             );
             Action::None
         }
@@ -475,7 +489,15 @@ pub(crate) fn handle_bin(
     let h = &req.header;
     let layout = &shared.layout;
     let settings = &shared.settings;
+    if !rt.auth.authenticated && !crate::auth::bin_allowed_before_auth(h.opcode) {
+        crate::auth::bin_unauthenticated(req, output.buf());
+        return Action::Close;
+    }
     match h.opcode {
+        op::SASL_LIST_MECHS | op::SASL_AUTH | op::SASL_STEP => {
+            crate::auth::sasl(settings, rt.counters, rt.auth, req, output.buf());
+            Action::None
+        }
         op::NOOP => {
             write_response(output.buf(), op::NOOP, st::NO_ERROR, h.opaque, 0, &[], &[], &[]);
             Action::None

@@ -91,6 +91,31 @@ pub struct Config {
     pub max_redirects: u32,
     /// Pooled connections per (server, worker).
     pub conns_per_worker: usize,
+    /// Username and password for servers started with `-Y`: each new
+    /// connection authenticates first (memcached's ASCII auth).
+    pub login: Option<Login>,
+}
+
+/// A username and password (memcached's ASCII auth: neither may contain a
+/// space). Its `Debug` form shows the user only.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Login {
+    pub user: String,
+    pub password: String,
+}
+
+impl std::fmt::Debug for Login {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Login({:?}, ..)", self.user)
+    }
+}
+
+impl Login {
+    /// The authentication request: a `set` whose data is `user password`.
+    pub fn request(&self) -> Vec<u8> {
+        let token = format!("{} {}", self.user, self.password);
+        format!("set auth 0 0 {}\r\n{token}\r\n", token.len()).into_bytes()
+    }
 }
 
 impl Default for Config {
@@ -100,6 +125,7 @@ impl Default for Config {
             io_timeout: Duration::from_secs(5),
             max_redirects: 3,
             conns_per_worker: 1,
+            login: None,
         }
     }
 }
@@ -241,6 +267,7 @@ impl Client {
     /// to: the map is fetched with `mbal map`.
     pub fn connect(any_server: SocketAddr, cfg: Config) -> Result<Client> {
         let mut c = Conn::open(any_server, Peer::Unknown, cfg.connect_timeout, cfg.io_timeout)?;
+        c.login(cfg.login.as_ref())?;
         let map = fetch_map(&mut c)?;
         Ok(Client::from_map(map, cfg))
     }
@@ -283,6 +310,7 @@ impl Client {
         }
         let peer = Peer::Worker { server: s, worker: w };
         let mut c = Conn::open(addr, peer, self.cfg.connect_timeout, self.cfg.io_timeout)?;
+        c.login(self.cfg.login.as_ref())?;
         let hello = format!("mbal hello {} {w}\r\n", self.router.map().epoch());
         match c.call(hello.as_bytes(), Expect::Line)? {
             Reply::Hello { server, worker, .. } if (server, worker) == (s, w) => Ok(c),

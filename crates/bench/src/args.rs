@@ -14,6 +14,13 @@ pub struct BenchArgs {
     /// Allow targets outside 127.0.0.0/8.
     #[arg(long)]
     pub allow_non_loopback: bool,
+    /// Username for servers started with -Y: every connection authenticates first with
+    /// memcached's ASCII auth (needs --password-file)
+    #[arg(long, requires = "password_file")]
+    pub user: Option<String>,
+    /// File holding the password of --user (trailing whitespace ignored)
+    #[arg(long, requires = "user")]
+    pub password_file: Option<std::path::PathBuf>,
     /// Ignore --server and run against an in-process stub server (measures the generator's own
     /// ceiling; see also `client.ops_per_cpu_sec` in every report).
     #[arg(long)]

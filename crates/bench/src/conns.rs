@@ -72,10 +72,43 @@ pub(crate) struct Conns<P> {
     ready: Vec<(usize, bool, bool)>,
 }
 
-/// Blocking connect to `addr` (with [`IO_TIMEOUT`]) and `TCP_NODELAY`.
+/// The authentication request every new connection sends first (`--user`,
+/// `--password-file`: memcached's ASCII auth), set by [`crate::run`].
+static LOGIN: std::sync::Mutex<Option<Vec<u8>>> = std::sync::Mutex::new(None);
+
+/// Authenticate every connection opened from now on with `user` and
+/// `password` (None: no authentication).
+pub fn set_login(login: Option<(&str, &str)>) {
+    let req = login.map(|(user, password)| {
+        let token = format!("{user} {password}");
+        format!("set auth 0 0 {}\r\n{token}\r\n", token.len()).into_bytes()
+    });
+    *LOGIN.lock().unwrap_or_else(|e| e.into_inner()) = req;
+}
+
+/// Blocking connect to `addr` (with [`IO_TIMEOUT`]) and `TCP_NODELAY`, authenticated if a
+/// login is set ([`set_login`]).
 pub(crate) fn connect_std(addr: SocketAddr) -> Result<StdStream> {
-    let std = StdStream::connect_timeout(&addr, IO_TIMEOUT).with_context(|| format!("connect to {addr}"))?;
+    let mut std = StdStream::connect_timeout(&addr, IO_TIMEOUT).with_context(|| format!("connect to {addr}"))?;
     std.set_nodelay(true)?;
+    let login = LOGIN.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    if let Some(req) = login {
+        std.set_read_timeout(Some(IO_TIMEOUT))?;
+        std.write_all(&req).with_context(|| format!("login to {addr}"))?;
+        // The reply is one line; read it byte by byte so nothing after it is taken.
+        let mut line = Vec::new();
+        let mut b = [0u8; 1];
+        while !line.ends_with(b"\n") && line.len() < 1024 {
+            if std.read(&mut b).with_context(|| format!("login to {addr}"))? == 0 {
+                bail!("login to {addr}: connection closed");
+            }
+            line.push(b[0]);
+        }
+        if line != b"STORED\r\n" {
+            bail!("login to {addr} refused: {}", String::from_utf8_lossy(&line).trim_end());
+        }
+        std.set_read_timeout(None)?;
+    }
     Ok(std)
 }
 

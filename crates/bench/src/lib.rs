@@ -247,6 +247,13 @@ fn totals_of(results: &[ThreadResult], rate: Option<f64>) -> Totals {
 /// `--json` and `--plot` files. With `--plot-only`, only plots the given reports and returns the
 /// first of them.
 pub fn run(args: BenchArgs) -> Result<BenchReport> {
+    match (&args.user, &args.password_file) {
+        (Some(user), Some(p)) => {
+            let text = std::fs::read_to_string(p).with_context(|| format!("--password-file {}", p.display()))?;
+            conns::set_login(Some((user, text.trim_end())));
+        }
+        _ => conns::set_login(None),
+    }
     if !args.plot_only.is_empty() {
         let out = args.output.clone().context("--plot-only needs -o/--output FILE.svg")?;
         let mut reports = Vec::new();

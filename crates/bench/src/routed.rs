@@ -77,7 +77,7 @@ fn call(s: &mut StdStream, req: &[u8]) -> Result<Reply> {
 
 /// Fetch the cluster map from any mbal server with `mbal map`.
 pub fn fetch_map(addr: SocketAddr) -> Result<ClusterMap> {
-    let mut s = StdStream::connect_timeout(&addr, IO_TIMEOUT).with_context(|| format!("connect to {addr}"))?;
+    let mut s = connect_std(addr)?;
     s.set_read_timeout(Some(IO_TIMEOUT))?;
     match call(&mut s, b"mbal map\r\n").with_context(|| format!("mbal map from {addr}"))? {
         Reply::Map { json, .. } => {

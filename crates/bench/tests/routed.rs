@@ -147,6 +147,8 @@ fn routed_three_server_cluster() {
                 ServerSpec { addr: format!("127.0.0.1:{}", free_port()).parse().unwrap(), worker_port_base: Some(base) }
             })
             .collect(),
+        secret: None,
+        secret_file: None,
     };
     let servers: Vec<ServerHandle> = (0..3)
         .map(|id| {

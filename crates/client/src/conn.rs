@@ -35,6 +35,16 @@ impl Conn {
         Ok(Conn { stream, parser: ReplyReader::new(), addr, peer })
     }
 
+    /// Authenticate first, if the client has a login (memcached's ASCII auth).
+    pub fn login(&mut self, login: Option<&crate::Login>) -> Result<()> {
+        let Some(login) = login else { return Ok(()) };
+        match self.call(&login.request(), Expect::Line)? {
+            Reply::Stored => Ok(()),
+            Reply::Error(line) => Err(crate::Error::Server { addr: self.addr, peer: self.peer, line }),
+            r => Err(self.unexpected("the login", &r)),
+        }
+    }
+
     pub fn send(&mut self, bytes: &[u8]) -> Result<()> {
         self.stream.write_all(bytes).map_err(|e| io_err(self.addr, self.peer, e))
     }

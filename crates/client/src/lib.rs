@@ -109,6 +109,31 @@ pub struct Config {
     pub conns_per_worker: usize,
     /// Most keys with a hot-key lease held at once (oldest dropped).
     pub max_leases: usize,
+    /// Username and password for servers started with `-Y`: each new
+    /// connection authenticates first (memcached's ASCII auth).
+    pub login: Option<Login>,
+}
+
+/// A username and password (memcached's ASCII auth: neither may contain a
+/// space). Its `Debug` form shows the user only.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Login {
+    pub user: String,
+    pub password: String,
+}
+
+impl std::fmt::Debug for Login {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Login({:?}, ..)", self.user)
+    }
+}
+
+impl Login {
+    /// The authentication request: a `set` whose data is `user password`.
+    pub fn request(&self) -> Vec<u8> {
+        let token = format!("{} {}", self.user, self.password);
+        format!("set auth 0 0 {}\r\n{token}\r\n", token.len()).into_bytes()
+    }
 }
 
 impl Default for Config {
@@ -119,6 +144,7 @@ impl Default for Config {
             max_redirects: 3,
             conns_per_worker: 1,
             max_leases: mbal_cluster::DEFAULT_MAX_LEASES,
+            login: None,
         }
     }
 }
@@ -279,6 +305,7 @@ impl Client {
     /// to: the map is fetched with `mbal map`.
     pub fn connect(any_server: SocketAddr, cfg: Config) -> Result<Client> {
         let mut c = Conn::open(any_server, Peer::Unknown, cfg.connect_timeout, cfg.io_timeout)?;
+        c.login(cfg.login.as_ref())?;
         let map = fetch_map(&mut c)?;
         Ok(Client::from_map(map, cfg))
     }
@@ -385,6 +412,7 @@ impl Client {
         }
         let peer = Peer::Worker { server: s, worker: w };
         let mut c = Conn::open(addr, peer, self.cfg.connect_timeout, self.cfg.io_timeout)?;
+        c.login(self.cfg.login.as_ref())?;
         let hello = format!("mbal hello {} {w}\r\n", self.router.map().epoch());
         match c.call(hello.as_bytes(), Expect::Line)? {
             Reply::Hello { server, worker, .. } if (server, worker) == (s, w) => Ok(c),

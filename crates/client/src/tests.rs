@@ -20,6 +20,8 @@ fn spec_map(servers: u16, workers: u16) -> ClusterMap {
                 worker_port_base: Some(30001 + i * 10),
             })
             .collect(),
+        secret: None,
+        secret_file: None,
     };
     ClusterMap::from_spec(&spec)
 }

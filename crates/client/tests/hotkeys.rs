@@ -30,6 +30,8 @@ impl Cluster {
             cachelets_per_worker: 4,
             workers: WORKERS,
             servers: ls.iter().map(|l| ServerSpec { addr: l.local_addr().unwrap(), worker_port_base: None }).collect(),
+            secret: None,
+            secret_file: None,
         };
         drop(ls);
         let servers = (0..n)

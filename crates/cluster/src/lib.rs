@@ -22,6 +22,7 @@
 
 mod leases;
 mod map;
+pub mod peer_auth;
 mod replica;
 mod router;
 

@@ -72,6 +72,8 @@ fn cluster() -> (ClusterSpec, Vec<Option<ServerHandle>>) {
         cachelets_per_worker: 4,
         workers: WORKERS,
         servers: ls.iter().map(|l| ServerSpec { addr: l.local_addr().unwrap(), worker_port_base: None }).collect(),
+        secret: None,
+        secret_file: None,
     };
     drop(ls);
     let servers = (0..3)

@@ -105,6 +105,23 @@ pub struct Settings {
     /// `--worker-capacity`: emulated capacity of each worker, requests per
     /// second (`capacity.rs`); 0: unlimited.
     pub worker_capacity: u64,
+    /// `-Y FILE`: every connection must authenticate (text: memcached's
+    /// ASCII auth; binary: SASL PLAIN), with these users (`auth`).
+    pub auth: Option<std::sync::Arc<crate::auth::Credentials>>,
+    /// The cluster secret (`--control-secret-file`, or `secret` in the
+    /// cluster file): control commands need a connection that proved it
+    /// knows it (`mbal peer`). None: control commands only on loopback.
+    pub control_secret: Option<mbal_cluster::peer_auth::Secret>,
+    /// `--max-conns-per-ip`: open connections one source address may hold;
+    /// 0: no limit but `-c`.
+    pub max_conns_per_ip: usize,
+    /// `--max-input-buffer`: bytes of unparsed input one connection may
+    /// hold; a request that needs more is refused and the connection
+    /// closed. 0: one largest request (`-I` plus a command line).
+    pub max_input_buffer: usize,
+    /// `--request-timeout-ms`: a connection that has sent part of a request
+    /// and not the rest for this long is closed. 0: never.
+    pub request_timeout_ms: u64,
     /// Phase 1, hot-key replication.
     pub hot: HotSettings,
 }
@@ -190,6 +207,11 @@ impl Default for Settings {
             balance: mbal_balance::Config::default(),
             prefix_delimiter: b':',
             worker_capacity: 0,
+            auth: None,
+            control_secret: None,
+            max_conns_per_ip: 0,
+            max_input_buffer: 0,
+            request_timeout_ms: 30_000,
             hot: HotSettings::default(),
         }
     }

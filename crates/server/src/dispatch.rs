@@ -57,6 +57,8 @@ pub(crate) struct Route<'a> {
     pub self_stats: &'a mut Vec<(usize, u64, bool)>,
     /// Phase 1: hot keys homed here (hints) and copies of others' (reads).
     pub replicas: &'a mut Replicas,
+    /// The connection's authentication (data and control plane).
+    pub auth: &'a mut crate::auth::ConnAuth,
 }
 
 impl Route<'_> {
@@ -471,12 +473,24 @@ fn foreign_meta(cmd: &mbal_proto::meta::MetaCmd, out: &mut Vec<u8>) {
 /// in an output slot for its answer.
 fn admin(shared: &Shared, rt: &mut Route, output: &mut Output, args: &[u8], data: &[u8]) -> Action {
     let args = String::from_utf8_lossy(args);
-    if matches!(args.split_whitespace().next(), Some("rset" | "rdel" | "rttl")) {
+    let mut it = args.split_whitespace();
+    let word = it.clone().next().unwrap_or("");
+    if mbal_cluster::peer_auth::is_control(word) {
+        if let Err(reply) = crate::auth::control_allowed(&shared.settings, rt.auth) {
+            rt.counters.control_refused += 1;
+            output.buf().extend_from_slice(reply);
+            return Action::None;
+        }
+    }
+    if matches!(word, "rset" | "rdel" | "rttl") {
         shadow_cmd(shared, rt, output.buf(), &args, data);
         return Action::None;
     }
-    let mut it = args.split_whitespace();
     match (it.next(), it.next(), it.next(), it.next()) {
+        (Some("peer"), answer, None, None) => {
+            crate::auth::peer(&shared.settings, rt.counters, rt.auth, answer, output);
+            Action::None
+        }
         (Some("hello"), Some(epoch), w, None) if epoch.parse::<u64>().is_ok() => {
             let to = match w.map(str::parse::<usize>) {
                 None => rt.worker,
@@ -557,7 +571,7 @@ fn admin(shared: &Shared, rt: &mut Route, output: &mut Output, args: &[u8], data
         }
         _ => {
             output.buf().extend_from_slice(
-                b"CLIENT_ERROR unknown mbal command (hello <epoch> | map | move <cachelet> <worker> | load [<after>])\r\n",
+                b"CLIENT_ERROR unknown mbal command (hello <epoch> | map | load [<after>] | peer [<answer>] | move <cachelet> <worker>)\r\n",
             );
             Action::None
         }
@@ -576,7 +590,15 @@ pub(crate) fn handle_bin(
     let h = &req.header;
     let layout = &shared.layout;
     let settings = &shared.settings;
+    if !rt.auth.authenticated && !crate::auth::bin_allowed_before_auth(h.opcode) {
+        crate::auth::bin_unauthenticated(req, output.buf());
+        return Action::Close;
+    }
     match h.opcode {
+        op::SASL_LIST_MECHS | op::SASL_AUTH | op::SASL_STEP => {
+            crate::auth::sasl(settings, rt.counters, rt.auth, req, output.buf());
+            Action::None
+        }
         op::NOOP => {
             write_response(output.buf(), op::NOOP, st::NO_ERROR, h.opaque, 0, &[], &[], &[]);
             Action::None

@@ -27,6 +27,7 @@
 //! (routed clients talk to the owning worker directly, MBal §2.3); one
 //! controller thread has no port, only a mailbox and a tick.
 
+pub mod auth;
 mod capacity;
 pub mod config;
 mod control;
@@ -178,6 +179,8 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
         curr_conns: AtomicUsize::new(0),
         worker_conns: (0..workers).map(|_| AtomicUsize::new(0)).collect(),
         rejected_conns: AtomicU64::new(0),
+        per_ip: Mutex::new(Default::default()),
+        rejected_per_ip: AtomicU64::new(0),
         shutdown: AtomicBool::new(false),
         detail: AtomicBool::new(false),
         peers: OnceLock::new(),
@@ -298,6 +301,12 @@ impl Acceptor {
                 let mut sock = sock;
                 // memcached's answer to one connection too many.
                 let _ = std::io::Write::write(&mut sock, b"ERROR Too many open connections\r\n");
+                continue;
+            }
+            if !shared.admit_ip(peer.ip()) {
+                shared.curr_conns.fetch_sub(1, Ordering::Relaxed);
+                let mut sock = sock;
+                let _ = std::io::Write::write(&mut sock, worker::TOO_MANY_FROM_IP);
                 continue;
             }
             let n = shared.worker_conns.len();

@@ -152,6 +152,7 @@ pub(crate) struct HandOff {
     pub listen_addr: std::net::SocketAddr,
     pub id: u64,
     pub unread: Vec<u8>,
+    pub auth: crate::auth::ConnAuth,
 }
 
 /// A lease reads of a hot key may be told: γ and until when (server

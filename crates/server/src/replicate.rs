@@ -214,6 +214,20 @@ impl Replicator {
         if [it.next(), it.next(), it.next()] != want {
             return Err(std::io::Error::other(format!("unexpected hello answer {line:?}")));
         }
+        // Copies are control commands: prove this is a cluster member.
+        if let Some(secret) = &self.shared.settings.control_secret {
+            w.write_all(mbal_cluster::peer_auth::HELLO)?;
+            line.clear();
+            r.read_line(&mut line)?;
+            let answer =
+                mbal_cluster::peer_auth::answer_line(secret, line.trim_end()).map_err(std::io::Error::other)?;
+            w.write_all(answer.as_bytes())?;
+            line.clear();
+            r.read_line(&mut line)?;
+            if line != "OK\r\n" {
+                return Err(std::io::Error::other(format!("peer authentication refused: {:?}", line.trim_end())));
+            }
+        }
         Ok(Peer { w, r })
     }
 

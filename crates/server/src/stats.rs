@@ -47,6 +47,18 @@ pub struct Counters {
     pub replica_items: u64,
     pub replica_bytes: u64,
     pub replica_refused: u64,
+    /// Authentications tried (ASCII or SASL) and those that failed (memcached's names).
+    pub auth_cmds: u64,
+    pub auth_errors: u64,
+    /// `mbal peer <answer>` tried, and failed.
+    pub peer_auth_cmds: u64,
+    pub peer_auth_errors: u64,
+    /// Control commands refused to a connection that is not a cluster peer.
+    pub control_refused: u64,
+    /// Connections closed for needing more input than `--max-input-buffer`.
+    pub input_limit_closes: u64,
+    /// Connections closed for sending a request slower than `--request-timeout-ms`.
+    pub request_timeouts: u64,
     /// `stats detail`: per key prefix counts of what this worker executed.
     pub prefixes: PrefixStats,
 }
@@ -130,7 +142,14 @@ impl Counters {
             replica_redirects,
             replica_items,
             replica_bytes,
-            replica_refused
+            replica_refused,
+            auth_cmds,
+            auth_errors,
+            peer_auth_cmds,
+            peer_auth_errors,
+            control_refused,
+            input_limit_closes,
+            request_timeouts
         );
         self.prefixes.add(&o.prefixes);
     }
@@ -207,6 +226,8 @@ pub struct ProcessInfo<'a> {
     pub worker_ports: &'a [u16],
     /// Connections the acceptor refused (over `-c`).
     pub rejected_conns: u64,
+    /// Connections refused for `--max-conns-per-ip`.
+    pub rejected_per_ip: u64,
     /// `stats detail on` is in effect.
     pub detail_enabled: bool,
 }
@@ -343,8 +364,8 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
             sink.stat("touch_misses", &st.touch_misses);
             sink.stat("store_too_large", &c.store_too_large);
             sink.stat("store_no_memory", &snaps.iter().map(|w| w.store.out_of_memory).sum::<u64>());
-            sink.stat("auth_cmds", &0);
-            sink.stat("auth_errors", &0);
+            sink.stat("auth_cmds", &c.auth_cmds);
+            sink.stat("auth_errors", &c.auth_errors);
             if s.idle_timeout > 0 {
                 // memcached lists it whenever an idle timeout is set, from the start.
                 sink.stat("idle_kicks", &c.idle_kicks);
@@ -383,6 +404,12 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
             sink.stat("replica_bytes", &c.replica_bytes);
             sink.stat("replica_refused", &c.replica_refused);
             sink.stat("cachelets", &snaps.iter().map(|w| w.cachelets.len()).sum::<usize>());
+            sink.stat("peer_auth_cmds", &c.peer_auth_cmds);
+            sink.stat("peer_auth_errors", &c.peer_auth_errors);
+            sink.stat("control_refused", &c.control_refused);
+            sink.stat("rejected_connections_per_ip", &p.rejected_per_ip);
+            sink.stat("input_limit_closes", &c.input_limit_closes);
+            sink.stat("request_timeouts", &c.request_timeouts);
         }
         "settings" => {
             sink.stat("maxbytes", &s.memory_limit);
@@ -395,8 +422,8 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
             sink.stat("stat_key_prefix", &(s.prefix_delimiter as char));
             sink.stat("detail_enabled", &if p.detail_enabled { "yes" } else { "no" });
             sink.stat("num_threads_per_udp", &s.threads);
-            sink.stat("auth_enabled_sasl", &"no");
-            sink.stat("auth_enabled_ascii", &"no");
+            sink.stat("auth_enabled_sasl", &if s.auth.is_some() { "yes" } else { "no" });
+            sink.stat("auth_enabled_ascii", &if s.auth.is_some() { "yes" } else { "no" });
             sink.stat("maxconns_fast", &"yes");
             sink.stat("dump_enabled", &"no");
             sink.stat("track_sizes", &"no");
@@ -413,6 +440,10 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
             sink.stat("flush_enabled", &if s.flush_enabled { "yes" } else { "no" });
             sink.stat("shutdown_command", &if s.shutdown_enabled { "yes" } else { "no" });
             sink.stat("cachelets_per_worker", &s.cachelets_per_worker);
+            sink.stat("max_conns_per_ip", &s.max_conns_per_ip);
+            sink.stat("max_input_buffer", &s.max_input_buffer);
+            sink.stat("request_timeout_ms", &s.request_timeout_ms);
+            sink.stat("control_secret", &if s.control_secret.is_some() { "yes" } else { "no" });
             sink.stat("vn_count", &s.vn_count);
             sink.stat("page_size", &s.page_size);
             sink.stat("worker_capacity", &s.worker_capacity);

@@ -106,6 +106,10 @@ pub(crate) struct Shared {
     pub worker_conns: Vec<AtomicUsize>,
     /// Connections the acceptor refused (over `-c`).
     pub rejected_conns: AtomicU64,
+    /// Open connections per source address (`--max-conns-per-ip`; used
+    /// only when that is set, on accept and close), and those refused.
+    pub per_ip: Mutex<std::collections::HashMap<std::net::IpAddr, usize>>,
+    pub rejected_per_ip: AtomicU64,
     pub shutdown: AtomicBool,
     /// `stats detail on`: workers count gets, sets and deletes per key prefix.
     pub detail: AtomicBool,
@@ -157,7 +161,8 @@ impl Shared {
     /// accepting at the connection limit (`-o no_maxconns_fast`); SeqCst
     /// pairs with the acceptor's store of `accept_paused` then load of
     /// `curr_conns`, so one of the two sees the other.
-    pub fn conn_closed(&self, worker: usize) {
+    pub fn conn_closed(&self, worker: usize, peer: std::net::IpAddr) {
+        self.release_ip(peer);
         self.worker_conns[worker].fetch_sub(1, Ordering::Relaxed);
         self.curr_conns.fetch_sub(1, Ordering::SeqCst);
         if self.accept_paused.load(Ordering::SeqCst) {
@@ -167,6 +172,42 @@ impl Shared {
         }
     }
 }
+
+impl Shared {
+    /// Count a new connection from `ip` against `--max-conns-per-ip`;
+    /// false (and counted as refused) if it has that many already.
+    pub fn admit_ip(&self, ip: std::net::IpAddr) -> bool {
+        let max = self.settings.max_conns_per_ip;
+        if max == 0 {
+            return true;
+        }
+        let mut m = self.per_ip.lock().unwrap_or_else(|e| e.into_inner());
+        let n = m.entry(ip).or_insert(0);
+        if *n >= max {
+            drop(m);
+            self.rejected_per_ip.fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
+        *n += 1;
+        true
+    }
+
+    fn release_ip(&self, ip: std::net::IpAddr) {
+        if self.settings.max_conns_per_ip == 0 {
+            return;
+        }
+        let mut m = self.per_ip.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = m.get_mut(&ip) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&ip);
+            }
+        }
+    }
+}
+
+/// The answer to a connection over `--max-conns-per-ip` (then it is closed).
+pub(crate) const TOO_MANY_FROM_IP: &[u8] = b"ERROR Too many open connections from this address\r\n";
 
 struct Conn {
     sock: TcpStream,
@@ -196,6 +237,11 @@ struct Conn {
     routed: bool,
     /// Waiting for the worker's emulated capacity (in `Worker::throttled`).
     throttled: bool,
+    /// Data-plane authentication and control-plane standing.
+    auth: crate::auth::ConnAuth,
+    /// When (`Shared::clock_ns`) the connection last stopped short of a
+    /// complete request (0: it has none pending), for `--request-timeout-ms`.
+    partial_since: u64,
 }
 
 pub(crate) struct Worker {
@@ -244,6 +290,8 @@ pub(crate) struct Worker {
     held_pos: usize,
     /// Phase 1: hot keys homed here and copies of other servers' keys.
     replicas: Replicas,
+    /// Bytes of unparsed input a connection may hold (`--max-input-buffer`).
+    input_cap: usize,
 }
 
 /// A listening socket; `mark` (`-o sock_cookie_id`, 0: none) is set as its
@@ -318,6 +366,10 @@ impl Worker {
             held: VecDeque::new(),
             held_pos: 0,
             replicas,
+            input_cap: match shared.settings.max_input_buffer {
+                0 => limits.max_item_size + limits.max_line + READ_CHUNK,
+                n => n,
+            },
             shared,
         })
     }
@@ -403,6 +455,25 @@ impl Worker {
                 .collect();
             for ci in stale {
                 self.counters.idle_kicks += 1;
+                self.close(ci);
+            }
+        }
+        let timeout_ns = self.shared.settings.request_timeout_ms.saturating_mul(1_000_000);
+        if timeout_ns > 0 {
+            let now = self.shared.clock_ns();
+            let slow: Vec<usize> = self
+                .conns
+                .iter()
+                .filter(|(_, c)| c.partial_since != 0 && now.saturating_sub(c.partial_since) > timeout_ns)
+                .map(|(i, _)| i)
+                .collect();
+            for ci in slow {
+                // A slow sender: say why (text), best effort, and close.
+                self.counters.request_timeouts += 1;
+                let c = &mut self.conns[ci];
+                if c.proto == Some(Protocol::Text) {
+                    let _ = c.sock.write(b"SERVER_ERROR timed out waiting for the rest of the request\r\n");
+                }
                 self.close(ci);
             }
         }

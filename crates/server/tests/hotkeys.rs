@@ -25,6 +25,8 @@ fn cluster(n: usize, tune: impl Fn(&mut mbal_server::config::Settings)) -> Clust
         cachelets_per_worker: 4,
         workers: WORKERS,
         servers: ls.iter().map(|l| ServerSpec { addr: l.local_addr().unwrap(), worker_port_base: None }).collect(),
+        secret: None,
+        secret_file: None,
     };
     drop(ls);
     let servers = (0..n)
@@ -337,4 +339,27 @@ fn the_policy_replicates_a_key_that_overloads_its_worker() {
     assert!(replicated, "the hot key was never replicated");
     let hk = stats(&mut plain, "hotkeys");
     assert!(hk.iter().any(|(n, v)| n == "key:0" && v.starts_with(&key)), "{hk:?}");
+}
+
+#[test]
+fn copies_travel_between_members_that_share_the_cluster_secret() {
+    use mbal_cluster::peer_auth::{self, Secret};
+    let secret = Secret::new(b"a cluster secret of 32 bytes....".to_vec()).unwrap();
+    let cl = cluster(2, |s| s.control_secret = Some(secret.clone()));
+    let (key, w) = cl.key_on(0, "sec");
+    let mut plain = Conn::open(cl.addr(0));
+    assert_eq!(plain.set(&key, b"v"), "STORED\r\n");
+    // Without proving membership, a data-plane client cannot pin it...
+    assert!(plain.cmd(&format!("mbal debug hot {key} 1\r\n")).starts_with("CLIENT_ERROR control command refused"));
+    // ... nor write a copy on a shadow.
+    let (s, cw) = cl.copies(&key, (0, w), 1)[0];
+    let mut shadow = cl.routed(s, cw);
+    assert!(shadow
+        .cmd(&format!("mbal rset {key} 0 0 1 1000\r\nx\r\n"))
+        .starts_with("CLIENT_ERROR control command refused"));
+    let nonce = plain.cmd("mbal peer\r\n");
+    assert_eq!(plain.cmd(&peer_auth::answer_line(&secret, nonce.trim_end()).unwrap()), "OK\r\n");
+    // The home's replicator authenticates itself to the shadow.
+    assert_eq!(plain.cmd(&format!("mbal debug hot {key} 1\r\n")), "OK\r\n");
+    assert_eq!(routed_get(&mut shadow, &key), (None, Some("v".into())));
 }

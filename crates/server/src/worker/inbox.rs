@@ -55,7 +55,7 @@ impl Worker {
                 self.register(TcpStream::from_std(sock), peer, listen);
             }
             Envelope::HandOff(h) => {
-                let HandOff { sock, peer, listen_addr, id, unread } = *h;
+                let HandOff { sock, peer, listen_addr, id, unread, auth } = *h;
                 if let Some(ci) = self.register(TcpStream::from_std(sock), peer, listen_addr) {
                     // Counted once, by the worker that accepted it.
                     self.counters.total_connections -= 1;
@@ -63,6 +63,7 @@ impl Worker {
                     c.id = id;
                     c.rbuf = unread;
                     c.routed = true;
+                    c.auth = auth;
                     c.proto = Some(Protocol::Text);
                     dispatch::hello(&self.shared, self.shared.server_id, self.id, c.output.buf());
                 }
@@ -493,6 +494,7 @@ pub(super) fn render_stats(
         now_unix,
         main_port: shared.main_addr.port(),
         rejected_conns: shared.rejected_conns.load(Ordering::Relaxed),
+        rejected_per_ip: shared.rejected_per_ip.load(Ordering::Relaxed),
         worker_ports: ports,
         detail_enabled: shared.detail().is_some(),
     };

@@ -54,9 +54,15 @@ pub fn load_of(c: &CacheletLoad, cfg: &Config) -> f64 {
 }
 
 /// Each worker's load, in the snapshot's worker order, as the sum of its
-/// cachelets' [`load_of`].
+/// cachelets' [`load_of`] plus the reads it served from Phase 1 copies.
 pub fn worker_loads(snap: &EpochSnapshot, cfg: &Config) -> Vec<f64> {
-    snap.workers.iter().map(|w| w.cachelets.iter().map(|c| load_of(c, cfg)).sum()).collect()
+    snap.workers
+        .iter()
+        .map(|w| {
+            let copies = if w.secs > 0.0 { w.replica_reads as f64 / w.secs } else { 0.0 };
+            w.cachelets.iter().map(|c| load_of(c, cfg)).sum::<f64>() + copies
+        })
+        .collect()
 }
 
 #[cfg(test)]

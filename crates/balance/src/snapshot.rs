@@ -64,6 +64,10 @@ pub struct WorkerSample {
     pub connections: u64,
     /// The cachelets the worker owns.
     pub cachelets: Vec<CacheletSample>,
+    /// Cumulative reads it served from copies of other servers' hot keys
+    /// (Phase 1's shadow table): load on the worker outside its cachelets.
+    #[serde(default)]
+    pub replica_reads: u64,
 }
 
 /// One cachelet over an epoch.
@@ -109,13 +113,18 @@ pub struct WorkerLoad {
     pub ready_conns: u64,
     pub connections: u64,
     pub cachelets: Vec<CacheletLoad>,
+    /// Reads served from copies of other servers' hot keys (Phase 1), not
+    /// counted in any cachelet.
+    #[serde(default)]
+    pub replica_reads: u64,
 }
 
 impl WorkerLoad {
-    /// Requests per second executed on this worker's cachelets.
+    /// Requests per second executed on this worker: on its cachelets, and
+    /// reads of the copies it holds for other servers.
     pub fn ops_per_sec(&self) -> f64 {
         if self.secs > 0.0 {
-            (self.reads + self.writes) as f64 / self.secs
+            (self.reads + self.writes + self.replica_reads) as f64 / self.secs
         } else {
             0.0
         }
@@ -226,6 +235,7 @@ impl EpochSnapshot {
                     ready_conns: w.ready_conns,
                     connections: w.connections,
                     cachelets,
+                    replica_reads: delta(w.replica_reads, p.replica_reads),
                 }
             })
             .collect();
@@ -281,6 +291,19 @@ mod tests {
         assert!((c0.writes_per_sec - 10.0).abs() < 1e-9);
         assert_eq!(s.workers[1].reads, 0, "an idle worker");
         assert!((s.ops_per_sec() - 120.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn reads_of_copies_are_load_outside_the_cachelets() {
+        let mut prev = [w(0, 10, vec![c(0, 100, 0)])];
+        let mut cur = [w(0, 12, vec![c(0, 300, 0)])];
+        prev[0].replica_reads = 50;
+        cur[0].replica_reads = 450;
+        let s = EpochSnapshot::between(1, &prev, &cur);
+        assert_eq!((s.workers[0].reads, s.workers[0].replica_reads), (200, 400));
+        assert!((s.workers[0].ops_per_sec() - 300.0).abs() < 1e-9);
+        let loads = crate::measure::worker_loads(&s, &crate::Config::default());
+        assert!((loads[0] - 300.0).abs() < 1e-9, "{loads:?}");
     }
 
     #[test]

@@ -312,6 +312,7 @@ impl Worker {
             ready_conns: self.ready.len() as u64,
             connections: self.conns.len() as u64,
             cachelets,
+            replica_reads: self.counters.replica_reads,
         }
     }
 

@@ -10,7 +10,7 @@
 //! read buffer only grows when one reply does not fit.
 
 use std::collections::VecDeque;
-use std::io::{self, Read, Write};
+use std::io;
 use std::net::{SocketAddr, TcpStream as StdStream};
 use std::time::Duration;
 
@@ -19,6 +19,7 @@ use mio::net::TcpStream;
 use mio::{Events, Interest, Poll, Token};
 
 use mbal_proto::client::{Decoder, Expect, Frame};
+use mbal_tls::{BlockingStream, ClientTls, Stream};
 
 /// Timeout of a blocking connect (and of the routed driver's handshake reads).
 pub(crate) const IO_TIMEOUT: Duration = Duration::from_secs(5);
@@ -47,7 +48,8 @@ fn fits(expect: Expect, f: &Frame<'_>) -> bool {
 }
 
 struct Conn<P> {
-    stream: TcpStream,
+    /// Plain or TLS (one match per read or write).
+    stream: Stream<TcpStream>,
     target: usize,
     wbuf: Vec<u8>,
     wpos: usize,
@@ -72,11 +74,19 @@ pub(crate) struct Conns<P> {
     ready: Vec<(usize, bool, bool)>,
 }
 
-/// Blocking connect to `addr` (with [`IO_TIMEOUT`]) and `TCP_NODELAY`.
-pub(crate) fn connect_std(addr: SocketAddr) -> Result<StdStream> {
+/// Blocking connect to `addr` (with [`IO_TIMEOUT`]) and `TCP_NODELAY`; with `tls`, the TLS
+/// handshake too (bounded by [`IO_TIMEOUT`]).
+pub(crate) fn connect_std(addr: SocketAddr, tls: Option<&ClientTls>) -> Result<BlockingStream> {
     let std = StdStream::connect_timeout(&addr, IO_TIMEOUT).with_context(|| format!("connect to {addr}"))?;
     std.set_nodelay(true)?;
-    Ok(std)
+    if tls.is_some() {
+        std.set_read_timeout(Some(IO_TIMEOUT))?;
+        std.set_write_timeout(Some(IO_TIMEOUT))?;
+    }
+    let s = BlockingStream::new(std, addr, tls).with_context(|| format!("TLS to {addr}"))?;
+    s.sock().set_read_timeout(None)?;
+    s.sock().set_write_timeout(None)?;
+    Ok(s)
 }
 
 impl<P: Pending> Conns<P> {
@@ -93,13 +103,14 @@ impl<P: Pending> Conns<P> {
         })
     }
 
-    /// Add a connected stream to target `target`: made non-blocking and registered with the poll.
-    /// Its index is the number of connections added before it.
-    pub(crate) fn add(&mut self, std: StdStream, target: usize) -> Result<()> {
-        std.set_nonblocking(true)?;
-        let mut stream = TcpStream::from_std(std);
+    /// Add a connected stream (plain, or TLS after its handshake) to target `target`: made
+    /// non-blocking and registered with the poll. Its index is the number of connections added
+    /// before it.
+    pub(crate) fn add(&mut self, std: BlockingStream, target: usize) -> Result<()> {
+        std.sock().set_nonblocking(true)?;
+        let mut stream = std.into_stream().map_sock(TcpStream::from_std);
         let id = self.conns.len();
-        self.poll.registry().register(&mut stream, Token(id), Interest::READABLE | Interest::WRITABLE)?;
+        self.poll.registry().register(stream.sock_mut(), Token(id), Interest::READABLE | Interest::WRITABLE)?;
         self.conns.push(Conn {
             stream,
             target,
@@ -125,7 +136,8 @@ impl<P: Pending> Conns<P> {
     /// Start writing everything buffered (non-blocking; the rest goes out during `poll`).
     pub(crate) fn flush(&mut self) -> Result<()> {
         for ci in 0..self.conns.len() {
-            if self.conns[ci].wpos < self.conns[ci].wbuf.len() {
+            let c = &self.conns[ci];
+            if c.wpos < c.wbuf.len() || c.stream.wants_write() {
                 self.write_conn(ci)?;
             }
         }
@@ -146,7 +158,8 @@ impl<P: Pending> Conns<P> {
         ready.clear();
         ready.extend(self.events.iter().map(|e| (e.token().0, e.is_readable() || e.is_read_closed(), e.is_writable())));
         for &(ci, r, w) in &ready {
-            if w && self.conns[ci].wpos < self.conns[ci].wbuf.len() {
+            let c = &self.conns[ci];
+            if w && (c.wpos < c.wbuf.len() || c.stream.wants_write()) {
                 self.write_conn(ci)?;
             }
             if r {
@@ -215,6 +228,7 @@ impl<P: Pending> Conns<P> {
 
     fn write_conn(&mut self, ci: usize) -> Result<()> {
         let c = &mut self.conns[ci];
+        c.stream.flush_tls().with_context(|| format!("write to {}", self.addrs[c.target]))?;
         while c.wpos < c.wbuf.len() {
             match c.stream.write(&c.wbuf[c.wpos..]) {
                 Ok(0) => bail!("write returned 0"),

@@ -105,6 +105,9 @@ pub struct Settings {
     /// `--worker-capacity`: emulated capacity of each worker, requests per
     /// second (`capacity.rs`); 0: unlimited.
     pub worker_capacity: u64,
+    /// `-Z` with `-o ssl_chain_cert=...,ssl_key=...,ssl_ca_cert=...,ssl_verify_mode=N`: every
+    /// listener (main and worker ports) speaks TLS only. `None`: plain TCP.
+    pub tls: Option<mbal_tls::ServerTlsFiles>,
 }
 
 impl Default for Settings {
@@ -139,6 +142,7 @@ impl Default for Settings {
             balance: mbal_balance::Config::default(),
             prefix_delimiter: b':',
             worker_capacity: 0,
+            tls: None,
         }
     }
 }

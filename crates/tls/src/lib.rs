@@ -103,6 +103,8 @@ pub struct ServerTlsFiles {
     /// PEM CA certificates that client certificates must chain to (`ssl_ca_cert`).
     pub ca_cert: Option<PathBuf>,
     pub verify_mode: VerifyMode,
+    /// Refuse TLS 1.2 (memcached's `ssl_min_version=3`).
+    pub tls13_only: bool,
 }
 
 impl ServerTlsFiles {
@@ -110,8 +112,10 @@ impl ServerTlsFiles {
     pub fn load(&self) -> Result<Arc<ServerConfig>, String> {
         let chain = load_certs(&self.chain_cert)?;
         let key = load_key(self.key.as_deref().unwrap_or(&self.chain_cert))?;
+        let versions: &[&rustls::SupportedProtocolVersion] =
+            if self.tls13_only { &[&rustls::version::TLS13] } else { rustls::DEFAULT_VERSIONS };
         let builder = ServerConfig::builder_with_provider(provider())
-            .with_safe_default_protocol_versions()
+            .with_protocol_versions(versions)
             .map_err(|e| e.to_string())?;
         let builder = match self.verify_mode {
             VerifyMode::None => builder.with_no_client_auth(),

@@ -8,7 +8,7 @@ fn client_files(pki: &Pki) -> ClientTlsFiles {
 
 fn server_files(pki: &Pki, verify_mode: VerifyMode) -> ServerTlsFiles {
     let s = pki.server("server");
-    ServerTlsFiles { chain_cert: s.cert, key: Some(s.key), ca_cert: Some(pki.ca()), verify_mode }
+    ServerTlsFiles { chain_cert: s.cert, key: Some(s.key), ca_cert: Some(pki.ca()), verify_mode, tls13_only: false }
 }
 
 /// One exchange: the server side is a `Stream` reading exactly the 6 bytes
@@ -78,6 +78,7 @@ fn files_are_checked() {
         key: Some(s.key.clone()),
         ca_cert: None,
         verify_mode: VerifyMode::None,
+        tls13_only: true,
     };
     let e = bad(ServerTlsFiles { chain_cert: pki.dir.join("missing.pem"), ..base.clone() });
     assert!(e.contains("missing.pem"), "{e}");

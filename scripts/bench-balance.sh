@@ -14,7 +14,14 @@
 #                                       (a rate sweep on the same cluster, after the fixed run),
 #                                       the settle time, and the moves made; medians over the
 #                                       runs and the on/off ratios
-#   scripts/bench-balance.sh all        both (the default)
+#   scripts/bench-balance.sh hotkeys    Phase 1 (hot-key replication) off and on, same run, as
+#                                       `balance` does for Phase 2 (the local balancer off in both
+#                                       modes): default 8x2, MBal's workload A (100% read, Zipf
+#                                       0.99) and `shift` (the same, its hot set replaced by
+#                                       another halfway: the time until max/avg is back under 1.2
+#                                       is the reaction time); adds the keys replicated, the copies
+#                                       made, their memory and the reads the copies served
+#   scripts/bench-balance.sh all        capacity and balance (the default)
 #
 # The hotspot starts with the measured phase: the keys are loaded first (uniform SETs), then
 # the workload runs at the fixed rate from t = 0. Settle time: from t = 0 to the start of the
@@ -51,6 +58,15 @@ TOPOLOGIES=${TOPOLOGIES:-"1x4 8x2"}
 SWEEP_SECS=${SWEEP_SECS:-4}
 SERVER_ARGS=${SERVER_ARGS:-}
 OUT=${OUT:-results/balance}
+# The server flag the modes toggle (`--KNOB off|on`).
+KNOB=${KNOB:-balancer}
+if [ "$MODE" = hotkeys ]; then
+  KNOB=hot-keys
+  WORKLOADS=${WORKLOADS_HOT:-"zipf shift"}
+  TOPOLOGIES=${TOPOLOGIES_HOT:-"8x2"}
+  SERVER_ARGS="--balancer off ${SERVER_ARGS}"
+  OUT=${OUT_HOT:-results/hotkeys}
+fi
 mkdir -p "$OUT"
 cargo build --release --bin mbal >/dev/null 2>&1 || cargo build --release --bin mbal
 BIN=${CARGO_TARGET_DIR:-$PWD/target}/release/mbal
@@ -76,7 +92,8 @@ cluster_up() {
   FIRST=$(sed -n 's/^  server 0: \([0-9.:]*\) .*/\1/p' "$OUT/$tag.cluster.log")
 }
 
-# `stats balancer` of every server in a cluster file, as one JSON object per server.
+# `stats balancer`, `stats hotkeys` (prefixed hk_) and the Phase 1 counters of `stats` of every
+# server in a cluster file, as one JSON object per server.
 stats_balancer() { # cluster.toml out.json
   python3 - "$1" "$2" <<'PY'
 import json, re, socket, sys
@@ -84,15 +101,21 @@ out = []
 for addr in re.findall(r'addr\s*=\s*"([^"]+)"', open(sys.argv[1]).read()):
     host, port = addr.rsplit(":", 1)
     s = socket.create_connection((host, int(port)), timeout=5)
-    s.sendall(b"stats balancer\r\n")
-    buf = b""
-    while not buf.endswith(b"END\r\n"):
-        chunk = s.recv(65536)
-        if not chunk:
-            break
-        buf += chunk
+    one = {}
+    for group, prefix in ((b"balancer", ""), (b"hotkeys", "hk_"), (b"", "")):
+        s.sendall(b"stats " + group + b"\r\n")
+        buf = b""
+        while not buf.endswith(b"END\r\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            buf += chunk
+        for l in buf.decode(errors="replace").splitlines():
+            t = l.split(None, 2)
+            if len(t) == 3 and t[0] == "STAT" and (group or t[1].startswith(("replica_", "hot_"))):
+                one.setdefault(prefix + t[1], t[2])
     s.close()
-    out.append({l.split()[1]: l.split()[2] for l in buf.decode().splitlines() if l.startswith("STAT ")})
+    out.append(one)
 json.dump(out, open(sys.argv[2], "w"))
 PY
 }
@@ -121,7 +144,7 @@ PY
   echo "  plot: $OUT/capacity.svg"
 fi
 
-if [ "$MODE" = balance ] || [ "$MODE" = all ]; then
+if [ "$MODE" = balance ] || [ "$MODE" = hotkeys ] || [ "$MODE" = all ]; then
   for topo in $TOPOLOGIES; do
     servers=${topo%x*}; workers=${topo#*x}
     total=$((servers * workers * CAP))
@@ -131,13 +154,14 @@ if [ "$MODE" = balance ] || [ "$MODE" = all ]; then
       case $wl in
         zipf) wargs=(--workload a --zipf 0.99) ;;
         hotpart) wargs=(--workload hotpart --hot-cachelets "$HOT_CACHELETS" --hot-ops "$HOT_OPS") ;;
+        shift) wargs=(--phases "a:$((SECS / 2)),a@1:$((SECS - SECS / 2))" --zipf 0.99) ;;
         *) echo "unknown workload $wl"; exit 1 ;;
       esac
       for run in $(seq "$RUNS"); do
         for mode in $MODES; do
           tag="$topo.$wl.$mode.$run"
-          echo "== $tag: $servers servers x $workers workers at $CAP req/s each, $wl at $rate ops/s, balancer $mode ${SERVER_ARGS}"
-          cluster_up "$servers" "$workers" "$tag" "--balancer $mode $SERVER_ARGS"
+          echo "== $tag: $servers servers x $workers workers at $CAP req/s each, $wl at $rate ops/s, $KNOB $mode ${SERVER_ARGS}"
+          cluster_up "$servers" "$workers" "$tag" "--$KNOB $mode $SERVER_ARGS"
           "$BIN" bench --routed --server "$FIRST" --keys "$KEYS" --load --load-timeout 120 "${wargs[@]}" \
             --conns 8 --pipeline 64 --rate "$rate" --duration "$SECS" --settle "$SETTLE" \
             --max-ops $((rate * SECS * 2)) --drain 10 --quiet --json "$OUT/$tag.json" --plot "$OUT/$tag.svg" >/dev/null
@@ -145,10 +169,13 @@ if [ "$MODE" = balance ] || [ "$MODE" = all ]; then
             # Same cluster, keys already loaded: the balancer (on) has settled during the run above.
             # The same hot cachelets as that run (by id: the hot worker's cachelets are others now).
             hot=()
+            sw=("${wargs[@]}")
+            # The sweep measures the hot set the run ended with.
+            [ "$wl" = shift ] && sw=(--phases "a@1:$SWEEP_SECS" --zipf 0.99)
             if [ "$wl" = hotpart ]; then
               hot=(--hot-cachelet-ids "$(python3 -c "import json,sys;print(','.join(map(str,json.load(open(sys.argv[1]))['hot_cachelets'])))" "$OUT/$tag.json")")
             fi
-            "$BIN" bench --routed --server "$FIRST" --keys "$KEYS" "${wargs[@]}" "${hot[@]}" --conns 8 --pipeline 64 \
+            "$BIN" bench --routed --server "$FIRST" --keys "$KEYS" "${sw[@]}" "${hot[@]}" --conns 8 --pipeline 64 \
               --rate-sweep "$((step * 4)):$total:$step" --p99-target-us "$P99_TARGET_US" --duration "$SWEEP_SECS" \
               --max-ops $((total * SWEEP_SECS * 2)) --drain 10 --quiet --json "$OUT/$tag.sweep.json" >/dev/null
           fi
@@ -156,7 +183,8 @@ if [ "$MODE" = balance ] || [ "$MODE" = all ]; then
           cleanup
         done
       done
-      python3 scripts/lib/balance_report.py "$OUT" "$topo" "$wl" "$RUNS" "$MODES" "$SETTLED_AT" "$P99_TARGET_US" | tee "$OUT/$topo.$wl.report.md"
+      KNOB=$KNOB SHIFT_AT=$([ "$wl" = shift ] && echo $((SECS / 2)) || echo "") \
+        python3 scripts/lib/balance_report.py "$OUT" "$topo" "$wl" "$RUNS" "$MODES" "$SETTLED_AT" "$P99_TARGET_US" | tee "$OUT/$topo.$wl.report.md"
     done
   done
 fi

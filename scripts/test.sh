@@ -7,10 +7,12 @@ cd "$(dirname "$0")/.."
 
 step() { printf '\n==> %s\n' "$*"; }
 
-step "installing test dependencies (memcached, libmemcached-tools, pytest, pymemcache, pylibmc, cryptography)"
+step "installing test dependencies (memcached, libmemcached-tools, libsasl2-modules, pytest, pymemcache, pylibmc, cryptography)"
 need_apt=()
 command -v memcached >/dev/null || need_apt+=(memcached)
 command -v memccapable >/dev/null || need_apt+=(libmemcached-tools)
+# Cyrus SASL's PLAIN plugin: pylibmc's SASL test (tests/clients/test_auth.py) loads it.
+compgen -G '/usr/lib/*/sasl2/libplain.so*' >/dev/null || need_apt+=(libsasl2-modules)
 if [ ${#need_apt[@]} -gt 0 ]; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq

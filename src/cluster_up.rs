@@ -72,6 +72,8 @@ pub fn spec_for(a: &UpArgs, base: u16) -> ClusterSpec {
         servers: (0..a.servers)
             .map(|i| ServerSpec { addr: SocketAddr::from(([127, 0, 0, 1], base + i)), worker_port_base: None })
             .collect(),
+        secret: None,
+        secret_file: None,
     }
 }
 

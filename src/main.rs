@@ -1,8 +1,9 @@
-//! `mbal`: the one binary. Subcommands: `server`, `proxy`, `bench`, `cluster up`, `stats`.
+//! `mbal`: the one binary. Subcommands: `server`, `proxy`, `bench`, `cluster up`, `stats`, `top`.
 
 mod cluster_up;
 mod proxy_args;
 mod server_args;
+mod top;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
@@ -27,6 +28,8 @@ enum Cmd {
     Cluster(ClusterCmd),
     /// Cluster-wide table, per server and per worker: ops/s, hit ratio, items, bytes, cachelets
     Stats(StatsArgs),
+    /// Live view of a cluster, every epoch: per-worker load, hot keys and their replicas, balancer events
+    Top(top::TopArgs),
 }
 
 #[derive(clap::Args)]
@@ -148,6 +151,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Cluster(ClusterCmd::Up(args)) => cluster_up::run(args),
         Cmd::Stats(a) => stats(a),
+        Cmd::Top(a) => top::run(a),
     }
 }
 

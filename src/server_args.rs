@@ -214,6 +214,66 @@ pub struct ServerArgs {
     /// for balancer experiments on a machine with fewer cores than workers [default: 0 = unlimited]
     #[arg(long = "worker-capacity")]
     pub worker_capacity: Option<u64>,
+    /// Phase 1, hot-key replication: copies of the hottest keys of an overloaded worker on other
+    /// servers, read by routing clients under leases [default: on in a cluster of two or more
+    /// servers]
+    #[arg(long = "hot-keys", value_parser = parse_on_off)]
+    pub hot_keys: Option<bool>,
+    /// Fraction of requests sampled into the hot-key tracker [default: 0.03]
+    #[arg(long = "hot-sample-rate")]
+    pub hot_sample_rate: Option<f64>,
+    /// The per-worker max/avg load Phase 1 aims for; picks each key's replica count [default: 1.1]
+    #[arg(long = "hot-target")]
+    pub hot_target: Option<f64>,
+    /// REPL_high: most keys of this server replicated at once [default: this server's share of
+    /// 2·n·ln n for the cluster's n workers]
+    #[arg(long = "hot-repl-high")]
+    pub hot_repl_high: Option<usize>,
+    /// Epochs a client may read a hot key's copies after a hint [default: 2]
+    #[arg(long = "hot-lease-epochs")]
+    pub hot_lease_epochs: Option<u32>,
+    /// Megabytes of other servers' hot-key copies this server holds at most (never evicts its
+    /// own items for them) [default: 64]
+    #[arg(long = "replica-memory")]
+    pub replica_memory: Option<usize>,
+    /// Writes to a replicated key: async (answered at once, copies updated right after) or sync
+    /// (answered once every copy holds the write) [default: async]
+    #[arg(long = "replica-writes")]
+    pub replica_writes: Option<String>,
+    /// Milliseconds the replicator waits for a shadow server before giving up on it
+    /// [default: 500]
+    #[arg(long = "replica-timeout-ms")]
+    pub replica_timeout_ms: Option<u64>,
+    /// Require authentication (memcached's -Y): FILE holds 'user:password' lines. Text clients
+    /// authenticate with memcached's ASCII auth (a first `set` whose data is 'user password'),
+    /// binary clients with SASL PLAIN against the same users
+    #[arg(short = 'Y', long = "auth-file")]
+    pub auth_file: Option<PathBuf>,
+    /// memcached's SASL switch: binary clients authenticate with SASL PLAIN against the -Y file
+    /// (mbal has no SASL database of its own, so -S needs -Y; with -Y, SASL is on anyway)
+    #[arg(short = 'S', long = "enable-sasl")]
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub enable_sasl: bool,
+    /// File holding the control secret (at least 16 bytes; trailing whitespace ignored) of a
+    /// server without a cluster file: control commands (mbal move, mbal debug, mbal replica ...)
+    /// are accepted only from connections that proved they know it (`mbal peer`). Without any
+    /// secret, control commands are accepted only on a loopback listener without -Y
+    #[arg(long = "control-secret-file")]
+    pub control_secret_file: Option<PathBuf>,
+    /// Open connections one client address may hold; one more is answered `ERROR Too many open
+    /// connections from this address` and closed [default: 0 = no limit but -c]
+    #[arg(long = "max-conns-per-ip")]
+    pub max_conns_per_ip: Option<usize>,
+    /// Bytes of unparsed input one connection may buffer (1m, 64k, ...); a request that needs
+    /// more is answered `SERVER_ERROR request larger than the input buffer limit` and the
+    /// connection closed [default: -I plus 80 KiB, one largest request]
+    #[arg(long = "max-input-buffer")]
+    pub max_input_buffer: Option<Size>,
+    /// Close a connection that has sent part of a request and not the rest for this long (slow
+    /// senders); text clients get `SERVER_ERROR timed out waiting for the rest of the request`
+    /// [default: 30000; 0 = never]
+    #[arg(long = "request-timeout-ms")]
+    pub request_timeout_ms: Option<u64>,
 
     /// TOML file with any of the settings above (long names, with '_' for '-')
     #[arg(long = "config")]
@@ -250,9 +310,6 @@ pub struct ServerArgs {
     #[arg(short = 'a', long = "unix-mask", hide = true)]
     #[serde(skip)]
     pub x_unix_mask: Option<String>,
-    #[arg(short = 'S', long = "enable-sasl", hide = true)]
-    #[serde(skip)]
-    pub x_sasl: bool,
     #[arg(short = 'P', long = "pidfile", hide = true)]
     #[serde(skip)]
     pub x_pidfile: Option<String>,
@@ -278,9 +335,6 @@ pub struct ServerArgs {
     #[arg(short = 'r', long = "enable-coredumps", hide = true)]
     #[serde(skip)]
     pub x_coredumps: bool,
-    #[arg(short = 'Y', long = "auth-file", hide = true)]
-    #[serde(skip)]
-    pub x_auth_file: Option<String>,
 }
 
 /// `on` / `off` (also `true`/`false`, `1`/`0`).
@@ -673,6 +727,27 @@ impl ServerArgs {
         if let Some(v) = o.worker_capacity {
             s.worker_capacity = v;
         }
+        if let Some(p) = &o.auth_file {
+            s.auth = Some(std::sync::Arc::new(mbal_server::auth::Credentials::load(p).map_err(anyhow::Error::msg)?));
+        } else if o.enable_sasl {
+            bail!("-S needs -Y FILE: mbal's SASL PLAIN checks the users of the -Y file");
+        }
+        if let Some(p) = &o.control_secret_file {
+            let secret = mbal_cluster::peer_auth::Secret::from_file(p).map_err(anyhow::Error::msg)?;
+            s.control_secret = Some(secret);
+        }
+        if let Some(v) = o.max_conns_per_ip {
+            s.max_conns_per_ip = v;
+        }
+        if let Some(Size(v)) = o.max_input_buffer {
+            if v < 4096 {
+                bail!("--max-input-buffer must be at least 4k (got {v} bytes)");
+            }
+            s.max_input_buffer = v;
+        }
+        if let Some(v) = o.request_timeout_ms {
+            s.request_timeout_ms = v;
+        }
         s.debug_commands = self.debug_commands;
         if let Some(d) = &self.x_delimiter {
             // memcached takes the first character of -D.
@@ -731,12 +806,58 @@ impl ServerArgs {
                 std::fs::read_to_string(path).with_context(|| format!("reading cluster file {}", path.display()))?;
             let spec = mbal_cluster::ClusterSpec::from_toml(&text)
                 .map_err(|e| anyhow::anyhow!("cluster file {}: {e}", path.display()))?;
+            let secret =
+                spec.load_secret(path.parent()).map_err(|e| anyhow::anyhow!("cluster file {}: {e}", path.display()))?;
+            if let Some(secret) = secret {
+                if s.control_secret.is_some() {
+                    bail!("the cluster file has a secret: give the control secret in one place, not also --control-secret-file");
+                }
+                s.control_secret = Some(secret);
+            }
             s.apply_cluster(spec, id).map_err(anyhow::Error::msg)?;
             if self.threads.is_some_and(|t| t != s.threads) || self.port.is_some_and(|p| p != s.port) {
                 bail!("-t and -p come from the cluster file when --cluster is given");
             }
         }
         s.balancer = o.balancer.unwrap_or(s.cluster.is_some());
+        let servers = s.cluster.as_ref().map_or(1, |(spec, _)| spec.servers.len());
+        let h = &mut s.hot;
+        h.enabled = o.hot_keys.unwrap_or(servers >= 2);
+        h.epoch_ms = s.epoch_ms;
+        if let Some(v) = o.hot_sample_rate {
+            if !(v > 0.0 && v <= 1.0) {
+                bail!("--hot-sample-rate must be in (0, 1] (got {v})");
+            }
+            h.policy.sample_rate = v;
+        }
+        if let Some(v) = o.hot_target {
+            if v < 1.0 {
+                bail!("--hot-target must be at least 1.0 (got {v})");
+            }
+            h.policy.target_imbalance = v;
+        }
+        if let Some(v) = o.hot_repl_high {
+            h.policy.repl_high = Some(v);
+        }
+        if let Some(v) = o.hot_lease_epochs {
+            if v == 0 {
+                bail!("--hot-lease-epochs must be at least 1");
+            }
+            h.policy.lease_epochs = v;
+        }
+        if let Some(v) = o.replica_memory {
+            h.memory = v << 20;
+        }
+        if let Some(v) = &o.replica_writes {
+            h.sync = match v.as_str() {
+                "async" => false,
+                "sync" => true,
+                _ => bail!("--replica-writes must be async or sync (got {v:?})"),
+            };
+        }
+        if let Some(v) = o.replica_timeout_ms {
+            h.timeout_ms = v.max(1);
+        }
         if let Some(v) = o.page_size_kb {
             if !(4..=65536).contains(&v) {
                 bail!("--page-size-kb must be between 4 and 65536");
@@ -766,9 +887,6 @@ impl ServerArgs {
         }
         if self.x_unix_socket.is_some() || self.x_unix_mask.is_some() {
             no("-s/-a", "unix sockets; mbal listens on TCP only")?;
-        }
-        if self.x_sasl || self.x_auth_file.is_some() {
-            no("-S/-Y", "authentication")?;
         }
         if self.x_pidfile.is_some() {
             no("-P", "pid file")?;

@@ -16,6 +16,9 @@ import sys
 out, topo, wl, runs, modes, settled_at, p99_target = sys.argv[1:8]
 runs, modes, settled_at, p99_target = int(runs), modes.split(), float(settled_at), float(p99_target)
 ONSET_END = 3.5  # seconds: epochs ending by then are the hotspot's onset (before any move can act)
+KNOB = os.environ.get("KNOB", "balancer")  # the server flag the modes toggle
+SHIFT_AT = float(os.environ["SHIFT_AT"]) if os.environ.get("SHIFT_AT") else None  # the hot set changes
+REACTED_AT = 1.2  # max/avg back under this after the shift: the reaction time
 
 
 def spread(epochs):
@@ -57,6 +60,19 @@ def settle_time(epochs, secs):
     return max(rs[k][0], 0.0) if k < len(rs) else None
 
 
+def reaction(epochs):
+    """Seconds from the hot-set shift to the first round from which max/avg stays <= REACTED_AT."""
+    if SHIFT_AT is None:
+        return None
+    rs = [r for r in rounds(epochs) if r[1] > SHIFT_AT + 0.05]
+    if not rs or rs[-1][2] > REACTED_AT:
+        return None
+    k = len(rs)
+    while k > 0 and rs[k - 1][2] <= REACTED_AT:
+        k -= 1
+    return max(rs[k][1] - SHIFT_AT, 0.0) if k < len(rs) else 0.0
+
+
 def recovered(timeline):
     """Start of the first whole second from which every second's p99 stays within the target."""
     secs = timeline[:-1] if len(timeline) > 1 else timeline  # the last one holds the drain
@@ -93,6 +109,11 @@ def one(mode, run):
         "why": sorted({e["why"] for e in events if e["kind"] == "escalate"}),
         "max_at_target": None,
         "moves_total": None,
+        "reaction_s": reaction(eps),
+        "replicated": None,
+        "copies": None,
+        "replica_kib": None,
+        "replica_reads": None,
         "state": "",
     }
     if os.path.exists(base + ".sweep.json"):
@@ -104,6 +125,11 @@ def one(mode, run):
         row["moves_total"] = sum(int(s.get("moves", 0)) for s in stats)
         row["escalations_total"] = sum(int(s.get("escalations", 0)) for s in stats)
         row["state"] = "/".join(sorted({s.get("state", "?") for s in stats}))
+        if any("hk_replicated" in s for s in stats):
+            row["replicated"] = sum(int(s.get("hk_replicated", 0)) for s in stats)
+            row["copies"] = sum(int(s.get("hk_copies_made", 0)) for s in stats)
+            row["replica_kib"] = sum(int(s.get("replica_bytes", 0)) for s in stats) / 1024
+            row["replica_reads"] = sum(int(s.get("replica_reads", 0)) for s in stats)
     return row
 
 
@@ -117,18 +143,19 @@ def f(v, fmt="{:.2f}"):
 
 
 results = {m: [x for x in (one(m, i) for i in range(1, runs + 1)) if x] for m in modes}
-print(f"### {topo}, {wl}: balancer {' vs '.join(modes)}, {runs} run(s) each; medians")
+print(f"### {topo}, {wl}: {KNOB} {' vs '.join(modes)}, {runs} run(s) each; medians")
 print()
 for m in modes:
     for i, x in enumerate(results[m], 1):
         print(
             f"<!-- {m} run {i}: onset {f(x['onset'])} settled {f(x['settled'])} settle_s {f(x['settle_s'], '{:.1f}')} "
             f"p99_ok_from {f(x['recovered_s'], '{:.0f}')} ops {x['ops']:.0f} p99 {x['p99']:.0f} p99_all {x['p99_all']:.0f} max_at_target {f(x['max_at_target'], '{:.0f}')} "
-            f"moves {x['moves_run']}/{f(x['moves_total'], '{:.0f}')} escalations {x['escalations_run']} {x['why']} state {x['state']} -->"
+            f"moves {x['moves_run']}/{f(x['moves_total'], '{:.0f}')} escalations {x['escalations_run']} {x['why']} state {x['state']} "
+            f"reaction_s {f(x['reaction_s'], '{:.1f}')} replicated {x['replicated']} copies {x['copies']} replica_kib {f(x['replica_kib'], '{:.0f}')} replica_reads {x['replica_reads']} -->"
         )
 print()
 print(
-    "| balancer | max/avg at onset (0–3.5 s) | max/avg settled | hottest worker req/s settled | settle time s "
+    f"| {KNOB} | max/avg at onset (0–3.5 s) | max/avg settled | hottest worker req/s settled | settle time s "
     "(runs) | p99 within target from s (runs) | ops/s settled (offered) | p99 µs settled | median second's p99 µs settled | p99 µs whole run | max ops/s at p99 target "
     "| moves in the run (all, with the sweep) | Phase 3 wanted |"
 )
@@ -149,6 +176,19 @@ for m in modes:
         f"{f(med(rs, 'moves_run'), '{:.0f}')} ({f(med(rs, 'moves_total'), '{:.0f}')}) | "
         f"{f(med(rs, 'escalations_run'), '{:.0f}')}{' ' + ','.join(why) if why else ''} |"
     )
+if KNOB == "hot-keys":
+    print()
+    print("| hot-keys | keys replicated at the end | copies made (with the sweep) | copy memory KiB | reads served by copies | reaction to the shift, s (runs) |")
+    print("|---|---|---|---|---|---|")
+    for m in modes:
+        rs = results[m]
+        if not rs:
+            continue
+        reacts = ", ".join(f(x["reaction_s"], "{:.1f}") if x["reaction_s"] is not None else "never" for x in rs)
+        print(
+            f"| {m} | {f(med(rs, 'replicated'), '{:.0f}')} | {f(med(rs, 'copies'), '{:.0f}')} | {f(med(rs, 'replica_kib'), '{:,.0f}')} | "
+            f"{f(med(rs, 'replica_reads'), '{:,.0f}')} | {f(med(rs, 'reaction_s'), '{:.1f}') if SHIFT_AT is not None else '-'} ({reacts if SHIFT_AT is not None else ''}) |"
+        )
 if "off" in results and "on" in results and results["off"] and results["on"]:
     def ratio(key):
         a, b = med(results["on"], key), med(results["off"], key)

@@ -126,7 +126,7 @@ fn too_many_pages_is_an_error() {
 
 #[test]
 fn unsupported_is_an_error() {
-    for bad in [&["-d"][..], &["-U", "11211"], &["-f", "1.25"], &["-B", "udp"], &["-S"]] {
+    for bad in [&["-d"][..], &["-U", "11211"], &["-f", "1.25"], &["-B", "udp"]] {
         let e = parse(bad).unwrap_err().to_string();
         assert!(e.contains("not supported") || e.contains("must be") || e.contains("UDP"), "{bad:?}: {e}");
     }
@@ -384,4 +384,45 @@ fn tls_options() {
         let e = parse(bad).unwrap_err().to_string();
         assert!(e.contains(why), "{bad:?}: {e}");
     }
+}
+
+#[test]
+fn auth_and_limit_options() {
+    let dir = std::env::temp_dir().join(format!("mbal-auth-args-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let users = dir.join("users");
+    std::fs::write(&users, "foo:bar\n").unwrap();
+    let secret = dir.join("secret");
+    std::fs::write(&secret, "0123456789abcdef0123\n").unwrap();
+    let e = parse(&["-S"]).unwrap_err().to_string();
+    assert!(e.contains("-Y"), "{e}");
+    let s = parse(&["-Y", users.to_str().unwrap(), "-S"]).unwrap();
+    assert!(s.auth.as_ref().unwrap().check(b"foo", b"bar"));
+    assert!(parse(&["-Y", dir.join("missing").to_str().unwrap()]).is_err());
+    let s = parse(&["--control-secret-file", secret.to_str().unwrap()]).unwrap();
+    assert_eq!(s.control_secret.unwrap().bytes(), b"0123456789abcdef0123");
+    std::fs::write(dir.join("short"), "short").unwrap();
+    assert!(parse(&["--control-secret-file", dir.join("short").to_str().unwrap()]).is_err());
+    let s = parse(&["--max-conns-per-ip", "3", "--max-input-buffer", "64k", "--request-timeout-ms", "250"]).unwrap();
+    assert_eq!((s.max_conns_per_ip, s.max_input_buffer, s.request_timeout_ms), (3, 64 << 10, 250));
+    let d = parse(&[]).unwrap();
+    assert_eq!((d.max_conns_per_ip, d.max_input_buffer, d.request_timeout_ms), (0, 0, 30_000));
+    assert!(d.auth.is_none() && d.control_secret.is_none());
+    // A cluster file's secret (relative secret_file: next to the cluster file).
+    let cluster = dir.join("cluster.toml");
+    std::fs::write(&cluster, "workers = 1\nsecret_file = \"secret\"\n[[servers]]\naddr = \"127.0.0.1:0\"\n").unwrap();
+    let s = parse(&["--cluster", cluster.to_str().unwrap(), "--id", "0"]).unwrap();
+    assert_eq!(s.control_secret.unwrap().bytes(), b"0123456789abcdef0123");
+    let e = parse(&[
+        "--cluster",
+        cluster.to_str().unwrap(),
+        "--id",
+        "0",
+        "--control-secret-file",
+        secret.to_str().unwrap(),
+    ])
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("one place"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -286,6 +286,11 @@ struct Entry {
     cool: u32,
     reads: f64,
     writes: f64,
+    /// Replicated by an operator ([`HotKeys::pin`]): never cools or drops.
+    pinned: bool,
+    /// Its copies were lost ([`HotKeys::copies_lost`]): it retires once its
+    /// leases end and is not re-heated before.
+    broken: bool,
 }
 
 /// One server's Phase 1 policy.
@@ -487,12 +492,72 @@ impl HotKeys {
         log.pop().map(|l| l.1)
     }
 
+    /// The mechanism lost `key`'s copies (a shadow unreachable, a renewal
+    /// refused, the home gave the key up): no more leases (HOT_PENDING or
+    /// HOT → COLD_PENDING); the copies that exist are deleted once the
+    /// leases handed out have ended, and the key is not re-heated before.
+    pub fn copies_lost(&mut self, key: &[u8]) -> Option<KeyTransition> {
+        let e = self.keys.get_mut(key)?;
+        e.pinned = false;
+        let event = match e.state {
+            KeyState::HotPending => KeyEvent::Failed,
+            KeyState::Hot => KeyEvent::Cooled,
+            KeyState::ColdPending => {
+                e.broken = true;
+                return None;
+            }
+            _ => return None,
+        };
+        e.broken = true;
+        let mut log = Vec::new();
+        self.apply(key, event, &mut log);
+        log.pop().map(|l| l.1)
+    }
+
     /// A write to a HOT key is being propagated (HOT → HOT_PENDING until
     /// [`HotKeys::replicas_ready`]).
     pub fn write_propagating(&mut self, key: &[u8]) -> Option<KeyTransition> {
         let mut log = Vec::new();
         self.apply(key, KeyEvent::WriteStarted, &mut log);
         log.pop().map(|l| l.1)
+    }
+
+    /// Replicate `key` (homed on `worker`) with `replicas` copies now,
+    /// whatever its rate, and keep it replicated until [`HotKeys::unpin`]:
+    /// an operator's (or a test's) override. `None` when it already has
+    /// replicas or `replicas` is 0.
+    pub fn pin(&mut self, key: &[u8], worker: u16, replicas: u32) -> Option<Replicate> {
+        if replicas == 0 {
+            return None;
+        }
+        let now = self.now;
+        let e = self.keys.entry(key.to_vec()).or_insert(Entry {
+            state: KeyState::Cold,
+            worker,
+            replicas: 0,
+            since: now,
+            cool: 0,
+            reads: 0.0,
+            writes: 0.0,
+            pinned: true,
+            broken: false,
+        });
+        e.pinned = true;
+        if e.state != KeyState::Cold {
+            return None;
+        }
+        e.worker = worker;
+        e.replicas = replicas;
+        let mut log = Vec::new();
+        self.apply(key, KeyEvent::Heated, &mut log);
+        Some(Replicate { key: key.to_vec(), worker, replicas, lease_epochs: self.cfg.lease_epochs })
+    }
+
+    /// Let a pinned key cool like any other.
+    pub fn unpin(&mut self, key: &[u8]) {
+        if let Some(e) = self.keys.get_mut(key) {
+            e.pinned = false;
+        }
     }
 
     fn repl_high(&self, view: &ClusterView) -> usize {
@@ -550,14 +615,25 @@ impl HotKeys {
         // INVALID ↔ COLD; every entry's rate.
         for (k, &(worker, reads, writes)) in &seen {
             if !self.keys.contains_key(k) {
-                let e = Entry { state: KeyState::Invalid, worker, replicas: 0, since: now, cool: 0, reads, writes };
+                let e = Entry {
+                    state: KeyState::Invalid,
+                    worker,
+                    replicas: 0,
+                    since: now,
+                    cool: 0,
+                    reads,
+                    writes,
+                    pinned: false,
+                    broken: false,
+                };
                 self.keys.insert(k.clone(), e);
                 self.apply(k, KeyEvent::Tracked, &mut log);
             }
             let e = self.keys.get_mut(k).expect("inserted");
             (e.worker, e.reads, e.writes) = (worker, reads, writes);
         }
-        let dropped: Vec<Vec<u8>> = self.keys.keys().filter(|k| !seen.contains_key(*k)).cloned().collect();
+        let dropped: Vec<Vec<u8>> =
+            self.keys.iter().filter(|(k, e)| !e.pinned && !seen.contains_key(*k)).map(|(k, _)| k.clone()).collect();
         for k in dropped {
             if !self.apply(&k, KeyEvent::Dropped, &mut log) {
                 let e = self.keys.get_mut(&k).expect("present");
@@ -591,6 +667,7 @@ impl HotKeys {
                 KeyState::Cold if want > 0 && hot_workers.contains(&e.worker) && max_copies > 1 => {
                     heat.push((f, k.clone()));
                 }
+                KeyState::Hot if e.pinned => {}
                 KeyState::Hot => {
                     let cool = !ok || copies(f, t, max_copies) == 1;
                     if cool {
@@ -611,13 +688,14 @@ impl HotKeys {
                 KeyState::HotPending if now - e.since >= u64::from(self.cfg.pending_timeout_epochs.max(1)) => {
                     self.apply(k, KeyEvent::Failed, &mut log);
                 }
-                KeyState::ColdPending if want > 0 => {
+                KeyState::ColdPending if want > 0 && !e.broken => {
                     self.apply(k, KeyEvent::Heated, &mut log);
                 }
                 KeyState::ColdPending if now - e.since > u64::from(lease) => {
                     let (worker, replicas) = (e.worker, e.replicas);
                     self.apply(k, KeyEvent::LeasesEnded, &mut log);
-                    self.keys.get_mut(k).expect("present").replicas = 0;
+                    let e = self.keys.get_mut(k).expect("present");
+                    (e.replicas, e.broken) = (0, false);
                     retire.push(Retire { key: k.clone(), worker, replicas });
                 }
                 _ => {}

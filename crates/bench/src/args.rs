@@ -54,6 +54,13 @@ pub struct BenchArgs {
     #[command(flatten)]
     #[serde(default)]
     pub tls: TlsArgs,
+    /// Username for servers started with -Y: every connection authenticates first with
+    /// memcached's ASCII auth (needs --password-file)
+    #[arg(long, requires = "password_file")]
+    pub user: Option<String>,
+    /// File holding the password of --user (trailing whitespace ignored)
+    #[arg(long, requires = "user")]
+    pub password_file: Option<std::path::PathBuf>,
     /// Ignore --server and run against an in-process stub server (measures the generator's own
     /// ceiling; see also `client.ops_per_cpu_sec` in every report).
     #[arg(long)]

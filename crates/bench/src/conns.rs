@@ -10,7 +10,7 @@
 //! read buffer only grows when one reply does not fit.
 
 use std::collections::VecDeque;
-use std::io;
+use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream as StdStream};
 use std::time::Duration;
 
@@ -74,16 +74,45 @@ pub(crate) struct Conns<P> {
     ready: Vec<(usize, bool, bool)>,
 }
 
+/// The authentication request every new connection sends first (`--user`,
+/// `--password-file`: memcached's ASCII auth), set by [`crate::run`].
+static LOGIN: std::sync::Mutex<Option<Vec<u8>>> = std::sync::Mutex::new(None);
+
+/// Authenticate every connection opened from now on with `user` and
+/// `password` (None: no authentication).
+pub fn set_login(login: Option<(&str, &str)>) {
+    let req = login.map(|(user, password)| {
+        let token = format!("{user} {password}");
+        format!("set auth 0 0 {}\r\n{token}\r\n", token.len()).into_bytes()
+    });
+    *LOGIN.lock().unwrap_or_else(|e| e.into_inner()) = req;
+}
+
 /// Blocking connect to `addr` (with [`IO_TIMEOUT`]) and `TCP_NODELAY`; with `tls`, the TLS
-/// handshake too (bounded by [`IO_TIMEOUT`]).
+/// handshake too (bounded by [`IO_TIMEOUT`]); then authenticated if a login is set
+/// ([`set_login`]).
 pub(crate) fn connect_std(addr: SocketAddr, tls: Option<&ClientTls>) -> Result<BlockingStream> {
     let std = StdStream::connect_timeout(&addr, IO_TIMEOUT).with_context(|| format!("connect to {addr}"))?;
     std.set_nodelay(true)?;
-    if tls.is_some() {
-        std.set_read_timeout(Some(IO_TIMEOUT))?;
-        std.set_write_timeout(Some(IO_TIMEOUT))?;
+    std.set_read_timeout(Some(IO_TIMEOUT))?;
+    std.set_write_timeout(Some(IO_TIMEOUT))?;
+    let mut s = BlockingStream::new(std, addr, tls).with_context(|| format!("TLS to {addr}"))?;
+    let login = LOGIN.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    if let Some(req) = login {
+        s.write_all(&req).with_context(|| format!("login to {addr}"))?;
+        // The reply is one line; read it byte by byte so nothing after it is taken.
+        let mut line = Vec::new();
+        let mut b = [0u8; 1];
+        while !line.ends_with(b"\n") && line.len() < 1024 {
+            if s.read(&mut b).with_context(|| format!("login to {addr}"))? == 0 {
+                bail!("login to {addr}: connection closed");
+            }
+            line.push(b[0]);
+        }
+        if line != b"STORED\r\n" {
+            bail!("login to {addr} refused: {}", String::from_utf8_lossy(&line).trim_end());
+        }
     }
-    let s = BlockingStream::new(std, addr, tls).with_context(|| format!("TLS to {addr}"))?;
     s.sock().set_read_timeout(None)?;
     s.sock().set_write_timeout(None)?;
     Ok(s)
@@ -147,7 +176,9 @@ impl<P: Pending> Conns<P> {
     /// Wait up to `timeout` for events, write what is pending, and call `on_reply(ci, p, reply)`
     /// for each reply read, in order per connection (`p` is the request it answers, already
     /// removed from the connection's queue; `reply` is the frame that completed it: `End` of a
-    /// get, a status line, an error or a redirect — anything else is a protocol error).
+    /// get, a status line, an error or a redirect — anything else is a protocol error). A hot-key
+    /// hint (`Frame::Hint`, routed connections) is passed the same way before the reply it
+    /// precedes, with `p` the request it belongs to, which stays queued for its reply.
     pub(crate) fn poll(&mut self, timeout: Duration, mut on_reply: impl FnMut(usize, P, Frame<'_>)) -> Result<()> {
         match self.poll.poll(&mut self.events, Some(timeout)) {
             Ok(()) => {}
@@ -208,6 +239,10 @@ impl<P: Pending> Conns<P> {
                     .map_err(|e| anyhow::anyhow!("{addr}: {e}"))?;
                 c.rstart += used;
                 let Some(reply) = reply else { break };
+                if let Frame::Hint(_) = reply {
+                    on_reply(ci, p, reply);
+                    continue;
+                }
                 if !fits(p.expect(), &reply) {
                     bail!("{label} {addr}: unexpected reply {reply:?} to a {:?} request", p.expect());
                 }

@@ -60,6 +60,14 @@ pub trait Driver {
     fn redirects(&self) -> u64 {
         0
     }
+    /// Reads served by a copy of a hot key (routed drivers; 0 for the others).
+    fn replica_reads(&self) -> u64 {
+        0
+    }
+    /// Reads sent to a copy that fell back to the home (routed drivers).
+    fn replica_fallbacks(&self) -> u64 {
+        0
+    }
 }
 
 /// The bytes SET values are cut from: `max` `x`s (a value of length n is its first n bytes).
@@ -234,6 +242,8 @@ impl Driver for PlainDriver {
         self.conns.poll(timeout, |_, (token, _), reply| {
             let op = &mut ops[token as usize];
             match reply {
+                // a plain connection never opted in to hints; one would be advice to ignore
+                Frame::Hint(_) => return,
                 Frame::End { items } => op.hits += items,
                 Frame::Stored | Frame::Exists | Frame::NotFound => {}
                 // a plain connection never opted in to redirects: count one as an error

@@ -116,6 +116,9 @@ pub struct ThreadResult {
     pub target_seconds: Vec<Vec<u64>>,
     /// Redirects the driver followed.
     pub redirects: u64,
+    /// Reads served by a hot key's copy, and reads sent to a copy that fell back home.
+    pub replica_reads: u64,
+    pub replica_fallbacks: u64,
     /// CPU time this thread used (user + system).
     pub cpu_secs: f64,
     /// Time from start to the last completion.
@@ -167,6 +170,8 @@ pub fn run_thread(driver: &mut dyn Driver, mut plan: ThreadPlan) -> Result<Threa
         target_requests: Vec::new(),
         target_seconds: Vec::new(),
         redirects: 0,
+        replica_reads: 0,
+        replica_fallbacks: 0,
         cpu_secs: 0.0,
         elapsed: Duration::ZERO,
     };
@@ -358,6 +363,8 @@ pub fn run_thread(driver: &mut dyn Driver, mut plan: ThreadPlan) -> Result<Threa
     }
     res.target_requests = driver.target_requests();
     res.redirects = driver.redirects();
+    res.replica_reads = driver.replica_reads();
+    res.replica_fallbacks = driver.replica_fallbacks();
     res.cpu_secs = thread_cpu_secs() - cpu0;
     res.elapsed = Duration::from_nanos(last_end);
     Ok(res)

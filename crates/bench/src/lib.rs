@@ -227,6 +227,8 @@ fn totals_of(results: &[ThreadResult], rate: Option<f64>) -> Totals {
         t.errors += r.errors;
         t.unfinished += r.unfinished;
         t.redirects += r.redirects;
+        t.replica_reads += r.replica_reads;
+        t.replica_fallbacks += r.replica_fallbacks;
         t.late_ops += r.late;
         t.requests += r.target_requests.iter().sum::<u64>();
         elapsed = elapsed.max(r.elapsed);
@@ -245,6 +247,13 @@ fn totals_of(results: &[ThreadResult], rate: Option<f64>) -> Totals {
 /// `--json` and `--plot` files. With `--plot-only`, only plots the given reports and returns the
 /// first of them.
 pub fn run(args: BenchArgs) -> Result<BenchReport> {
+    match (&args.user, &args.password_file) {
+        (Some(user), Some(p)) => {
+            let text = std::fs::read_to_string(p).with_context(|| format!("--password-file {}", p.display()))?;
+            conns::set_login(Some((user, text.trim_end())));
+        }
+        _ => conns::set_login(None),
+    }
     if !args.plot_only.is_empty() {
         let out = args.output.clone().context("--plot-only needs -o/--output FILE.svg")?;
         let mut reports = Vec::new();
@@ -357,7 +366,7 @@ pub fn run_with(args: BenchArgs, factory: &dyn DriverFactory) -> Result<BenchRep
         SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
     let phases = match &args.phases {
         Some(p) => workload::parse_phases(p)?,
-        None => vec![Phase { workload: args.workload, secs: args.duration.unwrap_or(10.0) }],
+        None => vec![Phase { workload: args.workload, secs: args.duration.unwrap_or(10.0), hot_set: 0 }],
     };
     let hot_partition = phases.iter().any(|p| {
         p.workload == WorkloadKind::Hotpart || (p.workload == WorkloadKind::Custom && args.dist == DistKind::Hotpart)
@@ -423,7 +432,13 @@ pub fn run_with(args: BenchArgs, factory: &dyn DriverFactory) -> Result<BenchRep
     };
 
     if !args.load_only {
-        let perm = Arc::new(workload::scramble_permutation(args.keys, 0x6d62_616c));
+        // One permutation per hot set (`NAME@K` phases), shared by every thread.
+        let mut perms: BTreeMap<u32, Arc<Vec<u32>>> = BTreeMap::new();
+        for p in &phases {
+            perms.entry(p.hot_set).or_insert_with(|| {
+                Arc::new(workload::scramble_permutation(args.keys, 0x6d62_616c + u64::from(p.hot_set)))
+            });
+        }
         let make_sources = || -> Result<Vec<OpSource>> {
             let mut sources = Vec::new();
             for _ in 0..args.threads {
@@ -432,7 +447,7 @@ pub fn run_with(args: BenchArgs, factory: &dyn DriverFactory) -> Result<BenchRep
                 for p in &phases {
                     end += p.secs;
                     let mix = workload::mix_of(p.workload, &params);
-                    ph.push((end, mix.read_ratio, KeyGen::new(mix.dist, &params, perm.clone())?));
+                    ph.push((end, mix.read_ratio, KeyGen::new(mix.dist, &params, perms[&p.hot_set].clone())?));
                 }
                 sources.push(OpSource::Mix { phases: ph });
             }

@@ -36,6 +36,10 @@ pub struct Totals {
     pub unfinished: u64,
     /// Redirects (`RD`) followed (routed mode).
     pub redirects: u64,
+    /// Reads served by a copy of a hot key, under a lease from its home (routed mode, Phase 1).
+    pub replica_reads: u64,
+    /// Reads sent to a copy that answered `RD` or an error, and were resent home.
+    pub replica_fallbacks: u64,
     /// Protocol requests on the wire (a multiget split over servers counts once per server).
     pub requests: u64,
     pub ops_per_sec: f64,
@@ -230,6 +234,9 @@ pub(crate) fn print_summary(r: &BenchReport) {
     line += &format!(", hit ratio {:.4}, errors {}", t.hit_ratio, t.errors);
     if r.driver == "routed" || t.redirects > 0 {
         line += &format!(", redirects {}", t.redirects);
+    }
+    if r.driver == "routed" || t.replica_reads + t.replica_fallbacks > 0 {
+        line += &format!(", replica reads {} (fallbacks {})", t.replica_reads, t.replica_fallbacks);
     }
     if t.unfinished > 0 {
         line += &format!(", UNFINISHED {}", t.unfinished);

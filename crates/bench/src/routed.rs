@@ -28,16 +28,25 @@
 //! overrides are enough for a run, and a redirect to a worker its map does not have counts as
 //! an error.
 //!
+//! Hot keys (Phase 1) as in the routing client, with the same [`Leases`]: a hint
+//! `RH hot <key> <replicas> <lease-ms>` read from a key's home grants a lease that draws one
+//! copy; while it is live, a get of that key is one single-key `get` to the copy's connection
+//! (the op's other keys go home as usual). A set ends the driver's lease on its key. An `RD` or
+//! an error line from a copy ends the lease and the key is resent home; that counts as a
+//! fallback, a copy's answer as a replica read (`Totals::replica_reads`,
+//! `Totals::replica_fallbacks`). A copy whose connection fails stops the run, as any broken
+//! connection does in the bench.
+//!
 //! Each request chain follows at most [`MAX_REDIRECTS`] redirects, then the part counts as an
 //! error. Per-worker request counts are reported as targets named `s<server>/w<worker>`, and
 //! followed redirects in `Totals::redirects`.
 
 use std::io::Write;
 use std::net::SocketAddr;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use mbal_cluster::{key_hash, ClusterMap, Redirect, Router, Split};
+use mbal_cluster::{key_hash, ClusterMap, Leases, Redirect, Router, Split};
 use mbal_proto::client::{Expect, Frame, Reply, ReplyReader};
 
 use crate::conns::{connect_std, Conns, Pending, IO_TIMEOUT};
@@ -167,6 +176,8 @@ struct Part {
     len: u32,
     /// Redirects this request chain followed so far.
     hops: u8,
+    /// A single-key get to a hot key's copy (not its home).
+    copy: bool,
 }
 
 impl Pending for Part {
@@ -202,6 +213,11 @@ struct State {
     /// First target index of each server.
     server_base: Vec<usize>,
     router: Router,
+    leases: Leases,
+    /// The time as of the last poll (leases are timed with it).
+    now: Instant,
+    replica_reads: u64,
+    replica_fallbacks: u64,
     key_size: usize,
     value: Vec<u8>,
     ops: Vec<OpState>,
@@ -209,6 +225,10 @@ struct State {
     // scratch
     key_buf: Vec<u8>,
     hashes: Vec<u64>,
+    /// Scratch of `submit`: positions of the op's keys read at home, and (key, hash, target)
+    /// of those read at a copy.
+    home_pos: Vec<u32>,
+    at_copy: Vec<(u32, u64, usize)>,
     split: Split,
     regroup: Vec<(u32, u64)>,
     resend: Vec<Part>,
@@ -262,18 +282,31 @@ impl RoutedDriver {
             targets,
             server_base,
             router: Router::new(map.clone()),
+            leases: Leases::new(lease_seed(), mbal_cluster::DEFAULT_MAX_LEASES),
+            now: Instant::now(),
+            replica_reads: 0,
+            replica_fallbacks: 0,
             key_size,
             value: value_buffer(value_size_max),
             ops: (0..max_in_flight).map(|_| OpState::default()).collect(),
             target_reqs: vec![0; n],
             key_buf: Vec::with_capacity(256),
             hashes: Vec::new(),
+            home_pos: Vec::new(),
+            at_copy: Vec::new(),
             split: Split::new(),
             regroup: Vec::new(),
             resend: Vec::new(),
         };
         Ok(RoutedDriver { conns, r })
     }
+}
+
+/// A seed that differs between drivers (threads) and runs, so that they spread their leases
+/// over a key's copies.
+fn lease_seed() -> u64 {
+    use std::hash::BuildHasher;
+    std::collections::hash_map::RandomState::new().hash_one(std::process::id())
 }
 
 impl State {
@@ -361,6 +394,26 @@ impl State {
     fn on_reply(&mut self, from: usize, part: Part, reply: Frame<'_>, out: &mut Vec<Completion>) {
         let token = part.token;
         let finished = match reply {
+            Frame::Hint(h) => {
+                // only a home grants leases; a hint on a copy's reply is ignored
+                if !part.copy {
+                    let home = self.targets[from].0;
+                    self.leases.record(self.router.map(), key_hash(h.key), home, h.replicas, h.lease_ms, self.now);
+                }
+                return;
+            }
+            Frame::End { items } if part.copy => {
+                self.replica_reads += 1;
+                self.ops[token as usize].hits += items;
+                true
+            }
+            Frame::Redirect { .. } | Frame::Error(_) if part.copy => {
+                // the copy is gone (or not there yet): read at home
+                self.leases.end(self.ops[token as usize].hashes[part.start as usize]);
+                self.replica_fallbacks += 1;
+                self.resend.push(Part { copy: false, ..part });
+                false
+            }
             Frame::End { items } => {
                 self.ops[token as usize].hits += items;
                 true
@@ -403,17 +456,39 @@ impl State {
         for &k in req.keys {
             hashes.push(self.hash_of(k));
         }
-        // group the keys by owning worker (request order within a worker)
-        self.router.split(hashes.iter().copied(), false, &mut self.split);
+        // keys with a live lease on a copy are read there; a write ends the writer's lease
+        self.home_pos.clear();
+        self.at_copy.clear();
+        for (i, &h) in hashes.iter().enumerate() {
+            let copy = match req.kind {
+                OpKind::Set => {
+                    self.leases.end(h);
+                    None
+                }
+                OpKind::Get if self.leases.is_empty() => None,
+                OpKind::Get => self.leases.read_target(h, self.now).and_then(|c| self.target_of(c)),
+            };
+            match copy {
+                Some(t) => self.at_copy.push((req.keys[i], h, t)),
+                None => self.home_pos.push(i as u32),
+            }
+        }
+        // group the other keys by owning worker (request order within a worker)
+        self.router.split(self.home_pos.iter().map(|&i| hashes[i as usize]), false, &mut self.split);
         let op = &mut self.ops[token as usize];
         op.keys.clear();
         op.hashes.clear();
         for &p in self.split.all_positions() {
-            op.keys.push(req.keys[p as usize]);
-            op.hashes.push(hashes[p as usize]);
+            let i = self.home_pos[p as usize] as usize;
+            op.keys.push(req.keys[i]);
+            op.hashes.push(hashes[i]);
+        }
+        for &(k, h, _) in &self.at_copy {
+            op.keys.push(k);
+            op.hashes.push(h);
         }
         op.value_size = req.value_size;
-        op.parts = self.split.groups().len() as u32;
+        op.parts = (self.split.groups().len() + self.at_copy.len()) as u32;
         op.hits = 0;
         op.errors = 0;
         let mut start = 0;
@@ -421,8 +496,13 @@ impl State {
             let g = self.split.groups()[gi];
             let t = self.target_of(g.owner).expect("the router's owners are workers of the map");
             let len = g.len() as u32;
-            self.send_part(conns, t, Part { token, expect, start, len, hops: 0 });
+            self.send_part(conns, t, Part { token, expect, start, len, hops: 0, copy: false });
             start += len;
+        }
+        for ci in 0..self.at_copy.len() {
+            let t = self.at_copy[ci].2;
+            self.send_part(conns, t, Part { token, expect, start, len: 1, hops: 0, copy: true });
+            start += 1;
         }
         self.hashes = hashes;
         Ok(())
@@ -444,6 +524,7 @@ impl Driver for RoutedDriver {
 
     fn poll(&mut self, timeout: Duration, out: &mut Vec<Completion>) -> Result<()> {
         let r = &mut self.r;
+        r.now = Instant::now();
         self.conns.poll(timeout, |ci, part, reply| r.on_reply(ci, part, reply, out))?;
         if !self.r.resend.is_empty() {
             let mut resend = std::mem::take(&mut self.r.resend);
@@ -464,5 +545,13 @@ impl Driver for RoutedDriver {
 
     fn redirects(&self) -> u64 {
         self.r.router.redirects()
+    }
+
+    fn replica_reads(&self) -> u64 {
+        self.r.replica_reads
+    }
+
+    fn replica_fallbacks(&self) -> u64 {
+        self.r.replica_fallbacks
     }
 }

@@ -101,20 +101,30 @@ pub fn mix_of(kind: WorkloadKind, p: &WorkloadParams) -> Mix {
 pub struct Phase {
     pub workload: WorkloadKind,
     pub secs: f64,
+    /// Which hot set: skewed distributions map rank r to key `perm[r]` with a
+    /// permutation seeded by this (`NAME@K:SECONDS`), so a later phase with
+    /// another K makes other keys hot (a shifting hot set).
+    #[serde(default)]
+    pub hot_set: u32,
 }
 
 /// Parse `"a:10,b:10,c:5.5"` into phases. Every phase needs a positive duration.
+/// `"c:10,c@1:10"`: the same workload, another hot set from t = 10 s.
 pub fn parse_phases(s: &str) -> Result<Vec<Phase>> {
     let mut out = Vec::new();
     for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         let (name, secs) =
             part.split_once(':').with_context(|| format!("phase {part:?} must look like NAME:SECONDS"))?;
+        let (name, hot_set) = match name.split_once('@') {
+            Some((n, k)) => (n, k.trim().parse().with_context(|| format!("phase {part:?}: bad hot set {k:?}"))?),
+            None => (name, 0),
+        };
         let workload = WorkloadKind::parse(name)?;
         let secs: f64 = secs.trim().parse().with_context(|| format!("phase {part:?}: bad seconds {secs:?}"))?;
         if !(secs.is_finite() && secs > 0.0) {
             bail!("phase {part:?}: seconds must be > 0");
         }
-        out.push(Phase { workload, secs });
+        out.push(Phase { workload, secs, hot_set });
     }
     if out.is_empty() {
         bail!("--phases is empty");
@@ -386,13 +396,16 @@ mod tests {
         assert_eq!(
             p,
             vec![
-                Phase { workload: WorkloadKind::A, secs: 10.0 },
-                Phase { workload: WorkloadKind::B, secs: 2.5 },
-                Phase { workload: WorkloadKind::C, secs: 1.0 },
+                Phase { workload: WorkloadKind::A, secs: 10.0, hot_set: 0 },
+                Phase { workload: WorkloadKind::B, secs: 2.5, hot_set: 0 },
+                Phase { workload: WorkloadKind::C, secs: 1.0, hot_set: 0 },
             ]
         );
         assert_eq!(phase_at(&p, 0.0), 0);
         assert_eq!(phase_at(&p, 9.99), 0);
+        let shift = parse_phases("a:5,a@1:5").unwrap();
+        assert_eq!((shift[0].hot_set, shift[1].hot_set), (0, 1), "a shifting hot set");
+        assert!(parse_phases("a@x:5").is_err());
         assert_eq!(phase_at(&p, 10.0), 1);
         assert_eq!(phase_at(&p, 12.6), 2);
         assert_eq!(phase_at(&p, 100.0), 2);

@@ -147,6 +147,8 @@ fn routed_three_server_cluster() {
                 ServerSpec { addr: format!("127.0.0.1:{}", free_port()).parse().unwrap(), worker_port_base: Some(base) }
             })
             .collect(),
+        secret: None,
+        secret_file: None,
     };
     let servers: Vec<ServerHandle> = (0..3)
         .map(|id| {
@@ -291,4 +293,119 @@ fn variable_value_sizes_are_uniform_and_seeded() {
     let bad = BenchArgs { value_size: 100, value_size_max: Some(99), ..BenchArgs::default() };
     assert!(run(bad).is_err());
     srv.shutdown();
+}
+
+/// Two fake one-worker servers for the Phase 1 client side: each answers a get of a key it is
+/// home of with a hint (`RH hot <key> 1 60000`, one copy, on the other server) and the value,
+/// and a get of a key it is not home of as that key's copy: the value, or `RD` naming the home
+/// when `copies_redirect`. Returns the map and per server (home reads, copy reads).
+fn hot_fakes(copies_redirect: bool) -> (ClusterMap, Vec<std::sync::Arc<[std::sync::atomic::AtomicU64; 2]>>) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::{Arc, OnceLock};
+    let ls: Vec<TcpListener> = (0..2).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
+    let addrs: Vec<SocketAddr> = ls.iter().map(|l| l.local_addr().unwrap()).collect();
+    let map = ClusterMap::even(addrs.iter().map(|&a| ServerInfo { main: a, workers: vec![a] }).collect(), 1, 64);
+    let cell = Arc::new(OnceLock::new());
+    cell.set(map.clone()).unwrap();
+    let mut counts = Vec::new();
+    for (me, l) in ls.into_iter().enumerate() {
+        let (map, count) = (cell.clone(), Arc::new([AtomicU64::new(0), AtomicU64::new(0)]));
+        counts.push(count.clone());
+        std::thread::spawn(move || {
+            // one connection per bench thread; the bench's threads end their connections
+            for s in l.incoming().take(4) {
+                let Ok(s) = s else { return };
+                let (map, count) = (map.clone(), count.clone());
+                std::thread::spawn(move || {
+                    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+                    s.set_nodelay(true).unwrap();
+                    let mut w = s.try_clone().unwrap();
+                    for line in BufReader::new(s).lines().take(1_000_000) {
+                        let Ok(line) = line else { break };
+                        let words: Vec<&str> = line.split(' ').collect();
+                        let mut out = String::new();
+                        if line.starts_with("mbal hello") {
+                            out = format!("MBAL {me} 0 1\r\n");
+                        } else if words[0] == "get" {
+                            let m: &ClusterMap = map.get().unwrap();
+                            for k in &words[1..] {
+                                let home = m.route(mbal_cluster::key_hash(k.as_bytes())).1 as usize;
+                                if home == me {
+                                    count[0].fetch_add(1, Ordering::Relaxed);
+                                    out += &format!("RH hot {k} 1 60000\r\nVALUE {k} 0 1\r\nh\r\n");
+                                } else if copies_redirect {
+                                    out = format!("RD 1 {home} 0\r\n");
+                                    break;
+                                } else {
+                                    count[1].fetch_add(1, Ordering::Relaxed);
+                                    out += &format!("VALUE {k} 0 1\r\nc\r\n");
+                                }
+                            }
+                            if !out.starts_with("RD") {
+                                out += "END\r\n";
+                            }
+                        } else {
+                            out = "ERROR\r\n".into();
+                        }
+                        if w.write_all(out.as_bytes()).is_err() {
+                            break;
+                        }
+                    }
+                });
+            }
+        });
+    }
+    (map, counts)
+}
+
+fn hot_args(map: &ClusterMap, multiget: usize) -> BenchArgs {
+    BenchArgs {
+        server: vec![map.servers()[0].main.to_string()],
+        routed: true,
+        quiet: true,
+        keys: 50,
+        duration: Some(30.0),
+        max_ops: Some(4000),
+        conns: 2,
+        threads: 1,
+        pipeline: 4,
+        multiget,
+        workload: WorkloadKind::A,
+        server_load: ServerLoadMode::Off,
+        ..BenchArgs::default()
+    }
+}
+
+#[test]
+fn routed_reads_hot_keys_at_their_copies() {
+    use std::sync::atomic::Ordering;
+    for multiget in [1, 5] {
+        let (map, counts) = hot_fakes(false);
+        let r = run_with(hot_args(&map, multiget), &RoutedFactory::with_map(map)).unwrap();
+        let t = &r.totals;
+        assert_eq!((t.ops, t.errors, t.unfinished), (4000, 0, 0), "{t:?}");
+        assert_eq!(t.hits, t.get_keys, "every read answered, at home or at a copy");
+        let copy_reads: u64 = counts.iter().map(|c| c[1].load(Ordering::Relaxed)).sum();
+        let home_reads: u64 = counts.iter().map(|c| c[0].load(Ordering::Relaxed)).sum();
+        assert_eq!(t.replica_reads, copy_reads, "the copies served what the bench counts");
+        assert_eq!(home_reads + copy_reads, t.get_keys);
+        assert_eq!(t.replica_fallbacks, 0);
+        // with one copy per key and long leases, about half the leases draw the copy
+        assert!(t.replica_reads > t.get_keys / 5, "{t:?}");
+        assert!(home_reads > t.get_keys / 5, "{t:?}");
+    }
+}
+
+#[test]
+fn routed_falls_back_home_when_a_copy_redirects() {
+    use std::sync::atomic::Ordering;
+    let (map, counts) = hot_fakes(true);
+    let r = run_with(hot_args(&map, 1), &RoutedFactory::with_map(map)).unwrap();
+    let t = &r.totals;
+    assert_eq!((t.ops, t.errors, t.unfinished), (4000, 0, 0), "{t:?}");
+    assert_eq!(t.hits, t.get_keys, "every read answered at home in the end");
+    assert_eq!(t.replica_reads, 0);
+    assert!(t.replica_fallbacks > 0, "{t:?}");
+    assert_eq!(counts.iter().map(|c| c[0].load(Ordering::Relaxed)).sum::<u64>(), t.get_keys);
+    assert_eq!(t.redirects, 0, "an RD from a copy teaches the router nothing");
 }

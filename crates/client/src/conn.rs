@@ -3,7 +3,7 @@
 //! [`Error`].
 
 use crate::{Error, Peer, Result};
-use mbal_proto::client::{Expect, Reply, ReplyReader};
+use mbal_proto::client::{Expect, OwnedHint, Reply, ReplyReader};
 use mbal_tls::{BlockingStream, ClientTls};
 use std::io::{self, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -44,6 +44,16 @@ impl Conn {
         Ok(Conn { stream, parser: ReplyReader::new(), addr, peer })
     }
 
+    /// Authenticate first, if the client has a login (memcached's ASCII auth).
+    pub fn login(&mut self, login: Option<&crate::Login>) -> Result<()> {
+        let Some(login) = login else { return Ok(()) };
+        match self.call(&login.request(), Expect::Line)? {
+            Reply::Stored => Ok(()),
+            Reply::Error(line) => Err(crate::Error::Server { addr: self.addr, peer: self.peer, line }),
+            r => Err(self.unexpected("the login", &r)),
+        }
+    }
+
     pub fn send(&mut self, bytes: &[u8]) -> Result<()> {
         self.stream.write_all(bytes).map_err(|e| io_err(self.addr, self.peer, e))
     }
@@ -70,6 +80,12 @@ impl Conn {
                 Err(e) => return Err(io_err(self.addr, self.peer, e)),
             }
         }
+    }
+
+    /// The hot-key hints read since the last call (see
+    /// [`ReplyReader::take_hints`]).
+    pub fn take_hints(&mut self) -> Vec<OwnedHint> {
+        self.parser.take_hints()
     }
 
     /// Send one request and read its reply.

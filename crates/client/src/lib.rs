@@ -49,6 +49,22 @@
 //!   sides' socket buffers from filling up (a deadlock when both block on
 //!   writes), a multi-operation is processed in windows of [`MULTI_WINDOW`]
 //!   keys, and a `get` line carries at most [`GET_BATCH`] keys.
+//! * **Hot-key replicas (Phase 1).** A read at a key's home may carry a
+//!   hint `RH hot <key> <replicas> <lease-ms>` (docs/protocol.md); the
+//!   client records it in an [`mbal_cluster::Leases`] (the lease cache the
+//!   bench and the proxy use too), which draws one copy per lease. While a
+//!   key's lease is live, `get` (and `get_multi`, one `get` per such key)
+//!   reads the drawn copy (`gets` always reads at home: a copy has no CAS of
+//!   its own); the copies' requests of a `get_multi` go out
+//!   and are answered before the rest is sent home. Writes always go home,
+//!   and a write (any storage command, `delete`, `incr`/`decr`, `touch`,
+//!   `set_multi`) ends this client's lease on the key, so it reads its
+//!   writes at home. An `RD`, an error reply, an I/O error or a refused
+//!   connection at a copy ends the lease (on an I/O failure, every lease at
+//!   that copy, and the copy is not tried again for
+//!   [`mbal_cluster::COPY_RETRY`]) and the key is read at home: the caller
+//!   sees no error.
+//!   [`Client::replica_reads`] and [`Client::replica_fallbacks`] count both.
 //! * **Stats.** [`cluster_stats`] reads `stats` and `stats workers` from each
 //!   server's main port; [`render_stats_table`] renders a per-server and
 //!   per-worker table (ops/s from two samples, hit ratio, items, bytes,
@@ -64,14 +80,14 @@ pub use mbal_cluster::{key_hash, ClusterMap, ClusterSpec};
 pub use stats::{cluster_stats, render_stats_table, ServerStats, WorkerStats};
 
 use conn::Conn;
-use mbal_cluster::{Owner, Redirect, Router, Split};
+use mbal_cluster::{Leases, Owner, Redirect, Router, Split};
 use mbal_proto::client::{Expect, OwnedValue, Reply};
 use std::collections::HashMap;
 use std::fmt;
 use std::io::Write as _;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Most keys in one multi-operation window (see the crate docs).
 pub const MULTI_WINDOW: usize = 1024;
@@ -95,6 +111,33 @@ pub struct Config {
     /// [`mbal_tls::ClientTls::load`]: the CA to trust, an optional client
     /// certificate, the expected server name (default: the address's IP).
     pub tls: Option<mbal_tls::ClientTls>,
+    /// Most keys with a hot-key lease held at once (oldest dropped).
+    pub max_leases: usize,
+    /// Username and password for servers started with `-Y`: each new
+    /// connection authenticates first (memcached's ASCII auth).
+    pub login: Option<Login>,
+}
+
+/// A username and password (memcached's ASCII auth: neither may contain a
+/// space). Its `Debug` form shows the user only.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Login {
+    pub user: String,
+    pub password: String,
+}
+
+impl std::fmt::Debug for Login {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Login({:?}, ..)", self.user)
+    }
+}
+
+impl Login {
+    /// The authentication request: a `set` whose data is `user password`.
+    pub fn request(&self) -> Vec<u8> {
+        let token = format!("{} {}", self.user, self.password);
+        format!("set auth 0 0 {}\r\n{token}\r\n", token.len()).into_bytes()
+    }
 }
 
 impl Default for Config {
@@ -105,6 +148,8 @@ impl Default for Config {
             max_redirects: 3,
             conns_per_worker: 1,
             tls: None,
+            max_leases: mbal_cluster::DEFAULT_MAX_LEASES,
+            login: None,
         }
     }
 }
@@ -221,15 +266,34 @@ struct Seen {
 pub struct Client {
     /// Map, overrides, redirect learning (shared with the bench and the proxy).
     router: Router,
+    /// Hot-key leases: which copy a read goes to (shared with the bench and the proxy).
+    leases: Leases,
     cfg: Config,
     pools: HashMap<Owner, Pool>,
+    replica_reads: u64,
+    replica_fallbacks: u64,
+}
+
+/// A seed that differs between clients (and processes), so that clients
+/// spread their leases over a key's copies.
+fn lease_seed() -> u64 {
+    use std::hash::BuildHasher;
+    // randomly keyed per process, and a new key per `RandomState`
+    std::collections::hash_map::RandomState::new().hash_one(std::process::id())
 }
 
 impl Client {
     /// A client for a known map.
     pub fn from_map(map: ClusterMap, cfg: Config) -> Client {
         let cfg = Config { conns_per_worker: cfg.conns_per_worker.max(1), ..cfg };
-        Client { router: Router::new(map), cfg, pools: HashMap::new() }
+        Client {
+            router: Router::new(map),
+            leases: Leases::new(lease_seed(), cfg.max_leases),
+            cfg,
+            pools: HashMap::new(),
+            replica_reads: 0,
+            replica_fallbacks: 0,
+        }
     }
 
     /// A client for the cluster described by a TOML cluster file (the
@@ -246,6 +310,7 @@ impl Client {
     /// to: the map is fetched with `mbal map`.
     pub fn connect(any_server: SocketAddr, cfg: Config) -> Result<Client> {
         let mut c = Conn::open(any_server, Peer::Unknown, cfg.connect_timeout, cfg.io_timeout, cfg.tls.as_ref())?;
+        c.login(cfg.login.as_ref())?;
         let map = fetch_map(&mut c)?;
         Ok(Client::from_map(map, cfg))
     }
@@ -259,6 +324,70 @@ impl Client {
     /// Redirects followed so far.
     pub fn redirects(&self) -> u64 {
         self.router.redirects()
+    }
+
+    /// Reads served by a copy of a hot key (not its home).
+    pub fn replica_reads(&self) -> u64 {
+        self.replica_reads
+    }
+
+    /// Reads that went to a copy and fell back to the home (the copy
+    /// answered `RD` or an error, or its connection failed).
+    pub fn replica_fallbacks(&self) -> u64 {
+        self.replica_fallbacks
+    }
+
+    /// The hot-key leases held.
+    pub fn leases(&self) -> &Leases {
+        &self.leases
+    }
+
+    /// Record the hints read on a connection to `from` (a home: hints from
+    /// a copy are dropped).
+    fn record_hints(&mut self, conn: &mut Conn, from: Owner, at_home: bool) {
+        let hints = conn.take_hints();
+        if !at_home {
+            return;
+        }
+        let now = Instant::now();
+        for h in hints {
+            let hash = key_hash(&h.key);
+            self.leases.record(self.router.map(), hash, from, h.replicas, h.lease_ms, now);
+        }
+    }
+
+    /// Read `key` at the copy its lease drew: `Some(value or miss)`, or
+    /// `None` when the copy could not answer it (the lease is ended; the
+    /// caller reads at home). `req` is a single-key retrieval of `key`.
+    fn read_copy(&mut self, copy: Owner, key: &[u8], req: &[u8]) -> Option<Option<Value>> {
+        let hash = key_hash(key);
+        let res = self.take_conn(copy.0, copy.1).and_then(|mut c| match c.call(req, Expect::Values) {
+            Ok(r) => {
+                c.take_hints();
+                self.put_conn(c);
+                Ok(r)
+            }
+            Err(e) => Err(e),
+        });
+        match res {
+            Ok(Reply::Values(mut vs)) if vs.len() <= 1 && vs.first().is_none_or(|v| v.key == key) => {
+                self.replica_reads += 1;
+                Some(vs.pop().map(Value::from))
+            }
+            Ok(Reply::Redirect { .. } | Reply::Error(_)) => {
+                // RD (the copy is gone or not there yet) or an error line
+                self.leases.end(hash);
+                self.replica_fallbacks += 1;
+                None
+            }
+            Ok(_) | Err(_) => {
+                // other keys (not trusted), or the connection failed: every lease at that copy ends
+                self.leases.copy_failed(copy, Instant::now(), mbal_cluster::COPY_RETRY);
+                self.leases.end(hash);
+                self.replica_fallbacks += 1;
+                None
+            }
+        }
     }
 
     /// (cachelet, server, worker) a key is sent to now.
@@ -288,6 +417,7 @@ impl Client {
         }
         let peer = Peer::Worker { server: s, worker: w };
         let mut c = Conn::open(addr, peer, self.cfg.connect_timeout, self.cfg.io_timeout, self.cfg.tls.as_ref())?;
+        c.login(self.cfg.login.as_ref())?;
         let hello = format!("mbal hello {} {w}\r\n", self.router.map().epoch());
         match c.call(hello.as_bytes(), Expect::Line)? {
             Reply::Hello { server, worker, .. } if (server, worker) == (s, w) => Ok(c),
@@ -360,14 +490,20 @@ impl Client {
     /// Send a one-key request to the key's owner, following redirects.
     /// Returns the reply and who sent it. `Reply::Error` becomes
     /// [`Error::Server`].
+    /// Anything but a retrieval is a write: it ends this client's lease on
+    /// the key (read-your-writes).
     fn keyed(&mut self, key: &[u8], req: &[u8], expect: Expect) -> Result<(Reply, SocketAddr, Peer)> {
         let hash = key_hash(key);
+        if expect != Expect::Values {
+            self.leases.end(hash);
+        }
         let mut followed = 0;
         loop {
             let (_, s, w) = self.route_hash(hash);
             let mut conn = self.take_conn(s, w)?;
             let reply = conn.call(req, expect)?; // on error `conn` is dropped
             let (addr, peer) = (conn.addr, conn.peer);
+            self.record_hints(&mut conn, (s, w), true);
             self.put_conn(conn);
             match reply {
                 Reply::Redirect { epoch, server, worker } => {
@@ -391,6 +527,14 @@ impl Client {
         req.push(b' ');
         req.extend_from_slice(key);
         req.extend_from_slice(b"\r\n");
+        let hash = key_hash(key);
+        // only `get` reads a copy: a copy has no CAS of its own (`gets` goes home)
+        let copy = if cmd == "get" { self.leases.read_target(hash, Instant::now()) } else { None };
+        if let Some(copy) = copy {
+            if let Some(v) = self.read_copy(copy, key, &req) {
+                return Ok(v);
+            }
+        }
         match self.keyed(key, &req, Expect::Values)? {
             (Reply::Values(mut vs), addr, peer) => {
                 if vs.len() > 1 || vs.first().is_some_and(|v| v.key != key) {
@@ -533,6 +677,9 @@ impl Client {
         out: &mut [Option<Value>],
     ) -> Result<()> {
         let mut pending: Vec<usize> = range.collect();
+        if !self.leases.is_empty() {
+            pending = self.get_at_copies(keys, hashes, pending, out);
+        }
         let mut split = Split::new();
         let mut rounds = 0;
         while !pending.is_empty() {
@@ -577,7 +724,9 @@ impl Client {
                 let Peer::Worker { server: s, worker: w } = conn.peer else { unreachable!() };
                 let mut healthy = true;
                 for b in batches {
-                    match conn.read_reply(Expect::Values) {
+                    let reply = conn.read_reply(Expect::Values);
+                    self.record_hints(&mut conn, (s, w), true);
+                    match reply {
                         Ok(Reply::Values(vs)) => {
                             if let Err(detail) = assign(keys, &b, vs, out) {
                                 first_err.get_or_insert(Error::Protocol { addr: conn.addr, peer: conn.peer, detail });
@@ -615,11 +764,86 @@ impl Client {
         Ok(())
     }
 
+    /// The keys of `pending` whose live lease drew a copy are read there
+    /// (one single-key `get` each, pipelined per copy, every copy's requests
+    /// written before any reply is read); returns the keys left to read at
+    /// home: those without such a lease and those a copy could not answer.
+    fn get_at_copies(
+        &mut self,
+        keys: &[&[u8]],
+        hashes: &[u64],
+        pending: Vec<usize>,
+        out: &mut [Option<Value>],
+    ) -> Vec<usize> {
+        let now = Instant::now();
+        let mut home = Vec::with_capacity(pending.len());
+        let mut at: Vec<(Owner, Vec<usize>)> = Vec::new();
+        for i in pending {
+            match self.leases.read_target(hashes[i], now) {
+                Some(c) => match at.iter_mut().find(|(o, _)| *o == c) {
+                    Some((_, v)) => v.push(i),
+                    None => at.push((c, vec![i])),
+                },
+                None => home.push(i),
+            }
+        }
+        let mut sent = Vec::new();
+        for (copy, idx) in at {
+            let mut req = Vec::new();
+            for &i in &idx {
+                req.extend_from_slice(b"get ");
+                req.extend_from_slice(keys[i]);
+                req.extend_from_slice(b"\r\n");
+            }
+            match self.take_conn(copy.0, copy.1).and_then(|mut c| c.send(&req).map(|()| c)) {
+                Ok(c) => sent.push((c, copy, idx)),
+                Err(_) => {
+                    self.leases.copy_failed(copy, Instant::now(), mbal_cluster::COPY_RETRY);
+                    self.replica_fallbacks += idx.len() as u64;
+                    home.extend(idx);
+                }
+            }
+        }
+        for (mut conn, copy, idx) in sent {
+            let mut healthy = true;
+            for (n, &i) in idx.iter().enumerate() {
+                match conn.read_reply(Expect::Values) {
+                    Ok(Reply::Values(vs)) if vs.len() <= 1 && vs.first().is_none_or(|v| v.key == keys[i]) => {
+                        self.replica_reads += 1;
+                        out[i] = vs.into_iter().next().map(Value::from);
+                    }
+                    Ok(Reply::Redirect { .. } | Reply::Error(_)) => {
+                        self.leases.end(hashes[i]);
+                        self.replica_fallbacks += 1;
+                        home.push(i);
+                    }
+                    _ => {
+                        // a broken stream or a dead copy: everything still unread goes home
+                        self.leases.copy_failed(copy, Instant::now(), mbal_cluster::COPY_RETRY);
+                        self.replica_fallbacks += (idx.len() - n) as u64;
+                        home.extend_from_slice(&idx[n..]);
+                        healthy = false;
+                        break;
+                    }
+                }
+            }
+            conn.take_hints();
+            if healthy {
+                self.put_conn(conn);
+            }
+        }
+        home.sort_unstable();
+        home
+    }
+
     /// Multi-set: all of a worker's sets written back to back, pipelined
     /// across workers; one bool (stored) per item, in order.
     pub fn set_multi(&mut self, items: &[(&[u8], &[u8])], flags: u32, exptime: u32) -> Result<Vec<bool>> {
         for (k, _) in items {
             check_key(k)?;
+        }
+        for (k, _) in items {
+            self.leases.end(key_hash(k));
         }
         let mut out = vec![false; items.len()];
         for start in (0..items.len()).step_by(MULTI_WINDOW) {

@@ -20,6 +20,8 @@ fn spec_map(servers: u16, workers: u16) -> ClusterMap {
                 worker_port_base: Some(30001 + i * 10),
             })
             .collect(),
+        secret: None,
+        secret_file: None,
     };
     ClusterMap::from_spec(&spec)
 }
@@ -268,4 +270,157 @@ fn cluster_file_errors_name_the_file() {
     assert_eq!(c.map().servers().len(), 2);
     assert_eq!(c.map().worker_addr(1, 1).port(), 7102);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Two one-worker fake servers: the home of every key answers reads with a
+/// hint (γ = 1, a long lease) before the value "home"; the other server
+/// holds the copy and answers "copy", or `RD` for keys starting with `rd`.
+/// `copy_up`: whether the copy server listens at all.
+fn hot_pair(copy_up: bool) -> (ClusterMap, Arc<AtomicUsize>) {
+    let home_reads = Arc::new(AtomicUsize::new(0));
+    let hr = home_reads.clone();
+    let values = |who: &'static str, hint: bool, l: &str| -> String {
+        let mut out = String::new();
+        for k in l.split(' ').skip(1) {
+            if hint {
+                out += &format!("RH hot {k} 1 60000\r\n");
+            }
+            out += &format!("VALUE {k} 0 {}\r\n{who}\r\n", who.len());
+        }
+        out + "END\r\n"
+    };
+    // which server is whose home is decided by the map: both answer as home
+    // for keys they own and as copy otherwise
+    let serve = move |me: u16, map: Arc<std::sync::OnceLock<ClusterMap>>, hr: Arc<AtomicUsize>| {
+        move |l: &str| -> Option<String> {
+            if l.starts_with("mbal hello") {
+                return Some(format!("MBAL {me} 0 1\r\n"));
+            }
+            let w: Vec<&str> = l.split(' ').collect();
+            match w[0] {
+                "get" | "gets" => {
+                    let m = map.get().unwrap();
+                    let home = m.route(key_hash(w[1].as_bytes())).1 == me;
+                    if home {
+                        hr.fetch_add(w.len() - 1, Ordering::SeqCst);
+                        Some(values("home", true, l))
+                    } else if w[1].starts_with("rd") {
+                        Some(format!("RD 1 {} 0\r\n", 1 - me))
+                    } else {
+                        Some(values("copy", false, l))
+                    }
+                }
+                _ => Some("STORED\r\n".into()),
+            }
+        }
+    };
+    let cell = Arc::new(std::sync::OnceLock::new());
+    let (a0, _) = fake(16, serve(0, cell.clone(), hr.clone()));
+    let a1 = if copy_up {
+        fake(16, serve(1, cell.clone(), hr)).0
+    } else {
+        // a port nothing listens on: connections are refused
+        TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap()
+    };
+    let map = ClusterMap::even(
+        vec![ServerInfo { main: a0, workers: vec![a0] }, ServerInfo { main: a1, workers: vec![a1] }],
+        1,
+        64,
+    );
+    cell.set(map.clone()).unwrap();
+    (map, home_reads)
+}
+
+/// `n` keys whose home is server `home`.
+fn keys_of(map: &ClusterMap, home: u16, n: usize, prefix: &str) -> Vec<String> {
+    (0..).map(|i| format!("{prefix}{i}")).filter(|k| map.route(key_hash(k.as_bytes())).1 == home).take(n).collect()
+}
+
+fn data(v: Option<Value>) -> String {
+    String::from_utf8(v.unwrap().data).unwrap()
+}
+
+#[test]
+fn hinted_keys_are_read_at_their_drawn_copy_and_writes_read_at_home() {
+    let (map, home_reads) = hot_pair(true);
+    let mut c = Client::from_map(map.clone(), quick());
+    let keys = keys_of(&map, 0, 40, "hot");
+    let mut at_copy = 0;
+    for k in &keys {
+        assert_eq!(data(c.get(k.as_bytes()).unwrap()), "home", "no lease yet");
+        let lease = *c.leases().lease(key_hash(k.as_bytes())).expect("the hint granted a lease");
+        assert_eq!((lease.home, lease.replicas), ((0, 0), 1));
+        let want = if lease.copy == 1 { "copy" } else { "home" };
+        if lease.copy == 1 {
+            assert_eq!(lease.at, (1, 0));
+            at_copy += 1;
+        }
+        for _ in 0..3 {
+            assert_eq!(data(c.get(k.as_bytes()).unwrap()), want, "the same copy for the whole lease");
+            assert_eq!(data(c.gets(k.as_bytes()).unwrap()), "home", "gets reads at home");
+        }
+    }
+    assert!((8..=32).contains(&at_copy), "about half the leases draw the copy: {at_copy} of 40");
+    assert_eq!(c.replica_reads(), 3 * at_copy as u64);
+    assert_eq!(c.replica_fallbacks(), 0);
+    // a write ends the writer's lease: its next read goes home
+    let k = keys.iter().find(|k| c.leases().lease(key_hash(k.as_bytes())).unwrap().copy == 1).unwrap();
+    assert!(c.set(k.as_bytes(), b"new", 0, 0).unwrap());
+    assert!(c.leases().lease(key_hash(k.as_bytes())).is_none());
+    let before = home_reads.load(Ordering::SeqCst);
+    assert_eq!(data(c.get(k.as_bytes()).unwrap()), "home");
+    assert_eq!(home_reads.load(Ordering::SeqCst), before + 1);
+    // get_multi: keys with a copy lease read there, the rest at home, in order
+    let all: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
+    let want: Vec<&str> = keys
+        .iter()
+        .map(|k| match c.leases().lease(key_hash(k.as_bytes())) {
+            Some(l) if l.copy == 1 => "copy",
+            _ => "home",
+        })
+        .collect();
+    let reads = c.replica_reads();
+    let got: Vec<String> = c.get_multi(&all).unwrap().into_iter().map(data).collect();
+    assert_eq!(got, want);
+    assert_eq!(c.replica_reads() - reads, want.iter().filter(|&&w| w == "copy").count() as u64);
+    // set_multi ends the leases of its keys
+    c.set_multi(&[(all[0], b"x"), (all[1], b"y")], 0, 0).unwrap();
+    assert!(c.leases().lease(key_hash(all[0])).is_none() && c.leases().lease(key_hash(all[1])).is_none());
+}
+
+#[test]
+fn a_copy_that_redirects_or_is_down_falls_back_home_without_error() {
+    // RD at the copy: that key's lease ends, the read goes home
+    let (map, _) = hot_pair(true);
+    let mut c = Client::from_map(map.clone(), quick());
+    let keys = keys_of(&map, 0, 40, "rd");
+    for k in &keys {
+        c.get(k.as_bytes()).unwrap();
+    }
+    let drew: Vec<&String> =
+        keys.iter().filter(|k| c.leases().lease(key_hash(k.as_bytes())).is_some_and(|l| l.copy == 1)).collect();
+    assert!(!drew.is_empty());
+    for k in &drew {
+        assert_eq!(data(c.get(k.as_bytes()).unwrap()), "home");
+        // the home's reply granted a new lease, drawn anew
+    }
+    assert_eq!(c.replica_fallbacks(), drew.len() as u64);
+    assert_eq!(c.replica_reads(), 0);
+    // the copy's server is down: refused connections, every read still answered
+    let (map, _) = hot_pair(false);
+    let mut c = Client::from_map(map.clone(), quick());
+    let keys = keys_of(&map, 0, 40, "k");
+    for k in &keys {
+        assert_eq!(data(c.get(k.as_bytes()).unwrap()), "home");
+    }
+    for _ in 0..3 {
+        for k in &keys {
+            assert_eq!(data(c.get(k.as_bytes()).unwrap()), "home");
+        }
+        let all: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
+        let got: Vec<String> = c.get_multi(&all).unwrap().into_iter().map(data).collect();
+        assert!(got.iter().all(|g| g == "home"));
+    }
+    assert!(c.replica_fallbacks() > 0);
+    assert_eq!(c.replica_reads(), 0);
 }

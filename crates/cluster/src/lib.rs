@@ -16,11 +16,17 @@
 //! * The [`Router`] is the client side of routing, with no I/O: the map, the
 //!   owners learned from redirects, and the split of a multi-key request by
 //!   destination. The routing client, the bench and the proxy share it.
+//! * [`Leases`] is the client side of Phase 1's hot-key replicas, with no
+//!   I/O and no clock: the leases granted by `RH hot` hints and the copy
+//!   each one reads. Shared likewise.
 
+mod leases;
 mod map;
+pub mod peer_auth;
 mod replica;
 mod router;
 
+pub use leases::{Lease, Leases, COPY_RETRY, DEFAULT_MAX_LEASES};
 pub use map::{ClusterMap, ClusterSpec, MapDiff, ServerInfo, ServerSpec};
 pub use replica::replica_location;
 pub use router::{BadRedirect, Group, Learned, Redirect, Router, Split};

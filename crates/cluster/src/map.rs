@@ -21,6 +21,14 @@ pub struct ClusterSpec {
     pub workers: u16,
     /// The servers, in id order (server id = index).
     pub servers: Vec<ServerSpec>,
+    /// The cluster secret that control commands are authenticated with
+    /// (`mbal peer`, [`crate::peer_auth`]); prefer `secret_file`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret: Option<crate::peer_auth::Secret>,
+    /// A file holding the cluster secret (relative to the cluster file's
+    /// folder); trailing whitespace is not part of it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_file: Option<std::path::PathBuf>,
 }
 
 fn default_vn_count() -> u32 {
@@ -48,6 +56,23 @@ impl ClusterSpec {
         let s: ClusterSpec = toml::from_str(text).map_err(|e| e.to_string())?;
         s.validate()?;
         Ok(s)
+    }
+
+    /// The cluster secret, if the file names one (`secret`, or `secret_file`
+    /// read relative to `dir`, the cluster file's folder).
+    pub fn load_secret(&self, dir: Option<&std::path::Path>) -> Result<Option<crate::peer_auth::Secret>, String> {
+        match (&self.secret, &self.secret_file) {
+            (Some(_), Some(_)) => Err("the cluster file sets both secret and secret_file".into()),
+            (Some(s), None) => crate::peer_auth::Secret::new(s.bytes().to_vec()).map(Some),
+            (None, Some(f)) => {
+                let path = match dir {
+                    Some(d) if f.is_relative() => d.join(f),
+                    _ => f.clone(),
+                };
+                crate::peer_auth::Secret::from_file(&path).map(Some)
+            }
+            (None, None) => Ok(None),
+        }
     }
 
     pub fn to_toml(&self) -> String {
@@ -316,6 +341,8 @@ mod tests {
                     worker_port_base: Some(20001 + i * 100),
                 })
                 .collect(),
+            secret: None,
+            secret_file: None,
         }
     }
 

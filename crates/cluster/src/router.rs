@@ -27,8 +27,10 @@
 //!     map from the worker that redirected (`mbal map`) and give it to
 //!     [`Router::install_map`], which keeps only the overrides newer than it.
 //!
-//! Leases (Phase 1 replicas, Phase 2 temporary owners) will live here too;
-//! the router keeps no clock: a caller will pass the time in.
+//! Phase 1's leases (which copy of a hot key to read) are the
+//! [`Leases`](crate::Leases) next to it, with no clock either: the caller
+//! passes the time in. Phase 2's temporary owners need no lease on the
+//! client: a moved cachelet answers `RD`, which the router learns.
 
 use crate::{CacheletId, ClusterMap, Owner};
 use std::fmt;

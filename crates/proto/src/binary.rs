@@ -54,6 +54,9 @@ pub mod opcode {
     pub const GATQ: u8 = 0x1e;
     pub const GATK: u8 = 0x23;
     pub const GATKQ: u8 = 0x24;
+    pub const SASL_LIST_MECHS: u8 = 0x20;
+    pub const SASL_AUTH: u8 = 0x21;
+    pub const SASL_STEP: u8 = 0x22;
 }
 
 /// Binary response status codes.
@@ -65,6 +68,10 @@ pub mod status {
     pub const EINVAL: u16 = 0x04;
     pub const NOT_STORED: u16 = 0x05;
     pub const DELTA_BADVAL: u16 = 0x06;
+    /// Authentication required, or failed (SASL).
+    pub const AUTH_ERROR: u16 = 0x20;
+    /// SASL: send the next step.
+    pub const AUTH_CONTINUE: u16 = 0x21;
     pub const UNKNOWN_COMMAND: u16 = 0x81;
     pub const ENOMEM: u16 = 0x82;
 }
@@ -247,6 +254,9 @@ fn rules(opcode: u8) -> Option<(Need, Option<bool>, bool)> {
         op::VERBOSITY => (E(&[4]), Some(false), false),
         op::STAT => (E(&[0]), None, false),
         op::TOUCH | op::GAT | op::GATQ | op::GATK | op::GATKQ => (E(&[4]), Some(true), false),
+        // SASL: the key is the mechanism, the value the client's message.
+        op::SASL_LIST_MECHS => (E(&[0]), Some(false), false),
+        op::SASL_AUTH | op::SASL_STEP => (E(&[0]), Some(true), true),
         _ => return None,
     })
 }
@@ -347,6 +357,19 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn sasl_requests() {
+        let buf = req(opcode::SASL_LIST_MECHS, &[], b"", b"");
+        assert_eq!(bin(&buf).header.opcode, opcode::SASL_LIST_MECHS);
+        let buf = req(opcode::SASL_AUTH, &[], b"PLAIN", b"\0foo\0bar");
+        let r = bin(&buf);
+        assert_eq!((r.key, r.value), (&b"PLAIN"[..], &b"\0foo\0bar"[..]));
+        assert_eq!(bin(&req(opcode::SASL_STEP, &[], b"PLAIN", b"x")).value, b"x");
+        // The mechanism is required; LIST_MECHS takes no key.
+        assert_eq!(berr(&req(opcode::SASL_AUTH, &[], b"", b"x")).1, status::EINVAL);
+        assert_eq!(berr(&req(opcode::SASL_LIST_MECHS, &[], b"k", b"")).1, status::EINVAL);
     }
 
     #[test]

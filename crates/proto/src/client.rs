@@ -1,7 +1,7 @@
 //! The client side of the text protocol: an incremental decoder of the
 //! replies a memcached or mbal server sends, mbal's extension replies
-//! included (`MBAL`, `MAP`, `RD`, `MOVED`). The routing client, the bench
-//! and the proxy all read replies with it.
+//! included (`MBAL`, `MAP`, `RD`, `MOVED`, the Phase 1 hint `RH hot`). The
+//! routing client, the bench and the proxy all read replies with it.
 //!
 //! Two layers:
 //!
@@ -27,6 +27,16 @@
 //! stream cannot be trusted any more and the connection should be dropped.
 //! An error line (`ERROR`, `CLIENT_ERROR ...`, `SERVER_ERROR ...`) ends any
 //! reply, a half-read multi-line one included.
+//!
+//! Hot-key hints (`RH hot <key> <replicas> <lease-ms>`, docs/protocol.md)
+//! come only on routed connections, before a key's `VALUE` block in a
+//! retrieval reply or before the reply line of a meta command. The decoder
+//! returns each as a [`Frame::Hint`], which does not end the reply it
+//! precedes (with [`Expect::Hits`] too, so a load generator sees them); the
+//! [`ReplyReader`] keeps them aside for [`ReplyReader::take_hints`] and
+//! returns the reply unchanged. A hint anywhere else (in reply to a request
+//! that reads nothing, or after the reply line of a meta command) is a
+//! [`ReplyError`].
 
 use std::fmt;
 use std::io::{self, Read};
@@ -66,11 +76,40 @@ pub struct Value<'a> {
     pub cas: Option<u64>,
 }
 
+/// A hot-key hint `RH hot <key> <replicas> <lease-ms>` (Phase 1): copies of
+/// `key` live at `replicas` places besides its home
+/// (`mbal_cluster::replica_location`), and the client may read any one of
+/// them for `lease_ms` milliseconds from now. `replicas` or `lease_ms` 0:
+/// read the key at home only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Hint<'a> {
+    pub key: &'a [u8],
+    pub replicas: u32,
+    pub lease_ms: u64,
+}
+
+/// A [`Hint`], owned.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OwnedHint {
+    pub key: Vec<u8>,
+    pub replicas: u32,
+    pub lease_ms: u64,
+}
+
+impl From<Hint<'_>> for OwnedHint {
+    fn from(h: Hint<'_>) -> OwnedHint {
+        OwnedHint { key: h.key.to_vec(), replicas: h.replicas, lease_ms: h.lease_ms }
+    }
+}
+
 /// One decoded piece of a reply, borrowing the decoder's input.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Frame<'a> {
     /// An item of a retrieval reply (not the end of the reply).
     Value(Value<'a>),
+    /// A hot-key hint before a retrieval item or a meta reply line (not the
+    /// end of the reply).
+    Hint(Hint<'a>),
     /// A `STAT <name> <value>` line (not the end of the reply); `value` is
     /// the rest of the line.
     Stat {
@@ -133,11 +172,11 @@ pub enum Frame<'a> {
 }
 
 impl Frame<'_> {
-    /// Does this frame complete a reply? (Everything but a `VALUE` item or a
-    /// `STAT` line.)
+    /// Does this frame complete a reply? (Everything but a `VALUE` item, a
+    /// `STAT` line or a hint.)
     #[inline]
     pub fn ends_reply(&self) -> bool {
-        !matches!(self, Frame::Value(_) | Frame::Stat { .. })
+        !matches!(self, Frame::Value(_) | Frame::Stat { .. } | Frame::Hint(_))
     }
 }
 
@@ -202,6 +241,8 @@ pub struct Decoder {
     items: u32,
     /// Bytes of a skipped value's data (with its CR LF) still to come.
     skip: usize,
+    /// A hint was returned and the reply it precedes has not ended yet.
+    hinted: bool,
 }
 
 impl Decoder {
@@ -211,7 +252,7 @@ impl Decoder {
 
     /// Is a reply half decoded?
     pub fn mid_reply(&self) -> bool {
-        self.multi || self.skip > 0
+        self.multi || self.skip > 0 || self.hinted
     }
 
     /// Decode from the front of `buf`. Returns `(consumed, Some(frame))`
@@ -260,6 +301,7 @@ impl Decoder {
                 }
                 let items = self.items;
                 self.multi = false;
+                self.hinted = false;
                 self.items = 0;
                 return Ok((next, Some(Frame::End { items })));
             }
@@ -320,12 +362,27 @@ impl Decoder {
             let first = w.next().unwrap_or(b"");
             if is_error_word(first) {
                 self.multi = false;
+                self.hinted = false;
                 self.items = 0;
                 return Ok((next, Some(Frame::Error(line))));
+            }
+            if first == b"RH" {
+                if !matches!(expect, Expect::Values | Expect::Hits | Expect::Meta) {
+                    return bad("RH in reply to a request that reads nothing", line);
+                }
+                // RH hot <key> <replicas> <lease-ms>
+                let (Some(b"hot"), Some(key), Some(replicas), Some(lease_ms), None) =
+                    (w.next(), w.next(), num::<u32>(w.next()), num::<u64>(w.next()), w.next())
+                else {
+                    return bad("bad RH line", line);
+                };
+                self.hinted = true;
+                return Ok((next, Some(Frame::Hint(Hint { key, replicas, lease_ms }))));
             }
             if self.multi {
                 return bad("unexpected line inside a multi-line reply", line);
             }
+            self.hinted = false;
             if expect == Expect::Meta && first.len() == 2 && first != b"RD" {
                 let code = [first[0], first[1]];
                 match &code {
@@ -477,6 +534,10 @@ enum Partial {
     Stats(Vec<(String, String)>),
 }
 
+/// Hints a [`ReplyReader`] keeps for [`ReplyReader::take_hints`]; later ones
+/// are dropped (a hint is advice: losing one costs a read at home).
+pub const MAX_HINTS: usize = 1024;
+
 /// A [`Decoder`] with its own buffer, returning whole owned replies. See
 /// the module docs.
 #[derive(Debug, Default)]
@@ -485,6 +546,7 @@ pub struct ReplyReader {
     pos: usize,
     dec: Decoder,
     partial: Partial,
+    hints: Vec<OwnedHint>,
 }
 
 impl ReplyReader {
@@ -518,6 +580,13 @@ impl ReplyReader {
         self.dec.mid_reply()
     }
 
+    /// The hints read since the last call (at most [`MAX_HINTS`]), in stream
+    /// order; those of a reply are all here once [`ReplyReader::next`] has
+    /// returned it.
+    pub fn take_hints(&mut self) -> Vec<OwnedHint> {
+        std::mem::take(&mut self.hints)
+    }
+
     fn compact(&mut self) {
         if self.pos == self.buf.len() {
             self.buf.clear();
@@ -541,6 +610,12 @@ impl ReplyReader {
                     match &mut self.partial {
                         Partial::Values(vs) => vs.push(v),
                         p => *p = Partial::Values(vec![v]),
+                    }
+                    continue;
+                }
+                Frame::Hint(h) => {
+                    if self.hints.len() < MAX_HINTS {
+                        self.hints.push(h.into());
                     }
                     continue;
                 }

@@ -31,6 +31,19 @@ pub fn write_redirect_key(out: &mut Vec<u8>, epoch: u64, server: u16, worker: u1
     }
 }
 
+/// `RH hot <key> <replicas> <lease-ms>`: a hot key's hint, before the reply
+/// to a read of it on a routed connection (docs/protocol.md).
+pub fn write_hot_hint(out: &mut Vec<u8>, key: &[u8], replicas: u32, lease_ms: u64) {
+    out.extend_from_slice(b"RH hot ");
+    out.extend_from_slice(key);
+    let mut b = itoa::Buffer::new();
+    out.push(b' ');
+    out.extend_from_slice(b.format(replicas).as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(b.format(lease_ms).as_bytes());
+    out.extend_from_slice(b"\r\n");
+}
+
 /// `MOVED <epoch>`: the answer to `mbal move`.
 pub fn write_moved(out: &mut Vec<u8>, epoch: u64) {
     line(out, b"MOVED", &[epoch]);

@@ -61,6 +61,7 @@
 //! targets in `fuzz/` (`fuzz/run-all.sh [seconds]`; `fuzz_client` drives the
 //! client-side reply decoder).
 
+pub mod auth;
 pub mod binary;
 pub mod client;
 pub mod ext;

@@ -183,6 +183,7 @@ pub fn status_message(status: u16) -> &'static [u8] {
         0x04 => b"Invalid arguments",
         0x05 => b"Not stored.",
         0x06 => b"Non-numeric server-side value for incr or decr",
+        0x20 => b"Auth failure.",
         0x81 => b"Unknown command",
         0x82 => b"Out of memory",
         _ => b"",

@@ -103,8 +103,11 @@ pub enum TextCmd<'a> {
     },
     /// `mbal <args>`: mbal's extension commands (docs/protocol.md); `args` is
     /// the rest of the line, trimmed. memcached answers ERROR to these.
+    /// `data` is the data block of the one that carries one (`mbal rset
+    /// <key> <flags> <exptime> <bytes> <ttl-ms>`, a hot key's copy), else empty.
     Mbal {
         args: &'a [u8],
+        data: &'a [u8],
     },
 }
 
@@ -384,7 +387,13 @@ pub fn parse<'a>(buf: &'a [u8], limits: &Limits) -> Parsed<'a> {
         b"slabs" => req(TextCmd::Tune { cmd: TuneCmd::Slabs, args: trim(rest) }),
         b"lru" => req(TextCmd::Tune { cmd: TuneCmd::Lru, args: trim(rest) }),
         b"cache_memlimit" => req(TextCmd::Tune { cmd: TuneCmd::CacheMemlimit, args: trim(rest) }),
-        b"mbal" => req(TextCmd::Mbal { args: trim(rest) }),
+        b"mbal" => {
+            let args = trim(rest);
+            match args.strip_prefix(b"rset ") {
+                Some(r) => mbal_rset(args, r, buf, line_len, limits),
+                None => req(TextCmd::Mbal { args, data: &[] }),
+            }
+        }
         _ if looks_like_http(cmd, line) => Parsed::Err { reply: ErrReply::Silent, skip: line_len, close: true },
         _ => fail(E_ERROR, line_len),
     }
@@ -562,6 +571,25 @@ fn last_piece(cas: bool, touch: Option<i64>, any: bool, list: &[u8], consumed: u
         Ok(keys) if !any && keys.count == 0 && touch.is_none() => fail(E_ERROR, consumed),
         Ok(keys) => Parsed::Req { req: Request::Text(TextCmd::Get { keys, cas, touch, line: Line::Last }), consumed },
         Err(()) => fail(E_FORMAT, consumed),
+    }
+}
+
+/// `mbal rset <key> <flags> <exptime> <bytes> <ttl-ms>` and its data block
+/// (the executor reads the other fields from `args`).
+fn mbal_rset<'a>(args: &'a [u8], r: &'a [u8], buf: &'a [u8], line_len: usize, limits: &Limits) -> Parsed<'a> {
+    let (t, n) = take::<5>(r);
+    if n != 5 {
+        return fail(E_ERROR, line_len);
+    }
+    let Some(vlen) = num::<usize>(t[3]) else {
+        return fail(E_FORMAT, line_len);
+    };
+    if vlen > limits.max_item_size {
+        return fail(E_TOO_LARGE, line_len.saturating_add(vlen).saturating_add(2));
+    }
+    match data_block(buf, line_len, vlen, false) {
+        Ok(data) => Parsed::Req { req: Request::Text(TextCmd::Mbal { args, data }), consumed: line_len + vlen + 2 },
+        Err(p) => p,
     }
 }
 
@@ -846,7 +874,13 @@ mod tests {
         assert!(
             matches!(cmd(b"bget a b\r\n"), TextCmd::Get { cas: false, touch: None, ref keys, .. } if keys.len() == 2)
         );
-        assert_eq!(cmd(b"mbal hello 3\r\n"), TextCmd::Mbal { args: b"hello 3" });
+        assert_eq!(cmd(b"mbal hello 3\r\n"), TextCmd::Mbal { args: b"hello 3", data: b"" });
+        assert_eq!(
+            cmd(b"mbal rset k 5 0 3 2000\r\nabc\r\n"),
+            TextCmd::Mbal { args: b"rset k 5 0 3 2000", data: b"abc" }
+        );
+        assert!(matches!(parse(b"mbal rset k 5 0 3 2000\r\nab", &Limits::default()), Parsed::NeedMore));
+        assert!(matches!(parse(b"mbal rset k 5 0\r\n", &Limits::default()), Parsed::Err { .. }));
         assert_eq!(cmd(b"stats\r\n"), TextCmd::Stats { args: b"" });
         assert_eq!(cmd(b"stats  slabs  \r\n"), TextCmd::Stats { args: b"slabs" });
         assert_eq!(cmd(b"stats detail on\n"), TextCmd::Stats { args: b"detail on" });

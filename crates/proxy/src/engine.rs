@@ -6,7 +6,7 @@ mod upstream;
 
 use crate::stats::{Counters, Shared, UpDelta};
 use crate::Config;
-use mbal_cluster::{key_hash, ClusterMap, Owner, Redirect, Router, Split};
+use mbal_cluster::{key_hash, ClusterMap, Leases, Owner, Redirect, Router, Split};
 use mbal_proto::client::{Decoder, Expect, Frame};
 use mbal_proto::meta::{meta_key, MetaKind};
 use mbal_proto::text::TextCmd;
@@ -132,6 +132,9 @@ struct Inflight {
     sent: Instant,
     hops: u8,
     rd: Option<Redirect>,
+    /// A single-key `get` sent to a hot key's copy (not its home): the
+    /// key's hash. On `RD`, an error or a failed upstream it is resent home.
+    copy: Option<u64>,
 }
 
 impl Inflight {
@@ -190,6 +193,8 @@ pub(crate) struct Engine {
     stop: Arc<AtomicBool>,
     limits: Limits,
     router: Router,
+    /// Phase 1 leases learned from `RH hot` hints (the client's and the bench's cache).
+    leases: Leases,
     clients: Slab<Client>,
     next_cid: u64,
     ups: Vec<Upstream>,
@@ -205,6 +210,13 @@ pub(crate) struct Engine {
     /// The time the last poll returned: request times are taken at round
     /// granularity (one clock read per round).
     now: Instant,
+}
+
+/// A seed that differs between proxy threads and processes, so that they
+/// spread their leases over a key's copies.
+fn lease_seed(thread: usize) -> u64 {
+    use std::hash::BuildHasher;
+    std::collections::hash_map::RandomState::new().hash_one((std::process::id(), thread))
 }
 
 fn would_block(e: &io::Error) -> bool {
@@ -234,6 +246,7 @@ impl Engine {
             stop,
             limits,
             router: Router::new(map),
+            leases: Leases::new(lease_seed(id), mbal_cluster::DEFAULT_MAX_LEASES),
             clients: Slab::new(),
             next_cid: 1,
             ups: Vec::new(),

@@ -131,6 +131,9 @@ pub struct Counters {
     pub cmd_flush: u64,
     pub cmd_meta: u64,
     pub map_fetches: u64,
+    /// Gets answered by a hot key's copy, and gets sent to a copy that went home instead.
+    pub replica_reads: u64,
+    pub replica_fallbacks: u64,
     pub bytes_read: u64,
     pub bytes_written: u64,
 }
@@ -146,6 +149,8 @@ impl Counters {
         self.cmd_flush += o.cmd_flush;
         self.cmd_meta += o.cmd_meta;
         self.map_fetches += o.map_fetches;
+        self.replica_reads += o.replica_reads;
+        self.replica_fallbacks += o.replica_fallbacks;
         self.bytes_read += o.bytes_read;
         self.bytes_written += o.bytes_written;
     }
@@ -247,6 +252,8 @@ impl Shared {
         stat("proxy_redirects", &sum(|u| u.redirects));
         stat("proxy_upstream_connects", &sum(|u| u.connects));
         stat("proxy_map_fetches", &c.map_fetches);
+        stat("proxy_replica_reads", &c.replica_reads);
+        stat("proxy_replica_fallbacks", &c.replica_fallbacks);
         stat("proxy_map_epoch", &all.map_epoch);
         out.extend_from_slice(s.as_bytes());
         out.extend_from_slice(b"END\r\n");

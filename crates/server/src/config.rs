@@ -108,6 +108,74 @@ pub struct Settings {
     /// `-Z` with `-o ssl_chain_cert=...,ssl_key=...,ssl_ca_cert=...,ssl_verify_mode=N`: every
     /// listener (main and worker ports) speaks TLS only. `None`: plain TCP.
     pub tls: Option<mbal_tls::ServerTlsFiles>,
+    /// `-Y FILE`: every connection must authenticate (text: memcached's
+    /// ASCII auth; binary: SASL PLAIN), with these users (`auth`).
+    pub auth: Option<std::sync::Arc<crate::auth::Credentials>>,
+    /// The cluster secret (`--control-secret-file`, or `secret` in the
+    /// cluster file): control commands need a connection that proved it
+    /// knows it (`mbal peer`). None: control commands only on loopback.
+    pub control_secret: Option<mbal_cluster::peer_auth::Secret>,
+    /// `--max-conns-per-ip`: open connections one source address may hold;
+    /// 0: no limit but `-c`.
+    pub max_conns_per_ip: usize,
+    /// `--max-input-buffer`: bytes of unparsed input one connection may
+    /// hold; a request that needs more is refused and the connection
+    /// closed. 0: one largest request (`-I` plus a command line).
+    pub max_input_buffer: usize,
+    /// `--request-timeout-ms`: a connection that has sent part of a request
+    /// and not the rest for this long is closed. 0: never.
+    pub request_timeout_ms: u64,
+    /// Phase 1, hot-key replication.
+    pub hot: HotSettings,
+}
+
+/// Phase 1's settings (`--hot-keys` and friends; DESIGN.md §6).
+#[derive(Clone, Debug)]
+pub struct HotSettings {
+    /// Replicate hot keys to other servers. Default: on in a cluster of
+    /// two or more servers.
+    pub enabled: bool,
+    /// The policy's knobs (sampling rate, tracker, target imbalance,
+    /// REPL_high, lease length in epochs...).
+    pub policy: mbal_balance::HotConfig,
+    /// `--replica-memory`: bytes of copies of other servers' keys this
+    /// server holds at most (split evenly between its workers).
+    pub memory: usize,
+    /// `--replica-writes sync`: a write to a replicated key is answered
+    /// once every copy holds it (SE mode); default async (the reply does
+    /// not wait; copies lag by the copy time, at most their time to live).
+    pub sync: bool,
+    /// `--replica-timeout-ms`: how long the replicator waits for a shadow.
+    pub timeout_ms: u64,
+    /// Set by `apply`: the epoch length, which leases are counted in.
+    pub epoch_ms: u64,
+}
+
+impl Default for HotSettings {
+    fn default() -> Self {
+        HotSettings {
+            enabled: false,
+            policy: mbal_balance::HotConfig::default(),
+            memory: 64 << 20,
+            sync: false,
+            timeout_ms: 500,
+            epoch_ms: 1000,
+        }
+    }
+}
+
+impl HotSettings {
+    /// How long a client may read from copies after a hint: the policy's
+    /// `lease_epochs` epochs.
+    pub fn lease_ms(&self) -> u64 {
+        u64::from(self.policy.lease_epochs.max(1)) * self.epoch_ms
+    }
+
+    /// How long a copy lives without renewal: two epochs beyond a lease, so
+    /// that a lease granted just before a renewal is due still ends first.
+    pub fn copy_ttl_ms(&self) -> u64 {
+        self.lease_ms() + 2 * self.epoch_ms
+    }
 }
 
 impl Default for Settings {
@@ -143,6 +211,12 @@ impl Default for Settings {
             prefix_delimiter: b':',
             worker_capacity: 0,
             tls: None,
+            auth: None,
+            control_secret: None,
+            max_conns_per_ip: 0,
+            max_input_buffer: 0,
+            request_timeout_ms: 30_000,
+            hot: HotSettings::default(),
         }
     }
 }

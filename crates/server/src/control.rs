@@ -30,22 +30,33 @@
 //! message, and they answer by message, so nothing here needs a lock but the
 //! published snapshot's (read by stats rendering, written once per epoch).
 
-use crate::msg::{Envelope, ReplyBatch, ReplyTo, NO_CACHELET};
+use crate::msg::{Envelope, Grant, HotCmd, ReplyBatch, ReplyTo, NO_CACHELET};
+use crate::replicate::{Done, Job, Op};
 use crate::worker::Shared;
 use crossbeam_channel::{Receiver, RecvTimeoutError};
-use mbal_balance::{Balancer, Decision, EpochSnapshot, Move, WorkerSample};
+use mbal_balance::{
+    Access, Balancer, ClusterView, Decision, EpochSnapshot, HotKeyStat, HotKeys, KeyState, Move, ReplicaDecision,
+    WorkerSample,
+};
 use mbal_cluster::ClusterMap;
 use mbal_proto::ext;
 use serde::Serialize;
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Messages to the controller.
 pub(crate) enum CtlMsg {
-    /// A worker's counters for the sampling round `seq`.
-    Sample { seq: u64, sample: Box<WorkerSample> },
+    /// A worker's counters for the sampling round `seq`, and the keys it
+    /// sampled since the last round (`true`: a write).
+    Sample { seq: u64, sample: Box<WorkerSample>, keys: Vec<(Box<[u8]>, bool)> },
+    /// The replicator: a key's copies were made (`created`) or renewed by a
+    /// job started at `at_ns` (`ok`), or could not be.
+    HotDone { key: Box<[u8]>, created: bool, ok: bool, at_ns: u64 },
+    /// A home worker: replicating `key` failed (the item is gone, a write
+    /// could not be copied).
+    HotFailed { key: Box<[u8]> },
     /// `mbal move <cachelet> <worker>`: answer `reply` once it is done.
     Move { cachelet: u32, to: usize, reply: ReplyTo },
     /// Move `token` finished: `worker` owns `cachelet` now.
@@ -56,6 +67,9 @@ pub(crate) enum CtlMsg {
     /// numbered above `after` (the next one, for a caller that keeps up),
     /// as JSON, as soon as there is one.
     Load { after: u64, reply: ReplyTo },
+    /// `mbal debug hot <key> <replicas>` / `cool <key>` (replicas 0):
+    /// pin a key homed here as replicated, or unpin it.
+    Pin { key: Box<[u8]>, replicas: u32, reply: ReplyTo },
     /// Look at the shutdown flag.
     Wake,
 }
@@ -72,14 +86,55 @@ struct Moving {
     by_balancer: Option<Move>,
 }
 
-/// One epoch as `mbal load` reports it: the snapshot's fields, and the
-/// balancer's decision (null when it is off).
+/// One epoch as `mbal load` reports it: the snapshot's fields, the
+/// balancer's decision (null when it is off), Phase 1's decision and its
+/// hottest tracked keys (null and empty when it is off).
 #[derive(Serialize)]
 struct EpochRecord<'a> {
     #[serde(flatten)]
     snapshot: &'a EpochSnapshot,
     balancer: Option<&'a Decision>,
+    hot: Option<&'a ReplicaDecision>,
+    hotkeys: &'a [HotKeyStat],
 }
+
+/// What the controller decided at the end of one epoch.
+#[derive(Default)]
+struct Decided {
+    balancer: Option<Decision>,
+    hot: Option<ReplicaDecision>,
+    hotkeys: Vec<HotKeyStat>,
+}
+
+/// Phase 1's figures for `stats hotkeys` (published once per epoch).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct HotStatus {
+    pub epoch: u64,
+    pub threshold: f64,
+    pub estimated_max_over_avg: f64,
+    pub unreplicated_max_over_avg: f64,
+    pub replicated: usize,
+    pub escalate: Option<String>,
+    pub top: Vec<HotKeyStat>,
+    pub copies_made: u64,
+    pub copies_failed: u64,
+}
+
+/// A key Phase 1 replicates from this server.
+struct HotMeta {
+    /// Its home worker.
+    worker: u16,
+    /// Copies 1..=replicas exist or are being made.
+    replicas: u32,
+    /// When the last job that made or renewed every copy started: the
+    /// copies live at least until then plus their time to live.
+    alive_since_ns: Option<u64>,
+    /// `mbal debug hot` callers waiting for the copies to be made.
+    waiters: Vec<ReplyTo>,
+}
+
+/// Keys shown by `stats hotkeys` and in `mbal load`.
+const HOT_TOP: usize = 16;
 
 /// The balancer's figures for `stats balancer` (published once per epoch).
 #[derive(Clone, Debug, Default)]
@@ -112,8 +167,8 @@ pub(crate) struct Controller {
     gathering: Option<Vec<Option<WorkerSample>>>,
     /// The previous complete round.
     prev: Vec<WorkerSample>,
-    /// The newest epochs (snapshot and the balancer's decision), oldest first.
-    history: VecDeque<(Arc<EpochSnapshot>, Option<Decision>)>,
+    /// The newest epochs (snapshot and what was decided), oldest first.
+    history: VecDeque<(Arc<EpochSnapshot>, Decided)>,
     /// `mbal load` callers waiting for a newer epoch.
     load_waiters: Vec<(u64, ReplyTo)>,
     next_token: u64,
@@ -123,6 +178,10 @@ pub(crate) struct Controller {
     /// The local balancer's policy, when it runs.
     balancer: Option<Balancer>,
     status: BalancerStatus,
+    /// Phase 1's policy, when it runs (a cluster of two or more servers).
+    hot: Option<HotKeys>,
+    hot_meta: BTreeMap<Vec<u8>, HotMeta>,
+    hot_status: HotStatus,
 }
 
 impl Controller {
@@ -144,9 +203,19 @@ impl Controller {
             Balancer::new(cfg, &home)
         });
         let status = BalancerStatus::default();
+        let hot = shared.replicator.is_some().then(|| {
+            let mut cfg = shared.settings.balance.clone();
+            if shared.settings.worker_capacity > 0 {
+                cfg.worker_capacity = Some(shared.settings.worker_capacity as f64);
+            }
+            HotKeys::new(shared.settings.hot.policy.clone(), cfg)
+        });
         Controller {
             balancer,
             status,
+            hot,
+            hot_meta: BTreeMap::new(),
+            hot_status: HotStatus::default(),
             inbox,
             map,
             epoch_len,
@@ -187,7 +256,16 @@ impl Controller {
 
     fn handle(&mut self, msg: CtlMsg) {
         match msg {
-            CtlMsg::Sample { seq, sample } => self.sampled(seq, *sample),
+            CtlMsg::Sample { seq, sample, keys } => {
+                if let Some(h) = &mut self.hot {
+                    for (k, write) in keys {
+                        h.observe(&k, if write { Access::Write } else { Access::Read }, sample.worker);
+                    }
+                }
+                self.sampled(seq, *sample)
+            }
+            CtlMsg::HotDone { key, created, ok, at_ns } => self.hot_done(key, created, ok, at_ns),
+            CtlMsg::HotFailed { key } => self.hot_done(key, false, false, 0),
             CtlMsg::Move { cachelet, to, reply } => self.request_move(cachelet, to, reply),
             CtlMsg::Moved { token, cachelet, worker } => self.moved(token, cachelet, worker),
             CtlMsg::Map { reply } => {
@@ -198,11 +276,12 @@ impl Controller {
             }
             CtlMsg::Load { after, reply } => match self.history.iter().find(|(s, _)| s.seq > after) {
                 Some((s, d)) => {
-                    let b = load_reply(s, d.as_ref());
+                    let b = load_reply(s, d);
                     self.answer(reply, &b);
                 }
                 None => self.load_waiters.push((after, reply)),
             },
+            CtlMsg::Pin { key, replicas, reply } => self.pin(key, replicas, reply),
             CtlMsg::Wake => {}
         }
     }
@@ -245,14 +324,15 @@ impl Controller {
         if self.round > 0 {
             let snap = Arc::new(EpochSnapshot::between(self.round, &self.prev, &cur));
             *self.shared.latest.lock().unwrap_or_else(|p| p.into_inner()) = Some(snap.clone());
-            let decision = self.balance(&snap);
+            let decided =
+                Decided { balancer: self.balance(&snap), hot: self.hot_epoch(&snap), hotkeys: self.hot_top() };
             let ready: Vec<ReplyTo> = {
                 let (ready, wait): (Vec<_>, Vec<_>) = self.load_waiters.drain(..).partition(|(a, _)| snap.seq > *a);
                 self.load_waiters = wait;
                 ready.into_iter().map(|(_, r)| r).collect()
             };
             if !ready.is_empty() {
-                let b = load_reply(&snap, decision.as_ref());
+                let b = load_reply(&snap, &decided);
                 for r in ready {
                     self.answer(r, &b);
                 }
@@ -260,7 +340,7 @@ impl Controller {
             if self.history.len() == HISTORY {
                 self.history.pop_front();
             }
-            self.history.push_back((snap, decision));
+            self.history.push_back((snap, decided));
         }
         self.prev = cur;
         self.round += 1;
@@ -324,6 +404,180 @@ impl Controller {
 
     fn publish_status(&self) {
         *self.shared.balancer.lock().unwrap_or_else(|p| p.into_inner()) = Some(self.status.clone());
+    }
+
+    // ---- Phase 1: hot-key replication --------------------------------------
+
+    /// Run Phase 1's policy over one epoch: ask home workers to make or
+    /// delete copies, renew the copies that exist, and tell every worker
+    /// the leases it may grant.
+    fn hot_epoch(&mut self, snap: &EpochSnapshot) -> Option<ReplicaDecision> {
+        let view = ClusterView {
+            server: self.shared.server_id,
+            servers: self.map.servers().len() as u16,
+            workers: self.shared.settings.threads as u16,
+            avg_load: None,
+        };
+        let now = self.now_ns();
+        let d = self.hot.as_mut()?.on_epoch(snap, &view);
+        let peers = self.shared.peers();
+        for r in &d.replicate {
+            let m = self.hot_meta.entry(r.key.clone()).or_insert(HotMeta {
+                worker: r.worker,
+                replicas: 0,
+                alive_since_ns: None,
+                waiters: Vec::new(),
+            });
+            m.worker = r.worker;
+            m.replicas = m.replicas.max(r.replicas);
+            let cmd = HotCmd::Replicate { key: r.key.as_slice().into(), replicas: m.replicas };
+            peers.send_one(r.worker as usize, Envelope::Hot(cmd), now);
+        }
+        for r in &d.retire {
+            self.hot_meta.remove(&r.key);
+            peers.send_one(r.worker as usize, Envelope::Hot(HotCmd::Retire { key: r.key.as_slice().into() }), now);
+        }
+        // Renew every copy that exists (a key being made renews once made).
+        if let (Some(jobs), Some(hot)) = (&self.shared.replicator, &self.hot) {
+            let ttl_ms = self.shared.settings.hot.copy_ttl_ms();
+            for (key, m) in &self.hot_meta {
+                let state = hot.state(key);
+                if m.alive_since_ns.is_some() && matches!(state, KeyState::Hot | KeyState::ColdPending) {
+                    let to = self.copies(key, m);
+                    let done = Done::Controller { created: false, at_ns: now };
+                    let _ = jobs.send(Job { key: key.as_slice().into(), to, op: Op::Renew { ttl_ms }, done });
+                }
+            }
+        }
+        self.send_grants(None);
+        let st = &mut self.hot_status;
+        st.epoch = snap.seq;
+        st.threshold = d.threshold;
+        st.estimated_max_over_avg = d.estimated_max_over_avg;
+        st.unreplicated_max_over_avg = d.unreplicated_max_over_avg;
+        st.replicated = d.replicated;
+        st.escalate = d.escalate.as_ref().map(|e| format!("{:?}", e.why));
+        st.top = self.hot.as_ref().map(|h| h.top(HOT_TOP)).unwrap_or_default();
+        if !d.replicate.is_empty() || !d.retire.is_empty() {
+            tracing::info!(
+                epoch = snap.seq,
+                replicate = ?d.replicate.iter().map(|r| (String::from_utf8_lossy(&r.key).into_owned(), r.replicas)).collect::<Vec<_>>(),
+                retire = d.retire.len(),
+                replicated = d.replicated,
+                threshold = format!("{:.0}", d.threshold),
+                "hot keys"
+            );
+        }
+        self.publish_hot();
+        Some(d)
+    }
+
+    fn pin(&mut self, key: Box<[u8]>, replicas: u32, reply: ReplyTo) {
+        let c = self.map.keyspace().cachelet_of_hash(mbal_cluster::key_hash(&key));
+        let (server, worker) = self.map.owner(c);
+        let Some(hot) = &mut self.hot else {
+            return self.answer(reply, b"CLIENT_ERROR hot-key replication is off\r\n");
+        };
+        if server != self.shared.server_id {
+            return self.answer(reply, b"CLIENT_ERROR key is served by another mbal server\r\n");
+        }
+        if replicas == 0 {
+            hot.unpin(&key);
+            return self.answer(reply, b"OK\r\n");
+        }
+        match hot.pin(&key, worker, replicas) {
+            Some(r) => {
+                // The answer comes once the copies are made (`hot_done`).
+                let m = HotMeta { worker, replicas: r.replicas, alive_since_ns: None, waiters: vec![reply] };
+                self.hot_meta.insert(r.key.clone(), m);
+                let cmd = HotCmd::Replicate { key: r.key.as_slice().into(), replicas: r.replicas };
+                self.shared.peers().send_one(worker as usize, Envelope::Hot(cmd), self.now_ns());
+            }
+            None => self.answer(reply, b"OK\r\n"),
+        }
+    }
+
+    fn hot_top(&self) -> Vec<HotKeyStat> {
+        self.hot.as_ref().map(|h| h.top(HOT_TOP)).unwrap_or_default()
+    }
+
+    /// Where a key's copies live.
+    fn copies(&self, key: &[u8], m: &HotMeta) -> Vec<(u16, u16)> {
+        let hash = mbal_cluster::key_hash(key);
+        let (servers, workers) = (self.map.servers().len() as u16, self.shared.settings.threads as u16);
+        (1..=m.replicas)
+            .filter_map(|i| {
+                mbal_cluster::replica_location(hash, i, (self.shared.server_id, m.worker), servers, workers)
+            })
+            .collect()
+    }
+
+    /// The lease reads of `key` may be told now, if any: while it is HOT
+    /// and its copies are known to live, up to a margin before they end.
+    fn grant(&self, key: &[u8], m: &HotMeta) -> Grant {
+        let hot = self.hot.as_ref()?;
+        let since = m.alive_since_ns?;
+        let g = hot.hint(key);
+        let ttl_ns = self.shared.settings.hot.copy_ttl_ms() * 1_000_000;
+        (g > 0).then_some((g.min(m.replicas), (since + ttl_ns).saturating_sub(50_000_000)))
+    }
+
+    /// Tell home workers the leases they may grant: for every replicated
+    /// key, or for one.
+    fn send_grants(&self, only: Option<&[u8]>) {
+        let workers = self.shared.settings.threads;
+        let mut per: Vec<Vec<(Box<[u8]>, Grant)>> = vec![Vec::new(); workers];
+        for (key, m) in &self.hot_meta {
+            if only.is_some_and(|k| k != key.as_slice()) {
+                continue;
+            }
+            if let Some(v) = per.get_mut(m.worker as usize) {
+                v.push((key.as_slice().into(), self.grant(key, m)));
+            }
+        }
+        let now = self.now_ns();
+        for (w, list) in per.into_iter().enumerate() {
+            if !list.is_empty() {
+                self.shared.peers().send_one(w, Envelope::Hot(HotCmd::Grants(list)), now);
+            }
+        }
+    }
+
+    /// The replicator (or a home worker) says how making, renewing or
+    /// updating a key's copies ended.
+    fn hot_done(&mut self, key: Box<[u8]>, created: bool, ok: bool, at_ns: u64) {
+        let Some(hot) = &mut self.hot else { return };
+        if ok {
+            if let Some(m) = self.hot_meta.get_mut(&*key) {
+                m.alive_since_ns = Some(m.alive_since_ns.map_or(at_ns, |t| t.max(at_ns)));
+            }
+            if created {
+                hot.replicas_ready(&key);
+                self.hot_status.copies_made += 1;
+            }
+        } else {
+            // No lease from now on; the policy deletes the copies once the
+            // leases it gave have ended.
+            hot.copies_lost(&key);
+            self.hot_status.copies_failed += 1;
+            if let Some(m) = self.hot_meta.get_mut(&*key) {
+                m.alive_since_ns = None;
+            }
+        }
+        // Stats first, then the leases, then whoever waits: each sees the
+        // one before.
+        self.publish_hot();
+        self.send_grants(Some(&key));
+        let waiters = self.hot_meta.get_mut(&*key).map(|m| std::mem::take(&mut m.waiters)).unwrap_or_default();
+        let answer: &[u8] = if ok { b"OK\r\n" } else { b"SERVER_ERROR could not replicate\r\n" };
+        for r in waiters {
+            self.answer(r, answer);
+        }
+    }
+
+    fn publish_hot(&mut self) {
+        self.hot_status.top = self.hot_top();
+        *self.shared.hotkeys.lock().unwrap_or_else(|p| p.into_inner()) = Some(self.hot_status.clone());
     }
 
     // ---- moves -----------------------------------------------------------
@@ -412,10 +666,11 @@ impl Controller {
     }
 }
 
-/// `LOAD <seq> <len>\r\n<json>\r\n`: an epoch snapshot (and the
-/// balancer's decision) for `mbal load`.
-fn load_reply(s: &EpochSnapshot, d: Option<&Decision>) -> Vec<u8> {
-    let json = serde_json::to_string(&EpochRecord { snapshot: s, balancer: d }).expect("snapshots serialise");
+/// `LOAD <seq> <len>\r\n<json>\r\n`: an epoch snapshot (and what was
+/// decided) for `mbal load`.
+fn load_reply(s: &EpochSnapshot, d: &Decided) -> Vec<u8> {
+    let rec = EpochRecord { snapshot: s, balancer: d.balancer.as_ref(), hot: d.hot.as_ref(), hotkeys: &d.hotkeys };
+    let json = serde_json::to_string(&rec).expect("snapshots serialise");
     let mut b = Vec::with_capacity(json.len() + 32);
     ext::write_load(&mut b, s.seq, json.as_bytes());
     b

@@ -10,6 +10,7 @@ use crate::exec::{self, locate, Ctx, Loc};
 use crate::moves::{Own, Parked, Tables};
 use crate::msg::{Envelope, FwdKind, Outbox, ReplyTo};
 use crate::output::{Output, Slot, StatsFormat, MAX_PENDING_OUTPUT};
+use crate::replica::Replicas;
 use crate::stats::Counters;
 use crate::worker::Shared;
 use mbal_cluster::KeySpace;
@@ -54,6 +55,10 @@ pub(crate) struct Route<'a> {
     pub inflight: &'a mut usize,
     /// Stats gathers that still need this worker's own snapshot.
     pub self_stats: &'a mut Vec<(usize, u64, bool)>,
+    /// Phase 1: hot keys homed here (hints) and copies of others' (reads).
+    pub replicas: &'a mut Replicas,
+    /// The connection's authentication (data and control plane).
+    pub auth: &'a mut crate::auth::ConnAuth,
 }
 
 impl Route<'_> {
@@ -161,6 +166,14 @@ pub(crate) fn handle(
                     // keys; if its map is stale, redirect the whole request.
                     // (A long line comes in pieces and is redirected per key.)
                     if let Some(d) = keys.iter().map(|k| rt.dest(locate(layout, k))).find(|d| *d != Dest::Here) {
+                        // Or it reads a hot key's copy here, under a lease.
+                        if !rt.replicas.shadow.is_empty() && keys.len() == 1 && !*cas && touch.is_none() {
+                            if let Some(key) = keys.iter().next() {
+                                if replica_read(shared, rt, output.buf(), key) {
+                                    return Action::None;
+                                }
+                            }
+                        }
                         redirect(shared, rt, output, d, None);
                         return Action::None;
                     }
@@ -187,6 +200,9 @@ pub(crate) fn handle(
                     match rt.dest(at) {
                         Dest::Here => {
                             send(rt, output, run.take());
+                            if rt.routed && !rt.replicas.hot.is_empty() {
+                                hot_hint(shared, rt, output.buf(), key, at);
+                            }
                             exec::text_get_one(&mut ctx!(), key, at, *cas, *touch, output.buf());
                             if output.unsent() > MAX_PENDING_OUTPUT {
                                 let at = key.as_ptr() as usize + key.len() - raw.as_ptr() as usize;
@@ -259,6 +275,10 @@ pub(crate) fn handle(
                         crate::stats::render_balancer(shared, &mut crate::stats::TextSink(output.buf()));
                         output.buf().extend_from_slice(text::END);
                     }
+                    "hotkeys" => {
+                        crate::stats::render_hotkeys(shared, &mut crate::stats::TextSink(output.buf()));
+                        output.buf().extend_from_slice(text::END);
+                    }
                     "detail on" | "detail off" => {
                         shared.detail.store(group == "detail on", Ordering::Relaxed);
                         output.buf().extend_from_slice(text::OK);
@@ -299,7 +319,7 @@ pub(crate) fn handle(
                 crate::tune::tune(*cmd, args, output.buf());
                 Action::None
             }
-            TextCmd::Mbal { args } => admin(shared, rt, output, args),
+            TextCmd::Mbal { args, data } => admin(shared, rt, output, args, data),
         },
         Request::Meta(cmd) => {
             if cmd.kind == MetaKind::Noop {
@@ -315,6 +335,9 @@ pub(crate) fn handle(
                 }
             };
             let at = locate(layout, key);
+            if rt.routed && cmd.kind == MetaKind::Get && !rt.replicas.hot.is_empty() && rt.dest(at) == Dest::Here {
+                hot_hint(shared, rt, output.buf(), key, at);
+            }
             let exec = |ctx: &mut Ctx, out: &mut Vec<u8>| exec::meta_keyed(ctx, cmd, key, at, out);
             route_keyed(shared, rt, store, now, output, at, Protocol::Text, raw, exec, |out| foreign_meta(cmd, out));
             Action::None
@@ -353,6 +376,65 @@ fn route_keyed(
             rt.counters.foreign_keys += 1;
             foreign(output.buf())
         }
+    }
+}
+
+/// `RH hot <key> <replicas> <lease-ms>` before the reply to a routed read
+/// of a key this worker replicates (docs/protocol.md).
+fn hot_hint(shared: &Shared, rt: &mut Route, out: &mut Vec<u8>, key: &[u8], at: Loc) {
+    if let Some(h) = rt.replicas.hot.hint(at.hash, key, shared.clock_ns()) {
+        rt.counters.hot_hints += 1;
+        mbal_proto::ext::write_hot_hint(out, key, h.replicas, h.lease_ms);
+    }
+}
+
+/// A routed `get` of one key another server owns: answer it from this
+/// worker's copy if it holds a live one (the client has a lease).
+fn replica_read(shared: &Shared, rt: &mut Route, out: &mut Vec<u8>, key: &[u8]) -> bool {
+    match rt.replicas.shadow.get(key, shared.clock_ns()) {
+        Some(c) => {
+            text::write_value(out, key, c.flags, &c.value, None);
+            out.extend_from_slice(text::END);
+            rt.counters.replica_reads += 1;
+            true
+        }
+        None => {
+            rt.counters.replica_redirects += 1;
+            false
+        }
+    }
+}
+
+/// `mbal rset|rdel|rttl`: the shadow side of Phase 1 (a home server's
+/// replicator keeping its copies on this worker).
+fn shadow_cmd(shared: &Shared, rt: &mut Route, out: &mut Vec<u8>, args: &str, data: &[u8]) {
+    let now = shared.clock_ns();
+    let t: Vec<&str> = args.split_whitespace().collect();
+    let sh = &mut rt.replicas.shadow;
+    match t.as_slice() {
+        ["rset", key, flags, exptime, _bytes, ttl] => {
+            let (Ok(flags), Ok(exptime), Ok(ttl)) = (flags.parse::<u32>(), exptime.parse::<u64>(), ttl.parse::<u64>())
+            else {
+                return out
+                    .extend_from_slice(b"CLIENT_ERROR usage: mbal rset <key> <flags> <exptime> <bytes> <ttl-ms>\r\n");
+            };
+            let expires = (exptime > 0).then(|| now + exptime * 1_000_000_000);
+            if sh.put(key.as_bytes(), flags, data, ttl, expires, now) {
+                out.extend_from_slice(text::STORED);
+            } else {
+                out.extend_from_slice(b"SERVER_ERROR replica memory full\r\n");
+            }
+        }
+        ["rdel", key] => {
+            let line: &[u8] = if sh.del(key.as_bytes()) { text::DELETED } else { text::NOT_FOUND };
+            out.extend_from_slice(line);
+        }
+        ["rttl", key, ttl] => match ttl.parse::<u64>() {
+            Ok(ttl) if sh.renew(key.as_bytes(), ttl, now) => out.extend_from_slice(text::OK),
+            Ok(_) => out.extend_from_slice(text::NOT_FOUND),
+            Err(_) => out.extend_from_slice(b"CLIENT_ERROR usage: mbal rttl <key> <ttl-ms>\r\n"),
+        },
+        _ => out.extend_from_slice(b"CLIENT_ERROR bad mbal replica command\r\n"),
     }
 }
 
@@ -401,10 +483,26 @@ fn foreign_meta(cmd: &mbal_proto::meta::MetaCmd, out: &mut Vec<u8>) {
 /// `mbal <args>`: the extension commands of docs/protocol.md. The map,
 /// moves and epoch snapshots belong to the controller: those commands wait
 /// in an output slot for its answer.
-fn admin(shared: &Shared, rt: &mut Route, output: &mut Output, args: &[u8]) -> Action {
+fn admin(shared: &Shared, rt: &mut Route, output: &mut Output, args: &[u8], data: &[u8]) -> Action {
     let args = String::from_utf8_lossy(args);
     let mut it = args.split_whitespace();
+    let word = it.clone().next().unwrap_or("");
+    if mbal_cluster::peer_auth::is_control(word) {
+        if let Err(reply) = crate::auth::control_allowed(&shared.settings, rt.auth) {
+            rt.counters.control_refused += 1;
+            output.buf().extend_from_slice(reply);
+            return Action::None;
+        }
+    }
+    if matches!(word, "rset" | "rdel" | "rttl") {
+        shadow_cmd(shared, rt, output.buf(), &args, data);
+        return Action::None;
+    }
     match (it.next(), it.next(), it.next(), it.next()) {
+        (Some("peer"), answer, None, None) => {
+            crate::auth::peer(&shared.settings, rt.counters, rt.auth, answer, output);
+            Action::None
+        }
         (Some("hello"), Some(epoch), w, None) if epoch.parse::<u64>().is_ok() => {
             let to = match w.map(str::parse::<usize>) {
                 None => rt.worker,
@@ -456,6 +554,23 @@ fn admin(shared: &Shared, rt: &mut Route, output: &mut Output, args: &[u8]) -> A
             rt.ask_controller(shared, output, |reply| CtlMsg::Move { cachelet: c, to, reply });
             Action::None
         }
+        (Some("debug"), Some(what @ ("hot" | "cool")), Some(key), n) if shared.settings.debug_commands => {
+            // Pin a key as hot with n copies (or let it cool): Phase 1 made
+            // deterministic for tests.
+            let replicas = match (what, n.map(str::parse::<u32>)) {
+                ("hot", Some(Ok(n))) if n > 0 => n,
+                ("cool", None) => 0,
+                _ => {
+                    output
+                        .buf()
+                        .extend_from_slice(b"CLIENT_ERROR usage: mbal debug hot <key> <replicas> | cool <key>\r\n");
+                    return Action::None;
+                }
+            };
+            let key: Box<[u8]> = key.as_bytes().into();
+            rt.ask_controller(shared, output, |reply| CtlMsg::Pin { key, replicas, reply });
+            Action::None
+        }
         (Some("debug"), Some("stall"), Some(w), Some(ms)) if shared.settings.debug_commands => {
             match (w.parse::<usize>(), ms.parse::<u64>()) {
                 (Ok(w), Ok(ms)) if w < shared.settings.threads && w != rt.worker => {
@@ -468,7 +583,7 @@ fn admin(shared: &Shared, rt: &mut Route, output: &mut Output, args: &[u8]) -> A
         }
         _ => {
             output.buf().extend_from_slice(
-                b"CLIENT_ERROR unknown mbal command (hello <epoch> | map | move <cachelet> <worker> | load [<after>])\r\n",
+                b"CLIENT_ERROR unknown mbal command (hello <epoch> | map | load [<after>] | peer [<answer>] | move <cachelet> <worker>)\r\n",
             );
             Action::None
         }
@@ -487,7 +602,15 @@ pub(crate) fn handle_bin(
     let h = &req.header;
     let layout = &shared.layout;
     let settings = &shared.settings;
+    if !rt.auth.authenticated && !crate::auth::bin_allowed_before_auth(h.opcode) {
+        crate::auth::bin_unauthenticated(req, output.buf());
+        return Action::Close;
+    }
     match h.opcode {
+        op::SASL_LIST_MECHS | op::SASL_AUTH | op::SASL_STEP => {
+            crate::auth::sasl(settings, rt.counters, rt.auth, req, output.buf());
+            Action::None
+        }
         op::NOOP => {
             write_response(output.buf(), op::NOOP, st::NO_ERROR, h.opaque, 0, &[], &[], &[]);
             Action::None
@@ -612,6 +735,9 @@ fn flush_all(shared: &Shared, rt: &mut Route, store: &mut WorkerStore, now: u32,
         mbal_store::rel_exptime(delay, now, shared.start_unix).filter(|&t| t != 0).unwrap_or(now)
     };
     store.flush_all(at);
+    if !rt.replicas.hot.is_empty() {
+        crate::worker::flush_hot(shared, rt.worker, store, &mut rt.replicas.hot);
+    }
     for (w, ob) in rt.outbox.iter_mut().enumerate() {
         if w != rt.worker {
             ob.push(Envelope::Flush { at });

@@ -15,6 +15,10 @@
 //! * `moves`: the server-local move protocol (release, adopt, owner notices).
 //! * `control`: the controller thread: the cluster map, every move, and the
 //!   epoch tick that samples the workers' counters for the balancer.
+//! * `replica`: Phase 1's tables on a worker: its hot keys (leases, writes
+//!   being copied) and the shadow table of other servers' copies.
+//! * `replicate`: the replicator thread, which carries copies to the shadow
+//!   workers of other servers.
 //! * `stats`: counters and memcached-named stats.
 //!
 //! Threads and ports: one acceptor thread owns the main port and hands each
@@ -23,6 +27,7 @@
 //! (routed clients talk to the owning worker directly, MBal §2.3); one
 //! controller thread has no port, only a mailbox and a tick.
 
+pub mod auth;
 mod capacity;
 pub mod config;
 mod control;
@@ -31,6 +36,8 @@ mod exec;
 mod moves;
 mod msg;
 mod output;
+mod replica;
+mod replicate;
 pub mod stats;
 mod tune;
 mod worker;
@@ -172,6 +179,9 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
     let owners = map.owners().to_vec();
     let epoch = map.epoch();
     let (control_tx, control_rx) = crossbeam_channel::unbounded();
+    // Phase 1 needs another server for its copies.
+    let replicating = settings.hot.enabled && map.servers().len() > 1;
+    let (rep_tx, rep_rx) = crossbeam_channel::unbounded();
 
     let tls = match &settings.tls {
         None => None,
@@ -189,11 +199,14 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
         control: control_tx,
         latest: Mutex::new(None),
         balancer: Mutex::new(None),
+        hotkeys: Mutex::new(None),
         start: Instant::now(),
         start_unix,
         curr_conns: AtomicUsize::new(0),
         worker_conns: (0..workers).map(|_| AtomicUsize::new(0)).collect(),
         rejected_conns: AtomicU64::new(0),
+        per_ip: Mutex::new(Default::default()),
+        rejected_per_ip: AtomicU64::new(0),
         shutdown: AtomicBool::new(false),
         detail: AtomicBool::new(false),
         peers: OnceLock::new(),
@@ -203,6 +216,7 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
         accept_paused: AtomicBool::new(false),
         accept_waker: OnceLock::new(),
         tls,
+        replicator: replicating.then_some(rep_tx),
         settings: settings.clone(),
     });
     let _ = shared.worker_ports.set(worker_addrs.iter().map(|a| a.port()).collect());
@@ -237,6 +251,11 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
     let mut threads = Vec::new();
     for (i, w) in built.into_iter().enumerate() {
         threads.push(std::thread::Builder::new().name(format!("mbal-worker-{i}")).spawn(move || w.run())?);
+    }
+    if replicating {
+        let servers = map.servers().iter().map(|s| s.main).collect();
+        let r = replicate::Replicator::new(shared.clone(), rep_rx, servers);
+        threads.push(std::thread::Builder::new().name("mbal-replicate".into()).spawn(move || r.run())?);
     }
     let controller = control::Controller::new(shared.clone(), control_rx, map);
     threads.push(std::thread::Builder::new().name("mbal-control".into()).spawn(move || controller.run())?);
@@ -310,6 +329,14 @@ impl Acceptor {
                 // memcached's answer to one connection too many (on a TLS port, only the close).
                 if shared.tls.is_none() {
                     let _ = std::io::Write::write(&mut sock, b"ERROR Too many open connections\r\n");
+                }
+                continue;
+            }
+            if !shared.admit_ip(peer.ip()) {
+                shared.curr_conns.fetch_sub(1, Ordering::Relaxed);
+                let mut sock = sock;
+                if shared.tls.is_none() {
+                    let _ = std::io::Write::write(&mut sock, worker::TOO_MANY_FROM_IP);
                 }
                 continue;
             }

@@ -153,6 +153,29 @@ pub(crate) struct HandOff {
     pub listen_addr: std::net::SocketAddr,
     pub id: u64,
     pub unread: Vec<u8>,
+    pub auth: crate::auth::ConnAuth,
+}
+
+/// A lease reads of a hot key may be told: γ and until when (server
+/// clock, ns); `None`: home only.
+pub(crate) type Grant = Option<(u32, u64)>;
+
+/// Phase 1's messages to a hot key's home worker (`replica`, `control`,
+/// `replicate`).
+pub(crate) enum HotCmd {
+    /// From the controller: make (or widen to) copies 1..=`replicas` of
+    /// `key` with its current value.
+    Replicate { key: Box<[u8]>, replicas: u32 },
+    /// From the controller, each epoch and when copies are made: the leases
+    /// reads of each key may be told, γ and until when (server clock, ns),
+    /// or none.
+    Grants(Vec<(Box<[u8]>, Grant)>),
+    /// From the controller: the key cooled and its leases ended; delete its
+    /// copies and stop copying its writes.
+    Retire { key: Box<[u8]> },
+    /// From the replicator: a write of the key with `hash` reached every
+    /// copy (`ok`), or not.
+    Written { hash: u64, ok: bool },
 }
 
 /// Messages between workers.
@@ -202,6 +225,8 @@ pub(crate) enum Envelope {
         worker: usize,
         ver: u32,
     },
+    /// Phase 1 (hot-key replication).
+    Hot(HotCmd),
     /// Test hook (`--enable-debug`): stop serving for this long.
     Stall {
         ms: u64,

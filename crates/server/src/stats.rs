@@ -40,6 +40,28 @@ pub struct Counters {
     /// TLS connections closed on a failed handshake or a bad record
     /// (memcached's `ssl_handshake_errors`).
     pub tls_errors: u64,
+    /// Phase 1: copies made of hot keys homed here, `RH hot` hints sent,
+    /// reads served from the shadow table, shadow misses redirected home,
+    /// and the shadow table's size and refusals (set when snapshotted).
+    pub hot_replications: u64,
+    pub hot_hints: u64,
+    pub replica_reads: u64,
+    pub replica_redirects: u64,
+    pub replica_items: u64,
+    pub replica_bytes: u64,
+    pub replica_refused: u64,
+    /// Authentications tried (ASCII or SASL) and those that failed (memcached's names).
+    pub auth_cmds: u64,
+    pub auth_errors: u64,
+    /// `mbal peer <answer>` tried, and failed.
+    pub peer_auth_cmds: u64,
+    pub peer_auth_errors: u64,
+    /// Control commands refused to a connection that is not a cluster peer.
+    pub control_refused: u64,
+    /// Connections closed for needing more input than `--max-input-buffer`.
+    pub input_limit_closes: u64,
+    /// Connections closed for sending a request slower than `--request-timeout-ms`.
+    pub request_timeouts: u64,
     /// `stats detail`: per key prefix counts of what this worker executed.
     pub prefixes: PrefixStats,
 }
@@ -117,7 +139,21 @@ impl Counters {
             capacity_stalls,
             idle_kicks,
             store_too_large,
-            tls_errors
+            tls_errors,
+            hot_replications,
+            hot_hints,
+            replica_reads,
+            replica_redirects,
+            replica_items,
+            replica_bytes,
+            replica_refused,
+            auth_cmds,
+            auth_errors,
+            peer_auth_cmds,
+            peer_auth_errors,
+            control_refused,
+            input_limit_closes,
+            request_timeouts
         );
         self.prefixes.add(&o.prefixes);
     }
@@ -194,6 +230,8 @@ pub struct ProcessInfo<'a> {
     pub worker_ports: &'a [u16],
     /// Connections the acceptor refused (over `-c`).
     pub rejected_conns: u64,
+    /// Connections refused for `--max-conns-per-ip`.
+    pub rejected_per_ip: u64,
     /// `stats detail on` is in effect.
     pub detail_enabled: bool,
 }
@@ -333,8 +371,8 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
             sink.stat("touch_misses", &st.touch_misses);
             sink.stat("store_too_large", &c.store_too_large);
             sink.stat("store_no_memory", &snaps.iter().map(|w| w.store.out_of_memory).sum::<u64>());
-            sink.stat("auth_cmds", &0);
-            sink.stat("auth_errors", &0);
+            sink.stat("auth_cmds", &c.auth_cmds);
+            sink.stat("auth_errors", &c.auth_errors);
             if s.idle_timeout > 0 {
                 // memcached lists it whenever an idle timeout is set, from the start.
                 sink.stat("idle_kicks", &c.idle_kicks);
@@ -365,7 +403,20 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
             sink.stat("redirects", &c.redirects);
             sink.stat("foreign_keys", &c.foreign_keys);
             sink.stat("cachelets_moved", &c.cachelets_adopted);
+            sink.stat("hot_replications", &c.hot_replications);
+            sink.stat("hot_hints", &c.hot_hints);
+            sink.stat("replica_reads", &c.replica_reads);
+            sink.stat("replica_redirects", &c.replica_redirects);
+            sink.stat("replica_items", &c.replica_items);
+            sink.stat("replica_bytes", &c.replica_bytes);
+            sink.stat("replica_refused", &c.replica_refused);
             sink.stat("cachelets", &snaps.iter().map(|w| w.cachelets.len()).sum::<usize>());
+            sink.stat("peer_auth_cmds", &c.peer_auth_cmds);
+            sink.stat("peer_auth_errors", &c.peer_auth_errors);
+            sink.stat("control_refused", &c.control_refused);
+            sink.stat("rejected_connections_per_ip", &p.rejected_per_ip);
+            sink.stat("input_limit_closes", &c.input_limit_closes);
+            sink.stat("request_timeouts", &c.request_timeouts);
         }
         "settings" => {
             sink.stat("maxbytes", &s.memory_limit);
@@ -378,8 +429,8 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
             sink.stat("stat_key_prefix", &(s.prefix_delimiter as char));
             sink.stat("detail_enabled", &if p.detail_enabled { "yes" } else { "no" });
             sink.stat("num_threads_per_udp", &s.threads);
-            sink.stat("auth_enabled_sasl", &"no");
-            sink.stat("auth_enabled_ascii", &"no");
+            sink.stat("auth_enabled_sasl", &if s.auth.is_some() { "yes" } else { "no" });
+            sink.stat("auth_enabled_ascii", &if s.auth.is_some() { "yes" } else { "no" });
             sink.stat("maxconns_fast", &"yes");
             sink.stat("dump_enabled", &"no");
             sink.stat("track_sizes", &"no");
@@ -411,6 +462,10 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
             sink.stat("flush_enabled", &if s.flush_enabled { "yes" } else { "no" });
             sink.stat("shutdown_command", &if s.shutdown_enabled { "yes" } else { "no" });
             sink.stat("cachelets_per_worker", &s.cachelets_per_worker);
+            sink.stat("max_conns_per_ip", &s.max_conns_per_ip);
+            sink.stat("max_input_buffer", &s.max_input_buffer);
+            sink.stat("request_timeout_ms", &s.request_timeout_ms);
+            sink.stat("control_secret", &if s.control_secret.is_some() { "yes" } else { "no" });
             sink.stat("vn_count", &s.vn_count);
             sink.stat("page_size", &s.page_size);
             sink.stat("worker_capacity", &s.worker_capacity);
@@ -535,6 +590,43 @@ pub(crate) fn render_balancer(shared: &crate::worker::Shared, sink: &mut dyn Sta
     sink.stat("planner_us_max", &st.planner_us_max);
     for (w, load) in &st.loads {
         sink.stat(&format!("worker:{w}:load"), &format_args!("{load:.0}"));
+    }
+}
+
+/// `stats hotkeys`: Phase 1's last epoch and its hottest tracked keys (by
+/// estimated requests per second over all copies), with their replica
+/// counts and states.
+pub(crate) fn render_hotkeys(shared: &crate::worker::Shared, sink: &mut dyn StatSink) {
+    let st = shared.hotkeys.lock().unwrap_or_else(|p| p.into_inner()).clone().unwrap_or_default();
+    let on = shared.replicator.is_some();
+    sink.stat("hot_keys", &if on { "on" } else { "off" });
+    let h = &shared.settings.hot;
+    sink.stat("sample_rate", &h.policy.sample_rate);
+    sink.stat("target_imbalance", &h.policy.target_imbalance);
+    sink.stat("replica_writes", &if h.sync { "sync" } else { "async" });
+    sink.stat("lease_ms", &h.lease_ms());
+    sink.stat("copy_ttl_ms", &h.copy_ttl_ms());
+    sink.stat("epoch", &st.epoch);
+    sink.stat("threshold", &format_args!("{:.0}", st.threshold));
+    sink.stat("estimated_max_over_avg", &format_args!("{:.3}", st.estimated_max_over_avg));
+    sink.stat("unreplicated_max_over_avg", &format_args!("{:.3}", st.unreplicated_max_over_avg));
+    sink.stat("replicated", &st.replicated);
+    sink.stat("copies_made", &st.copies_made);
+    sink.stat("copies_failed", &st.copies_failed);
+    sink.stat("escalate", &st.escalate.as_deref().unwrap_or("none"));
+    for (i, k) in st.top.iter().enumerate() {
+        sink.stat(
+            &format!("key:{i}"),
+            &format_args!(
+                "{} worker={} reads_per_sec={:.0} writes_per_sec={:.0} state={:?} replicas={}",
+                String::from_utf8_lossy(&k.key),
+                k.worker,
+                k.reads_per_sec,
+                k.writes_per_sec,
+                k.state,
+                k.replicas
+            ),
+        );
     }
 }
 

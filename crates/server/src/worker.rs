@@ -28,7 +28,10 @@
 //! stops between keys once `MAX_PENDING_OUTPUT` of replies are unsent.
 
 mod conn;
+mod hot;
 mod inbox;
+
+pub(crate) use hot::flush_hot;
 
 use crate::capacity::Capacity;
 use crate::config::{Binding, Settings};
@@ -38,6 +41,7 @@ use crate::exec::{self, locate, Ctx};
 use crate::moves::{self, Parked, Tables};
 use crate::msg::{Envelope, FwdKind, FwdReq, HandOff, Mailbox, Outbox, Peers, ReplyTo, ReqBatch, NO_CACHELET};
 use crate::output::{Output, Slot, StatsFormat, MAX_PENDING_OUTPUT};
+use crate::replica::{Replicas, ShadowTable};
 use crate::stats::{self, BinSink, CacheletInfo, ConnInfo, Counters, ProcessInfo, TextSink, WorkerSnapshot};
 use crossbeam_channel::{Receiver, Sender};
 use mbal_balance::{CacheletSample, EpochSnapshot, WorkerSample};
@@ -91,6 +95,9 @@ pub(crate) struct Shared {
     /// The balancer's figures for `stats balancer`, written by the
     /// controller once per epoch and after each move.
     pub balancer: Mutex<Option<crate::control::BalancerStatus>>,
+    /// Phase 1's figures for `stats hotkeys`, written by the controller
+    /// once per epoch.
+    pub hotkeys: Mutex<Option<crate::control::HotStatus>>,
     pub start: Instant,
     pub start_unix: u64,
     pub curr_conns: AtomicUsize,
@@ -99,6 +106,10 @@ pub(crate) struct Shared {
     pub worker_conns: Vec<AtomicUsize>,
     /// Connections the acceptor refused (over `-c`).
     pub rejected_conns: AtomicU64,
+    /// Open connections per source address (`--max-conns-per-ip`; used
+    /// only when that is set, on accept and close), and those refused.
+    pub per_ip: Mutex<std::collections::HashMap<std::net::IpAddr, usize>>,
+    pub rejected_per_ip: AtomicU64,
     pub shutdown: AtomicBool,
     /// `stats detail on`: workers count gets, sets and deletes per key prefix.
     pub detail: AtomicBool,
@@ -112,6 +123,8 @@ pub(crate) struct Shared {
     pub accept_waker: OnceLock<Arc<mio::Waker>>,
     /// `-Z`: the TLS configuration new connections take (reloadable).
     pub tls: Option<mbal_tls::ServerTls>,
+    /// The replicator's job queue (Phase 1), when it runs.
+    pub replicator: Option<Sender<crate::replicate::Job>>,
 }
 
 impl Shared {
@@ -150,7 +163,8 @@ impl Shared {
     /// accepting at the connection limit (`-o no_maxconns_fast`); SeqCst
     /// pairs with the acceptor's store of `accept_paused` then load of
     /// `curr_conns`, so one of the two sees the other.
-    pub fn conn_closed(&self, worker: usize) {
+    pub fn conn_closed(&self, worker: usize, peer: std::net::IpAddr) {
+        self.release_ip(peer);
         self.worker_conns[worker].fetch_sub(1, Ordering::Relaxed);
         self.curr_conns.fetch_sub(1, Ordering::SeqCst);
         if self.accept_paused.load(Ordering::SeqCst) {
@@ -160,6 +174,42 @@ impl Shared {
         }
     }
 }
+
+impl Shared {
+    /// Count a new connection from `ip` against `--max-conns-per-ip`;
+    /// false (and counted as refused) if it has that many already.
+    pub fn admit_ip(&self, ip: std::net::IpAddr) -> bool {
+        let max = self.settings.max_conns_per_ip;
+        if max == 0 {
+            return true;
+        }
+        let mut m = self.per_ip.lock().unwrap_or_else(|e| e.into_inner());
+        let n = m.entry(ip).or_insert(0);
+        if *n >= max {
+            drop(m);
+            self.rejected_per_ip.fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
+        *n += 1;
+        true
+    }
+
+    fn release_ip(&self, ip: std::net::IpAddr) {
+        if self.settings.max_conns_per_ip == 0 {
+            return;
+        }
+        let mut m = self.per_ip.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = m.get_mut(&ip) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&ip);
+            }
+        }
+    }
+}
+
+/// The answer to a connection over `--max-conns-per-ip` (then it is closed).
+pub(crate) const TOO_MANY_FROM_IP: &[u8] = b"ERROR Too many open connections from this address\r\n";
 
 /// A connection's socket, plain or TLS (`mbal_tls::Stream`: one match per read or write).
 pub(crate) type ConnStream = mbal_tls::Stream<TcpStream>;
@@ -192,6 +242,11 @@ struct Conn {
     routed: bool,
     /// Waiting for the worker's emulated capacity (in `Worker::throttled`).
     throttled: bool,
+    /// Data-plane authentication and control-plane standing.
+    auth: crate::auth::ConnAuth,
+    /// When (`Shared::clock_ns`) the connection last stopped short of a
+    /// complete request (0: it has none pending), for `--request-timeout-ms`.
+    partial_since: u64,
 }
 
 pub(crate) struct Worker {
@@ -238,6 +293,10 @@ pub(crate) struct Worker {
     held: VecDeque<Envelope>,
     /// Where the front of `held`, a batch cut short, resumes.
     held_pos: usize,
+    /// Phase 1: hot keys homed here and copies of other servers' keys.
+    replicas: Replicas,
+    /// Bytes of unparsed input a connection may hold (`--max-input-buffer`).
+    input_cap: usize,
 }
 
 /// A listening socket; `mark` (`-o sock_cookie_id`, 0: none) is set as its
@@ -274,6 +333,15 @@ impl Worker {
         let tables = Tables::new(owners, id);
         let workers = shared.settings.threads;
         let limits = Limits { max_item_size: shared.settings.max_item_size, ..Limits::default() };
+        let mut store = store;
+        let hot = &shared.settings.hot;
+        let mut replicas = Replicas::default();
+        if shared.replicator.is_some() {
+            // Sample for the tracker; hold other servers' copies.
+            store.watch().set_sampling(hot.policy.sample_rate, 1 << 16, id as u64 + 1);
+            replicas.shadow = ShadowTable::with_cap(hot.memory / workers.max(1));
+            replicas.hot.lease_cap_ms = hot.lease_ms();
+        }
         Ok(Worker {
             id,
             poll,
@@ -302,6 +370,11 @@ impl Worker {
             throttled: Vec::new(),
             held: VecDeque::new(),
             held_pos: 0,
+            replicas,
+            input_cap: match shared.settings.max_input_buffer {
+                0 => limits.max_item_size + limits.max_line + READ_CHUNK,
+                n => n,
+            },
             shared,
         })
     }
@@ -353,6 +426,10 @@ impl Worker {
             }
             self.run_ready();
             self.drain_inbox();
+            if self.store.watch().has_dirty() {
+                let (shared, store, hot) = (&self.shared, &mut self.store, &mut self.replicas.hot);
+                hot::copy_writes(shared, self.id, store, hot, self.now, None);
+            }
             self.flush_dirty();
             let round_end = self.shared.clock_ns();
             self.busy_ns += round_end.saturating_sub(round_start);
@@ -370,6 +447,9 @@ impl Worker {
     /// Periodic work off the request path: expiry sweep, idle timeouts.
     fn housekeeping(&mut self) {
         self.store.sweep(self.now, 256);
+        if !self.replicas.shadow.is_empty() {
+            self.replicas.shadow.sweep(self.shared.clock_ns());
+        }
         let idle = self.shared.settings.idle_timeout;
         if idle > 0 {
             let stale: Vec<usize> = self
@@ -380,6 +460,25 @@ impl Worker {
                 .collect();
             for ci in stale {
                 self.counters.idle_kicks += 1;
+                self.close(ci);
+            }
+        }
+        let timeout_ns = self.shared.settings.request_timeout_ms.saturating_mul(1_000_000);
+        if timeout_ns > 0 {
+            let now = self.shared.clock_ns();
+            let slow: Vec<usize> = self
+                .conns
+                .iter()
+                .filter(|(_, c)| c.partial_since != 0 && now.saturating_sub(c.partial_since) > timeout_ns)
+                .map(|(i, _)| i)
+                .collect();
+            for ci in slow {
+                // A slow sender: say why (text), best effort, and close.
+                self.counters.request_timeouts += 1;
+                let c = &mut self.conns[ci];
+                if c.proto == Some(Protocol::Text) {
+                    let _ = c.sock.write(b"SERVER_ERROR timed out waiting for the rest of the request\r\n");
+                }
                 self.close(ci);
             }
         }

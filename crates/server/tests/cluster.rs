@@ -147,6 +147,8 @@ fn three_server_cluster_serves_only_its_partition() {
                 worker_port_base: Some(ports[i * 3 + 1]),
             })
             .collect(),
+        secret: None,
+        secret_file: None,
     };
     // Worker ports must be consecutive: pick a consecutive pair per server.
     let spec = consecutive(spec);

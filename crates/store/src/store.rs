@@ -302,6 +302,8 @@ struct Mem {
 pub struct WorkerStore {
     cachelets: Vec<Option<Box<Cachelet>>>,
     m: Mem,
+    /// Phase 1's view of the traffic: key samples and writes to replicated keys.
+    watch: KeyWatch,
 }
 
 /// `bits_before` and `last_before` are the marks as they were before this access: `mg`'s `h`
@@ -367,7 +369,13 @@ impl WorkerStore {
                 dead: Default::default(),
                 st,
             },
+            watch: KeyWatch::default(),
         }
+    }
+
+    /// Phase 1's sampler and watched keys ([`KeyWatch`]).
+    pub fn watch(&mut self) -> &mut KeyWatch {
+        &mut self.watch
     }
 
     pub fn config(&self) -> &StoreConfig {
@@ -461,6 +469,7 @@ impl WorkerStore {
         if bump {
             c.st.reads += 1;
             self.m.st.cmd_get += 1;
+            self.watch.read(key);
         }
         let (s, o) = match r {
             Found::Hit(s, o) => (s, o),
@@ -604,6 +613,7 @@ impl WorkerStore {
             return StoreResult::TooLarge;
         }
         self.m.st.cmd_set += 1;
+        self.watch.write(hash, key);
         let c = self.cachelets[cl as usize].as_deref_mut().expect("owned");
         c.st.writes += 1;
         let found = match self.m.find_live(c, hash, key, now) {
@@ -694,6 +704,7 @@ impl WorkerStore {
         if !self.check_owned(cl) {
             return DeleteResult::NotFound;
         }
+        self.watch.write(hash, key);
         let c = self.cachelets[cl as usize].as_deref_mut().expect("owned");
         c.st.writes += 1;
         let Found::Hit(s, o) = self.m.find_live(c, hash, key, now) else {
@@ -716,6 +727,7 @@ impl WorkerStore {
         if !self.check_owned(cl) {
             return ArithResult::NotFound;
         }
+        self.watch.write(hash, key);
         let c = self.cachelets[cl as usize].as_deref_mut().expect("owned");
         c.st.writes += 1;
         let Found::Hit(s, o) = self.m.find_live(c, hash, key, now) else {
@@ -766,6 +778,7 @@ impl WorkerStore {
             return None;
         }
         self.m.st.cmd_touch += 1;
+        self.watch.read(key);
         let c = self.cachelets[cl as usize].as_deref_mut().expect("owned");
         c.st.reads += 1;
         let Found::Hit(s, o) = self.m.find_live(c, hash, key, now) else {
@@ -924,6 +937,8 @@ impl Drop for WorkerStore {
 }
 
 mod evict;
+mod watch;
+pub use watch::KeyWatch;
 mod mem;
 #[cfg(test)]
 mod tests;

@@ -342,3 +342,57 @@ fn one_server_escalates_no_shadows() {
     assert!(d.replicate.is_empty());
     assert_eq!(d.escalate.map(|e| e.why), Some(HotEscalateWhy::NoShadows));
 }
+
+#[test]
+fn a_pinned_key_stays_replicated_without_traffic_until_unpinned() {
+    let mut h = policy();
+    let r = h.pin(b"op", 1, 3).expect("replicated at once");
+    assert_eq!((r.key.as_slice(), r.worker, r.replicas), (&b"op"[..], 1, 3));
+    assert_eq!(h.state(b"op"), S::HotPending);
+    assert_eq!(h.pin(b"op", 1, 3), None, "already replicated");
+    assert_eq!(h.replicas_ready(b"op"), Some(T::ReplicasReady));
+    for e in 1..8 {
+        feed(&mut h, e, &[]);
+        let d = h.on_epoch(&snapshot(e, &[1000.0, 1000.0]), &VIEW);
+        assert!(d.retire.is_empty());
+        assert_eq!(h.state(b"op"), S::Hot, "epoch {e}");
+        assert_eq!(h.hint(b"op"), 3);
+    }
+    h.unpin(b"op");
+    let mut retired = false;
+    for e in 8..20 {
+        feed(&mut h, e, &[]);
+        let d = h.on_epoch(&snapshot(e, &[1000.0, 1000.0]), &VIEW);
+        if d.retire.iter().any(|r| r.key == b"op") {
+            retired = true;
+            break;
+        }
+    }
+    assert!(retired, "cools and retires once unpinned");
+    assert_eq!(h.pin(b"x", 0, 0), None);
+}
+
+#[test]
+fn lost_copies_end_the_leases_and_block_a_reheat_until_retired() {
+    let mut h = policy();
+    h.pin(b"k", 0, 2).unwrap();
+    assert_eq!(h.copies_lost(b"k"), Some(T::ReplicationFailed), "pending: failed");
+    assert_eq!(h.state(b"k"), S::ColdPending);
+    h.pin(b"j", 0, 2).unwrap();
+    h.replicas_ready(b"j");
+    assert_eq!(h.copies_lost(b"j"), Some(T::Cool), "hot: no more leases");
+    assert_eq!(h.hint(b"j"), 0);
+    assert_eq!(h.copies_lost(b"nope"), None);
+    // Still hot by its rate on a hot worker: not re-heated, retired after the lease.
+    let mut retired = Vec::new();
+    for e in 1..10 {
+        feed(&mut h, e, &[(b"j", 1600.0, 0.0)]);
+        let d = h.on_epoch(&snapshot(e, &[2500.0, 900.0]), &VIEW);
+        if d.retire.iter().any(|r| r.key == b"j") {
+            retired.push(e);
+            break;
+        }
+        assert_ne!(h.state(b"j"), S::Hot, "epoch {e}: re-heated with lost copies");
+    }
+    assert!(!retired.is_empty(), "retired");
+}

@@ -1,11 +1,12 @@
 #![no_main]
 //! The client-side reply codec (`mbal_proto::client`) on arbitrary server
 //! output: no panic, never more consumed than given, the same frames however
-//! the input is split, and the owned reader agrees with the decoder.
+//! the input is split, and the owned reader agrees with the decoder (replies
+//! and hot-key hints).
 use libfuzzer_sys::fuzz_target;
 use mbal_proto::client::{Decoder, Expect, Reply, ReplyReader};
 
-const EXPECTS: [Expect; 4] = [Expect::Values, Expect::Hits, Expect::Stats, Expect::Line];
+const EXPECTS: [Expect; 5] = [Expect::Values, Expect::Hits, Expect::Stats, Expect::Line, Expect::Meta];
 
 /// Frames (as text) decoded from `input` fed `chunk` bytes at a time; the
 /// expected reply kinds come from `ex` in turn (cycled).
@@ -36,7 +37,8 @@ fn decode(input: &[u8], ex: &[Expect], chunk: usize) -> Result<Vec<String>, ()> 
 
 fuzz_target!(|data: &[u8]| {
     let Some((&head, input)) = data.split_first() else { return };
-    let ex: Vec<Expect> = (0..4).map(|i| EXPECTS[(head >> (2 * i)) as usize & 3]).collect();
+    // three expected reply kinds (cycled): the digits of `head` in base 5
+    let ex: Vec<Expect> = (0..3).map(|i| EXPECTS[(head as usize / 5usize.pow(i)) % 5]).collect();
     let whole = decode(input, &ex, input.len().max(1));
     for chunk in [1, 3, 17] {
         assert_eq!(decode(input, &ex, chunk), whole, "split every {chunk} bytes");
@@ -45,6 +47,7 @@ fuzz_target!(|data: &[u8]| {
     let mut r = ReplyReader::new();
     r.feed(input);
     let mut replies = 0;
+    let mut hints = 0;
     let mut ok = true;
     for i in 0..10_000 {
         match r.next(ex[i % ex.len()]) {
@@ -53,6 +56,7 @@ fuzz_target!(|data: &[u8]| {
                     assert!(vs.iter().all(|v| !v.key.is_empty()));
                 }
                 replies += 1;
+                hints += r.take_hints().len();
             }
             Ok(None) => break,
             Err(_) => {
@@ -63,8 +67,15 @@ fuzz_target!(|data: &[u8]| {
     }
     if let Ok(frames) = whole {
         if ok {
-            let ends = frames.iter().filter(|f| !f.starts_with("Value(") && !f.starts_with("Stat {")).count();
+            let is_end = |f: &String| !f.starts_with("Value(") && !f.starts_with("Stat {") && !f.starts_with("Hint(");
+            let ends = frames.iter().filter(|f| is_end(f)).count();
             assert_eq!(replies, ends.min(10_000));
+            if ends < 10_000 {
+                // every hint before the last complete reply was kept (up to the bound)
+                let last = frames.iter().rposition(is_end).unwrap_or(0);
+                let before = frames[..last].iter().filter(|f| f.starts_with("Hint(")).count();
+                assert!(hints >= before.min(mbal_proto::client::MAX_HINTS), "hints {hints} < {before}");
+            }
         }
     }
 });

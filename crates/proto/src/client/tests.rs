@@ -310,6 +310,9 @@ fn arb_reply() -> impl Strategy<Value = (Vec<u8>, Expect)> {
             .prop_map(|(items, hits)| {
                 let mut b = Vec::new();
                 for (k, f, d) in items {
+                    if f % 3 == 0 {
+                        b.extend_from_slice(format!("RH hot {k} {} {}\r\n", f % 5, f / 7).as_bytes());
+                    }
                     b.extend_from_slice(format!("VALUE {k} {f} {}\r\n", d.len()).as_bytes());
                     b.extend_from_slice(&d);
                     b.extend_from_slice(b"\r\n");
@@ -348,10 +351,11 @@ proptest! {
         ], 0..200),
         words in proptest::collection::vec(prop_oneof![
             Just(&b"VALUE k 0 2\r\n"[..]), Just(&b"END\r\n"[..]), Just(&b"STAT a b\r\n"[..]), Just(&b"RD 1 2 3\r\n"[..]),
-            Just(&b"MAP 1 2\r\n"[..]), Just(&b"ERROR\r\n"[..]),
+            Just(&b"MAP 1 2\r\n"[..]), Just(&b"ERROR\r\n"[..]), Just(&b"RH hot k 2 100\r\n"[..]),
+            Just(&b"HD\r\n"[..]),
         ], 0..6),
         ex in proptest::collection::vec(prop_oneof![
-            Just(Expect::Values), Just(Expect::Hits), Just(Expect::Stats), Just(Expect::Line)
+            Just(Expect::Values), Just(Expect::Hits), Just(Expect::Stats), Just(Expect::Line), Just(Expect::Meta)
         ], 1..6),
         chunk in 1usize..20,
     ) {
@@ -401,4 +405,91 @@ VA 0\r\n\r\nCLIENT_ERROR bad command line format\r\n";
     let mut p = ReplyReader::new();
     p.feed(b"VA x\r\n");
     assert!(p.next(Expect::Meta).is_err());
+}
+
+#[test]
+fn hints_precede_values_and_meta_replies_without_changing_them() {
+    let stream =
+        b"RH hot a 2 500\r\nVALUE a 0 1\r\nx\r\nVALUE b 0 1\r\ny\r\nRH hot c 0 0\r\nVALUE c 0 2\r\nzz\r\nEND\r\n\
+RH hot d 7 18446744073709551615\r\nEND\r\nSTORED\r\nRH hot e 1 10\r\nVA 1\r\nv\r\nRH hot f 3 9\r\nEN\r\nHD\r\n";
+    let ex = [Expect::Values, Expect::Values, Expect::Line, Expect::Meta, Expect::Meta, Expect::Meta];
+    let want = vec![
+        Reply::Values(vec![v("a", 0, b"x", None), v("b", 0, b"y", None), v("c", 0, b"zz", None)]),
+        Reply::Values(vec![]),
+        Reply::Stored,
+        Reply::Meta { line: "VA 1".into(), data: Some(b"v".to_vec()) },
+        Reply::Meta { line: "EN".into(), data: None },
+        Reply::Meta { line: "HD".into(), data: None },
+    ];
+    let h = |k: &str, replicas, lease_ms| OwnedHint { key: k.into(), replicas, lease_ms };
+    let want_hints = vec![h("a", 2, 500), h("c", 0, 0), h("d", 7, u64::MAX), h("e", 1, 10), h("f", 3, 9)];
+    assert_eq!(parse_all(stream, &ex), want);
+    assert_eq!(parse_bytewise(stream, &ex), want);
+    let mut p = ReplyReader::new();
+    p.feed(stream);
+    let mut got = Vec::new();
+    for e in ex {
+        p.next(e).unwrap().unwrap();
+        got.extend(p.take_hints());
+    }
+    assert_eq!(got, want_hints);
+    assert!(p.take_hints().is_empty(), "taken once");
+    // the hint of a reply is there once the reply is returned, not before it
+    let mut p = ReplyReader::new();
+    p.feed(b"RH hot a 1 5\r\n");
+    assert_eq!(p.next(Expect::Values).unwrap(), None);
+    assert!(p.mid_reply(), "a hint starts the reply");
+    p.feed(b"END\r\n");
+    assert_eq!(p.next(Expect::Values).unwrap(), Some(Reply::Values(vec![])));
+    assert!(!p.mid_reply());
+    assert_eq!(p.take_hints(), vec![h("a", 1, 5)]);
+}
+
+#[test]
+fn hints_reach_the_hit_counter_as_frames() {
+    let input = b"RH hot k1 1 100\r\nVALUE k1 0 5\r\nhello\r\nRH hot k2 2 50\r\nVALUE k2 0 1\r\nx\r\nEND\r\nRH hot k3 1 1\r\nHD\r\n";
+    let want = [
+        "Hint(Hint { key: [107, 49], replicas: 1, lease_ms: 100 })",
+        "Hint(Hint { key: [107, 50], replicas: 2, lease_ms: 50 })",
+        "End { items: 2 }",
+        "Hint(Hint { key: [107, 51], replicas: 1, lease_ms: 1 })",
+        "Meta { code: [72, 68], line: [72, 68], data: None }",
+    ];
+    for chunk in [1, 2, 5, 4096] {
+        assert_eq!(decode_chunked(input, &[Expect::Hits, Expect::Meta], chunk).unwrap(), want, "chunk {chunk}");
+    }
+    assert!(!Frame::Hint(Hint { key: b"k", replicas: 1, lease_ms: 1 }).ends_reply());
+}
+
+#[test]
+fn misplaced_or_malformed_hints_break_the_stream() {
+    let bad: &[(&[u8], Expect)] = &[
+        (b"RH hot k 1 100\r\nSTORED\r\n", Expect::Line),
+        (b"RH hot k 1 100\r\nEND\r\n", Expect::Stats),
+        (b"RH cold k 1 100\r\nEND\r\n", Expect::Values),
+        (b"RH hot k 1\r\nEND\r\n", Expect::Values),
+        (b"RH hot k 1 100 5\r\nEND\r\n", Expect::Values),
+        (b"RH hot k x 100\r\nEND\r\n", Expect::Hits),
+        (b"RH hot k 4294967296 100\r\nEND\r\n", Expect::Values),
+        (b"RH hot k 1 -5\r\nHD\r\n", Expect::Meta),
+        (b"RH\r\nHD\r\n", Expect::Meta),
+    ];
+    for &(bytes, e) in bad {
+        let mut p = ReplyReader::new();
+        p.feed(bytes);
+        assert!(p.next(e).is_err(), "{:?} {e:?}", String::from_utf8_lossy(bytes));
+    }
+}
+
+#[test]
+fn hints_kept_are_bounded() {
+    let mut p = ReplyReader::new();
+    for i in 0..MAX_HINTS + 10 {
+        p.feed(format!("RH hot k{i} 1 100\r\n").as_bytes());
+    }
+    p.feed(b"END\r\n");
+    assert_eq!(p.next(Expect::Values).unwrap(), Some(Reply::Values(vec![])));
+    let h = p.take_hints();
+    assert_eq!(h.len(), MAX_HINTS);
+    assert_eq!(h[0].key, b"k0");
 }

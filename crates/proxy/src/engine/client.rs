@@ -203,7 +203,7 @@ impl Engine {
         what: What,
         quiet: bool,
     ) -> Inflight {
-        Inflight { client, cid, seq, req, what, quiet, sent: self.now, hops: 0, rd: None }
+        Inflight { client, cid, seq, req, what, quiet, sent: self.now, hops: 0, rd: None, copy: None }
     }
 
     /// Open a reply slot waiting for `parts` upstream replies; its sequence number.
@@ -236,7 +236,15 @@ impl Engine {
                         let hash = key_hash(keys.iter().next().unwrap());
                         let (cid, seq) = self.open_slot(ci, 1, false);
                         let what = What::Get { positions: None, cursor: (0, 0) };
-                        let inf = self.inflight(ci, cid, seq, raw.to_vec(), what, false);
+                        let mut inf = self.inflight(ci, cid, seq, raw.to_vec(), what, false);
+                        // a plain `get` of a key with a live lease on a copy is read there
+                        // (`gets`/`gat` go home: a copy has no CAS and no TTL of its own)
+                        if !cas && touch.is_none() && !self.leases.is_empty() {
+                            if let Some(copy) = self.leases.read_target(hash, self.now) {
+                                inf.copy = Some(hash);
+                                return self.send(copy, inf);
+                            }
+                        }
                         return self.send_hash(hash, inf);
                     }
                     self.hashes.clear();
@@ -275,6 +283,8 @@ impl Engine {
                         _ => {}
                     }
                     let hash = key_hash(key);
+                    // a write ends this thread's lease on the key: its clients read their writes
+                    self.leases.end(hash);
                     let (cid, seq) = self.open_slot(ci, 1, noreply);
                     let mut req = raw.to_vec();
                     if noreply {
@@ -356,6 +366,9 @@ impl Engine {
                         return self.local(ci, &out);
                     }
                 };
+                if cmd.kind != MetaKind::Get {
+                    self.leases.end(hash);
+                }
                 match cmd.kind {
                     MetaKind::Get => self.counters.cmd_get += 1,
                     MetaKind::Set => self.counters.cmd_set += 1,

@@ -70,6 +70,9 @@ impl Engine {
             UpState::Up => {}
             UpState::Down { until } if now < until => {
                 self.ups[ui].delta.errors += 1;
+                if inf.copy.is_some() {
+                    self.leases.copy_failed(owner, now, mbal_cluster::COPY_RETRY);
+                }
                 return self.fail(inf, "SERVER_ERROR upstream unavailable");
             }
             UpState::Down { .. } | UpState::Idle => {
@@ -77,6 +80,9 @@ impl Engine {
                     tracing::debug!("proxy: connect to {}: {e}", self.ups[ui].addr);
                     self.ups[ui].delta.errors += 1;
                     self.down(ui);
+                    if inf.copy.is_some() {
+                        self.leases.copy_failed(owner, now, mbal_cluster::COPY_RETRY);
+                    }
                     return self.fail(inf, "SERVER_ERROR upstream unavailable");
                 }
             }
@@ -123,6 +129,7 @@ impl Engine {
             sent: self.now,
             hops: 0,
             rd: None,
+            copy: None,
         });
         Ok(())
     }
@@ -142,6 +149,10 @@ impl Engine {
         u.rend = 0;
         u.dec = Decoder::new();
         let lost: Vec<Inflight> = u.inflight.drain(..).collect();
+        let owner = u.owner;
+        if lost.iter().any(|i| i.copy.is_some()) {
+            self.leases.copy_failed(owner, self.now, mbal_cluster::COPY_RETRY);
+        }
         for inf in lost {
             if inf.cid != 0 {
                 self.ups[ui].delta.errors += 1;
@@ -150,8 +161,12 @@ impl Engine {
         }
     }
 
-    /// Answer a request with an error line (its slot's whole reply).
-    pub(super) fn fail(&mut self, inf: Inflight, msg: &'static str) {
+    /// Answer a request with an error line (its slot's whole reply); a read
+    /// at a hot key's copy is resent home instead (the client sees no error).
+    pub(super) fn fail(&mut self, mut inf: Inflight, msg: &'static str) {
+        if let Some(hash) = inf.copy.take() {
+            return self.copy_fallback(hash, inf);
+        }
         if matches!(inf.what, What::Map) {
             self.fetching_map = false;
         }
@@ -309,6 +324,16 @@ impl Engine {
             let quiet = front.quiet;
             let mut end = !quiet && frame.ends_reply();
             match frame {
+                Frame::Hint(h) => {
+                    // never passed on (plain clients must not see it); only a home grants a lease
+                    if front.copy.is_none() {
+                        self.leases.record(self.router.map(), key_hash(h.key), owner, h.replicas, h.lease_ms, now);
+                    }
+                }
+                Frame::Redirect { .. } | Frame::Error(_) if front.copy.is_some() => {
+                    // the copy is gone or cannot answer: resent home (see `redirected`)
+                    front.rd = Some(Redirect { epoch: 0, to: owner });
+                }
                 Frame::Redirect { epoch, server, worker } => {
                     front.rd = Some(Redirect { epoch, to: (server, worker) });
                     u.delta.redirects += 1;
@@ -375,7 +400,10 @@ impl Engine {
                 match inf.rd {
                     Some(_) => after.push(After::Resend(inf)),
                     None if matches!(inf.what, What::Hello | What::Map) => {}
-                    None => after.push(After::Done { client: inf.client, cid: inf.cid, seq: inf.seq }),
+                    None => {
+                        self.counters.replica_reads += u64::from(inf.copy.is_some());
+                        after.push(After::Done { client: inf.client, cid: inf.cid, seq: inf.seq })
+                    }
                 }
             }
         }
@@ -469,6 +497,9 @@ impl Engine {
     /// A request came back `RD`: learn, then resend it where the router now says.
     pub(super) fn redirected(&mut self, from: Owner, mut inf: Inflight) {
         let rd = inf.rd.take().unwrap();
+        if let Some(hash) = inf.copy.take() {
+            return self.copy_fallback(hash, inf);
+        }
         inf.hops += 1;
         if inf.hops > self.cfg.max_redirects {
             return self.fail(inf, "SERVER_ERROR too many redirects");
@@ -525,6 +556,14 @@ impl Engine {
             }
             _ => self.fail(inf, "SERVER_ERROR unexpected redirect"),
         }
+    }
+
+    /// A read at a hot key's copy failed (`RD`, an error, or the upstream):
+    /// the lease ends and the read goes home.
+    fn copy_fallback(&mut self, hash: u64, inf: Inflight) {
+        self.leases.end(hash);
+        self.counters.replica_fallbacks += 1;
+        self.send_hash(hash, inf);
     }
 
     pub(super) fn maybe_fetch_map(&mut self, from: Option<Owner>) {

@@ -4,6 +4,20 @@
 
 use super::inbox::prefetch_keys;
 use super::*;
+use crate::auth::AsciiStep;
+
+/// The answer to a request larger than `--max-input-buffer` (then the
+/// connection closes).
+fn input_limit_reply(proto: Protocol, buf: &[u8], out: &mut Vec<u8>) {
+    match proto {
+        Protocol::Text => out.extend_from_slice(b"SERVER_ERROR request larger than the input buffer limit\r\n"),
+        Protocol::Binary if buf.len() >= mbal_proto::binary::HEADER_LEN => {
+            let h = mbal_proto::binary::BinHeader::decode(buf);
+            write_response(out, h.opcode, st::E2BIG, h.opaque, 0, &[], &[], b"Too large.");
+        }
+        Protocol::Binary => {}
+    }
+}
 
 impl Worker {
     /// Connections on this worker's own port.
@@ -29,6 +43,14 @@ impl Worker {
                 }
                 continue;
             }
+            if !self.shared.admit_ip(peer.ip()) {
+                self.shared.curr_conns.fetch_sub(1, Ordering::Relaxed);
+                let mut sock = sock;
+                if self.shared.tls.is_none() {
+                    let _ = sock.write(TOO_MANY_FROM_IP);
+                }
+                continue;
+            }
             self.shared.worker_conns[self.id].fetch_add(1, Ordering::Relaxed);
             let listen_addr = listener.local_addr().unwrap_or(peer);
             if let Some(stream) = self.stream(sock, peer) {
@@ -47,7 +69,7 @@ impl Worker {
             Ok(conn) => Some(ConnStream::tls(conn, sock)),
             Err(e) => {
                 tracing::warn!(worker = self.id, %peer, "TLS: {e}");
-                self.shared.conn_closed(self.id);
+                self.shared.conn_closed(self.id, peer.ip());
                 None
             }
         }
@@ -66,7 +88,7 @@ impl Worker {
         let ci = entry.key();
         if let Err(e) = self.poll.registry().register(sock.sock_mut(), Token(ci + FIRST_CONN), Interest::READABLE) {
             tracing::warn!("register: {e}");
-            self.shared.conn_closed(self.id);
+            self.shared.conn_closed(self.id, peer.ip());
             return None;
         }
         self.counters.total_connections += 1;
@@ -96,6 +118,8 @@ impl Worker {
             dirty: false,
             routed: false,
             throttled: false,
+            auth: crate::auth::ConnAuth::new(&self.shared.settings),
+            partial_since: 0,
         });
         tracing::debug!(worker = self.id, %peer, "accepted");
         // Bytes may have arrived before the registration.
@@ -117,6 +141,7 @@ impl Worker {
             listen_addr: c.listen_addr,
             id: c.id,
             unread,
+            auth: c.auth,
         };
         self.outbox[to].push(Envelope::HandOff(Box::new(h)));
     }
@@ -125,7 +150,7 @@ impl Worker {
         if let Some(mut c) = self.conns.try_remove(ci) {
             c.sock.close_notify();
             let _ = self.poll.registry().deregister(c.sock.sock_mut());
-            self.shared.conn_closed(self.id);
+            self.shared.conn_closed(self.id, c.peer.ip());
         }
     }
 
@@ -149,6 +174,12 @@ impl Worker {
         let mut more = false;
         loop {
             let len = conn.rbuf.len();
+            if len >= self.input_cap {
+                // Bounded input (`--max-input-buffer`): the rest waits in
+                // the socket until the buffer is parsed down.
+                more = true;
+                break;
+            }
             // Zero-filled, so the read target is always initialised memory
             // (the fill is a memset of what the last read did not use).
             conn.rbuf.resize(len + READ_CHUNK, 0);
@@ -196,7 +227,9 @@ impl Worker {
             self.close(ci);
             return;
         }
-        if more {
+        // (A connection paused by back-pressure is resumed by whoever
+        // lifts it; queueing it now would read past its bound.)
+        if more && !self.conns.get(ci).is_some_and(|c| c.read_blocked || c.throttled) {
             self.requeue(ci);
         }
     }
@@ -251,6 +284,8 @@ impl Worker {
         let mut pos = 0usize;
         let worker = self.id;
         let mut hand_off = None;
+        // Stopped short of a complete request (`--request-timeout-ms`).
+        let mut partial = false;
         loop {
             let conn = &mut self.conns[ci];
             if conn.closing {
@@ -296,7 +331,24 @@ impl Worker {
                 break;
             }
             let proto = *conn.proto.get_or_insert_with(|| mbal_proto::detect(conn.rbuf[pos]));
-            let Conn { rbuf, output, gen, routed, line, .. } = conn;
+            if !conn.auth.authenticated && proto == Protocol::Text {
+                // memcached's ASCII authentication (-Y) comes first.
+                let (settings, counters) = (&self.shared.settings, &mut self.counters);
+                match crate::auth::ascii_step(settings, counters, &mut conn.auth, &conn.rbuf[pos..], conn.output.buf())
+                {
+                    AsciiStep::NeedMore => {
+                        partial = true;
+                        break;
+                    }
+                    AsciiStep::Consumed(n) => {
+                        pos += n;
+                        done += 1;
+                    }
+                    AsciiStep::Close => conn.closing = true,
+                }
+                continue;
+            }
+            let Conn { rbuf, output, gen, routed, line, auth, .. } = conn;
             let buf = &rbuf[pos..];
             let mut rt = Route {
                 worker,
@@ -309,10 +361,22 @@ impl Worker {
                 counters: &mut self.counters,
                 inflight: &mut self.inflight,
                 self_stats: &mut self.self_stats,
+                replicas: &mut self.replicas,
+                auth,
             };
             let fresh = matches!(line, LineState::Start);
             match mbal_proto::parse_stream(line, proto, buf, &self.limits) {
-                Parsed::NeedMore => break,
+                Parsed::NeedMore => {
+                    if buf.len() >= self.input_cap {
+                        // The request needs more than the connection may buffer.
+                        rt.counters.input_limit_closes += 1;
+                        input_limit_reply(proto, buf, output.buf());
+                        pos = rbuf.len();
+                        conn.closing = true;
+                    }
+                    partial = true;
+                    break;
+                }
                 Parsed::Err { reply, skip, close } => {
                     if reply.is_too_large() {
                         rt.counters.store_too_large += 1;
@@ -338,7 +402,20 @@ impl Worker {
                 Parsed::Req { req, consumed } => {
                     let raw = &buf[..consumed];
                     let forwarded_before = *rt.inflight;
+                    let reply_at = output.buf().len();
                     let action = dispatch::handle(&self.shared, &mut rt, &mut self.store, self.now, output, &req, raw);
+                    if self.store.watch().has_dirty() {
+                        // A write to a replicated key: copy it; in sync mode
+                        // its reply waits until every copy has it.
+                        let mut hold = None;
+                        if self.shared.settings.hot.sync && output.buf().len() > reply_at {
+                            let bytes = output.buf().split_off(reply_at);
+                            let seq = output.push(Slot::Wait);
+                            *rt.inflight += 1;
+                            hold = Some((ReplyTo { worker, conn: ci, gen: *gen, seq }, NO_CACHELET, bytes));
+                        }
+                        hot::copy_writes(&self.shared, worker, &mut self.store, &mut rt.replicas.hot, self.now, hold);
+                    }
                     // Executed here unless it went to another worker (which pays for it).
                     self.capacity.spend((*rt.inflight == forwarded_before) as u64);
                     pos += consumed;
@@ -372,6 +449,15 @@ impl Worker {
             return;
         }
         let Some(conn) = self.conns.get_mut(ci) else { return };
+        if (partial || conn.skip > 0) && self.shared.settings.request_timeout_ms > 0 {
+            // The clock runs from the first time the request was found
+            // incomplete; a request answered in between restarts it.
+            if conn.partial_since == 0 || done > 0 {
+                conn.partial_since = self.shared.clock_ns().max(1);
+            }
+        } else {
+            conn.partial_since = 0;
+        }
         conn.rbuf.drain(..pos.min(conn.rbuf.len()));
         if conn.rbuf.capacity() > 4 * READ_CHUNK && conn.rbuf.len() < READ_CHUNK {
             conn.rbuf.shrink_to(READ_CHUNK);

@@ -57,7 +57,7 @@ impl Worker {
                 }
             }
             Envelope::HandOff(h) => {
-                let HandOff { sock, peer, listen_addr, id, unread } = *h;
+                let HandOff { sock, peer, listen_addr, id, unread, auth } = *h;
                 if let Some(ci) = self.register(sock.map_sock(TcpStream::from_std), peer, listen_addr) {
                     // Counted once, by the worker that accepted it.
                     self.counters.total_connections -= 1;
@@ -65,11 +65,13 @@ impl Worker {
                     c.id = id;
                     c.rbuf = unread;
                     c.routed = true;
+                    c.auth = auth;
                     c.proto = Some(Protocol::Text);
                     dispatch::hello(&self.shared, self.shared.server_id, self.id, c.output.buf());
                 }
             }
             Envelope::Release { cachelet, to, token } => {
+                self.drop_hot_of(cachelet);
                 let peers = self.shared.peers();
                 let now_ns = self.shared.clock_ns();
                 let (store, tables, outbox) = (&mut self.store, &mut self.tables, &mut self.outbox);
@@ -90,14 +92,19 @@ impl Worker {
             }
             Envelope::Sample { seq } => {
                 let sample = Box::new(self.sample());
-                self.shared.tell_controller(CtlMsg::Sample { seq, sample });
+                let keys = self.store.watch().take_samples();
+                self.shared.tell_controller(CtlMsg::Sample { seq, sample, keys });
             }
+            Envelope::Hot(cmd) => self.hot(cmd),
             Envelope::Owner { cachelet, worker, ver } => {
                 if let Some(q) = self.tables.learn(cachelet, worker as u16, ver) {
                     self.resend(cachelet, q);
                 }
             }
-            Envelope::Flush { at } => self.store.flush_all(at),
+            Envelope::Flush { at } => {
+                self.store.flush_all(at);
+                hot::flush_hot(&self.shared, self.id, &mut self.store, &mut self.replicas.hot);
+            }
             Envelope::StatsReq { to, want_conns } => {
                 let snap = Box::new(self.snapshot(want_conns));
                 self.outbox[to.worker].push(Envelope::StatsResp { to, snap });
@@ -167,6 +174,7 @@ impl Worker {
             | Envelope::Conn(..)
             | Envelope::HandOff(_)
             | Envelope::Sample { .. }
+            | Envelope::Hot(_)
             | Envelope::StatsReq { .. }
             | Envelope::StatsResp { .. } => false,
             Envelope::Flush { .. }
@@ -233,6 +241,18 @@ impl Worker {
         self.counters.forwarded_in += 1;
         let mut ctx = exec_ctx(&mut self.store, &self.shared, &mut self.counters, self.now);
         let limits = &self.limits;
+        if self.shared.settings.hot.sync && !self.replicas.hot.is_empty() {
+            // A write to a replicated key answers once its copies have it.
+            let mut out = Vec::new();
+            execute(&mut ctx, limits, req.kind, bytes, &mut out);
+            if self.store.watch().has_dirty() {
+                let hold = Some((req.to, req.cachelet, out));
+                hot::copy_writes(&self.shared, self.id, &mut self.store, &mut self.replicas.hot, self.now, hold);
+            } else {
+                self.outbox[req.to.worker].replies().push(req.to, req.cachelet, |d| d.extend_from_slice(&out));
+            }
+            return;
+        }
         let run = |out: &mut Vec<u8>| execute(&mut ctx, limits, req.kind, bytes, out);
         self.outbox[req.to.worker].replies().push(req.to, req.cachelet, run);
     }
@@ -357,7 +377,12 @@ impl Worker {
             .collect();
         WorkerSnapshot {
             worker: self.id,
-            counters: self.counters.clone(),
+            counters: {
+                let mut c = self.counters.clone();
+                let sh = self.replicas.shadow.stats();
+                (c.replica_items, c.replica_bytes, c.replica_refused) = (sh.items, sh.bytes, sh.refused);
+                c
+            },
             store: self.store.stats(),
             curr_connections: self.conns.len() as u64,
             conns,
@@ -471,6 +496,7 @@ pub(super) fn render_stats(
         now_unix,
         main_port: shared.main_addr.port(),
         rejected_conns: shared.rejected_conns.load(Ordering::Relaxed),
+        rejected_per_ip: shared.rejected_per_ip.load(Ordering::Relaxed),
         worker_ports: ports,
         detail_enabled: shared.detail().is_some(),
     };

@@ -1,0 +1,146 @@
+//! The proxy and Phase 1 against REAL servers (3 servers x 2 workers, in
+//! process on loopback): a plain client behind the proxy never sees an
+//! `RH hot` hint, its gets of a hot key are served by the key's copies on
+//! other servers, it reads its own writes, and a shadow killed mid-lease
+//! costs it no error.
+
+use mbal_cluster::{key_hash, ClusterMap, ClusterSpec, ServerSpec};
+use mbal_proxy::Config;
+use mbal_server::config::Settings;
+use mbal_server::ServerHandle;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+const WORKERS: u16 = 2;
+
+struct Conn {
+    r: BufReader<TcpStream>,
+    w: TcpStream,
+}
+
+impl Conn {
+    fn open(addr: SocketAddr) -> Conn {
+        let s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.set_nodelay(true).unwrap();
+        Conn { r: BufReader::new(s.try_clone().unwrap()), w: s }
+    }
+    fn line(&mut self) -> String {
+        let mut l = String::new();
+        self.r.read_line(&mut l).unwrap();
+        l
+    }
+    fn cmd(&mut self, c: &str) -> String {
+        self.w.write_all(c.as_bytes()).unwrap();
+        self.line()
+    }
+    /// The whole reply to `get <key>`, as text.
+    fn get(&mut self, key: &str) -> String {
+        let mut out = self.cmd(&format!("get {key}\r\n"));
+        if out.starts_with("VALUE ") {
+            let n: usize = out.split_whitespace().nth(3).unwrap().parse().unwrap();
+            let mut v = vec![0; n + 2];
+            self.r.read_exact(&mut v).unwrap();
+            out += &String::from_utf8(v).unwrap();
+            out += &self.line();
+        }
+        out
+    }
+    fn stat(&mut self, name: &str) -> u64 {
+        self.w.write_all(b"stats\r\n").unwrap();
+        let mut found = None;
+        loop {
+            let l = self.line();
+            assert!(!l.is_empty());
+            if l == "END\r\n" {
+                return found.unwrap_or_else(|| panic!("no stat {name}"));
+            }
+            let f: Vec<&str> = l.split_whitespace().collect();
+            if f.len() == 3 && f[1] == name {
+                found = Some(f[2].parse().unwrap());
+            }
+        }
+    }
+}
+
+/// Three servers with Phase 1 on (epochs of 100 ms, leases of 10 s) and the debug commands.
+fn cluster() -> (ClusterSpec, Vec<Option<ServerHandle>>) {
+    let ls: Vec<TcpListener> = (0..3).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
+    let spec = ClusterSpec {
+        vn_count: 1024,
+        cachelets_per_worker: 4,
+        workers: WORKERS,
+        servers: ls.iter().map(|l| ServerSpec { addr: l.local_addr().unwrap(), worker_port_base: None }).collect(),
+        secret: None,
+        secret_file: None,
+    };
+    drop(ls);
+    let servers = (0..3)
+        .map(|id| {
+            let mut s = Settings { memory_limit: 32 << 20, threads: WORKERS as usize, ..Settings::default() };
+            s.apply_cluster(spec.clone(), id).unwrap();
+            s.worker_port_base = None;
+            s.debug_commands = true;
+            s.epoch_ms = 100;
+            s.hot.epoch_ms = 100;
+            s.hot.enabled = true;
+            s.hot.policy.lease_epochs = 100;
+            s.balancer = false;
+            Some(mbal_server::start(s).expect("server starts"))
+        })
+        .collect();
+    (spec, servers)
+}
+
+#[test]
+fn plain_clients_read_hot_keys_from_copies_through_the_proxy() {
+    let (spec, mut servers) = cluster();
+    let map = ClusterMap::from_spec(&spec);
+    let p = mbal_proxy::start(Config::new("127.0.0.1:0".parse().unwrap()), map.clone()).unwrap();
+    let key = (0..).map(|i| format!("hot{i}")).find(|k| map.route(key_hash(k.as_bytes())).1 == 0).unwrap();
+    let mut c = Conn::open(p.addr);
+    assert_eq!(c.cmd(&format!("set {key} 0 0 2\r\nv0\r\n")), "STORED\r\n");
+    let mut home = Conn::open(spec.servers[0].addr);
+    assert_eq!(home.cmd(&format!("mbal debug hot {key} 2\r\n")), "OK\r\n");
+    let want = |v: &str| format!("VALUE {key} 0 {}\r\n{v}\r\nEND\r\n", v.len());
+    // gets through one proxy connection: each lease (10 s) drew the home or a copy; new
+    // connections land on the proxy's one thread, whose lease decides
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut admin = Conn::open(p.addr);
+    while admin.stat("proxy_replica_reads") == 0 {
+        // the first get of a lease reads at home and brings the hint; the second reads the copy drawn
+        assert_eq!(c.get(&key), want("v0"), "no hint passed on, the value unchanged");
+        assert_eq!(c.get(&key), want("v0"));
+        // a write through the proxy ends its lease, so the next lease is drawn anew
+        if admin.stat("proxy_replica_reads") == 0 {
+            assert_eq!(c.cmd(&format!("set {key} 0 0 2\r\nv0\r\n")), "STORED\r\n");
+        }
+        assert!(Instant::now() < deadline, "no get served by a copy");
+    }
+    assert_eq!(admin.stat("proxy_replica_fallbacks"), 0);
+    // read-your-writes through the proxy
+    for i in 1..=20 {
+        let v = format!("w{i}");
+        assert_eq!(c.cmd(&format!("set {key} 0 0 {}\r\n{v}\r\n", v.len())), "STORED\r\n");
+        assert_eq!(c.get(&key), want(&v));
+    }
+    // a live lease on a copy, then its server dies: gets keep answering, with no error
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let before = admin.stat("proxy_replica_reads");
+    while admin.stat("proxy_replica_reads") == before {
+        assert_eq!(c.get(&key), want("w20"));
+        assert!(Instant::now() < deadline, "no get served by a copy");
+    }
+    for s in [1, 2] {
+        servers[s].take().unwrap().shutdown();
+    }
+    for _ in 0..50 {
+        assert_eq!(c.get(&key), want("w20"), "falls back home");
+    }
+    assert!(admin.stat("proxy_replica_fallbacks") >= 1);
+    p.shutdown();
+    for s in servers.into_iter().flatten() {
+        s.shutdown();
+    }
+}

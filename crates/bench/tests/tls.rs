@@ -61,8 +61,10 @@ fn bench_plain_and_routed_over_tls() {
     }
     // Without the client certificate the server refuses the bench.
     let no_cert = TlsArgs { tls_cert: None, tls_key: None, ..tls.clone() };
-    assert!(run(args(srv.main_addr, false, no_cert)).is_err());
+    assert!(run(BenchArgs { load: false, ..args(srv.main_addr, false, no_cert) }).is_err());
     // Without --tls-ca the bench speaks plaintext, which a TLS port does not answer.
-    assert!(run(args(srv.main_addr, false, TlsArgs::default())).is_err());
+    // (No load phase: it would wait out --load-timeout for replies that never come.)
+    let plaintext = BenchArgs { load: false, ..args(srv.main_addr, false, TlsArgs::default()) };
+    assert!(run(plaintext).is_err());
     srv.shutdown();
 }

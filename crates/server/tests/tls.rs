@@ -334,3 +334,29 @@ fn refresh_certs_without_tls_is_an_error() {
     assert!(srv.reload_tls().is_err());
     srv.shutdown();
 }
+
+#[test]
+fn ascii_auth_inside_tls_and_a_hand_over_keeps_both() {
+    let pki = Pki::new("auth");
+    let cert = pki.server("server");
+    let mut s = tls_settings(3, &cert, None, VerifyMode::None);
+    s.worker_port_base = None;
+    s.auth = Some(std::sync::Arc::new(mbal_server::auth::Credentials::parse(b"foo:bar\n").unwrap()));
+    let srv = start(s);
+    let tls = client_tls(&pki, None);
+    let mut c = TlsConn::open(srv.main_addr, &tls).unwrap();
+    assert_eq!(c.cmd("get a\r\n").unwrap(), "CLIENT_ERROR unauthenticated\r\n");
+    let mut c = TlsConn::open(srv.main_addr, &tls).unwrap();
+    assert_eq!(c.cmd("set auth 0 0 7\r\nfoo bar\r\n").unwrap(), "STORED\r\n");
+    assert_eq!(c.set_get("a", b"1").unwrap(), b"1");
+    // The routing client logs in on each connection, over TLS, through hand-overs.
+    let login = mbal_client::Login { user: "foo".into(), password: "bar".into() };
+    let cfg = Config { tls: Some(tls), login: Some(login), ..Config::default() };
+    let mut rc = Client::connect(srv.main_addr, cfg).unwrap();
+    for i in 0..30 {
+        let k = format!("k{i}");
+        assert!(rc.set(k.as_bytes(), b"v", 0, 0).unwrap());
+        assert_eq!(rc.get(k.as_bytes()).unwrap().unwrap().data, b"v");
+    }
+    srv.shutdown();
+}

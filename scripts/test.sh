@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 
 step() { printf '\n==> %s\n' "$*"; }
 
-step "installing test dependencies (memcached, libmemcached-tools, libsasl2-modules, pytest, pymemcache, pylibmc)"
+step "installing test dependencies (memcached, libmemcached-tools, libsasl2-modules, pytest, pymemcache, pylibmc, cryptography)"
 need_apt=()
 command -v memcached >/dev/null || need_apt+=(memcached)
 command -v memccapable >/dev/null || need_apt+=(libmemcached-tools)
@@ -18,8 +18,8 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
-python3 -c 'import pytest, pymemcache, pylibmc' 2>/dev/null ||
-  python3 -m pip install -q pytest pymemcache pylibmc
+python3 -c 'import pytest, pymemcache, pylibmc, cryptography' 2>/dev/null ||
+  python3 -m pip install -q pytest pymemcache pylibmc cryptography
 
 step "cargo fmt --check"
 cargo fmt --all -- --check

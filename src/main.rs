@@ -46,6 +46,9 @@ struct StatsArgs {
     /// Print a new table every interval, this many times (0: once)
     #[arg(long, default_value_t = 0)]
     watch: u32,
+    /// TLS to the servers (`--tls-ca FILE [--tls-cert F --tls-key F] [--tls-server-name N]`)
+    #[command(flatten)]
+    tls: mbal_bench::TlsArgs,
 }
 
 #[derive(Subcommand)]
@@ -99,7 +102,24 @@ fn run(cli: Cli) -> Result<()> {
             for note in notes {
                 tracing::warn!("{note}");
             }
+            // With TLS, SIGHUP reloads the certificates: block it in every thread (the mask is
+            // inherited, so start no thread before this) and take it in one of our own.
+            let sighup = if settings.tls.is_some() { Some(block_sighup()?) } else { None };
             let handle = mbal_server::start(settings)?;
+            if let Some(set) = sighup {
+                let token = handle.stop_token();
+                std::thread::Builder::new().name("mbal-sighup".into()).spawn(move || loop {
+                    let mut sig = 0;
+                    // SAFETY: `set` is an initialised signal set; `sig` is a valid out pointer.
+                    if unsafe { libc::sigwait(&set, &mut sig) } != 0 {
+                        return;
+                    }
+                    match token.reload_tls() {
+                        Ok(()) => tracing::warn!("SIGHUP: TLS certificates reloaded"),
+                        Err(e) => tracing::error!("SIGHUP: TLS certificates not reloaded (the old ones stay): {e}"),
+                    }
+                })?;
+            }
             if args.print_ports {
                 let ports = serde_json::json!({ "main": handle.main_addr, "workers": handle.worker_addrs });
                 println!("{ports}");
@@ -135,6 +155,22 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
+/// Block SIGHUP in this thread and in every thread it starts after this;
+/// returns the set to `sigwait` on.
+fn block_sighup() -> Result<libc::sigset_t> {
+    // SAFETY: plain libc calls on a local, zero-initialised signal set.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGHUP);
+        let rc = libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        if rc != 0 {
+            anyhow::bail!("blocking SIGHUP: {}", std::io::Error::from_raw_os_error(rc));
+        }
+        Ok(set)
+    }
+}
+
 /// A closure that asks the server to stop (for SIGINT/SIGTERM).
 fn handle_stopper(h: &mbal_server::ServerHandle) -> impl Fn() + Send + 'static {
     let h = h.stop_token();
@@ -144,19 +180,21 @@ fn handle_stopper(h: &mbal_server::ServerHandle) -> impl Fn() + Send + 'static {
 fn stats(a: StatsArgs) -> Result<()> {
     use std::time::{Duration, Instant};
     let timeout = Duration::from_secs(5);
+    let tls = a.tls.load()?;
+    let cfg = mbal_client::Config { tls: tls.clone(), ..mbal_client::Config::default() };
     let map = match (&a.server, &a.cluster) {
-        (Some(addr), _) => mbal_client::Client::connect(*addr, mbal_client::Config::default())?.map().clone(),
-        (None, Some(p)) => mbal_client::Client::from_cluster_file(p, mbal_client::Config::default())?.map().clone(),
+        (Some(addr), _) => mbal_client::Client::connect(*addr, cfg)?.map().clone(),
+        (None, Some(p)) => mbal_client::Client::from_cluster_file(p, cfg)?.map().clone(),
         (None, None) => anyhow::bail!("give --server HOST:PORT or --cluster FILE"),
     };
     if !(0.05..=3600.0).contains(&a.interval) {
         anyhow::bail!("--interval must be between 0.05 and 3600 seconds");
     }
-    let mut prev = mbal_client::cluster_stats(&map, timeout)?;
+    let mut prev = mbal_client::cluster_stats(&map, timeout, tls.as_ref())?;
     let mut t0 = Instant::now();
     for round in 0..=a.watch {
         std::thread::sleep(Duration::from_secs_f64(a.interval));
-        let cur = mbal_client::cluster_stats(&map, timeout)?;
+        let cur = mbal_client::cluster_stats(&map, timeout, tls.as_ref())?;
         let secs = t0.elapsed().as_secs_f64();
         if round > 0 {
             println!();

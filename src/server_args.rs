@@ -141,6 +141,27 @@ pub struct ServerArgs {
     /// `-o sock_cookie_id=N`
     #[arg(skip)]
     pub sock_cookie_id: Option<u32>,
+    /// Speak TLS on every listener, main and worker ports (memcached's -Z; the certificate comes
+    /// from `-o ssl_chain_cert=FILE,ssl_key=FILE`, client certificates are checked with
+    /// `-o ssl_ca_cert=FILE,ssl_verify_mode=N`; see docs/operations.md "TLS")
+    #[arg(short = 'Z', long = "enable-ssl")]
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub enable_ssl: bool,
+    /// `-o ssl_chain_cert=FILE`: PEM certificate chain, leaf first
+    #[arg(skip)]
+    pub ssl_chain_cert: Option<PathBuf>,
+    /// `-o ssl_key=FILE`: PEM private key [default: in ssl_chain_cert]
+    #[arg(skip)]
+    pub ssl_key: Option<PathBuf>,
+    /// `-o ssl_ca_cert=FILE`: PEM CA certificates client certificates must chain to
+    #[arg(skip)]
+    pub ssl_ca_cert: Option<PathBuf>,
+    /// `-o ssl_verify_mode=N`: 0 none, 1 request (optional), 2 require, 3 once (= require)
+    #[arg(skip)]
+    pub ssl_verify_mode: Option<u8>,
+    /// `-o ssl_min_version=N`: 0..2 (TLS 1.0..1.2) mean TLS 1.2 here, 3 TLS 1.3
+    #[arg(skip)]
+    pub ssl_min_version: Option<u8>,
 
     /// Give each worker a port of its own too (worker i listens on base+i; 0: ephemeral ports).
     /// Without it, routed clients reach a worker through the main port (`mbal hello <epoch>
@@ -314,9 +335,6 @@ pub struct ServerArgs {
     #[arg(short = 'r', long = "enable-coredumps", hide = true)]
     #[serde(skip)]
     pub x_coredumps: bool,
-    #[arg(short = 'Z', long = "enable-ssl", hide = true)]
-    #[serde(skip)]
-    pub x_ssl: bool,
 }
 
 /// `on` / `off` (also `true`/`false`, `1`/`0`).
@@ -510,10 +528,47 @@ pub fn extended_option(layer: &mut ServerArgs, opt: &str) -> Result<(ExtKind, Op
         "drop_privileges" => {
             return refuse("mbal does not sandbox itself (seccomp); use the service manager's sandboxing")
         }
-        "ssl_chain_cert" | "ssl_key" | "ssl_verify_mode" | "ssl_keyformat" | "ssl_ciphers" | "ssl_ca_cert"
-        | "ssl_wbuf_size" | "ssl_session_cache" | "ssl_kernel_tls" | "ssl_min_version" => {
-            return refuse("mbal has no TLS (-Z); terminate TLS in front of it")
+        "ssl_chain_cert" | "ssl_key" | "ssl_ca_cert" => {
+            let path = Some(PathBuf::from(ext_value(name, value)?));
+            match name {
+                "ssl_chain_cert" => layer.ssl_chain_cert = path,
+                "ssl_key" => layer.ssl_key = path,
+                _ => layer.ssl_ca_cert = path,
+            }
+            return Ok((ExtKind::Implemented, None));
         }
+        "ssl_verify_mode" => {
+            let v: u8 = ext_num(name, value)?;
+            check(v <= 3, "must be 0 (none), 1 (request), 2 (require) or 3 (once)")?;
+            layer.ssl_verify_mode = Some(v);
+            return Ok((ExtKind::Implemented, None));
+        }
+        "ssl_min_version" => {
+            // memcached's numbers or names: 0 tlsv1, 1 tlsv1.1, 2 tlsv1.2, 3 tlsv1.3.
+            let v = match ext_value(name, value)? {
+                "0" | "tlsv1" | "1" | "tlsv1.1" | "2" | "tlsv1.2" => 2,
+                "3" | "tlsv1.3" => 3,
+                _ => bail!("-o ssl_min_version: must be 0..3 or tlsv1, tlsv1.1, tlsv1.2, tlsv1.3"),
+            };
+            layer.ssl_min_version = Some(v);
+            let note = (v == 2 && !matches!(value, Some("2" | "tlsv1.2")))
+                .then(|| format!("-o ssl_min_version={}: mbal speaks TLS 1.2 and 1.3 only", value.unwrap_or("")));
+            return Ok((ExtKind::Implemented, note));
+        }
+        "ssl_keyformat" => {
+            ext_num::<u8>(name, value)?;
+            "keys are read as PEM (PKCS#8, PKCS#1 or SEC1), whatever the number"
+        }
+        "ssl_ciphers" => {
+            ext_value(name, value)?;
+            "rustls offers its own safe suites (TLS 1.3 and TLS 1.2 ECDHE with AEAD ciphers)"
+        }
+        "ssl_wbuf_size" => {
+            ext_num::<u32>(name, value)?;
+            "each TLS connection buffers at most 64 KiB of records for the socket"
+        }
+        "ssl_session_cache" => "rustls keeps a server-side session cache (and TLS 1.3 tickets) by default",
+        "ssl_kernel_tls" => "records are encrypted in user space (rustls)",
         "proxy_config" | "proxy_uring" => {
             return refuse("memcached's built-in proxy; mbal routes by its cluster map (--cluster)")
         }
@@ -716,6 +771,23 @@ impl ServerArgs {
             s.sock_cookie_id = v;
         }
         s.worker_port_base = o.worker_port_base;
+        if o.enable_ssl {
+            let chain_cert = o.ssl_chain_cert.clone().context("-Z needs -o ssl_chain_cert=FILE (a PEM certificate)")?;
+            let verify_mode = mbal_tls::VerifyMode::from_memcached(o.ssl_verify_mode.unwrap_or(0))
+                .map_err(|e| anyhow::anyhow!("-o {e}"))?;
+            if verify_mode != mbal_tls::VerifyMode::None && o.ssl_ca_cert.is_none() {
+                bail!("-o ssl_verify_mode=1..3 needs -o ssl_ca_cert=FILE (the CA of the client certificates)");
+            }
+            s.tls = Some(mbal_tls::ServerTlsFiles {
+                chain_cert,
+                key: o.ssl_key.clone(),
+                ca_cert: o.ssl_ca_cert.clone(),
+                verify_mode,
+                tls13_only: o.ssl_min_version == Some(3),
+            });
+        } else if o.ssl_chain_cert.is_some() || o.ssl_key.is_some() || o.ssl_ca_cert.is_some() {
+            bail!("-o ssl_chain_cert/ssl_key/ssl_ca_cert need -Z (--enable-ssl) to turn TLS on");
+        }
         if let Some(v) = o.cachelets_per_worker {
             if v == 0 || v > 4096 {
                 bail!("--cachelets-per-worker must be between 1 and 4096");
@@ -815,9 +887,6 @@ impl ServerArgs {
         }
         if self.x_unix_socket.is_some() || self.x_unix_mask.is_some() {
             no("-s/-a", "unix sockets; mbal listens on TCP only")?;
-        }
-        if self.x_ssl {
-            no("-Z", "TLS")?;
         }
         if self.x_pidfile.is_some() {
             no("-P", "pid file")?;

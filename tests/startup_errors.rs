@@ -66,7 +66,8 @@ fn bad_extended_options() {
     assert_one_line(&["-o", "bogus"], "-o bogus: unknown option");
     assert_one_line(&["-o", "modern,idle_timeout"], "-o idle_timeout: missing value");
     assert_one_line(&["-o", "hash_algorithm=md5"], "unknown 'md5'");
-    assert_one_line(&["-o", "ssl_key=k.pem"], "-o ssl_key is not supported by mbal: mbal has no TLS");
+    assert_one_line(&["-o", "ssl_key=k.pem"], "need -Z (--enable-ssl) to turn TLS on");
+    assert_one_line(&["-Z", "-o", "ssl_chain_cert=/nonexistent/c.pem"], "certificate file /nonexistent/c.pem");
     assert_one_line(&["-o", "ext_path=/tmp/x:1G"], "-o ext_path is not supported");
 }
 

@@ -2,7 +2,8 @@
 # Starts mbal or stock memcached on a random loopback port, optionally pinned,
 # and reads a server's CPU time. Kills only the server it started (by pid).
 #
-#   start_server SYSTEM THREADS CPUS   SYSTEM = memcached|mbal; CPUS = taskset list or "-" (not pinned)
+#   start_server SYSTEM THREADS CPUS   SYSTEM = memcached|mbal, or memcached-tls|mbal-tls (-Z with
+#                                      $TLS_DIR/server.pem and server.key); CPUS = taskset list or "-" (not pinned)
 #                                      sets PID and PORT; retries on a busy port
 #   stop_server                        stops the server started last
 #   cpu_ticks                          utime+stime of $PID in clock ticks
@@ -30,6 +31,10 @@ start_server() {
     case $sys in
       memcached) "${pre[@]}" memcached "${MC_USER[@]}" -l 127.0.0.1 -p "$PORT" -U 0 -t "$threads" -m "$MEM" 2>/dev/null & ;;
       mbal) "${pre[@]}" "$BIN" server -l 127.0.0.1 -p "$PORT" -t "$threads" -m "$MEM" 2>/dev/null & ;;
+      memcached-tls) "${pre[@]}" memcached "${MC_USER[@]}" -l 127.0.0.1 -p "$PORT" -U 0 -t "$threads" -m "$MEM" \
+        -Z -o "ssl_chain_cert=$TLS_DIR/server.pem,ssl_key=$TLS_DIR/server.key" 2>/dev/null & ;;
+      mbal-tls) "${pre[@]}" "$BIN" server -l 127.0.0.1 -p "$PORT" -t "$threads" -m "$MEM" \
+        -Z -o "ssl_chain_cert=$TLS_DIR/server.pem,ssl_key=$TLS_DIR/server.key" 2>/dev/null & ;;
     esac
     PID=$!
     for _ in $(seq 100); do

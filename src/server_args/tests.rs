@@ -126,7 +126,7 @@ fn too_many_pages_is_an_error() {
 
 #[test]
 fn unsupported_is_an_error() {
-    for bad in [&["-d"][..], &["-U", "11211"], &["-o", "ssl_key=k.pem"], &["-f", "1.25"], &["-B", "udp"]] {
+    for bad in [&["-d"][..], &["-U", "11211"], &["-f", "1.25"], &["-B", "udp"]] {
         let e = parse(bad).unwrap_err().to_string();
         assert!(e.contains("not supported") || e.contains("must be") || e.contains("UDP"), "{bad:?}: {e}");
     }
@@ -213,16 +213,16 @@ const MEMCACHED_EXTENDED: &[(&str, Expect)] = {
         ("resp_obj_mem_limit", NoEffect),
         ("read_buf_mem_limit=0", NoEffect),
         ("sock_cookie_id=7", Implemented),
-        ("ssl_chain_cert=c.pem", Refused),
-        ("ssl_key=k.pem", Refused),
-        ("ssl_verify_mode=0", Refused),
-        ("ssl_keyformat=0", Refused),
-        ("ssl_ciphers=ALL", Refused),
-        ("ssl_ca_cert=ca.pem", Refused),
-        ("ssl_wbuf_size=16", Refused),
-        ("ssl_session_cache", Refused),
-        ("ssl_kernel_tls", Refused),
-        ("ssl_min_version=2", Refused),
+        ("ssl_chain_cert=c.pem", Implemented),
+        ("ssl_key=k.pem", Implemented),
+        ("ssl_verify_mode=0", Implemented),
+        ("ssl_keyformat=0", NoEffect),
+        ("ssl_ciphers=ALL", NoEffect),
+        ("ssl_ca_cert=ca.pem", Implemented),
+        ("ssl_wbuf_size=16", NoEffect),
+        ("ssl_session_cache", NoEffect),
+        ("ssl_kernel_tls", NoEffect),
+        ("ssl_min_version=2", Implemented),
         ("proxy_config=p.lua", Refused),
         ("proxy_uring", Refused),
         ("ext_path=/tmp/extstore:1G", Refused),
@@ -245,7 +245,12 @@ const MEMCACHED_EXTENDED: &[(&str, Expect)] = {
 #[test]
 fn every_memcached_extended_option() {
     for (opt, want) in MEMCACHED_EXTENDED {
-        let got = parse_noted(&["-o", opt]);
+        // The TLS options need TLS on (-Z, with a certificate): without it they are an error
+        // (tested in `tls_options`), not silently unused.
+        let got = match opt.starts_with("ssl_") {
+            true => parse_noted(&["-Z", "-o", "ssl_chain_cert=c.pem", "-o", opt]),
+            false => parse_noted(&["-o", opt]),
+        };
         match (want, got) {
             (Expect::Refused, Err(e)) => {
                 let e = e.to_string();
@@ -354,6 +359,31 @@ fn layers_merge_key_by_key() {
     std::fs::remove_dir_all(&dir).unwrap();
     let e = parse(&["--config", "/nonexistent/mbal.toml"]).unwrap_err();
     assert!(format!("{e:#}").contains("reading config file /nonexistent/mbal.toml"), "{e:#}");
+}
+
+#[test]
+fn tls_options() {
+    let s = parse(&["-Z", "-o", "ssl_chain_cert=c.pem,ssl_key=k.pem,ssl_ca_cert=ca.pem,ssl_verify_mode=3"]).unwrap();
+    let t = s.tls.unwrap();
+    assert_eq!(t.chain_cert, PathBuf::from("c.pem"));
+    assert_eq!(t.key, Some(PathBuf::from("k.pem")));
+    assert_eq!(t.ca_cert, Some(PathBuf::from("ca.pem")));
+    assert_eq!(t.verify_mode, mbal_tls::VerifyMode::Required);
+    assert!(!t.tls13_only);
+    let s = parse(&["--enable-ssl", "-o", "ssl_chain_cert=c.pem", "-o", "ssl_min_version=tlsv1.3"]).unwrap();
+    let t = s.tls.unwrap();
+    assert_eq!((t.key, t.verify_mode, t.tls13_only), (None, mbal_tls::VerifyMode::None, true));
+    assert!(parse(&[]).unwrap().tls.is_none());
+    for (bad, why) in [
+        (&["-Z"][..], "ssl_chain_cert"),
+        (&["-o", "ssl_key=k.pem"], "need -Z"),
+        (&["-Z", "-o", "ssl_chain_cert=c.pem,ssl_verify_mode=2"], "ssl_ca_cert"),
+        (&["-Z", "-o", "ssl_chain_cert=c.pem,ssl_verify_mode=4"], "must be 0"),
+        (&["-Z", "-o", "ssl_chain_cert=c.pem,ssl_min_version=9"], "ssl_min_version"),
+    ] {
+        let e = parse(bad).unwrap_err().to_string();
+        assert!(e.contains(why), "{bad:?}: {e}");
+    }
 }
 
 #[test]

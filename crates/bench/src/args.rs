@@ -4,6 +4,42 @@
 
 use super::*;
 
+/// A client's TLS flags (`mbal bench`, `mbal stats`): given `--tls-ca`, every connection is TLS.
+#[derive(clap::Args, Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TlsArgs {
+    /// Talk TLS, trusting the CA certificates in this PEM file
+    #[arg(long = "tls-ca", value_name = "FILE")]
+    pub tls_ca: Option<PathBuf>,
+    /// Client certificate (PEM chain) for servers that require one (`ssl_verify_mode` 1..3)
+    #[arg(long = "tls-cert", value_name = "FILE", requires = "tls_ca")]
+    pub tls_cert: Option<PathBuf>,
+    /// The client certificate's private key [default: in --tls-cert]
+    #[arg(long = "tls-key", value_name = "FILE", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// The name the servers' certificates must carry [default: the IP address connected to]
+    #[arg(long = "tls-server-name", value_name = "NAME", requires = "tls_ca")]
+    pub tls_server_name: Option<String>,
+}
+
+impl TlsArgs {
+    /// The TLS configuration the flags describe; `None` without `--tls-ca`.
+    pub fn load(&self) -> Result<Option<mbal_tls::ClientTls>> {
+        let Some(ca) = &self.tls_ca else {
+            if self.tls_cert.is_some() || self.tls_key.is_some() || self.tls_server_name.is_some() {
+                bail!("--tls-cert, --tls-key and --tls-server-name need --tls-ca");
+            }
+            return Ok(None);
+        };
+        let files = mbal_tls::ClientTlsFiles {
+            ca_cert: ca.clone(),
+            cert: self.tls_cert.clone(),
+            key: self.tls_key.clone(),
+            server_name: self.tls_server_name.clone(),
+        };
+        Ok(Some(mbal_tls::ClientTls::load(&files).map_err(|e| anyhow::anyhow!("TLS: {e}"))?))
+    }
+}
+
 /// `mbal bench`: drive a memcached-protocol server (or several) with a YCSB-style workload.
 #[derive(clap::Args, Clone, Debug, Serialize, Deserialize)]
 pub struct BenchArgs {
@@ -14,6 +50,10 @@ pub struct BenchArgs {
     /// Allow targets outside 127.0.0.0/8.
     #[arg(long)]
     pub allow_non_loopback: bool,
+    /// TLS to every server (`--tls-ca FILE [--tls-cert F --tls-key F] [--tls-server-name N]`).
+    #[command(flatten)]
+    #[serde(default)]
+    pub tls: TlsArgs,
     /// Username for servers started with -Y: every connection authenticates first with
     /// memcached's ASCII auth (needs --password-file)
     #[arg(long, requires = "password_file")]

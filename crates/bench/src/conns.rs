@@ -19,6 +19,7 @@ use mio::net::TcpStream;
 use mio::{Events, Interest, Poll, Token};
 
 use mbal_proto::client::{Decoder, Expect, Frame};
+use mbal_tls::{BlockingStream, ClientTls, Stream};
 
 /// Timeout of a blocking connect (and of the routed driver's handshake reads).
 pub(crate) const IO_TIMEOUT: Duration = Duration::from_secs(5);
@@ -47,7 +48,8 @@ fn fits(expect: Expect, f: &Frame<'_>) -> bool {
 }
 
 struct Conn<P> {
-    stream: TcpStream,
+    /// Plain or TLS (one match per read or write).
+    stream: Stream<TcpStream>,
     target: usize,
     wbuf: Vec<u8>,
     wpos: usize,
@@ -86,20 +88,23 @@ pub fn set_login(login: Option<(&str, &str)>) {
     *LOGIN.lock().unwrap_or_else(|e| e.into_inner()) = req;
 }
 
-/// Blocking connect to `addr` (with [`IO_TIMEOUT`]) and `TCP_NODELAY`, authenticated if a
-/// login is set ([`set_login`]).
-pub(crate) fn connect_std(addr: SocketAddr) -> Result<StdStream> {
-    let mut std = StdStream::connect_timeout(&addr, IO_TIMEOUT).with_context(|| format!("connect to {addr}"))?;
+/// Blocking connect to `addr` (with [`IO_TIMEOUT`]) and `TCP_NODELAY`; with `tls`, the TLS
+/// handshake too (bounded by [`IO_TIMEOUT`]); then authenticated if a login is set
+/// ([`set_login`]).
+pub(crate) fn connect_std(addr: SocketAddr, tls: Option<&ClientTls>) -> Result<BlockingStream> {
+    let std = StdStream::connect_timeout(&addr, IO_TIMEOUT).with_context(|| format!("connect to {addr}"))?;
     std.set_nodelay(true)?;
+    std.set_read_timeout(Some(IO_TIMEOUT))?;
+    std.set_write_timeout(Some(IO_TIMEOUT))?;
+    let mut s = BlockingStream::new(std, addr, tls).with_context(|| format!("TLS to {addr}"))?;
     let login = LOGIN.lock().unwrap_or_else(|e| e.into_inner()).clone();
     if let Some(req) = login {
-        std.set_read_timeout(Some(IO_TIMEOUT))?;
-        std.write_all(&req).with_context(|| format!("login to {addr}"))?;
+        s.write_all(&req).with_context(|| format!("login to {addr}"))?;
         // The reply is one line; read it byte by byte so nothing after it is taken.
         let mut line = Vec::new();
         let mut b = [0u8; 1];
         while !line.ends_with(b"\n") && line.len() < 1024 {
-            if std.read(&mut b).with_context(|| format!("login to {addr}"))? == 0 {
+            if s.read(&mut b).with_context(|| format!("login to {addr}"))? == 0 {
                 bail!("login to {addr}: connection closed");
             }
             line.push(b[0]);
@@ -107,9 +112,10 @@ pub(crate) fn connect_std(addr: SocketAddr) -> Result<StdStream> {
         if line != b"STORED\r\n" {
             bail!("login to {addr} refused: {}", String::from_utf8_lossy(&line).trim_end());
         }
-        std.set_read_timeout(None)?;
     }
-    Ok(std)
+    s.sock().set_read_timeout(None)?;
+    s.sock().set_write_timeout(None)?;
+    Ok(s)
 }
 
 impl<P: Pending> Conns<P> {
@@ -126,13 +132,14 @@ impl<P: Pending> Conns<P> {
         })
     }
 
-    /// Add a connected stream to target `target`: made non-blocking and registered with the poll.
-    /// Its index is the number of connections added before it.
-    pub(crate) fn add(&mut self, std: StdStream, target: usize) -> Result<()> {
-        std.set_nonblocking(true)?;
-        let mut stream = TcpStream::from_std(std);
+    /// Add a connected stream (plain, or TLS after its handshake) to target `target`: made
+    /// non-blocking and registered with the poll. Its index is the number of connections added
+    /// before it.
+    pub(crate) fn add(&mut self, std: BlockingStream, target: usize) -> Result<()> {
+        std.sock().set_nonblocking(true)?;
+        let mut stream = std.into_stream().map_sock(TcpStream::from_std);
         let id = self.conns.len();
-        self.poll.registry().register(&mut stream, Token(id), Interest::READABLE | Interest::WRITABLE)?;
+        self.poll.registry().register(stream.sock_mut(), Token(id), Interest::READABLE | Interest::WRITABLE)?;
         self.conns.push(Conn {
             stream,
             target,
@@ -158,7 +165,8 @@ impl<P: Pending> Conns<P> {
     /// Start writing everything buffered (non-blocking; the rest goes out during `poll`).
     pub(crate) fn flush(&mut self) -> Result<()> {
         for ci in 0..self.conns.len() {
-            if self.conns[ci].wpos < self.conns[ci].wbuf.len() {
+            let c = &self.conns[ci];
+            if c.wpos < c.wbuf.len() || c.stream.wants_write() {
                 self.write_conn(ci)?;
             }
         }
@@ -181,7 +189,8 @@ impl<P: Pending> Conns<P> {
         ready.clear();
         ready.extend(self.events.iter().map(|e| (e.token().0, e.is_readable() || e.is_read_closed(), e.is_writable())));
         for &(ci, r, w) in &ready {
-            if w && self.conns[ci].wpos < self.conns[ci].wbuf.len() {
+            let c = &self.conns[ci];
+            if w && (c.wpos < c.wbuf.len() || c.stream.wants_write()) {
                 self.write_conn(ci)?;
             }
             if r {
@@ -254,6 +263,7 @@ impl<P: Pending> Conns<P> {
 
     fn write_conn(&mut self, ci: usize) -> Result<()> {
         let c = &mut self.conns[ci];
+        c.stream.flush_tls().with_context(|| format!("write to {}", self.addrs[c.target]))?;
         while c.wpos < c.wbuf.len() {
             match c.stream.write(&c.wbuf[c.wpos..]) {
                 Ok(0) => bail!("write returned 0"),

@@ -139,13 +139,25 @@ impl PlainDriver {
         key_size: usize,
         value_size_max: usize,
     ) -> Result<PlainDriver> {
+        PlainDriver::connect_tls(servers, None, slots, max_in_flight, key_size, value_size_max)
+    }
+
+    /// [`PlainDriver::connect`], over TLS with `tls`.
+    pub fn connect_tls(
+        servers: &[SocketAddr],
+        tls: Option<&mbal_tls::ClientTls>,
+        slots: usize,
+        max_in_flight: usize,
+        key_size: usize,
+        value_size_max: usize,
+    ) -> Result<PlainDriver> {
         if servers.is_empty() || servers.len() > u16::MAX as usize {
             bail!("need 1..65535 servers");
         }
         let mut conns = Conns::new("server", servers.to_vec(), slots * servers.len())?;
         for _slot in 0..slots {
             for (si, &addr) in servers.iter().enumerate() {
-                conns.add(connect_std(addr)?, si)?;
+                conns.add(connect_std(addr, tls)?, si)?;
             }
         }
         Ok(PlainDriver {

@@ -72,7 +72,7 @@ use hdrhistogram::Histogram;
 use serde::{Deserialize, Serialize};
 
 use args::validate;
-pub use args::{parse_sweep, BenchArgs, ServerLoadMode};
+pub use args::{parse_sweep, BenchArgs, ServerLoadMode, TlsArgs};
 use driver::{Driver, PlainDriver};
 use engine::{OpSource, SecAcc, ThreadPlan, ThreadResult};
 use mbal_cluster::ClusterMap;
@@ -275,15 +275,20 @@ pub fn run(args: BenchArgs) -> Result<BenchReport> {
         if servers.len() != 1 {
             bail!("--routed takes exactly one --server (any server of the cluster; the map names the rest)");
         }
-        let factory = routed::RoutedFactory::connect(servers[0], args.allow_non_loopback)?;
+        let tls = args.tls.load()?;
+        let factory = routed::RoutedFactory::connect_tls(servers[0], args.allow_non_loopback, tls)?;
         return run_with(args, &factory);
+    }
+    let tls = args.tls.load()?;
+    if tls.is_some() && args.null_server {
+        bail!("--null-server speaks no TLS: drop --tls-ca");
     }
     let stub = if args.null_server { Some(stub::StubServer::start().context("start stub server")?) } else { None };
     let servers = match &stub {
         Some(s) => vec![s.addr],
         None => resolve_targets(&args)?,
     };
-    let report = run_with(args, &PlainFactory { servers })?;
+    let report = run_with(args, &PlainFactory { servers, tls })?;
     drop(stub);
     Ok(report)
 }
@@ -314,11 +319,17 @@ pub trait DriverFactory: Sync {
     fn load_servers(&self) -> Vec<SocketAddr> {
         Vec::new()
     }
+    /// TLS for the side connections (`mbal load`), as the drivers use it.
+    fn tls(&self) -> Option<mbal_tls::ClientTls> {
+        None
+    }
 }
 
 /// Plain memcached text protocol to these servers (keys spread by `key_hash % n`).
 pub struct PlainFactory {
     pub servers: Vec<SocketAddr>,
+    /// TLS to every server (`--tls-ca`).
+    pub tls: Option<mbal_tls::ClientTls>,
 }
 
 impl DriverFactory for PlainFactory {
@@ -326,8 +337,9 @@ impl DriverFactory for PlainFactory {
         "plain".into()
     }
     fn make(&self, spec: &DriverSpec<'_>) -> Result<Box<dyn Driver>> {
-        Ok(Box::new(PlainDriver::connect(
+        Ok(Box::new(PlainDriver::connect_tls(
             &self.servers,
+            self.tls.as_ref(),
             spec.slots,
             spec.max_in_flight,
             spec.args.key_size,
@@ -335,10 +347,13 @@ impl DriverFactory for PlainFactory {
         )?))
     }
     fn cluster_map(&self) -> Result<Option<ClusterMap>> {
-        routed::fetch_map(self.servers[0]).map(Some)
+        routed::fetch_map_tls(self.servers[0], self.tls.as_ref()).map(Some)
     }
     fn load_servers(&self) -> Vec<SocketAddr> {
         self.servers.clone()
+    }
+    fn tls(&self) -> Option<mbal_tls::ClientTls> {
+        self.tls.clone()
     }
 }
 
@@ -454,7 +469,7 @@ pub fn run_with(args: BenchArgs, factory: &dyn DriverFactory) -> Result<BenchRep
             false => {
                 let servers = factory.load_servers();
                 (!servers.is_empty()).then(|| {
-                    let w = serverload::LoadWatch::start(&servers);
+                    let w = serverload::LoadWatch::start_tls(&servers, factory.tls());
                     w.wait_caught_up(Duration::from_secs(5));
                     w
                 })

@@ -42,7 +42,7 @@
 //! followed redirects in `Totals::redirects`.
 
 use std::io::Write;
-use std::net::{SocketAddr, TcpStream as StdStream};
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -53,13 +53,14 @@ use crate::conns::{connect_std, Conns, Pending, IO_TIMEOUT};
 use crate::driver::{value_buffer, write_get, write_set, Completion, Driver, OpKind, Request};
 use crate::workload::write_key;
 use crate::{DriverFactory, DriverSpec};
+use mbal_tls::{BlockingStream, ClientTls};
 
 /// Redirects one request chain may follow before it counts as an error.
 pub const MAX_REDIRECTS: u8 = 3;
 
 /// Send `req` on a blocking stream and read its one reply (the server sends nothing else on
 /// this connection until asked, so reading ahead is safe).
-fn call(s: &mut StdStream, req: &[u8]) -> Result<Reply> {
+fn call(s: &mut BlockingStream, req: &[u8]) -> Result<Reply> {
     s.write_all(req).context("write")?;
     let mut r = ReplyReader::new();
     loop {
@@ -77,8 +78,13 @@ fn call(s: &mut StdStream, req: &[u8]) -> Result<Reply> {
 
 /// Fetch the cluster map from any mbal server with `mbal map`.
 pub fn fetch_map(addr: SocketAddr) -> Result<ClusterMap> {
-    let mut s = connect_std(addr)?;
-    s.set_read_timeout(Some(IO_TIMEOUT))?;
+    fetch_map_tls(addr, None)
+}
+
+/// [`fetch_map`] over TLS with `tls`.
+pub fn fetch_map_tls(addr: SocketAddr, tls: Option<&ClientTls>) -> Result<ClusterMap> {
+    let mut s = connect_std(addr, tls)?;
+    s.sock().set_read_timeout(Some(IO_TIMEOUT))?;
     match call(&mut s, b"mbal map\r\n").with_context(|| format!("mbal map from {addr}"))? {
         Reply::Map { json, .. } => {
             let text = std::str::from_utf8(&json).context("map is not UTF-8")?;
@@ -91,13 +97,19 @@ pub fn fetch_map(addr: SocketAddr) -> Result<ClusterMap> {
 /// Makes [`RoutedDriver`]s over one cluster map.
 pub struct RoutedFactory {
     map: ClusterMap,
+    tls: Option<ClientTls>,
 }
 
 impl RoutedFactory {
     /// Fetch the map from `server` (any server of the cluster). Every worker address in the map
     /// must be a loopback address unless `allow_non_loopback`.
     pub fn connect(server: SocketAddr, allow_non_loopback: bool) -> Result<RoutedFactory> {
-        let map = fetch_map(server)?;
+        RoutedFactory::connect_tls(server, allow_non_loopback, None)
+    }
+
+    /// [`RoutedFactory::connect`], every connection TLS with `tls`.
+    pub fn connect_tls(server: SocketAddr, allow_non_loopback: bool, tls: Option<ClientTls>) -> Result<RoutedFactory> {
+        let map = fetch_map_tls(server, tls.as_ref())?;
         if !allow_non_loopback {
             for (s, info) in map.servers().iter().enumerate() {
                 for a in &info.workers {
@@ -110,12 +122,17 @@ impl RoutedFactory {
                 }
             }
         }
-        Ok(RoutedFactory { map })
+        Ok(RoutedFactory { map, tls })
     }
 
     /// Start from a given map (possibly older than the servers': redirects correct it).
     pub fn with_map(map: ClusterMap) -> RoutedFactory {
-        RoutedFactory { map }
+        RoutedFactory { map, tls: None }
+    }
+
+    /// Talk TLS to every worker.
+    pub fn with_tls(self, tls: Option<ClientTls>) -> RoutedFactory {
+        RoutedFactory { tls, ..self }
     }
 
     pub fn map(&self) -> &ClusterMap {
@@ -129,8 +146,9 @@ impl DriverFactory for RoutedFactory {
     }
     fn make(&self, spec: &DriverSpec<'_>) -> Result<Box<dyn Driver>> {
         let a = spec.args;
-        Ok(Box::new(RoutedDriver::connect(
+        Ok(Box::new(RoutedDriver::connect_tls(
             &self.map,
+            self.tls.as_ref(),
             spec.max_in_flight,
             a.key_size,
             a.value_size_max.unwrap_or(a.value_size).max(a.value_size),
@@ -141,6 +159,9 @@ impl DriverFactory for RoutedFactory {
     }
     fn load_servers(&self) -> Vec<SocketAddr> {
         self.map.servers().iter().map(|s| s.main).collect()
+    }
+    fn tls(&self) -> Option<ClientTls> {
+        self.tls.clone()
     }
 }
 
@@ -221,6 +242,17 @@ impl RoutedDriver {
         key_size: usize,
         value_size_max: usize,
     ) -> Result<RoutedDriver> {
+        RoutedDriver::connect_tls(map, None, max_in_flight, key_size, value_size_max)
+    }
+
+    /// [`RoutedDriver::connect`], over TLS with `tls`.
+    pub fn connect_tls(
+        map: &ClusterMap,
+        tls: Option<&ClientTls>,
+        max_in_flight: usize,
+        key_size: usize,
+        value_size_max: usize,
+    ) -> Result<RoutedDriver> {
         let mut targets = Vec::new();
         let mut server_base = Vec::new();
         for (s, info) in map.servers().iter().enumerate() {
@@ -235,14 +267,14 @@ impl RoutedDriver {
         let addrs = targets.iter().map(|&(_, a)| a).collect();
         let mut conns = Conns::new("worker", addrs, targets.len())?;
         for (ti, &((s, w), addr)) in targets.iter().enumerate() {
-            let mut std = connect_std(addr)?;
-            std.set_read_timeout(Some(IO_TIMEOUT))?;
+            let mut std = connect_std(addr, tls)?;
+            std.sock().set_read_timeout(Some(IO_TIMEOUT))?;
             let hello = format!("mbal hello {} {w}\r\n", map.epoch());
             let reply = call(&mut std, hello.as_bytes()).with_context(|| format!("mbal hello to {addr}"))?;
             if !matches!(reply, Reply::Hello { server, worker, .. } if (server, worker) == (s, w)) {
                 bail!("{addr} (s{s}/w{w} in the map) answered `mbal hello` with {reply:?}");
             }
-            std.set_read_timeout(None)?;
+            std.sock().set_read_timeout(None)?;
             conns.add(std, ti)?;
         }
         let n = targets.len();

@@ -140,6 +140,11 @@ pub struct LoadWatch {
 impl LoadWatch {
     /// Start one poller per server (`servers[i]` is server `i`'s main address).
     pub fn start(servers: &[SocketAddr]) -> LoadWatch {
+        LoadWatch::start_tls(servers, None)
+    }
+
+    /// [`LoadWatch::start`] over TLS connections with `tls`.
+    pub fn start_tls(servers: &[SocketAddr], tls: Option<mbal_tls::ClientTls>) -> LoadWatch {
         let stop = Arc::new(AtomicBool::new(false));
         let (tx, caught_up) = std::sync::mpsc::channel();
         let mut pollers = Vec::new();
@@ -154,9 +159,9 @@ impl LoadWatch {
                 fresh_cv: Condvar::new(),
                 ended: AtomicBool::new(false),
             });
-            let (p2, stop2) = (p.clone(), stop.clone());
+            let (p2, stop2, tls2) = (p.clone(), stop.clone(), tls.clone());
             let spawned = std::thread::Builder::new().name(format!("bench-load-{i}")).spawn(move || {
-                if let Err(e) = poll_loop(&p2, &stop2) {
+                if let Err(e) = poll_loop(&p2, &stop2, tls2.as_ref()) {
                     *p2.failed.lock().unwrap_or_else(|e| e.into_inner()) = Some(format!("{e:#}"));
                 }
                 p2.tell_caught_up();
@@ -330,11 +335,13 @@ impl Poller {
 
 /// One server: `mbal load <after>` until stopped. A server that does not answer `LOAD` (not an
 /// mbal server) ends the loop with an error, which leaves it out of the report.
-fn poll_loop(p: &Poller, stop: &AtomicBool) -> Result<()> {
-    let mut s = TcpStream::connect_timeout(&p.addr, Duration::from_secs(5))
+fn poll_loop(p: &Poller, stop: &AtomicBool, tls: Option<&mbal_tls::ClientTls>) -> Result<()> {
+    let s = TcpStream::connect_timeout(&p.addr, Duration::from_secs(5))
         .with_context(|| format!("connect to {}", p.addr))?;
     s.set_nodelay(true)?;
-    s.set_read_timeout(Some(STOP_CHECK))?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    let mut s = mbal_tls::BlockingStream::new(s, p.addr, tls).with_context(|| format!("TLS to {}", p.addr))?;
+    s.sock().set_read_timeout(Some(STOP_CHECK))?;
     let mut after = 0u64;
     let mut buf: Vec<u8> = Vec::new();
     while !stop.load(Ordering::Relaxed) {

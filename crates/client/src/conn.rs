@@ -1,14 +1,16 @@
-//! One blocking TCP connection to an mbal worker (or server main port) with
-//! its reply parser, and the mapping of I/O failures to [`Error`].
+//! One blocking TCP connection (plain or TLS) to an mbal worker (or server
+//! main port) with its reply parser, and the mapping of I/O failures to
+//! [`Error`].
 
 use crate::{Error, Peer, Result};
 use mbal_proto::client::{Expect, OwnedHint, Reply, ReplyReader};
+use mbal_tls::{BlockingStream, ClientTls};
 use std::io::{self, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
 pub(crate) struct Conn {
-    stream: TcpStream,
+    stream: BlockingStream,
     parser: ReplyReader,
     pub addr: SocketAddr,
     pub peer: Peer,
@@ -22,9 +24,15 @@ fn io_err(addr: SocketAddr, peer: Peer, e: io::Error) -> Error {
 }
 
 impl Conn {
-    /// Connect with `connect_timeout`; reads and writes time out after
-    /// `io_timeout`.
-    pub fn open(addr: SocketAddr, peer: Peer, connect_timeout: Duration, io_timeout: Duration) -> Result<Conn> {
+    /// Connect with `connect_timeout`; reads and writes (and the TLS
+    /// handshake, with `tls`) time out after `io_timeout`.
+    pub fn open(
+        addr: SocketAddr,
+        peer: Peer,
+        connect_timeout: Duration,
+        io_timeout: Duration,
+        tls: Option<&ClientTls>,
+    ) -> Result<Conn> {
         let stream = TcpStream::connect_timeout(&addr, connect_timeout).map_err(|e| io_err(addr, peer, e))?;
         let setup = || -> io::Result<()> {
             stream.set_nodelay(true)?;
@@ -32,6 +40,7 @@ impl Conn {
             stream.set_write_timeout(Some(io_timeout))
         };
         setup().map_err(|e| io_err(addr, peer, e))?;
+        let stream = BlockingStream::new(stream, addr, tls).map_err(|e| io_err(addr, peer, e))?;
         Ok(Conn { stream, parser: ReplyReader::new(), addr, peer })
     }
 

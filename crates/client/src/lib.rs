@@ -107,6 +107,10 @@ pub struct Config {
     pub max_redirects: u32,
     /// Pooled connections per (server, worker).
     pub conns_per_worker: usize,
+    /// Talk TLS to every server (`None`: plain TCP). Loaded with
+    /// [`mbal_tls::ClientTls::load`]: the CA to trust, an optional client
+    /// certificate, the expected server name (default: the address's IP).
+    pub tls: Option<mbal_tls::ClientTls>,
     /// Most keys with a hot-key lease held at once (oldest dropped).
     pub max_leases: usize,
     /// Username and password for servers started with `-Y`: each new
@@ -143,6 +147,7 @@ impl Default for Config {
             io_timeout: Duration::from_secs(5),
             max_redirects: 3,
             conns_per_worker: 1,
+            tls: None,
             max_leases: mbal_cluster::DEFAULT_MAX_LEASES,
             login: None,
         }
@@ -304,7 +309,7 @@ impl Client {
     /// A client for the cluster `any_server` (a main or worker port) belongs
     /// to: the map is fetched with `mbal map`.
     pub fn connect(any_server: SocketAddr, cfg: Config) -> Result<Client> {
-        let mut c = Conn::open(any_server, Peer::Unknown, cfg.connect_timeout, cfg.io_timeout)?;
+        let mut c = Conn::open(any_server, Peer::Unknown, cfg.connect_timeout, cfg.io_timeout, cfg.tls.as_ref())?;
         c.login(cfg.login.as_ref())?;
         let map = fetch_map(&mut c)?;
         Ok(Client::from_map(map, cfg))
@@ -411,7 +416,7 @@ impl Client {
             }
         }
         let peer = Peer::Worker { server: s, worker: w };
-        let mut c = Conn::open(addr, peer, self.cfg.connect_timeout, self.cfg.io_timeout)?;
+        let mut c = Conn::open(addr, peer, self.cfg.connect_timeout, self.cfg.io_timeout, self.cfg.tls.as_ref())?;
         c.login(self.cfg.login.as_ref())?;
         let hello = format!("mbal hello {} {w}\r\n", self.router.map().epoch());
         match c.call(hello.as_bytes(), Expect::Line)? {

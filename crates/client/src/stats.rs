@@ -107,12 +107,16 @@ fn stats_group(c: &mut Conn, group: &str) -> Result<Vec<(String, String)>> {
 }
 
 /// `stats` and `stats workers` of every server of the map, in server order
-/// (one plain connection to each main port; `timeout` bounds the connect
+/// (one connection to each main port, TLS with `tls`; `timeout` bounds the connect
 /// and every read and write).
-pub fn cluster_stats(map: &ClusterMap, timeout: Duration) -> Result<Vec<ServerStats>> {
+pub fn cluster_stats(
+    map: &ClusterMap,
+    timeout: Duration,
+    tls: Option<&mbal_tls::ClientTls>,
+) -> Result<Vec<ServerStats>> {
     let mut out = Vec::new();
     for (i, s) in map.servers().iter().enumerate() {
-        let mut c = Conn::open(s.main, Peer::Server(i as u16), timeout, timeout)?;
+        let mut c = Conn::open(s.main, Peer::Server(i as u16), timeout, timeout, tls)?;
         let general = stats_group(&mut c, "")?;
         let workers = stats_group(&mut c, "workers")?;
         let mut st = ServerStats::from_stats(i as u16, general, workers);

@@ -233,7 +233,7 @@ fn multi_get_and_multi_set_across_all_servers() {
     assert_eq!(c.redirects(), 0);
 
     // Stats: every server, every worker; items add up to what was stored.
-    let st = cluster_stats(c.map(), Duration::from_secs(5)).unwrap();
+    let st = cluster_stats(c.map(), Duration::from_secs(5), None).unwrap();
     assert_eq!(st.len(), 3);
     let items: u64 = st.iter().map(|s| s.curr_items).sum();
     assert_eq!(items, (keys.len() / 2 + many.len()) as u64);
@@ -244,7 +244,7 @@ fn multi_get_and_multi_set_across_all_servers() {
         assert_eq!(s.addr, Some(cl.servers[s.server as usize].main_addr));
     }
     c.get(keys[0].as_bytes()).unwrap();
-    let st2 = cluster_stats(c.map(), Duration::from_secs(5)).unwrap();
+    let st2 = cluster_stats(c.map(), Duration::from_secs(5), None).unwrap();
     let table = render_stats_table(Some(&st), &st2, 1.0);
     assert_eq!(table.lines().count(), 1 + 3 * (1 + WORKERS as usize), "{table}");
     assert!(table.contains(&cl.servers[2].main_addr.to_string()), "{table}");

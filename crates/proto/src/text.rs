@@ -88,6 +88,8 @@ pub enum TextCmd<'a> {
         args: &'a [u8],
     },
     Quit,
+    /// `refresh_certs`: read the TLS certificate files again (memcached's).
+    RefreshCerts,
     /// `shutdown [graceful]`; `args` is the rest of the line, trimmed (whether shutdown is
     /// allowed and which modes exist is the server's business).
     Shutdown {
@@ -380,6 +382,7 @@ pub fn parse<'a>(buf: &'a [u8], limits: &Limits) -> Parsed<'a> {
         }
         b"stats" => req(TextCmd::Stats { args: trim(rest) }),
         b"quit" => req(TextCmd::Quit),
+        b"refresh_certs" => req(TextCmd::RefreshCerts),
         b"shutdown" => req(TextCmd::Shutdown { args: trim(rest) }),
         b"slabs" => req(TextCmd::Tune { cmd: TuneCmd::Slabs, args: trim(rest) }),
         b"lru" => req(TextCmd::Tune { cmd: TuneCmd::Lru, args: trim(rest) }),
@@ -862,6 +865,7 @@ mod tests {
         assert_eq!(terr(b"verbosity x\r\n").0, E_FORMAT);
         assert_eq!(cmd(b"version\r\n"), TextCmd::Version);
         assert_eq!(cmd(b"quit\r\n"), TextCmd::Quit);
+        assert_eq!(cmd(b"refresh_certs\r\n"), TextCmd::RefreshCerts);
         assert_eq!(cmd(b"shutdown\r\n"), TextCmd::Shutdown { args: b"" });
         assert_eq!(cmd(b"shutdown  graceful \r\n"), TextCmd::Shutdown { args: b"graceful" });
         assert_eq!(cmd(b"slabs automove 1\r\n"), TextCmd::Tune { cmd: TuneCmd::Slabs, args: b"automove 1" });

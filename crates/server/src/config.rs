@@ -105,6 +105,9 @@ pub struct Settings {
     /// `--worker-capacity`: emulated capacity of each worker, requests per
     /// second (`capacity.rs`); 0: unlimited.
     pub worker_capacity: u64,
+    /// `-Z` with `-o ssl_chain_cert=...,ssl_key=...,ssl_ca_cert=...,ssl_verify_mode=N`: every
+    /// listener (main and worker ports) speaks TLS only. `None`: plain TCP.
+    pub tls: Option<mbal_tls::ServerTlsFiles>,
     /// `-Y FILE`: every connection must authenticate (text: memcached's
     /// ASCII auth; binary: SASL PLAIN), with these users (`auth`).
     pub auth: Option<std::sync::Arc<crate::auth::Credentials>>,
@@ -207,6 +210,7 @@ impl Default for Settings {
             balance: mbal_balance::Config::default(),
             prefix_delimiter: b':',
             worker_capacity: 0,
+            tls: None,
             auth: None,
             control_secret: None,
             max_conns_per_ip: 0,

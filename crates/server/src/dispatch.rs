@@ -291,6 +291,18 @@ pub(crate) fn handle(
                 Action::None
             }
             TextCmd::Quit => Action::Close,
+            TextCmd::RefreshCerts => {
+                // memcached's answer: OK, or ERROR and why (the old certificate stays in use).
+                let line = match &shared.tls {
+                    None => "ERROR TLS is not enabled\r\n".to_string(),
+                    Some(tls) => match tls.reload() {
+                        Ok(()) => "OK\r\n".to_string(),
+                        Err(e) => format!("ERROR {}\r\n", e.replace(['\r', '\n'], " ")),
+                    },
+                };
+                output.buf().extend_from_slice(line.as_bytes());
+                Action::None
+            }
             TextCmd::Shutdown { args } => {
                 // memcached hangs up on the asker, writing nothing, as it shuts down.
                 if !settings.shutdown_enabled {

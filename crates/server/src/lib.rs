@@ -87,6 +87,13 @@ impl ServerHandle {
         }
     }
 
+    /// Read the TLS certificate files again (SIGHUP, `refresh_certs`): new
+    /// connections use them, open ones keep theirs. An error leaves the old
+    /// ones in use.
+    pub fn reload_tls(&self) -> Result<(), String> {
+        reload_tls(&self.shared)
+    }
+
     /// Has the server been asked to stop?
     pub fn is_shutting_down(&self) -> bool {
         self.shared.shutdown.load(Ordering::Relaxed)
@@ -99,6 +106,13 @@ impl ServerHandle {
     }
 }
 
+fn reload_tls(shared: &Shared) -> Result<(), String> {
+    match &shared.tls {
+        None => Err("TLS is not enabled".into()),
+        Some(t) => t.reload(),
+    }
+}
+
 /// Stops a server from any thread.
 #[derive(Clone)]
 pub struct StopToken(Arc<Shared>, Arc<mio::Waker>);
@@ -108,6 +122,11 @@ impl StopToken {
         self.0.shutdown.store(true, Ordering::Relaxed);
         self.0.wake_all();
         let _ = self.1.wake();
+    }
+
+    /// [`ServerHandle::reload_tls`], from any thread (a SIGHUP handler).
+    pub fn reload_tls(&self) -> Result<(), String> {
+        reload_tls(&self.0)
     }
 }
 
@@ -164,6 +183,13 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
     let replicating = settings.hot.enabled && map.servers().len() > 1;
     let (rep_tx, rep_rx) = crossbeam_channel::unbounded();
 
+    let tls = match &settings.tls {
+        None => None,
+        Some(files) => Some(
+            mbal_tls::ServerTls::new(files.clone())
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("TLS: {e}")))?,
+        ),
+    };
     let start_unix = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let pool = GlobalPool::new(settings.memory_limit, settings.page_size);
     let shared = Arc::new(Shared {
@@ -189,6 +215,7 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
         next_conn_id: AtomicU64::new(1),
         accept_paused: AtomicBool::new(false),
         accept_waker: OnceLock::new(),
+        tls,
         replicator: replicating.then_some(rep_tx),
         settings: settings.clone(),
     });
@@ -299,14 +326,18 @@ impl Acceptor {
                 shared.curr_conns.fetch_sub(1, Ordering::Relaxed);
                 shared.rejected_conns.fetch_add(1, Ordering::Relaxed);
                 let mut sock = sock;
-                // memcached's answer to one connection too many.
-                let _ = std::io::Write::write(&mut sock, b"ERROR Too many open connections\r\n");
+                // memcached's answer to one connection too many (on a TLS port, only the close).
+                if shared.tls.is_none() {
+                    let _ = std::io::Write::write(&mut sock, b"ERROR Too many open connections\r\n");
+                }
                 continue;
             }
             if !shared.admit_ip(peer.ip()) {
                 shared.curr_conns.fetch_sub(1, Ordering::Relaxed);
                 let mut sock = sock;
-                let _ = std::io::Write::write(&mut sock, worker::TOO_MANY_FROM_IP);
+                if shared.tls.is_none() {
+                    let _ = std::io::Write::write(&mut sock, worker::TOO_MANY_FROM_IP);
+                }
                 continue;
             }
             let n = shared.worker_conns.len();

@@ -147,7 +147,8 @@ impl ReplyBatch {
 
 /// A connection changing worker, with what it had read but not served.
 pub(crate) struct HandOff {
-    pub sock: std::net::TcpStream,
+    /// The socket with its TLS state, if any (a TLS session moves whole).
+    pub sock: mbal_tls::Stream<std::net::TcpStream>,
     pub peer: std::net::SocketAddr,
     pub listen_addr: std::net::SocketAddr,
     pub id: u64,

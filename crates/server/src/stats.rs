@@ -37,6 +37,9 @@ pub struct Counters {
     pub idle_kicks: u64,
     /// Values refused as larger than `-I` (memcached's `store_too_large`).
     pub store_too_large: u64,
+    /// TLS connections closed on a failed handshake or a bad record
+    /// (memcached's `ssl_handshake_errors`).
+    pub tls_errors: u64,
     /// Phase 1: copies made of hot keys homed here, `RH hot` hints sent,
     /// reads served from the shadow table, shadow misses redirected home,
     /// and the shadow table's size and refusals (set when snapshotted).
@@ -136,6 +139,7 @@ impl Counters {
             capacity_stalls,
             idle_kicks,
             store_too_large,
+            tls_errors,
             hot_replications,
             hot_hints,
             replica_reads,
@@ -342,6 +346,9 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
             sink.stat("total_connections", &c.total_connections);
             sink.stat("rejected_connections", &(c.rejected_connections + p.rejected_conns));
             sink.stat("connection_structures", &curr_conns);
+            if s.tls.is_some() {
+                sink.stat("ssl_handshake_errors", &c.tls_errors);
+            }
             sink.stat("cmd_get", &st.cmd_get);
             sink.stat("cmd_set", &st.cmd_set);
             sink.stat("cmd_flush", &c.cmd_flush);
@@ -427,7 +434,22 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
             sink.stat("maxconns_fast", &"yes");
             sink.stat("dump_enabled", &"no");
             sink.stat("track_sizes", &"no");
-            sink.stat("ssl_enabled", &"no");
+            match &s.tls {
+                None => sink.stat("ssl_enabled", &"no"),
+                Some(t) => {
+                    sink.stat("ssl_enabled", &"yes");
+                    sink.stat("ssl_chain_cert", &t.chain_cert.display());
+                    sink.stat("ssl_key", &t.key.as_deref().unwrap_or(&t.chain_cert).display());
+                    let ca = t.ca_cert.as_ref().map(|p| p.display().to_string());
+                    sink.stat("ssl_ca_cert", &ca.as_deref().unwrap_or("NULL"));
+                    let mode = match t.verify_mode {
+                        mbal_tls::VerifyMode::None => 0,
+                        mbal_tls::VerifyMode::Optional => 1,
+                        mbal_tls::VerifyMode::Required => 2,
+                    };
+                    sink.stat("ssl_verify_mode", &mode);
+                }
+            }
             sink.stat("verbosity", &s.verbosity);
             sink.stat("evictions", &if s.evictions { "on" } else { "off" });
             sink.stat("num_threads", &s.threads);

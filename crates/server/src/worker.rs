@@ -55,7 +55,7 @@ use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Token};
 use slab::Slab;
 use std::collections::VecDeque;
-use std::io::{self, Read, Write};
+use std::io::{self, Write};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -121,6 +121,8 @@ pub(crate) struct Shared {
     /// and waits for a close to wake it (`accept_waker`).
     pub accept_paused: AtomicBool,
     pub accept_waker: OnceLock<Arc<mio::Waker>>,
+    /// `-Z`: the TLS configuration new connections take (reloadable).
+    pub tls: Option<mbal_tls::ServerTls>,
     /// The replicator's job queue (Phase 1), when it runs.
     pub replicator: Option<Sender<crate::replicate::Job>>,
 }
@@ -209,8 +211,11 @@ impl Shared {
 /// The answer to a connection over `--max-conns-per-ip` (then it is closed).
 pub(crate) const TOO_MANY_FROM_IP: &[u8] = b"ERROR Too many open connections from this address\r\n";
 
+/// A connection's socket, plain or TLS (`mbal_tls::Stream`: one match per read or write).
+pub(crate) type ConnStream = mbal_tls::Stream<TcpStream>;
+
 struct Conn {
-    sock: TcpStream,
+    sock: ConnStream,
     id: u64,
     gen: u64,
     peer: SocketAddr,

@@ -341,6 +341,8 @@ impl Engine {
                     self.mark_client(ci);
                 }
                 TextCmd::Shutdown { .. } => self.local(ci, b"ERROR: shutdown not enabled\r\n"),
+                // the proxy listens without TLS: no certificates to refresh
+                TextCmd::RefreshCerts => self.local(ci, b"ERROR TLS is not enabled\r\n"),
                 TextCmd::Tune { .. } => {
                     // the servers' answer (memcached's argument checks), from server 0
                     let (cid, seq) = self.open_slot(ci, 1, false);

@@ -37,29 +37,56 @@ impl Worker {
                 self.shared.curr_conns.fetch_sub(1, Ordering::Relaxed);
                 self.counters.rejected_connections += 1;
                 let mut sock = sock;
-                // memcached's answer to one connection too many.
-                let _ = sock.write(b"ERROR Too many open connections\r\n");
+                // memcached's answer to one connection too many (on a TLS port, only the close).
+                if self.shared.tls.is_none() {
+                    let _ = sock.write(b"ERROR Too many open connections\r\n");
+                }
                 continue;
             }
             if !self.shared.admit_ip(peer.ip()) {
                 self.shared.curr_conns.fetch_sub(1, Ordering::Relaxed);
                 let mut sock = sock;
-                let _ = sock.write(TOO_MANY_FROM_IP);
+                if self.shared.tls.is_none() {
+                    let _ = sock.write(TOO_MANY_FROM_IP);
+                }
                 continue;
             }
             self.shared.worker_conns[self.id].fetch_add(1, Ordering::Relaxed);
             let listen_addr = listener.local_addr().unwrap_or(peer);
-            self.register(sock, peer, listen_addr);
+            if let Some(stream) = self.stream(sock, peer) {
+                self.register(stream, peer, listen_addr);
+            }
+        }
+    }
+
+    /// A newly accepted socket as this server serves it: plain, or the
+    /// server side of a TLS session (`-Z`) whose handshake runs as the
+    /// connection is read. `None` (and the connection uncounted) if TLS
+    /// cannot start.
+    pub(super) fn stream(&mut self, sock: TcpStream, peer: SocketAddr) -> Option<ConnStream> {
+        let Some(tls) = &self.shared.tls else { return Some(ConnStream::Plain(sock)) };
+        match tls.accept() {
+            Ok(conn) => Some(ConnStream::tls(conn, sock)),
+            Err(e) => {
+                tracing::warn!(worker = self.id, %peer, "TLS: {e}");
+                self.shared.conn_closed(self.id, peer.ip());
+                None
+            }
         }
     }
 
     /// Serve a connection here. It is already counted in `curr_conns` and
     /// in this worker's `worker_conns`.
-    pub(super) fn register(&mut self, mut sock: TcpStream, peer: SocketAddr, listen_addr: SocketAddr) -> Option<usize> {
-        let _ = sock.set_nodelay(true);
+    pub(super) fn register(
+        &mut self,
+        mut sock: ConnStream,
+        peer: SocketAddr,
+        listen_addr: SocketAddr,
+    ) -> Option<usize> {
+        let _ = sock.sock().set_nodelay(true);
         let entry = self.conns.vacant_entry();
         let ci = entry.key();
-        if let Err(e) = self.poll.registry().register(&mut sock, Token(ci + FIRST_CONN), Interest::READABLE) {
+        if let Err(e) = self.poll.registry().register(sock.sock_mut(), Token(ci + FIRST_CONN), Interest::READABLE) {
             tracing::warn!("register: {e}");
             self.shared.conn_closed(self.id, peer.ip());
             return None;
@@ -104,12 +131,12 @@ impl Worker {
     /// (`mbal hello <epoch> <to>`; its output is empty, `dispatch` checked).
     pub(super) fn hand_off(&mut self, ci: usize, pos: usize, to: usize) {
         let Some(mut c) = self.conns.try_remove(ci) else { return };
-        let _ = self.poll.registry().deregister(&mut c.sock);
+        let _ = self.poll.registry().deregister(c.sock.sock_mut());
         self.shared.worker_conns[self.id].fetch_sub(1, Ordering::Relaxed);
         self.shared.worker_conns[to].fetch_add(1, Ordering::Relaxed);
         let unread = c.rbuf.split_off(pos.min(c.rbuf.len()));
         let h = HandOff {
-            sock: std::net::TcpStream::from(c.sock),
+            sock: c.sock.map_sock(std::net::TcpStream::from),
             peer: c.peer,
             listen_addr: c.listen_addr,
             id: c.id,
@@ -121,7 +148,8 @@ impl Worker {
 
     pub(super) fn close(&mut self, ci: usize) {
         if let Some(mut c) = self.conns.try_remove(ci) {
-            let _ = self.poll.registry().deregister(&mut c.sock);
+            c.sock.close_notify();
+            let _ = self.poll.registry().deregister(c.sock.sock_mut());
             self.shared.conn_closed(self.id, c.peer.ip());
         }
     }
@@ -178,7 +206,12 @@ impl Worker {
                     match e.kind() {
                         io::ErrorKind::WouldBlock => break,
                         io::ErrorKind::Interrupted => continue,
-                        _ => {
+                        kind => {
+                            if kind == io::ErrorKind::InvalidData && conn.sock.is_tls() {
+                                // A failed handshake or a bad record: this connection only.
+                                self.counters.tls_errors += 1;
+                                tracing::debug!(worker = self.id, peer = %conn.peer, "TLS: {e}");
+                            }
                             eof = true;
                             break;
                         }
@@ -437,6 +470,10 @@ impl Worker {
     /// Write as much output as the socket takes.
     pub(super) fn flush(&mut self, ci: usize) {
         let Some(conn) = self.conns.get_mut(ci) else { return };
+        if conn.sock.flush_tls().is_err() {
+            self.close(ci);
+            return;
+        }
         conn.output.drain();
         while conn.output.sent < conn.output.out.len() {
             match conn.sock.write(&conn.output.out[conn.output.sent..]) {
@@ -460,11 +497,11 @@ impl Worker {
                 conn.output.out.shrink_to(64 << 10);
             }
         }
-        let need_write = conn.output.sent < conn.output.out.len();
+        let need_write = conn.output.sent < conn.output.out.len() || conn.sock.wants_write();
         if need_write != conn.want_write {
             conn.want_write = need_write;
             let interest = if need_write { Interest::READABLE | Interest::WRITABLE } else { Interest::READABLE };
-            let _ = self.poll.registry().reregister(&mut conn.sock, Token(ci + FIRST_CONN), interest);
+            let _ = self.poll.registry().reregister(conn.sock.sock_mut(), Token(ci + FIRST_CONN), interest);
         }
         if !need_write && !conn.output.waiting() && conn.closing {
             self.close(ci);

@@ -52,11 +52,13 @@ impl Worker {
             }
             Envelope::Conn(sock, peer) => {
                 let listen = self.shared.main_addr;
-                self.register(TcpStream::from_std(sock), peer, listen);
+                if let Some(stream) = self.stream(TcpStream::from_std(sock), peer) {
+                    self.register(stream, peer, listen);
+                }
             }
             Envelope::HandOff(h) => {
                 let HandOff { sock, peer, listen_addr, id, unread, auth } = *h;
-                if let Some(ci) = self.register(TcpStream::from_std(sock), peer, listen_addr) {
+                if let Some(ci) = self.register(sock.map_sock(TcpStream::from_std), peer, listen_addr) {
                     // Counted once, by the worker that accepted it.
                     self.counters.total_connections -= 1;
                     let c = &mut self.conns[ci];

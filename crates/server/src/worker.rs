@@ -123,6 +123,8 @@ pub(crate) struct Shared {
     pub accept_waker: OnceLock<Arc<mio::Waker>>,
     /// The replicator's job queue (Phase 1), when it runs.
     pub replicator: Option<Sender<crate::replicate::Job>>,
+    /// The forwarder's job queue and counters (`--forward` in a cluster).
+    pub forward: Option<crate::forward::ForwardHandle>,
 }
 
 impl Shared {
@@ -153,6 +155,9 @@ impl Shared {
     pub fn wake_all(&self) {
         if let Some(p) = self.peers.get() {
             p.wake_all();
+        }
+        if let Some(f) = &self.forward {
+            f.wake();
         }
         self.tell_controller(CtlMsg::Wake);
     }
@@ -292,6 +297,9 @@ pub(crate) struct Worker {
     replicas: Replicas,
     /// Bytes of unparsed input a connection may hold (`--max-input-buffer`).
     input_cap: usize,
+    /// Requests for keys other servers own, for the forwarder (`--forward`),
+    /// handed over at the end of the round.
+    fwd: Vec<crate::forward::Job>,
 }
 
 /// A listening socket; `mark` (`-o sock_cookie_id`, 0: none) is set as its
@@ -366,6 +374,7 @@ impl Worker {
             held: VecDeque::new(),
             held_pos: 0,
             replicas,
+            fwd: Vec::new(),
             input_cap: match shared.settings.max_input_buffer {
                 0 => limits.max_item_size + limits.max_line + READ_CHUNK,
                 n => n,
@@ -429,6 +438,11 @@ impl Worker {
             let round_end = self.shared.clock_ns();
             self.busy_ns += round_end.saturating_sub(round_start);
             self.shared.peers().send_all(self.id, &mut self.outbox, round_end);
+            if !self.fwd.is_empty() {
+                if let Some(f) = &self.shared.forward {
+                    f.send(std::mem::take(&mut self.fwd));
+                }
+            }
             if self.shared.shutdown.load(Ordering::Relaxed) {
                 return;
             }

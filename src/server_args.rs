@@ -274,6 +274,16 @@ pub struct ServerArgs {
     /// [default: 30000; 0 = never]
     #[arg(long = "request-timeout-ms")]
     pub request_timeout_ms: Option<u64>,
+    /// Pass a plain client's requests for keys another server of the cluster owns to that server
+    /// and return its answers in order (so an unmodified client may use any server), instead of
+    /// answering them as a server without the key would [default: off]
+    #[arg(long = "forward")]
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub forward: bool,
+    /// Milliseconds --forward waits for the owning server's answer before it answers the request
+    /// (and every other waiting on that server) with SERVER_ERROR [default: 1000]
+    #[arg(long = "forward-timeout-ms")]
+    pub forward_timeout_ms: Option<u64>,
 
     /// TOML file with any of the settings above (long names, with '_' for '-')
     #[arg(long = "config")]
@@ -747,6 +757,10 @@ impl ServerArgs {
         }
         if let Some(v) = o.request_timeout_ms {
             s.request_timeout_ms = v;
+        }
+        s.forward = o.forward;
+        if let Some(v) = o.forward_timeout_ms {
+            s.forward_timeout_ms = v.max(1);
         }
         s.debug_commands = self.debug_commands;
         if let Some(d) = &self.x_delimiter {

@@ -426,3 +426,13 @@ fn auth_and_limit_options() {
     assert!(e.contains("one place"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn forward_flag() {
+    let d = parse(&[]).unwrap();
+    assert!(!d.forward, "off by default");
+    assert_eq!(d.forward_timeout_ms, 1000);
+    let s = parse(&["--forward", "--forward-timeout-ms", "250"]).unwrap();
+    assert!(s.forward);
+    assert_eq!(s.forward_timeout_ms, 250);
+}

@@ -127,6 +127,12 @@ pub struct Settings {
     pub request_timeout_ms: u64,
     /// Phase 1, hot-key replication.
     pub hot: HotSettings,
+    /// `--forward`: pass a plain client's requests for keys another server
+    /// owns to that server (the forwarder), instead of answering for them.
+    pub forward: bool,
+    /// Milliseconds the forwarder waits for an answer before it gives the
+    /// request (and every other in flight to that owner) an error.
+    pub forward_timeout_ms: u64,
 }
 
 /// Phase 1's settings (`--hot-keys` and friends; DESIGN.md §6).
@@ -217,6 +223,8 @@ impl Default for Settings {
             max_input_buffer: 0,
             request_timeout_ms: 30_000,
             hot: HotSettings::default(),
+            forward: false,
+            forward_timeout_ms: 1000,
         }
     }
 }

@@ -7,6 +7,7 @@
 
 use crate::control::CtlMsg;
 use crate::exec::{self, locate, Ctx, Loc};
+use crate::forward::{Job, Kind};
 use crate::moves::{Own, Parked, Tables};
 use crate::msg::{Envelope, FwdKind, Outbox, ReplyTo};
 use crate::output::{Output, Slot, StatsFormat, MAX_PENDING_OUTPUT};
@@ -15,6 +16,7 @@ use crate::stats::Counters;
 use crate::worker::Shared;
 use mbal_cluster::KeySpace;
 use mbal_proto::binary::{opcode as op, status as st, write_response, BinReq};
+use mbal_proto::client::Expect;
 use mbal_proto::meta::{meta_key, MetaKind};
 use mbal_proto::text::{self, Line, LineState, TextCmd};
 use mbal_proto::{Protocol, Request};
@@ -59,6 +61,10 @@ pub(crate) struct Route<'a> {
     pub replicas: &'a mut Replicas,
     /// The connection's authentication (data and control plane).
     pub auth: &'a mut crate::auth::ConnAuth,
+    /// This round's requests for the forwarder, and whether it runs
+    /// (`--forward`): keys other servers own are passed to them.
+    pub fwd: &'a mut Vec<Job>,
+    pub forwarding: bool,
 }
 
 impl Route<'_> {
@@ -98,6 +104,16 @@ impl Route<'_> {
             let stamp = self.tables.stamp(cachelet);
             self.outbox[to].reqs().push(reply, cachelet, stamp, kind, write);
         }
+    }
+
+    /// Reserve an output slot and hand the request to the forwarder, for
+    /// the server that owns the key with `hash`.
+    fn forward_server(&mut self, output: &mut Output, hash: u64, kind: Kind, req: Vec<u8>) {
+        let seq = output.push(Slot::Wait);
+        self.counters.forwarded_servers += 1;
+        *self.inflight += 1;
+        let to = self.reply_to(seq);
+        self.fwd.push(Job { to, hash, kind, req });
     }
 
     fn reply_to(&self, seq: u64) -> ReplyTo {
@@ -178,21 +194,36 @@ pub(crate) fn handle(
                         return Action::None;
                     }
                 }
+                if rt.forwarding && *line == Line::Whole && whole_remote(rt, layout, keys.iter()) {
+                    // One cachelet of another server (a one-key get, most
+                    // often): the owner's whole reply passes through.
+                    let hash = locate(layout, keys.iter().next().unwrap_or_default()).hash;
+                    let req = get_line(*cas, *touch, keys.raw());
+                    rt.forward_server(output, hash, Kind::Values { whole: true }, req);
+                    return Action::None;
+                }
                 // Walk keys in order; local keys are answered at once, runs
                 // of consecutive keys of one cachelet another worker owns go
-                // to it as one message. END closes the reply after the last
-                // run (of the last piece of a long line). Keys another
-                // server holds are misses here.
-                // A run is (owner, cachelet, its first key, its last key);
-                // its bytes are the stretch of the key list between them,
-                // copied into the batch once the run ends.
-                type Run<'k> = Option<(usize, u32, &'k [u8], &'k [u8])>;
+                // to it as one message (with `--forward`, runs of another
+                // server's cachelet go to the forwarder). END closes the
+                // reply after the last run (of the last piece of a long
+                // line). Keys another server holds are misses otherwise.
+                // A run is (owner, cachelet, its first key, its last key,
+                // the first key's hash); its bytes are the stretch of the
+                // key list between them, copied into the batch once the run
+                // ends.
+                type Run<'k> = Option<(Dest, u32, &'k [u8], &'k [u8], u64)>;
                 let kind = FwdKind::Values { cas: *cas, touch: *touch };
                 let all = keys.raw();
-                let send = |rt: &mut Route, output: &mut Output, run: Run| {
-                    if let Some((to, c, first, last)) = run {
-                        rt.forward(output, to, c, kind, |d| d.extend_from_slice(span(all, first, last)));
+                let send = |rt: &mut Route, output: &mut Output, run: Run| match run {
+                    Some((Dest::Worker(to), c, first, last, _)) => {
+                        rt.forward(output, to, c, kind, |d| d.extend_from_slice(span(all, first, last)))
                     }
+                    Some((_, _, first, last, hash)) => {
+                        let req = get_line(*cas, *touch, span(all, first, last));
+                        rt.forward_server(output, hash, Kind::Values { whole: false }, req)
+                    }
+                    None => {}
                 };
                 let mut run: Run = None;
                 for key in keys.iter() {
@@ -212,17 +243,18 @@ pub(crate) fn handle(
                         }
                         // A piece of a long line on a routed connection.
                         d if rt.routed => redirect(shared, rt, output, d, Some(key)),
-                        Dest::Worker(owner) => match &mut run {
-                            Some((_, c, _, last)) if *c == at.cachelet => *last = key,
-                            _ => {
-                                send(rt, output, run.take());
-                                run = Some((owner, at.cachelet, key, key));
-                            }
-                        },
-                        Dest::Server(..) => {
+                        Dest::Server(..) if !rt.forwarding => {
                             send(rt, output, run.take());
                             rt.counters.foreign_keys += 1
                         }
+                        // Another worker's, or (forwarding) another server's.
+                        d => match &mut run {
+                            Some((_, c, _, last, _)) if *c == at.cachelet => *last = key,
+                            _ => {
+                                send(rt, output, run.take());
+                                run = Some((d, at.cachelet, key, key, at.hash));
+                            }
+                        },
                     }
                 }
                 send(rt, output, run.take());
@@ -235,7 +267,15 @@ pub(crate) fn handle(
                 let key = text_key(cmd).unwrap();
                 let at = locate(layout, key);
                 let exec = |ctx: &mut Ctx, out: &mut Vec<u8>| exec::text_keyed(ctx, cmd, at, out);
-                route_keyed(shared, rt, store, now, output, at, Protocol::Text, raw, exec, |out| {
+                let noreply = match *cmd {
+                    TextCmd::Store { noreply, .. }
+                    | TextCmd::Delete { noreply, .. }
+                    | TextCmd::Arith { noreply, .. }
+                    | TextCmd::Touch { noreply, .. } => noreply,
+                    _ => false,
+                };
+                let remote = Kind::Line { expect: Expect::Line, quiet: noreply, silent: noreply };
+                route_keyed(shared, rt, store, now, output, at, Protocol::Text, raw, exec, remote, |out| {
                     foreign_text(cmd, out)
                 });
                 Action::None
@@ -339,7 +379,10 @@ pub(crate) fn handle(
                 hot_hint(shared, rt, output.buf(), key, at);
             }
             let exec = |ctx: &mut Ctx, out: &mut Vec<u8>| exec::meta_keyed(ctx, cmd, key, at, out);
-            route_keyed(shared, rt, store, now, output, at, Protocol::Text, raw, exec, |out| foreign_meta(cmd, out));
+            let remote = Kind::Line { expect: Expect::Meta, quiet: cmd.flags.has(b'q'), silent: false };
+            route_keyed(shared, rt, store, now, output, at, Protocol::Text, raw, exec, remote, |out| {
+                foreign_meta(cmd, out)
+            });
             Action::None
         }
         Request::Bin(breq) => handle_bin(shared, rt, store, now, output, breq, raw),
@@ -360,6 +403,7 @@ fn route_keyed(
     proto: Protocol,
     raw: &[u8],
     exec: impl FnOnce(&mut Ctx, &mut Vec<u8>),
+    remote: Kind,
     foreign: impl FnOnce(&mut Vec<u8>),
 ) {
     match rt.dest(at) {
@@ -372,11 +416,36 @@ fn route_keyed(
         Dest::Worker(owner) => {
             rt.forward(output, owner, at.cachelet, FwdKind::Raw(proto), |d| d.extend_from_slice(raw))
         }
+        Dest::Server(..) if rt.forwarding => rt.forward_server(output, at.hash, remote, raw.to_vec()),
         Dest::Server(..) => {
             rt.counters.foreign_keys += 1;
             foreign(output.buf())
         }
     }
+}
+
+/// Are all of a get's keys of one cachelet that another server owns?
+fn whole_remote<'k>(rt: &Route, layout: &KeySpace, mut keys: impl Iterator<Item = &'k [u8]>) -> bool {
+    let Some(first) = keys.next() else { return false };
+    let c = locate(layout, first).cachelet;
+    matches!(rt.dest(Loc { hash: 0, cachelet: c }), Dest::Server(..)) && keys.all(|k| locate(layout, k).cachelet == c)
+}
+
+/// `get`/`gets`/`gat <exptime>`/`gats <exptime>` with these keys, as a request line.
+fn get_line(cas: bool, touch: Option<i64>, keys: &[u8]) -> Vec<u8> {
+    let mut req = Vec::with_capacity(keys.len() + 24);
+    match (touch, cas) {
+        (None, false) => req.extend_from_slice(b"get "),
+        (None, true) => req.extend_from_slice(b"gets "),
+        (Some(t), cas) => {
+            req.extend_from_slice(if cas { b"gats " } else { b"gat " });
+            req.extend_from_slice(itoa::Buffer::new().format(t).as_bytes());
+            req.push(b' ');
+        }
+    }
+    req.extend_from_slice(keys);
+    req.extend_from_slice(b"\r\n");
+    req
 }
 
 /// `RH hot <key> <replicas> <lease-ms>` before the reply to a routed read
@@ -664,7 +733,10 @@ pub(crate) fn handle_bin(
         _ => {
             let at = locate(layout, req.key);
             let exec = |ctx: &mut Ctx, out: &mut Vec<u8>| exec::bin_keyed(ctx, req, at, out);
-            route_keyed(shared, rt, store, now, output, at, Protocol::Binary, raw, exec, |out| foreign_bin(req, out));
+            let remote = Kind::Bin { quiet: mbal_proto::binary::is_quiet(h.opcode) };
+            route_keyed(shared, rt, store, now, output, at, Protocol::Binary, raw, exec, remote, |out| {
+                foreign_bin(req, out)
+            });
             Action::None
         }
     }

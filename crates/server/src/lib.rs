@@ -19,6 +19,8 @@
 //!   being copied) and the shadow table of other servers' copies.
 //! * `replicate`: the replicator thread, which carries copies to the shadow
 //!   workers of other servers.
+//! * `forward`: the forwarder thread (`--forward`), which passes a plain
+//!   client's requests for keys other servers own to them.
 //! * `stats`: counters and memcached-named stats.
 //!
 //! Threads and ports: one acceptor thread owns the main port and hands each
@@ -33,6 +35,7 @@ pub mod config;
 mod control;
 mod dispatch;
 mod exec;
+mod forward;
 mod moves;
 mod msg;
 mod output;
@@ -190,6 +193,16 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
                 .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("TLS: {e}")))?,
         ),
     };
+    // `--forward` needs another server to forward to.
+    let forwarding = settings.forward && map.servers().len() > 1;
+    let (forward, forward_parts) = match forwarding {
+        true => {
+            let (h, parts) = forward::channel()?;
+            (Some(h), Some(parts))
+        }
+        false => (None, None),
+    };
+
     let start_unix = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let pool = GlobalPool::new(settings.memory_limit, settings.page_size);
     let shared = Arc::new(Shared {
@@ -217,6 +230,7 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
         accept_waker: OnceLock::new(),
         tls,
         replicator: replicating.then_some(rep_tx),
+        forward,
         settings: settings.clone(),
     });
     let _ = shared.worker_ports.set(worker_addrs.iter().map(|a| a.port()).collect());
@@ -256,6 +270,10 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
         let servers = map.servers().iter().map(|s| s.main).collect();
         let r = replicate::Replicator::new(shared.clone(), rep_rx, servers);
         threads.push(std::thread::Builder::new().name("mbal-replicate".into()).spawn(move || r.run())?);
+    }
+    if let Some(parts) = forward_parts {
+        let f = forward::Forwarder::new(shared.clone(), parts, map.clone());
+        threads.push(std::thread::Builder::new().name("mbal-forward".into()).spawn(move || f.run())?);
     }
     let controller = control::Controller::new(shared.clone(), control_rx, map);
     threads.push(std::thread::Builder::new().name("mbal-control".into()).spawn(move || controller.run())?);

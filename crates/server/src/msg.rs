@@ -319,7 +319,7 @@ impl Mailbox {
     }
 
     /// Worker side: may it block? Sets the flag, then checks the channel.
-    pub fn prepare_sleep(&self, inbox: &Receiver<Envelope>) -> bool {
+    pub fn prepare_sleep<T>(&self, inbox: &Receiver<T>) -> bool {
         self.sleeping.store(true, Ordering::Relaxed);
         fence(Ordering::SeqCst);
         if inbox.is_empty() {

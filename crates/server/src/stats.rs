@@ -25,6 +25,8 @@ pub struct Counters {
     pub redirects: u64,
     /// Keys asked of this server that another server of the cluster holds.
     pub foreign_keys: u64,
+    /// Requests passed to another server by the forwarder (`--forward`).
+    pub forwarded_servers: u64,
     /// Cachelets this worker took over from another worker.
     pub cachelets_adopted: u64,
     /// Times a connection stopped reading because the worker had
@@ -134,6 +136,7 @@ impl Counters {
             rejected_connections,
             redirects,
             foreign_keys,
+            forwarded_servers,
             cachelets_adopted,
             inflight_stalls,
             capacity_stalls,
@@ -234,6 +237,24 @@ pub struct ProcessInfo<'a> {
     pub rejected_per_ip: u64,
     /// `stats detail on` is in effect.
     pub detail_enabled: bool,
+    /// The forwarder's figures, when it runs (`--forward`).
+    pub forward: Option<ForwardFigures>,
+}
+
+/// The forwarder's counters (`--forward`), for `stats`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ForwardFigures {
+    /// Requests sent to their owning server (resends included).
+    pub requests: u64,
+    /// Requests answered with an error (owner unreachable, timed out, or
+    /// too many redirects), or runs of a multi-key get left missed.
+    pub errors: u64,
+    /// Owner connections dropped for an unanswered request.
+    pub timeouts: u64,
+    /// Redirects followed.
+    pub redirects: u64,
+    /// Owner connections opened.
+    pub connects: u64,
 }
 
 fn rusage() -> (f64, f64) {
@@ -402,6 +423,14 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
             sink.stat("cross_worker_requests", &c.forwarded_out);
             sink.stat("redirects", &c.redirects);
             sink.stat("foreign_keys", &c.foreign_keys);
+            if let Some(f) = &p.forward {
+                sink.stat("forwarded_to_servers", &c.forwarded_servers);
+                sink.stat("forward_requests", &f.requests);
+                sink.stat("forward_errors", &f.errors);
+                sink.stat("forward_timeouts", &f.timeouts);
+                sink.stat("forward_redirects", &f.redirects);
+                sink.stat("forward_connects", &f.connects);
+            }
             sink.stat("cachelets_moved", &c.cachelets_adopted);
             sink.stat("hot_replications", &c.hot_replications);
             sink.stat("hot_hints", &c.hot_hints);
@@ -465,6 +494,8 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
             sink.stat("max_conns_per_ip", &s.max_conns_per_ip);
             sink.stat("max_input_buffer", &s.max_input_buffer);
             sink.stat("request_timeout_ms", &s.request_timeout_ms);
+            sink.stat("forward", &if s.forward { "yes" } else { "no" });
+            sink.stat("forward_timeout_ms", &s.forward_timeout_ms);
             sink.stat("control_secret", &if s.control_secret.is_some() { "yes" } else { "no" });
             sink.stat("vn_count", &s.vn_count);
             sink.stat("page_size", &s.page_size);

@@ -125,6 +125,8 @@ pub(crate) struct Shared {
     pub tls: Option<mbal_tls::ServerTls>,
     /// The replicator's job queue (Phase 1), when it runs.
     pub replicator: Option<Sender<crate::replicate::Job>>,
+    /// The forwarder's job queue and counters (`--forward` in a cluster).
+    pub forward: Option<crate::forward::ForwardHandle>,
 }
 
 impl Shared {
@@ -155,6 +157,9 @@ impl Shared {
     pub fn wake_all(&self) {
         if let Some(p) = self.peers.get() {
             p.wake_all();
+        }
+        if let Some(f) = &self.forward {
+            f.wake();
         }
         self.tell_controller(CtlMsg::Wake);
     }
@@ -297,6 +302,9 @@ pub(crate) struct Worker {
     replicas: Replicas,
     /// Bytes of unparsed input a connection may hold (`--max-input-buffer`).
     input_cap: usize,
+    /// Requests for keys other servers own, for the forwarder (`--forward`),
+    /// handed over at the end of the round.
+    fwd: Vec<crate::forward::Job>,
 }
 
 /// A listening socket; `mark` (`-o sock_cookie_id`, 0: none) is set as its
@@ -371,6 +379,7 @@ impl Worker {
             held: VecDeque::new(),
             held_pos: 0,
             replicas,
+            fwd: Vec::new(),
             input_cap: match shared.settings.max_input_buffer {
                 0 => limits.max_item_size + limits.max_line + READ_CHUNK,
                 n => n,
@@ -434,6 +443,11 @@ impl Worker {
             let round_end = self.shared.clock_ns();
             self.busy_ns += round_end.saturating_sub(round_start);
             self.shared.peers().send_all(self.id, &mut self.outbox, round_end);
+            if !self.fwd.is_empty() {
+                if let Some(f) = &self.shared.forward {
+                    f.send(std::mem::take(&mut self.fwd));
+                }
+            }
             if self.shared.shutdown.load(Ordering::Relaxed) {
                 return;
             }

@@ -363,6 +363,8 @@ impl Worker {
                 self_stats: &mut self.self_stats,
                 replicas: &mut self.replicas,
                 auth,
+                fwd: &mut self.fwd,
+                forwarding: self.shared.forward.is_some(),
             };
             let fresh = matches!(line, LineState::Start);
             match mbal_proto::parse_stream(line, proto, buf, &self.limits) {

@@ -500,6 +500,17 @@ pub(super) fn render_stats(
         rejected_per_ip: shared.rejected_per_ip.load(Ordering::Relaxed),
         worker_ports: ports,
         detail_enabled: shared.detail().is_some(),
+        forward: shared.forward.as_ref().map(|f| {
+            let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
+            let s = &f.stats;
+            stats::ForwardFigures {
+                requests: n(&s.requests),
+                errors: n(&s.errors),
+                timeouts: n(&s.timeouts),
+                redirects: n(&s.redirects),
+                connects: n(&s.connects),
+            }
+        }),
     };
     match format {
         StatsFormat::Text => {

@@ -30,6 +30,9 @@ pub(crate) enum Action {
     Shutdown,
     /// The connection opted in to routing hints (`mbal hello`).
     Routed,
+    /// `mbal replicator`: a peer's replicator; exempt from the emulated
+    /// capacity (`--worker-capacity` models client load, not copy upkeep).
+    Exempt,
     /// `mbal hello <epoch> <worker>`: serve this connection on that worker
     /// from now on (it opts in to routing there).
     HandOff(usize),
@@ -562,6 +565,10 @@ fn admin(shared: &Shared, rt: &mut Route, output: &mut Output, args: &[u8], data
             output.buf().extend_from_slice(reply);
             return Action::None;
         }
+    }
+    if word == "replicator" {
+        output.buf().extend_from_slice(text::OK);
+        return Action::Exempt;
     }
     if matches!(word, "rset" | "rdel" | "rttl") {
         shadow_cmd(shared, rt, output.buf(), &args, data);

@@ -154,6 +154,10 @@ pub(crate) struct HandOff {
     pub id: u64,
     pub unread: Vec<u8>,
     pub auth: crate::auth::ConnAuth,
+    /// Exempt from the emulated capacity (a peer's replicator), and not yet
+    /// past its admin commands (see `Conn::fresh`).
+    pub exempt: bool,
+    pub fresh: bool,
 }
 
 /// A lease reads of a hot key may be told: γ and until when (server

@@ -206,18 +206,10 @@ impl Replicator {
         s.set_write_timeout(Some(self.timeout))?;
         let mut w = s.try_clone()?;
         let mut r = BufReader::new(s);
-        write!(w, "mbal hello 0 {worker}\r\n")?;
         let mut line = String::new();
-        r.read_line(&mut line)?;
-        let mut it = line.split_whitespace();
-        let want = [Some("MBAL"), Some(&*server.to_string()), Some(&*worker.to_string())];
-        if [it.next(), it.next(), it.next()] != want {
-            return Err(std::io::Error::other(format!("unexpected hello answer {line:?}")));
-        }
         // Copies are control commands: prove this is a cluster member.
         if let Some(secret) = &self.shared.settings.control_secret {
             w.write_all(mbal_cluster::peer_auth::HELLO)?;
-            line.clear();
             r.read_line(&mut line)?;
             let answer =
                 mbal_cluster::peer_auth::answer_line(secret, line.trim_end()).map_err(std::io::Error::other)?;
@@ -227,6 +219,23 @@ impl Replicator {
             if line != "OK\r\n" {
                 return Err(std::io::Error::other(format!("peer authentication refused: {:?}", line.trim_end())));
             }
+        }
+        // Copy upkeep is not client load: exempt from emulated capacity
+        // (before the hello, which hands the connection to the shadow worker).
+        // (A hand-over must come before other unanswered requests: one at a time.)
+        w.write_all(b"mbal replicator\r\n")?;
+        line.clear();
+        r.read_line(&mut line)?;
+        if line != "OK\r\n" {
+            return Err(std::io::Error::other(format!("mbal replicator refused: {:?}", line.trim_end())));
+        }
+        write!(w, "mbal hello 0 {worker}\r\n")?;
+        line.clear();
+        r.read_line(&mut line)?;
+        let mut it = line.split_whitespace();
+        let want = [Some("MBAL"), Some(&*server.to_string()), Some(&*worker.to_string())];
+        if [it.next(), it.next(), it.next()] != want {
+            return Err(std::io::Error::other(format!("unexpected hello answer {line:?}")));
         }
         Ok(Peer { w, r })
     }

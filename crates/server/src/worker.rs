@@ -245,6 +245,13 @@ struct Conn {
     dirty: bool,
     /// Opted in with `mbal hello`: gets redirects instead of forwarding.
     routed: bool,
+    /// A cluster peer's replicator (`mbal replicator`): not held back by the
+    /// emulated capacity, which models client load.
+    exempt: bool,
+    /// Has sent nothing but `mbal` extension commands yet (a routing
+    /// client's hello, a peer's authentication): not held back by the
+    /// emulated capacity either, so a saturated worker still lets a peer in.
+    fresh: bool,
     /// Waiting for the worker's emulated capacity (in `Worker::throttled`).
     throttled: bool,
     /// Data-plane authentication and control-plane standing.

@@ -117,6 +117,8 @@ impl Worker {
             read_blocked: false,
             dirty: false,
             routed: false,
+            exempt: false,
+            fresh: true,
             throttled: false,
             auth: crate::auth::ConnAuth::new(&self.shared.settings),
             partial_since: 0,
@@ -142,6 +144,8 @@ impl Worker {
             id: c.id,
             unread,
             auth: c.auth,
+            exempt: c.exempt,
+            fresh: c.fresh,
         };
         self.outbox[to].push(Envelope::HandOff(Box::new(h)));
     }
@@ -164,7 +168,7 @@ impl Worker {
             return;
         }
         conn.read_blocked = false;
-        if !self.capacity.has_credit() {
+        if !(conn.exempt || conn.fresh) && !self.capacity.has_credit() {
             // Out of emulated capacity: the input waits in the socket.
             self.throttle(ci);
             return;
@@ -315,7 +319,7 @@ impl Worker {
                 conn.read_blocked = true;
                 break;
             }
-            if !self.capacity.has_credit() {
+            if !(conn.exempt || conn.fresh) && !self.capacity.has_credit() {
                 // Out of emulated capacity: the rest waits for a refill.
                 if !conn.throttled {
                     conn.throttled = true;
@@ -348,7 +352,8 @@ impl Worker {
                 }
                 continue;
             }
-            let Conn { rbuf, output, gen, routed, line, auth, .. } = conn;
+            let Conn { rbuf, output, gen, routed, line, auth, exempt, fresh: only_admin, .. } = conn;
+            let exempt = *exempt || *only_admin;
             let buf = &rbuf[pos..];
             let mut rt = Route {
                 worker,
@@ -419,7 +424,12 @@ impl Worker {
                         hot::copy_writes(&self.shared, worker, &mut self.store, &mut rt.replicas.hot, self.now, hold);
                     }
                     // Executed here unless it went to another worker (which pays for it).
-                    self.capacity.spend((*rt.inflight == forwarded_before) as u64);
+                    if !exempt {
+                        self.capacity.spend((*rt.inflight == forwarded_before) as u64);
+                    }
+                    if !matches!(req, Request::Text(TextCmd::Mbal { .. })) {
+                        *only_admin = false;
+                    }
                     pos += consumed;
                     done += 1;
                     match action {
@@ -431,6 +441,7 @@ impl Worker {
                             *line = rest;
                         }
                         Action::Routed => conn.routed = true,
+                        Action::Exempt => conn.exempt = true,
                         Action::HandOff(to) => {
                             hand_off = Some(to);
                             break;

@@ -57,7 +57,7 @@ impl Worker {
                 }
             }
             Envelope::HandOff(h) => {
-                let HandOff { sock, peer, listen_addr, id, unread, auth } = *h;
+                let HandOff { sock, peer, listen_addr, id, unread, auth, exempt, fresh } = *h;
                 if let Some(ci) = self.register(sock.map_sock(TcpStream::from_std), peer, listen_addr) {
                     // Counted once, by the worker that accepted it.
                     self.counters.total_connections -= 1;
@@ -66,6 +66,7 @@ impl Worker {
                     c.rbuf = unread;
                     c.routed = true;
                     c.auth = auth;
+                    (c.exempt, c.fresh) = (exempt, fresh);
                     c.proto = Some(Protocol::Text);
                     dispatch::hello(&self.shared, self.shared.server_id, self.id, c.output.buf());
                 }

@@ -168,7 +168,7 @@ impl Worker {
             return;
         }
         conn.read_blocked = false;
-        if !(conn.exempt || conn.fresh) && !self.capacity.has_credit() {
+        if !(conn.exempt || conn.fresh || self.capacity.has_credit()) {
             // Out of emulated capacity: the input waits in the socket.
             self.throttle(ci);
             return;
@@ -319,7 +319,7 @@ impl Worker {
                 conn.read_blocked = true;
                 break;
             }
-            if !(conn.exempt || conn.fresh) && !self.capacity.has_credit() {
+            if !(conn.exempt || conn.fresh || self.capacity.has_credit()) {
                 // Out of emulated capacity: the rest waits for a refill.
                 if !conn.throttled {
                     conn.throttled = true;

@@ -417,7 +417,7 @@ fn route_keyed(
         }
         d if rt.routed => redirect(shared, rt, output, d, None),
         Dest::Worker(owner) => {
-            rt.forward(output, owner, at.cachelet, FwdKind::Raw(proto), |d| d.extend_from_slice(raw))
+            rt.forward(output, owner, at.cachelet, FwdKind::Raw(proto, at.hash), |d| d.extend_from_slice(raw))
         }
         Dest::Server(..) if rt.forwarding => rt.forward_server(output, at.hash, remote, raw.to_vec()),
         Dest::Server(..) => {
@@ -793,7 +793,7 @@ pub(crate) fn unlink(
             store.delete(at.cachelet, at.hash, key, None, now);
         }
         Dest::Worker(owner) => {
-            rt.forward(output, owner, at.cachelet, FwdKind::Raw(Protocol::Text), |d| {
+            rt.forward(output, owner, at.cachelet, FwdKind::Raw(Protocol::Text, at.hash), |d| {
                 d.extend_from_slice(b"delete ");
                 d.extend_from_slice(key);
                 d.extend_from_slice(b" noreply\r\n");

@@ -39,6 +39,7 @@ mod forward;
 mod moves;
 mod msg;
 mod output;
+mod readbuf;
 mod replica;
 mod replicate;
 pub mod stats;

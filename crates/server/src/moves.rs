@@ -251,7 +251,7 @@ mod tests {
     fn p(seq: u64) -> Parked {
         Parked {
             to: ReplyTo { worker: 0, conn: 0, gen: 1, seq },
-            kind: FwdKind::Raw(mbal_proto::Protocol::Text),
+            kind: FwdKind::Raw(mbal_proto::Protocol::Text, 0),
             bytes: vec![],
         }
     }

@@ -28,8 +28,11 @@ use std::sync::Arc;
 /// What a forwarded request asks the owner to do.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum FwdKind {
-    /// Parse and execute these bytes (one complete request).
-    Raw(Protocol),
+    /// Parse and execute these bytes (one complete request for one key),
+    /// with the key's hash, which the origin computed to route it: the
+    /// owner prefetches and locates by it instead of parsing and hashing
+    /// twice more.
+    Raw(Protocol, u64),
     /// Keys (space-separated) of a text multi-get, all of one cachelet:
     /// answer VALUE blocks only (the origin writes END after the last run).
     Values { cas: bool, touch: Option<i64> },
@@ -69,7 +72,44 @@ pub(crate) struct ReqBatch {
     pub sent_ns: u64,
 }
 
+/// Emptied batches kept for reuse by the worker thread that consumed them
+/// (traffic between workers is symmetric, so what a worker takes in is
+/// about what it sends out): a round's batch then starts with the
+/// capacity an earlier one grew to, instead of allocating and growing.
+struct Spare {
+    reqs: Vec<ReqBatch>,
+    replies: Vec<ReplyBatch>,
+}
+
+thread_local! {
+    static SPARE: std::cell::RefCell<Spare> = const { std::cell::RefCell::new(Spare { reqs: Vec::new(), replies: Vec::new() }) };
+}
+
+/// At most this many spare batches of each kind per thread, none bigger.
+const SPARE_MAX: usize = 16;
+const SPARE_BYTES: usize = 1 << 20;
+
 impl ReqBatch {
+    /// An empty batch, reusing a spare one if this thread has one.
+    pub fn fresh() -> ReqBatch {
+        SPARE.with(|s| s.borrow_mut().reqs.pop()).unwrap_or_default()
+    }
+
+    /// Done with it: keep it for reuse (if it is not too big).
+    pub fn recycle(mut self) {
+        if self.data.capacity() > SPARE_BYTES {
+            return;
+        }
+        self.reqs.clear();
+        self.data.clear();
+        SPARE.with(|s| {
+            let mut s = s.borrow_mut();
+            if s.reqs.len() < SPARE_MAX {
+                s.reqs.push(self);
+            }
+        });
+    }
+
     /// Append a request whose bytes `write` produces.
     pub fn push(&mut self, to: ReplyTo, cachelet: u32, stamp: u32, kind: FwdKind, write: impl FnOnce(&mut Vec<u8>)) {
         write(&mut self.data);
@@ -120,6 +160,26 @@ pub(crate) struct ReplyBatch {
 }
 
 impl ReplyBatch {
+    /// An empty batch, reusing a spare one if this thread has one.
+    pub fn fresh() -> ReplyBatch {
+        SPARE.with(|s| s.borrow_mut().replies.pop()).unwrap_or_default()
+    }
+
+    /// Done with it: keep it for reuse (if it is not too big).
+    pub fn recycle(mut self) {
+        if self.data.capacity() > SPARE_BYTES {
+            return;
+        }
+        self.items.clear();
+        self.data.clear();
+        SPARE.with(|s| {
+            let mut s = s.borrow_mut();
+            if s.replies.len() < SPARE_MAX {
+                s.replies.push(self);
+            }
+        });
+    }
+
     /// Append a reply written by `write` straight into the batch buffer.
     pub fn push(&mut self, to: ReplyTo, cachelet: u32, write: impl FnOnce(&mut Vec<u8>)) {
         write(&mut self.data);
@@ -266,7 +326,7 @@ impl Outbox {
     /// The request batch to append to: the newest envelope if it is one.
     pub fn reqs(&mut self) -> &mut ReqBatch {
         if !matches!(self.queue.last(), Some(Envelope::Reqs(_))) {
-            self.queue.push(Envelope::Reqs(ReqBatch::default()));
+            self.queue.push(Envelope::Reqs(ReqBatch::fresh()));
         }
         match self.queue.last_mut() {
             Some(Envelope::Reqs(b)) => b,
@@ -277,7 +337,7 @@ impl Outbox {
     /// The reply batch to append to: the newest envelope if it is one.
     pub fn replies(&mut self) -> &mut ReplyBatch {
         if !matches!(self.queue.last(), Some(Envelope::Replies(_))) {
-            self.queue.push(Envelope::Replies(ReplyBatch::default()));
+            self.queue.push(Envelope::Replies(ReplyBatch::fresh()));
         }
         match self.queue.last_mut() {
             Some(Envelope::Replies(b)) => b,
@@ -394,9 +454,9 @@ mod tests {
     #[test]
     fn batches_keep_order_and_bytes() {
         let mut b = ReqBatch::default();
-        b.push(to(1), 7, 0, FwdKind::Raw(Protocol::Text), |d| d.extend_from_slice(b"get a\r\n"));
+        b.push(to(1), 7, 0, FwdKind::Raw(Protocol::Text, 0), |d| d.extend_from_slice(b"get a\r\n"));
         b.push(to(2), 8, 0, FwdKind::Values { cas: true, touch: None }, |d| d.extend_from_slice(b"k1 k2"));
-        b.push(to(3), 9, 0, FwdKind::Raw(Protocol::Text), |_| {});
+        b.push(to(3), 9, 0, FwdKind::Raw(Protocol::Text, 0), |_| {});
         let got: Vec<(u64, u32, Vec<u8>)> = b.iter().map(|(r, d)| (r.to.seq, r.cachelet, d.to_vec())).collect();
         assert_eq!(got, vec![(1, 7, b"get a\r\n".to_vec()), (2, 8, b"k1 k2".to_vec()), (3, 9, vec![])]);
 
@@ -411,10 +471,10 @@ mod tests {
     #[test]
     fn outbox_coalesces_only_adjacent_batches() {
         let mut ob = Outbox::default();
-        ob.reqs().push(to(1), 0, 0, FwdKind::Raw(Protocol::Text), |d| d.push(b'a'));
-        ob.reqs().push(to(2), 0, 0, FwdKind::Raw(Protocol::Text), |d| d.push(b'b'));
+        ob.reqs().push(to(1), 0, 0, FwdKind::Raw(Protocol::Text, 0), |d| d.push(b'a'));
+        ob.reqs().push(to(2), 0, 0, FwdKind::Raw(Protocol::Text, 0), |d| d.push(b'b'));
         ob.push(Envelope::Flush { at: 3 });
-        ob.reqs().push(to(3), 0, 0, FwdKind::Raw(Protocol::Text), |d| d.push(b'c'));
+        ob.reqs().push(to(3), 0, 0, FwdKind::Raw(Protocol::Text, 0), |d| d.push(b'c'));
         ob.replies().push(to(4), 0, |d| d.push(b'r'));
         let kinds: Vec<String> = ob
             .drain()

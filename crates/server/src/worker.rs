@@ -41,6 +41,7 @@ use crate::exec::{self, locate, Ctx};
 use crate::moves::{self, Parked, Tables};
 use crate::msg::{Envelope, FwdKind, FwdReq, HandOff, Mailbox, Outbox, Peers, ReplyTo, ReqBatch, NO_CACHELET};
 use crate::output::{Output, Slot, StatsFormat, MAX_PENDING_OUTPUT};
+use crate::readbuf::ReadBuf;
 use crate::replica::{Replicas, ShadowTable};
 use crate::stats::{self, BinSink, CacheletInfo, ConnInfo, Counters, ProcessInfo, TextSink, WorkerSnapshot};
 use crossbeam_channel::{Receiver, Sender};
@@ -226,7 +227,7 @@ struct Conn {
     peer: SocketAddr,
     listen_addr: SocketAddr,
     proto: Option<Protocol>,
-    rbuf: Vec<u8>,
+    rbuf: ReadBuf,
     /// Bytes still to discard from the stream (a rejected data block).
     skip: usize,
     /// The parser's place in a long get line (answered piece by piece).

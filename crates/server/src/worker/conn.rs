@@ -106,7 +106,7 @@ impl Worker {
             peer,
             listen_addr,
             proto,
-            rbuf: Vec::new(),
+            rbuf: ReadBuf::default(),
             skip: 0,
             line: LineState::Start,
             output: Output::default(),
@@ -184,17 +184,12 @@ impl Worker {
                 more = true;
                 break;
             }
-            // Zero-filled, so the read target is always initialised memory
-            // (the fill is a memset of what the last read did not use).
-            conn.rbuf.resize(len + READ_CHUNK, 0);
-            match conn.sock.read(&mut conn.rbuf[len..]) {
+            match conn.rbuf.read_from(&mut conn.sock, READ_CHUNK) {
                 Ok(0) => {
-                    conn.rbuf.truncate(len);
                     eof = true;
                     break;
                 }
                 Ok(n) => {
-                    conn.rbuf.truncate(len + n);
                     self.counters.bytes_read += n as u64;
                     if n < READ_CHUNK {
                         break;
@@ -206,7 +201,6 @@ impl Worker {
                     }
                 }
                 Err(e) => {
-                    conn.rbuf.truncate(len);
                     match e.kind() {
                         io::ErrorKind::WouldBlock => break,
                         io::ErrorKind::Interrupted => continue,
@@ -471,7 +465,7 @@ impl Worker {
         } else {
             conn.partial_since = 0;
         }
-        conn.rbuf.drain(..pos.min(conn.rbuf.len()));
+        conn.rbuf.consume(pos);
         if conn.rbuf.capacity() > 4 * READ_CHUNK && conn.rbuf.len() < READ_CHUNK {
             conn.rbuf.shrink_to(READ_CHUNK);
         }

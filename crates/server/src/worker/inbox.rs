@@ -49,6 +49,7 @@ impl Worker {
                         self.resend(c, q);
                     }
                 }
+                batch.recycle();
             }
             Envelope::Conn(sock, peer) => {
                 let listen = self.shared.main_addr;
@@ -63,7 +64,7 @@ impl Worker {
                     self.counters.total_connections -= 1;
                     let c = &mut self.conns[ci];
                     c.id = id;
-                    c.rbuf = unread;
+                    c.rbuf = ReadBuf::from_vec(unread);
                     c.routed = true;
                     c.auth = auth;
                     (c.exempt, c.fresh) = (exempt, fresh);
@@ -142,11 +143,7 @@ impl Worker {
                         self.store.prefetch(req.cachelet, mbal_cluster::key_hash(key));
                     }
                 }
-                FwdKind::Raw(proto) => {
-                    if let Parsed::Req { req, .. } = mbal_proto::parse(proto, bytes, &self.limits) {
-                        prefetch_keys(&self.store, &self.shared.layout, &req);
-                    }
-                }
+                FwdKind::Raw(_, hash) => self.store.prefetch(req.cachelet, hash),
             }
         }
         for (req, bytes) in batch.iter().skip(from).take(n) {
@@ -157,6 +154,8 @@ impl Worker {
             self.held.push_front(Envelope::Reqs(batch));
             self.held_pos = from + n;
             self.counters.capacity_stalls += 1;
+        } else {
+            batch.recycle();
         }
     }
 
@@ -431,6 +430,16 @@ pub(super) fn prefetch_keys(store: &WorkerStore, layout: &KeySpace, req: &Reques
     }
 }
 
+/// Where a forwarded request's key lives: by the hash its origin computed
+/// (0: none was passed; hash the key here).
+fn at(layout: &KeySpace, key: &[u8], hash: u64) -> exec::Loc {
+    if hash == 0 {
+        return locate(layout, key);
+    }
+    debug_assert_eq!(hash, mbal_cluster::key_hash(key), "the origin's hash is of this key");
+    exec::Loc { hash, cachelet: layout.cachelet_of_hash(hash) }
+}
+
 /// Execute one forwarded request on its owner, appending the reply to `out`.
 /// The cachelet was checked by the caller.
 pub(super) fn execute(ctx: &mut Ctx, limits: &Limits, kind: FwdKind, bytes: &[u8], out: &mut Vec<u8>) {
@@ -441,25 +450,20 @@ pub(super) fn execute(ctx: &mut Ctx, limits: &Limits, kind: FwdKind, bytes: &[u8
                 exec::text_get_one(ctx, key, at, cas, touch, out);
             }
         }
-        FwdKind::Raw(proto) => match mbal_proto::parse(proto, bytes, limits) {
+        FwdKind::Raw(proto, hash) => match mbal_proto::parse(proto, bytes, limits) {
             Parsed::Req { req: Request::Text(cmd), .. } => {
                 let key = text_key(&cmd).expect("only keyed text commands are forwarded");
-                let at = locate(ctx.layout, key);
-                exec::text_keyed(ctx, &cmd, at, out);
+                exec::text_keyed(ctx, &cmd, at(ctx.layout, key, hash), out);
             }
             Parsed::Req { req: Request::Meta(cmd), .. } => {
                 let mut scratch = [0u8; 256];
                 match meta_key(&cmd, &mut scratch) {
-                    Ok(key) => {
-                        let at = locate(ctx.layout, key);
-                        exec::meta_keyed(ctx, &cmd, key, at, out);
-                    }
+                    Ok(key) => exec::meta_keyed(ctx, &cmd, key, at(ctx.layout, key, hash), out),
                     Err(e) => e.write(out),
                 }
             }
             Parsed::Req { req: Request::Bin(req), .. } => {
-                let at = locate(ctx.layout, req.key);
-                exec::bin_keyed(ctx, &req, at, out);
+                exec::bin_keyed(ctx, &req, at(ctx.layout, req.key, hash), out)
             }
             Parsed::Err { reply, .. } => reply.write(out),
             Parsed::NeedMore => out.extend_from_slice(b"SERVER_ERROR internal forwarding error\r\n"),

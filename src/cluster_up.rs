@@ -74,6 +74,7 @@ pub fn spec_for(a: &UpArgs, base: u16) -> ClusterSpec {
             .collect(),
         secret: None,
         secret_file: None,
+        tls: None,
     }
 }
 

@@ -816,18 +816,25 @@ impl ServerArgs {
             bail!("--vn-count ({}) must be at least threads x cachelets-per-worker ({cachelets})", s.vn_count);
         }
         if let (Some(path), Some(id)) = (&self.cluster, self.id) {
-            let text =
-                std::fs::read_to_string(path).with_context(|| format!("reading cluster file {}", path.display()))?;
-            let spec = mbal_cluster::ClusterSpec::from_toml(&text)
-                .map_err(|e| anyhow::anyhow!("cluster file {}: {e}", path.display()))?;
-            let secret =
-                spec.load_secret(path.parent()).map_err(|e| anyhow::anyhow!("cluster file {}: {e}", path.display()))?;
-            if let Some(secret) = secret {
+            let file = mbal_cluster::ClusterFile::load(path).map_err(anyhow::Error::msg)?;
+            if let Some(secret) = file.secret {
                 if s.control_secret.is_some() {
                     bail!("the cluster file has a secret: give the control secret in one place, not also --control-secret-file");
                 }
                 s.control_secret = Some(secret);
             }
+            if let Some(t) = &file.spec.tls {
+                // The cluster's TLS: the listeners use the file's certificate unless
+                // -Z -o ssl_chain_cert=... names this server's own (the command line wins).
+                if s.tls.is_none() {
+                    let files = t
+                        .server_files(file.dir.as_deref())
+                        .map_err(|e| anyhow::anyhow!("cluster file {}: {e}", path.display()))?;
+                    s.tls = Some(files);
+                }
+                s.peer_tls = file.client_tls;
+            }
+            let spec = file.spec;
             s.apply_cluster(spec, id).map_err(anyhow::Error::msg)?;
             if self.threads.is_some_and(|t| t != s.threads) || self.port.is_some_and(|p| p != s.port) {
                 bail!("-t and -p come from the cluster file when --cluster is given");

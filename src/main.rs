@@ -136,7 +136,10 @@ fn run(cli: Cli) -> Result<()> {
                 )
                 .with_writer(std::io::stderr)
                 .init();
-            let (cfg, map) = args.resolve()?;
+            let (cfg, map, notes) = args.resolve()?;
+            for note in notes {
+                tracing::warn!("{note}");
+            }
             let handle = mbal_proxy::start(cfg, map).context("mbal proxy")?;
             if args.print_ports {
                 println!("{}", serde_json::json!({ "main": handle.addr }));

@@ -206,3 +206,34 @@ def test_sighup_reloads_the_certificate(pki, tmp_path):
         assert before.get("a") == b"1"
     finally:
         stop(proc)
+
+
+def test_pymemcache_through_the_proxy_over_tls_both_sides(pki):
+    """pymemcache -> TLS -> mbal proxy -> TLS (client certificate) -> mbal server."""
+    cert, key = pki.issue("server", True)
+    me = pki.issue("proxy-client", False)
+    srv, saddr = start("-Z", "-o", f"ssl_chain_cert={cert},ssl_key={key},ssl_ca_cert={pki.ca},ssl_verify_mode=2")
+    proxy = subprocess.Popen(
+        [MBAL, "proxy", "--server", f"{saddr[0]}:{saddr[1]}", "--tls-ca", pki.ca, "--tls-cert", me[0],
+         "--tls-key", me[1], "-l", "127.0.0.1", "-p", "0", "-t", "1", "--print-ports",
+         "-Z", "-o", f"ssl_chain_cert={cert},ssl_key={key}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proxy.stdout.readline()
+        assert line, "proxy did not print its port: " + proxy.stderr.read()
+        host, port = json.loads(line)["main"].rsplit(":", 1)
+        c = client((host, int(port)), context(pki.ca))
+        keys = {f"p{i}": (f"v{i}" * 20).encode() for i in range(200)}
+        assert c.set_many(keys, noreply=False) == []
+        assert c.get_many(list(keys)) == keys
+        assert c.stats(b"settings")[b"ssl_enabled"] == b"yes"
+        # The data reached the server (through the proxy's TLS upstream).
+        direct = client(saddr, context(pki.ca, me))
+        assert direct.get("p7") == keys["p7"]
+        c.close()
+    finally:
+        stop(proxy)
+        stop(srv)

@@ -140,7 +140,25 @@ fn run(cli: Cli) -> Result<()> {
             for note in notes {
                 tracing::warn!("{note}");
             }
+            // With TLS, SIGHUP reloads the listener's certificate (as the server's does).
+            let reload = match &cfg.tls {
+                Some(tls) => Some((block_sighup()?, tls.clone())),
+                None => None,
+            };
             let handle = mbal_proxy::start(cfg, map).context("mbal proxy")?;
+            if let Some((set, tls)) = reload {
+                std::thread::Builder::new().name("mbal-sighup".into()).spawn(move || loop {
+                    let mut sig = 0;
+                    // SAFETY: `set` is an initialised signal set; `sig` is a valid out pointer.
+                    if unsafe { libc::sigwait(&set, &mut sig) } != 0 {
+                        return;
+                    }
+                    match tls.reload() {
+                        Ok(()) => tracing::warn!("SIGHUP: TLS certificates reloaded"),
+                        Err(e) => tracing::error!("SIGHUP: TLS certificates not reloaded (the old ones stay): {e}"),
+                    }
+                })?;
+            }
             if args.print_ports {
                 println!("{}", serde_json::json!({ "main": handle.addr }));
             }

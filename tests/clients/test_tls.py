@@ -208,7 +208,7 @@ def test_sighup_reloads_the_certificate(pki, tmp_path):
         stop(proc)
 
 
-def test_pymemcache_through_the_proxy_over_tls_both_sides(pki):
+def test_pymemcache_through_the_proxy_over_tls_both_sides(pki, tmp_path):
     """pymemcache -> TLS -> mbal proxy -> TLS (client certificate) -> mbal server."""
     cert, key = pki.issue("server", True)
     me = pki.issue("proxy-client", False)
@@ -233,6 +233,15 @@ def test_pymemcache_through_the_proxy_over_tls_both_sides(pki):
         # The data reached the server (through the proxy's TLS upstream).
         direct = client(saddr, context(pki.ca, me))
         assert direct.get("p7") == keys["p7"]
+        # SIGHUP reloads the proxy's listener certificate; its upstreams go on.
+        new = Pki(tmp_path, "proxy-new")
+        new_cert, new_key = new.issue("proxy-fresh", True)
+        os.replace(new_cert, cert)
+        os.replace(new_key, key)
+        proxy.send_signal(signal.SIGHUP)
+        wait_for_log(proxy, "TLS certificates reloaded")
+        assert client((host, int(port)), context(new.ca)).get("p7") == keys["p7"]
+        assert proxy.poll() is None, "the proxy runs on"
         c.close()
     finally:
         stop(proxy)

@@ -39,6 +39,31 @@ pub struct UpArgs {
     /// `--worker-capacity` (0: unlimited)
     #[arg(long, default_value_t = 0)]
     pub worker_capacity: u64,
+    /// TLS: the CA (PEM) the members' certificates chain to, written into the cluster file's
+    /// [tls] section; every member listens with TLS and dials the others over it
+    #[arg(long = "tls-ca", value_name = "FILE", requires = "tls_cert")]
+    pub tls_ca: Option<PathBuf>,
+    /// The members' certificate chain (PEM; needs 127.0.0.1 as an IP SAN, or --tls-server-name)
+    #[arg(long = "tls-cert", value_name = "FILE", requires = "tls_ca")]
+    pub tls_cert: Option<PathBuf>,
+    /// The members' private key [default: in --tls-cert]
+    #[arg(long = "tls-key", value_name = "FILE", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Client certificates the members require (memcached's ssl_verify_mode: 0..3)
+    #[arg(long = "tls-verify-mode", default_value_t = 0, requires = "tls_ca")]
+    pub tls_verify_mode: u8,
+    /// The client certificate (and key) members, the proxy and the tools present to members
+    #[arg(long = "tls-client-cert", value_name = "FILE", requires = "tls_ca")]
+    pub tls_client_cert: Option<PathBuf>,
+    #[arg(long = "tls-client-key", value_name = "FILE", requires = "tls_client_cert")]
+    pub tls_client_key: Option<PathBuf>,
+    /// The name checked in the members' certificates [default: the IP address connected to]
+    #[arg(long = "tls-server-name", value_name = "NAME", requires = "tls_ca")]
+    pub tls_server_name: Option<String>,
+    /// The cluster secret's file (at least 16 bytes), written into the cluster file as
+    /// secret_file: control commands need it (mbal peer)
+    #[arg(long = "secret-file", value_name = "FILE")]
+    pub secret_file: Option<PathBuf>,
     /// Extra arguments passed to every `mbal server` (e.g. "-v")
     #[arg(long, allow_hyphen_values = true)]
     pub server_arg: Vec<String>,
@@ -64,8 +89,27 @@ fn find_base(count: u32) -> Result<u16> {
     bail!("could not find {count} consecutive free ports on 127.0.0.1")
 }
 
-pub fn spec_for(a: &UpArgs, base: u16) -> ClusterSpec {
-    ClusterSpec {
+/// An absolute path (the cluster file may be written elsewhere than the
+/// current directory, and relative paths in it are read from its folder).
+fn absolute(p: &std::path::Path) -> Result<PathBuf> {
+    std::fs::canonicalize(p).with_context(|| format!("{}", p.display()))
+}
+
+pub fn spec_for(a: &UpArgs, base: u16) -> Result<ClusterSpec> {
+    let opt = |p: &Option<PathBuf>| p.as_deref().map(absolute).transpose();
+    let tls = match &a.tls_ca {
+        Some(ca) => Some(mbal_cluster::TlsSpec {
+            ca_cert: absolute(ca)?,
+            cert: opt(&a.tls_cert)?,
+            key: opt(&a.tls_key)?,
+            verify_mode: a.tls_verify_mode,
+            client_cert: opt(&a.tls_client_cert)?,
+            client_key: opt(&a.tls_client_key)?,
+            server_name: a.tls_server_name.clone(),
+        }),
+        None => None,
+    };
+    Ok(ClusterSpec {
         vn_count: a.vn_count,
         cachelets_per_worker: a.cachelets_per_worker,
         workers: a.workers,
@@ -73,8 +117,9 @@ pub fn spec_for(a: &UpArgs, base: u16) -> ClusterSpec {
             .map(|i| ServerSpec { addr: SocketAddr::from(([127, 0, 0, 1], base + i)), worker_port_base: None })
             .collect(),
         secret: None,
-        secret_file: None,
-    }
+        secret_file: opt(&a.secret_file)?,
+        tls,
+    })
 }
 
 struct Children(Vec<(u16, Child)>);
@@ -114,8 +159,15 @@ pub fn run(a: UpArgs) -> Result<()> {
     if base as u32 + count > 65535 {
         bail!("ports {base}..{} do not fit", base as u32 + count);
     }
-    let spec = spec_for(&a, base);
+    let spec = spec_for(&a, base)?;
     spec.validate().map_err(|e| anyhow::anyhow!(e))?;
+    // Check the secret and the TLS files now: one clear error, not N servers failing.
+    let dir = a.file.parent().filter(|d| !d.as_os_str().is_empty());
+    spec.load_secret(dir).map_err(anyhow::Error::msg)?;
+    if let Some(t) = &spec.tls {
+        mbal_tls::ServerTls::new(t.server_files(dir).map_err(anyhow::Error::msg)?).map_err(anyhow::Error::msg)?;
+        mbal_tls::ClientTls::load(&t.client_files(dir)).map_err(anyhow::Error::msg)?;
+    }
     std::fs::write(&a.file, spec.to_toml()).with_context(|| format!("writing {}", a.file.display()))?;
     let exe = std::env::current_exe().context("locating the mbal binary")?;
     let stop = Arc::new(AtomicBool::new(false));

@@ -136,8 +136,29 @@ fn run(cli: Cli) -> Result<()> {
                 )
                 .with_writer(std::io::stderr)
                 .init();
-            let (cfg, map) = args.resolve()?;
+            let (cfg, map, notes) = args.resolve()?;
+            for note in notes {
+                tracing::warn!("{note}");
+            }
+            // With TLS, SIGHUP reloads the listener's certificate (as the server's does).
+            let reload = match &cfg.tls {
+                Some(tls) => Some((block_sighup()?, tls.clone())),
+                None => None,
+            };
             let handle = mbal_proxy::start(cfg, map).context("mbal proxy")?;
+            if let Some((set, tls)) = reload {
+                std::thread::Builder::new().name("mbal-sighup".into()).spawn(move || loop {
+                    let mut sig = 0;
+                    // SAFETY: `set` is an initialised signal set; `sig` is a valid out pointer.
+                    if unsafe { libc::sigwait(&set, &mut sig) } != 0 {
+                        return;
+                    }
+                    match tls.reload() {
+                        Ok(()) => tracing::warn!("SIGHUP: TLS certificates reloaded"),
+                        Err(e) => tracing::error!("SIGHUP: TLS certificates not reloaded (the old ones stay): {e}"),
+                    }
+                })?;
+            }
             if args.print_ports {
                 println!("{}", serde_json::json!({ "main": handle.addr }));
             }
@@ -181,20 +202,31 @@ fn stats(a: StatsArgs) -> Result<()> {
     use std::time::{Duration, Instant};
     let timeout = Duration::from_secs(5);
     let tls = a.tls.load()?;
-    let cfg = mbal_client::Config { tls: tls.clone(), ..mbal_client::Config::default() };
+    let mut dialer = mbal_cluster::dial::Dialer::plain(timeout);
     let map = match (&a.server, &a.cluster) {
-        (Some(addr), _) => mbal_client::Client::connect(*addr, cfg)?.map().clone(),
-        (None, Some(p)) => mbal_client::Client::from_cluster_file(p, cfg)?.map().clone(),
+        (Some(addr), _) => {
+            dialer.tls = tls.clone();
+            let cfg = mbal_client::Config { tls, ..mbal_client::Config::default() };
+            mbal_client::Client::connect(*addr, cfg)?.map().clone()
+        }
+        (None, Some(p)) => {
+            // Without --tls-ca, the cluster file's [tls]; with its secret, the
+            // connections log in as a member (servers with -Y require a login).
+            let file = mbal_cluster::ClusterFile::load(p).map_err(anyhow::Error::msg)?;
+            dialer.tls = tls.or(file.client_tls);
+            dialer.secret = file.secret;
+            mbal_cluster::ClusterMap::from_spec(&file.spec)
+        }
         (None, None) => anyhow::bail!("give --server HOST:PORT or --cluster FILE"),
     };
     if !(0.05..=3600.0).contains(&a.interval) {
         anyhow::bail!("--interval must be between 0.05 and 3600 seconds");
     }
-    let mut prev = mbal_client::cluster_stats(&map, timeout, tls.as_ref())?;
+    let mut prev = mbal_client::cluster_stats_dialed(&map, &dialer)?;
     let mut t0 = Instant::now();
     for round in 0..=a.watch {
         std::thread::sleep(Duration::from_secs_f64(a.interval));
-        let cur = mbal_client::cluster_stats(&map, timeout, tls.as_ref())?;
+        let cur = mbal_client::cluster_stats_dialed(&map, &dialer)?;
         let secs = t0.elapsed().as_secs_f64();
         if round > 0 {
             println!();

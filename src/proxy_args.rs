@@ -40,6 +40,24 @@ pub(crate) struct ProxyArgs {
     /// Print the listening address as JSON on stdout once listening
     #[arg(long)]
     pub print_ports: bool,
+    /// TLS on the listener (memcached's -Z): the certificate and client-certificate policy
+    /// come from `-o ssl_chain_cert=FILE,ssl_key=FILE,ssl_ca_cert=FILE,ssl_verify_mode=N`
+    #[arg(short = 'Z', long = "enable-ssl")]
+    pub enable_ssl: bool,
+    /// memcached's -o, the ssl_* options only (comma-separated, repeatable)
+    #[arg(short = 'o', long = "extended")]
+    pub extended: Vec<String>,
+    /// TLS to the servers with --server (`--tls-ca FILE [--tls-cert F --tls-key F]
+    /// [--tls-server-name N]`) [default with --cluster: the cluster file's [tls]]
+    #[command(flatten)]
+    pub tls: mbal_bench::TlsArgs,
+    /// The user the proxy logs in as on servers started with -Y (ASCII auth on text
+    /// upstreams, SASL PLAIN on binary ones)
+    #[arg(long, requires = "password_file")]
+    pub user: Option<String>,
+    /// The file holding that user's password (trailing line end ignored)
+    #[arg(long, requires = "user")]
+    pub password_file: Option<PathBuf>,
 }
 
 fn parse_size(s: &str) -> Result<usize> {
@@ -55,12 +73,36 @@ fn parse_size(s: &str) -> Result<usize> {
 
 impl ProxyArgs {
     /// The settings and the initial map (read from the file or fetched).
-    pub(crate) fn resolve(&self) -> Result<(Config, ClusterMap)> {
-        let cfg = mbal_client::Config::default();
-        let map = match (&self.cluster, &self.server) {
-            (Some(p), _) => mbal_client::Client::from_cluster_file(p, cfg)?.map().clone(),
-            (None, Some(a)) => mbal_client::Client::connect(*a, cfg)?.map().clone(),
+    pub(crate) fn resolve(&self) -> Result<(Config, ClusterMap, Vec<String>)> {
+        let user = match (&self.user, &self.password_file) {
+            (Some(u), Some(f)) => {
+                let p = std::fs::read_to_string(f).with_context(|| format!("--password-file {}", f.display()))?;
+                let password = p.trim_end_matches(['\r', '\n']).to_string();
+                if u.contains(' ') || password.contains(' ') || u.is_empty() {
+                    bail!("--user and the password may not contain spaces (memcached's ASCII auth)");
+                }
+                Some(mbal_cluster::dial::UserLogin { user: u.clone(), password })
+            }
+            _ => None,
+        };
+        let login = user.as_ref().map(|u| mbal_client::Login { user: u.user.clone(), password: u.password.clone() });
+        let cfg = mbal_client::Config { tls: self.tls.load()?, login, ..mbal_client::Config::default() };
+        let (map, upstream_tls) = match (&self.cluster, &self.server) {
+            (Some(p), _) => {
+                // Upstream TLS: --tls-ca if given, else the cluster file's [tls].
+                let c = mbal_client::Client::from_cluster_file(p, cfg)?;
+                (c.map().clone(), c.config().tls.clone())
+            }
+            (None, Some(a)) => {
+                let tls = cfg.tls.clone();
+                (mbal_client::Client::connect(*a, cfg)?.map().clone(), tls)
+            }
             (None, None) => bail!("give --cluster FILE or --server HOST:PORT"),
+        };
+        let (tls_files, notes) = crate::server_args::ServerArgs::proxy_tls(self.enable_ssl, &self.extended)?;
+        let tls = match tls_files {
+            Some(f) => Some(std::sync::Arc::new(mbal_tls::ServerTls::new(f).map_err(|e| anyhow::anyhow!("TLS: {e}"))?)),
+            None => None,
         };
         let ip: std::net::IpAddr = self.listen.parse().with_context(|| format!("bad -l address {:?}", self.listen))?;
         if self.threads == 0 || self.threads > 256 {
@@ -78,8 +120,15 @@ impl ProxyArgs {
             max_conns: self.conns.max(1),
             max_item_size,
             upstream_timeout: Duration::from_millis(self.upstream_timeout_ms),
+            tls,
+            dialer: mbal_cluster::dial::Dialer {
+                tls: upstream_tls,
+                secret: None,
+                user,
+                timeout: Duration::from_millis(self.upstream_timeout_ms),
+            },
             ..Config::new(SocketAddr::new(ip, self.port))
         };
-        Ok((cfg, map))
+        Ok((cfg, map, notes))
     }
 }

@@ -608,6 +608,45 @@ impl ServerArgs {
         Ok(notes)
     }
 
+    /// The listeners' TLS from `-Z` and `-o ssl_*` (None without `-Z`);
+    /// shared by the server and the proxy.
+    pub fn tls_files(&self) -> Result<Option<mbal_tls::ServerTlsFiles>> {
+        let o = self;
+        if o.enable_ssl {
+            let chain_cert = o.ssl_chain_cert.clone().context("-Z needs -o ssl_chain_cert=FILE (a PEM certificate)")?;
+            let verify_mode = mbal_tls::VerifyMode::from_memcached(o.ssl_verify_mode.unwrap_or(0))
+                .map_err(|e| anyhow::anyhow!("-o {e}"))?;
+            if verify_mode != mbal_tls::VerifyMode::None && o.ssl_ca_cert.is_none() {
+                bail!("-o ssl_verify_mode=1..3 needs -o ssl_ca_cert=FILE (the CA of the client certificates)");
+            }
+            return Ok(Some(mbal_tls::ServerTlsFiles {
+                chain_cert,
+                key: o.ssl_key.clone(),
+                ca_cert: o.ssl_ca_cert.clone(),
+                verify_mode,
+                tls13_only: o.ssl_min_version == Some(3),
+            }));
+        } else if o.ssl_chain_cert.is_some() || o.ssl_key.is_some() || o.ssl_ca_cert.is_some() {
+            bail!("-o ssl_chain_cert/ssl_key/ssl_ca_cert need -Z (--enable-ssl) to turn TLS on");
+        }
+        Ok(None)
+    }
+
+    /// `-Z` and `-o ssl_*` as `mbal proxy` takes them: the same parsing as
+    /// the server's; any other `-o` option is refused. Returns the TLS files
+    /// and the lines to log.
+    pub fn proxy_tls(enable_ssl: bool, extended: &[String]) -> Result<(Option<mbal_tls::ServerTlsFiles>, Vec<String>)> {
+        let mut layer = ServerArgs { enable_ssl, extended: extended.to_vec(), ..ServerArgs::default() };
+        for opt in extended.iter().flat_map(|o| o.split(',')) {
+            let name = opt.split_once('=').map_or(opt, |(k, _)| k).trim();
+            if !name.is_empty() && !name.starts_with("ssl_") {
+                bail!("-o {name}: mbal proxy takes only the ssl_* options");
+            }
+        }
+        let notes = layer.expand_extended()?;
+        Ok((layer.tls_files()?, notes))
+    }
+
     /// This layer over `lower`, key by key: a value this layer sets wins, the
     /// others come from `lower`. Command-line-only fields are not carried.
     pub fn merged(&self, lower: &ServerArgs) -> Result<ServerArgs> {
@@ -785,23 +824,7 @@ impl ServerArgs {
             s.sock_cookie_id = v;
         }
         s.worker_port_base = o.worker_port_base;
-        if o.enable_ssl {
-            let chain_cert = o.ssl_chain_cert.clone().context("-Z needs -o ssl_chain_cert=FILE (a PEM certificate)")?;
-            let verify_mode = mbal_tls::VerifyMode::from_memcached(o.ssl_verify_mode.unwrap_or(0))
-                .map_err(|e| anyhow::anyhow!("-o {e}"))?;
-            if verify_mode != mbal_tls::VerifyMode::None && o.ssl_ca_cert.is_none() {
-                bail!("-o ssl_verify_mode=1..3 needs -o ssl_ca_cert=FILE (the CA of the client certificates)");
-            }
-            s.tls = Some(mbal_tls::ServerTlsFiles {
-                chain_cert,
-                key: o.ssl_key.clone(),
-                ca_cert: o.ssl_ca_cert.clone(),
-                verify_mode,
-                tls13_only: o.ssl_min_version == Some(3),
-            });
-        } else if o.ssl_chain_cert.is_some() || o.ssl_key.is_some() || o.ssl_ca_cert.is_some() {
-            bail!("-o ssl_chain_cert/ssl_key/ssl_ca_cert need -Z (--enable-ssl) to turn TLS on");
-        }
+        s.tls = o.tls_files()?;
         if let Some(v) = o.cachelets_per_worker {
             if v == 0 || v > 4096 {
                 bail!("--cachelets-per-worker must be between 1 and 4096");
@@ -816,18 +839,25 @@ impl ServerArgs {
             bail!("--vn-count ({}) must be at least threads x cachelets-per-worker ({cachelets})", s.vn_count);
         }
         if let (Some(path), Some(id)) = (&self.cluster, self.id) {
-            let text =
-                std::fs::read_to_string(path).with_context(|| format!("reading cluster file {}", path.display()))?;
-            let spec = mbal_cluster::ClusterSpec::from_toml(&text)
-                .map_err(|e| anyhow::anyhow!("cluster file {}: {e}", path.display()))?;
-            let secret =
-                spec.load_secret(path.parent()).map_err(|e| anyhow::anyhow!("cluster file {}: {e}", path.display()))?;
-            if let Some(secret) = secret {
+            let file = mbal_cluster::ClusterFile::load(path).map_err(anyhow::Error::msg)?;
+            if let Some(secret) = file.secret {
                 if s.control_secret.is_some() {
                     bail!("the cluster file has a secret: give the control secret in one place, not also --control-secret-file");
                 }
                 s.control_secret = Some(secret);
             }
+            if let Some(t) = &file.spec.tls {
+                // The cluster's TLS: the listeners use the file's certificate unless
+                // -Z -o ssl_chain_cert=... names this server's own (the command line wins).
+                if s.tls.is_none() {
+                    let files = t
+                        .server_files(file.dir.as_deref())
+                        .map_err(|e| anyhow::anyhow!("cluster file {}: {e}", path.display()))?;
+                    s.tls = Some(files);
+                }
+                s.peer_tls = file.client_tls;
+            }
+            let spec = file.spec;
             s.apply_cluster(spec, id).map_err(anyhow::Error::msg)?;
             if self.threads.is_some_and(|t| t != s.threads) || self.port.is_some_and(|p| p != s.port) {
                 bail!("-t and -p come from the cluster file when --cluster is given");

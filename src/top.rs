@@ -13,7 +13,7 @@ use mbal_balance::{Decision, EpochSnapshot, HotKeyStat};
 use serde::Deserialize;
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, IsTerminal, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 #[derive(clap::Args)]
@@ -30,6 +30,10 @@ pub struct TopArgs {
     /// Hot keys listed
     #[arg(long, default_value_t = 10)]
     keys: usize,
+    /// TLS to the servers (`--tls-ca FILE [--tls-cert F --tls-key F] [--tls-server-name N]`)
+    /// [default: the cluster file's [tls]]
+    #[command(flatten)]
+    tls: mbal_bench::TlsArgs,
 }
 
 /// One `mbal load` answer.
@@ -59,23 +63,24 @@ struct HotView {
 
 struct Server {
     id: u16,
-    r: BufReader<TcpStream>,
-    w: TcpStream,
+    r: BufReader<mbal_tls::BlockingStream>,
     last: u64,
     rec: Option<Record>,
 }
 
 impl Server {
-    fn open(id: u16, addr: SocketAddr) -> Result<Server> {
-        let s = TcpStream::connect_timeout(&addr, Duration::from_secs(5))
-            .with_context(|| format!("connecting to {addr}"))?;
-        s.set_read_timeout(Some(Duration::from_secs(30)))?;
-        Ok(Server { id, w: s.try_clone()?, r: BufReader::new(s), last: 0, rec: None })
+    fn open(id: u16, addr: SocketAddr, dialer: &mbal_cluster::dial::Dialer) -> Result<Server> {
+        let s = dialer.dial(addr, mbal_cluster::dial::Proto::Text).with_context(|| format!("connecting to {addr}"))?;
+        // `mbal load` waits for the epoch to end.
+        s.sock().set_read_timeout(Some(Duration::from_secs(30)))?;
+        Ok(Server { id, r: BufReader::new(s), last: 0, rec: None })
     }
 
     /// The next epoch after the last one read (blocks until it ends).
     fn next(&mut self) -> Result<()> {
-        write!(self.w, "mbal load {}\r\n", self.last)?;
+        let w = self.r.get_mut();
+        write!(w, "mbal load {}\r\n", self.last)?;
+        w.flush()?;
         let mut head = String::new();
         self.r.read_line(&mut head)?;
         let t: Vec<&str> = head.split_whitespace().collect();
@@ -106,13 +111,30 @@ impl Server {
 }
 
 pub fn run(a: TopArgs) -> Result<()> {
+    let tls = a.tls.load()?;
+    let mut dialer = mbal_cluster::dial::Dialer::plain(Duration::from_secs(5));
     let map = match (&a.server, &a.cluster) {
-        (Some(addr), _) => mbal_client::Client::connect(*addr, mbal_client::Config::default())?.map().clone(),
-        (None, Some(p)) => mbal_client::Client::from_cluster_file(p, mbal_client::Config::default())?.map().clone(),
+        (Some(addr), _) => {
+            let cfg = mbal_client::Config { tls: tls.clone(), ..mbal_client::Config::default() };
+            dialer.tls = tls;
+            mbal_client::Client::connect(*addr, cfg)?.map().clone()
+        }
+        (None, Some(p)) => {
+            // The cluster file's TLS (unless --tls-ca) and secret: `mbal load`
+            // is logged in as a member where the servers require a login (-Y).
+            let file = mbal_cluster::ClusterFile::load(p).map_err(anyhow::Error::msg)?;
+            dialer.tls = tls.or(file.client_tls);
+            dialer.secret = file.secret;
+            mbal_cluster::ClusterMap::from_spec(&file.spec)
+        }
         (None, None) => bail!("give --server HOST:PORT or --cluster FILE"),
     };
-    let mut servers: Vec<Server> =
-        map.servers().iter().enumerate().map(|(i, s)| Server::open(i as u16, s.main)).collect::<Result<_>>()?;
+    let mut servers: Vec<Server> = map
+        .servers()
+        .iter()
+        .enumerate()
+        .map(|(i, s)| Server::open(i as u16, s.main, &dialer))
+        .collect::<Result<_>>()?;
     for s in servers.iter_mut() {
         s.catch_up()?;
     }

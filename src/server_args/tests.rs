@@ -428,6 +428,43 @@ fn auth_and_limit_options() {
 }
 
 #[test]
+fn cluster_file_tls_section() {
+    let pki = mbal_tls::test_certs::Pki::new("args");
+    pki.server("member");
+    pki.server("own");
+    pki.client("peer");
+    let cluster = pki.dir.join("cluster.toml");
+    std::fs::write(
+        &cluster,
+        "workers = 1\n[[servers]]\naddr = \"127.0.0.1:0\"\n[tls]\nca_cert = \"ca.pem\"\ncert = \"member.pem\"\n\
+         key = \"member.key\"\nverify_mode = 2\nclient_cert = \"peer.pem\"\nclient_key = \"peer.key\"\n",
+    )
+    .unwrap();
+    let c = cluster.to_str().unwrap();
+    // The file's [tls]: the listeners speak TLS (no -Z needed) and the
+    // member's own connections use its client certificate.
+    let s = parse(&["--cluster", c, "--id", "0"]).unwrap();
+    let t = s.tls.as_ref().unwrap();
+    assert_eq!(t.chain_cert, pki.dir.join("member.pem"));
+    assert_eq!(t.ca_cert.as_deref(), Some(pki.ca().as_path()));
+    assert_eq!(t.verify_mode, mbal_tls::VerifyMode::Required);
+    assert!(s.peer_tls.is_some());
+    // -Z -o ssl_* on the command line wins for the listener (a member's own
+    // certificate); the peers' side still comes from the file.
+    let own =
+        format!("ssl_chain_cert={},ssl_key={}", pki.dir.join("own.pem").display(), pki.dir.join("own.key").display());
+    let s = parse(&["--cluster", c, "--id", "0", "-Z", "-o", &own]).unwrap();
+    assert_eq!(s.tls.as_ref().unwrap().chain_cert, pki.dir.join("own.pem"));
+    assert_eq!(s.tls.as_ref().unwrap().verify_mode, mbal_tls::VerifyMode::None);
+    assert!(s.peer_tls.is_some());
+    // A missing file is named.
+    std::fs::write(&cluster, "workers = 1\n[[servers]]\naddr = \"127.0.0.1:0\"\n[tls]\nca_cert = \"nope.pem\"\n")
+        .unwrap();
+    let e = format!("{:#}", parse(&["--cluster", c, "--id", "0"]).unwrap_err());
+    assert!(e.contains("nope.pem"), "{e}");
+}
+
+#[test]
 fn forward_flag() {
     let d = parse(&[]).unwrap();
     assert!(!d.forward, "off by default");

@@ -206,3 +206,43 @@ def test_sighup_reloads_the_certificate(pki, tmp_path):
         assert before.get("a") == b"1"
     finally:
         stop(proc)
+
+
+def test_pymemcache_through_the_proxy_over_tls_both_sides(pki, tmp_path):
+    """pymemcache -> TLS -> mbal proxy -> TLS (client certificate) -> mbal server."""
+    cert, key = pki.issue("server", True)
+    me = pki.issue("proxy-client", False)
+    srv, saddr = start("-Z", "-o", f"ssl_chain_cert={cert},ssl_key={key},ssl_ca_cert={pki.ca},ssl_verify_mode=2")
+    proxy = subprocess.Popen(
+        [MBAL, "proxy", "--server", f"{saddr[0]}:{saddr[1]}", "--tls-ca", pki.ca, "--tls-cert", me[0],
+         "--tls-key", me[1], "-l", "127.0.0.1", "-p", "0", "-t", "1", "--print-ports",
+         "-Z", "-o", f"ssl_chain_cert={cert},ssl_key={key}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proxy.stdout.readline()
+        assert line, "proxy did not print its port: " + proxy.stderr.read()
+        host, port = json.loads(line)["main"].rsplit(":", 1)
+        c = client((host, int(port)), context(pki.ca))
+        keys = {f"p{i}": (f"v{i}" * 20).encode() for i in range(200)}
+        assert c.set_many(keys, noreply=False) == []
+        assert c.get_many(list(keys)) == keys
+        assert c.stats(b"settings")[b"ssl_enabled"] == b"yes"
+        # The data reached the server (through the proxy's TLS upstream).
+        direct = client(saddr, context(pki.ca, me))
+        assert direct.get("p7") == keys["p7"]
+        # SIGHUP reloads the proxy's listener certificate; its upstreams go on.
+        new = Pki(tmp_path, "proxy-new")
+        new_cert, new_key = new.issue("proxy-fresh", True)
+        os.replace(new_cert, cert)
+        os.replace(new_key, key)
+        proxy.send_signal(signal.SIGHUP)
+        wait_for_log(proxy, "TLS certificates reloaded")
+        assert client((host, int(port)), context(new.ca)).get("p7") == keys["p7"]
+        assert proxy.poll() is None, "the proxy runs on"
+        c.close()
+    finally:
+        stop(proxy)
+        stop(srv)

@@ -149,6 +149,7 @@ fn routed_three_server_cluster() {
             .collect(),
         secret: None,
         secret_file: None,
+        tls: None,
     };
     let servers: Vec<ServerHandle> = (0..3)
         .map(|id| {

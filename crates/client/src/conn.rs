@@ -44,6 +44,11 @@ impl Conn {
         Ok(Conn { stream, parser: ReplyReader::new(), addr, peer })
     }
 
+    /// Over a stream already connected (and logged in) to `addr`.
+    pub fn from_stream(stream: BlockingStream, addr: SocketAddr, peer: Peer) -> Conn {
+        Conn { stream, parser: ReplyReader::new(), addr, peer }
+    }
+
     /// Authenticate first, if the client has a login (memcached's ASCII auth).
     pub fn login(&mut self, login: Option<&crate::Login>) -> Result<()> {
         let Some(login) = login else { return Ok(()) };

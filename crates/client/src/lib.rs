@@ -77,7 +77,7 @@ mod conn;
 mod stats;
 
 pub use mbal_cluster::{key_hash, ClusterMap, ClusterSpec};
-pub use stats::{cluster_stats, render_stats_table, ServerStats, WorkerStats};
+pub use stats::{cluster_stats, cluster_stats_dialed, render_stats_table, ServerStats, WorkerStats};
 
 use conn::Conn;
 use mbal_cluster::{Leases, Owner, Redirect, Router, Split};
@@ -297,13 +297,16 @@ impl Client {
     }
 
     /// A client for the cluster described by a TOML cluster file (the
-    /// initial map, epoch 1; redirects teach it later changes).
-    pub fn from_cluster_file(path: &Path, cfg: Config) -> Result<Client> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| Error::Config { path: path.to_path_buf(), detail: e.to_string() })?;
-        let spec =
-            ClusterSpec::from_toml(&text).map_err(|detail| Error::Config { path: path.to_path_buf(), detail })?;
-        Ok(Client::from_map(ClusterMap::from_spec(&spec), cfg))
+    /// initial map, epoch 1; redirects teach it later changes). Without
+    /// `cfg.tls`, the file's `[tls]` (its CA, client certificate and server
+    /// name) is used when it has one.
+    pub fn from_cluster_file(path: &Path, mut cfg: Config) -> Result<Client> {
+        let file = mbal_cluster::ClusterFile::load(path)
+            .map_err(|detail| Error::Config { path: path.to_path_buf(), detail })?;
+        if cfg.tls.is_none() {
+            cfg.tls = file.client_tls;
+        }
+        Ok(Client::from_map(ClusterMap::from_spec(&file.spec), cfg))
     }
 
     /// A client for the cluster `any_server` (a main or worker port) belongs
@@ -313,6 +316,11 @@ impl Client {
         c.login(cfg.login.as_ref())?;
         let map = fetch_map(&mut c)?;
         Ok(Client::from_map(map, cfg))
+    }
+
+    /// The settings in use (with the cluster file's TLS, if it was taken).
+    pub fn config(&self) -> &Config {
+        &self.cfg
     }
 
     /// The cluster map as last fetched (without the overrides learned from

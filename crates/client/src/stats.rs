@@ -126,6 +126,27 @@ pub fn cluster_stats(
     Ok(out)
 }
 
+/// [`cluster_stats`] over connections opened by `dialer` (the cluster
+/// file's TLS, and its secret's `mbal peer` login for servers with `-Y`).
+pub fn cluster_stats_dialed(map: &ClusterMap, dialer: &mbal_cluster::dial::Dialer) -> Result<Vec<ServerStats>> {
+    let mut out = Vec::new();
+    for (i, s) in map.servers().iter().enumerate() {
+        let peer = Peer::Server(i as u16);
+        let stream = dialer.dial(s.main, mbal_cluster::dial::Proto::Text).map_err(|source| crate::Error::Io {
+            addr: s.main,
+            peer,
+            source,
+        })?;
+        let mut c = Conn::from_stream(stream, s.main, peer);
+        let general = stats_group(&mut c, "")?;
+        let workers = stats_group(&mut c, "workers")?;
+        let mut st = ServerStats::from_stats(i as u16, general, workers);
+        st.addr = Some(s.main);
+        out.push(st);
+    }
+    Ok(out)
+}
+
 fn rate(cur: u64, prev: Option<u64>, secs: f64) -> String {
     match prev {
         Some(p) if secs > 0.0 => format!("{:.0}", cur.saturating_sub(p) as f64 / secs),

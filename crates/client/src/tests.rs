@@ -22,6 +22,7 @@ fn spec_map(servers: u16, workers: u16) -> ClusterMap {
             .collect(),
         secret: None,
         secret_file: None,
+        tls: None,
     };
     ClusterMap::from_spec(&spec)
 }

@@ -75,7 +75,15 @@ fn free_spec(n: usize) -> ClusterSpec {
         servers.push(ServerSpec { addr: format!("127.0.0.1:{p}").parse().unwrap(), worker_port_base: Some(p + 1) });
         held.extend([l, a, b]);
     }
-    ClusterSpec { vn_count: 1024, cachelets_per_worker: 4, workers: WORKERS, servers, secret: None, secret_file: None }
+    ClusterSpec {
+        vn_count: 1024,
+        cachelets_per_worker: 4,
+        workers: WORKERS,
+        servers,
+        secret: None,
+        secret_file: None,
+        tls: None,
+    }
 }
 
 fn cfg() -> Config {

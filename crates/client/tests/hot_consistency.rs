@@ -42,6 +42,7 @@ fn start(sync: bool) -> (ClusterSpec, Vec<ServerHandle>, Settings) {
         servers: ls.iter().map(|l| ServerSpec { addr: l.local_addr().unwrap(), worker_port_base: None }).collect(),
         secret: None,
         secret_file: None,
+        tls: None,
     };
     drop(ls);
     let mut last = Settings::default();

@@ -32,6 +32,7 @@ impl Cluster {
             servers: ls.iter().map(|l| ServerSpec { addr: l.local_addr().unwrap(), worker_port_base: None }).collect(),
             secret: None,
             secret_file: None,
+            tls: None,
         };
         drop(ls);
         let servers = (0..n)

@@ -20,6 +20,7 @@
 //!   I/O and no clock: the leases granted by `RH hot` hints and the copy
 //!   each one reads. Shared likewise.
 
+pub mod dial;
 mod leases;
 mod map;
 pub mod peer_auth;
@@ -27,7 +28,7 @@ mod replica;
 mod router;
 
 pub use leases::{Lease, Leases, COPY_RETRY, DEFAULT_MAX_LEASES};
-pub use map::{ClusterMap, ClusterSpec, MapDiff, ServerInfo, ServerSpec};
+pub use map::{ClusterFile, ClusterMap, ClusterSpec, MapDiff, ServerInfo, ServerSpec, TlsSpec};
 pub use replica::replica_location;
 pub use router::{BadRedirect, Group, Learned, Redirect, Router, Split};
 

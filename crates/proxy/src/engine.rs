@@ -11,11 +11,12 @@ use mbal_proto::client::{Decoder, Expect, Frame};
 use mbal_proto::meta::{meta_key, MetaKind};
 use mbal_proto::text::TextCmd;
 use mbal_proto::{Limits, Parsed, Protocol, Request};
+use mbal_tls::Stream;
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Token, Waker};
 use slab::Slab;
 use std::collections::{HashMap, VecDeque};
-use std::io::{self, Read, Write};
+use std::io::{self, Write};
 use std::net::{SocketAddr, TcpListener as StdListener};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -65,7 +66,7 @@ struct Multi {
 }
 
 struct Client {
-    sock: TcpStream,
+    sock: Stream<TcpStream>,
     id: u64,
     /// Input: `rbuf[rpos..rend]` is unread (see [`fill`]).
     rbuf: Vec<u8>,
@@ -162,7 +163,7 @@ struct Upstream {
     addr: SocketAddr,
     /// `addr` as text, for the stats.
     addr_s: String,
-    sock: Option<TcpStream>,
+    sock: Option<Stream<TcpStream>>,
     state: UpState,
     backoff: Duration,
     wbuf: Vec<u8>,

@@ -34,6 +34,13 @@
 //!   plain binary connection to its main port (the server routes it to the
 //!   worker; binary connections do not opt in to redirects), one per thread
 //!   and server, pipelined likewise, with a `NOOP` after each quiet request.
+//! * **TLS and logins.** With `tls` the listener speaks TLS only (rustls,
+//!   `mbal_tls::Stream`: the plain path is one enum match per read or
+//!   write). Upstreams are opened by `dialer`: without TLS or a login a
+//!   non-blocking connect as before; with them a blocking connect,
+//!   handshake and login (ASCII auth on text upstreams, SASL PLAIN on
+//!   binary ones) bounded by the dialer's timeout, then the socket joins
+//!   the event loop.
 //! * **Failure.** An upstream that closes, sends a reply the codec rejects,
 //!   or leaves its oldest request unanswered for `--upstream-timeout-ms` is
 //!   dropped: every request in flight on it is answered
@@ -67,6 +74,12 @@ pub struct Config {
     pub max_redirects: u8,
     /// Unanswered requests per client connection before it is read no more.
     pub max_pending: usize,
+    /// `-Z -o ssl_*`: the listener speaks TLS only. `None`: plain TCP.
+    pub tls: Option<Arc<mbal_tls::ServerTls>>,
+    /// How upstream connections are opened: TLS (the cluster file's
+    /// `[tls]`) and the login (`--user`); plain TCP by default. Its timeout
+    /// bounds a TLS connect, handshake and login, which block the thread.
+    pub dialer: mbal_cluster::dial::Dialer,
 }
 
 impl Config {
@@ -79,6 +92,8 @@ impl Config {
             upstream_timeout: Duration::from_millis(1000),
             max_redirects: 4,
             max_pending: 1024,
+            tls: None,
+            dialer: mbal_cluster::dial::Dialer::plain(Duration::from_millis(1000)),
         }
     }
 }
@@ -163,6 +178,9 @@ pub fn start(cfg: Config, map: ClusterMap) -> io::Result<ProxyHandle> {
         ("upstream_timeout_ms", cfg.upstream_timeout.as_millis().to_string()),
         ("max_redirects", cfg.max_redirects.to_string()),
         ("servers", map.servers().len().to_string()),
+        ("ssl_enabled", if cfg.tls.is_some() { "yes" } else { "no" }.to_string()),
+        ("upstream_tls", if cfg.dialer.tls.is_some() { "yes" } else { "no" }.to_string()),
+        ("upstream_login", if cfg.dialer.user.is_some() { "yes" } else { "no" }.to_string()),
     ];
     let shared = Arc::new(stats::Shared {
         started: Instant::now(),

@@ -74,6 +74,7 @@ fn cluster() -> (ClusterSpec, Vec<Option<ServerHandle>>) {
         servers: ls.iter().map(|l| ServerSpec { addr: l.local_addr().unwrap(), worker_port_base: None }).collect(),
         secret: None,
         secret_file: None,
+        tls: None,
     };
     drop(ls);
     let servers = (0..3)

@@ -96,7 +96,15 @@ impl Cluster {
 fn free_spec(n: usize) -> ClusterSpec {
     let held: Vec<TcpListener> = (0..n).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
     let servers = held.iter().map(|l| ServerSpec { addr: l.local_addr().unwrap(), worker_port_base: None }).collect();
-    ClusterSpec { vn_count: 1024, cachelets_per_worker: 4, workers: WORKERS, servers, secret: None, secret_file: None }
+    ClusterSpec {
+        vn_count: 1024,
+        cachelets_per_worker: 4,
+        workers: WORKERS,
+        servers,
+        secret: None,
+        secret_file: None,
+        tls: None,
+    }
 }
 
 fn proxy(map: ClusterMap, threads: usize, timeout_ms: u64) -> ProxyHandle {

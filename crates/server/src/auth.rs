@@ -127,6 +127,22 @@ pub(crate) fn ascii_step(
     buf: &[u8],
     out: &mut Vec<u8>,
 ) -> AsciiStep {
+    // A cluster member logs in with the cluster secret (`mbal peer`), which
+    // is accepted before a -Y login and counts as one.
+    if settings.control_secret.is_some() && buf.starts_with(b"mbal peer") {
+        let Some(nl) = buf.iter().position(|&b| b == b'\n') else {
+            return if buf.len() > 256 { AsciiStep::Close } else { AsciiStep::NeedMore };
+        };
+        let line = String::from_utf8_lossy(&buf[..nl]);
+        let mut it = line.split_whitespace();
+        if let (Some("mbal"), Some("peer"), answer, None) = (it.next(), it.next(), it.next(), it.next()) {
+            peer_step(settings, counters, auth, answer, out);
+            if auth.peer == Peer::Ok {
+                auth.authenticated = true;
+            }
+            return AsciiStep::Consumed(nl + 1);
+        }
+    }
     match parse_ascii_auth(buf) {
         AsciiAuth::NeedMore => AsciiStep::NeedMore,
         AsciiAuth::Close => AsciiStep::Close,
@@ -215,7 +231,16 @@ pub(crate) fn peer(
     answer: Option<&str>,
     out: &mut Output,
 ) {
-    let out = out.buf();
+    peer_step(settings, counters, auth, answer, out.buf());
+}
+
+fn peer_step(
+    settings: &Settings,
+    counters: &mut Counters,
+    auth: &mut ConnAuth,
+    answer: Option<&str>,
+    out: &mut Vec<u8>,
+) {
     let Some(secret) = &settings.control_secret else {
         out.extend_from_slice(
             b"CLIENT_ERROR no control secret is set on this server (--control-secret-file, or secret in the cluster file)\r\n",
@@ -316,5 +341,42 @@ mod tests {
         assert_eq!(out.buf().as_slice(), b"CLIENT_ERROR bad peer credentials\r\n");
         assert_eq!(auth.peer, Peer::None);
         assert_eq!((c.peer_auth_cmds, c.peer_auth_errors), (2, 1));
+    }
+
+    #[test]
+    fn mbal_peer_is_a_login_before_ascii_auth() {
+        let s = settings(true, true, "127.0.0.1");
+        let mut c = Counters::default();
+        let mut auth = ConnAuth::new(&s);
+        assert!(!auth.authenticated);
+        let mut out = Vec::new();
+        assert!(matches!(ascii_step(&s, &mut c, &mut auth, b"mbal peer", &mut out), AsciiStep::NeedMore));
+        let AsciiStep::Consumed(11) = ascii_step(&s, &mut c, &mut auth, b"mbal peer\r\nget x\r\n", &mut out) else {
+            panic!("the challenge line is consumed")
+        };
+        let answer =
+            peer_auth::answer_line(s.control_secret.as_ref().unwrap(), String::from_utf8_lossy(&out).trim_end())
+                .unwrap();
+        // A wrong answer is no login.
+        let mut out = Vec::new();
+        ascii_step(&s, &mut c, &mut auth, b"mbal peer 00\r\n", &mut out);
+        assert_eq!(out, b"CLIENT_ERROR bad peer credentials\r\n");
+        assert!(!auth.authenticated);
+        let mut out = Vec::new();
+        ascii_step(&s, &mut c, &mut auth, b"mbal peer\r\n", &mut out);
+        let answer2 =
+            peer_auth::answer_line(s.control_secret.as_ref().unwrap(), String::from_utf8_lossy(&out).trim_end())
+                .unwrap();
+        assert_ne!(answer, answer2, "a fresh nonce");
+        let mut out = Vec::new();
+        ascii_step(&s, &mut c, &mut auth, answer2.as_bytes(), &mut out);
+        assert_eq!(out, b"OK\r\n");
+        assert!(auth.authenticated && auth.peer == Peer::Ok);
+        // Without a secret `mbal peer` is just an unauthenticated request.
+        let s = settings(false, true, "127.0.0.1");
+        let mut auth = ConnAuth::new(&s);
+        let mut out = Vec::new();
+        ascii_step(&s, &mut c, &mut auth, b"mbal peer\r\n", &mut out);
+        assert_eq!(out, mbal_proto::auth::E_UNAUTHENTICATED);
     }
 }

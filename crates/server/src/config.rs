@@ -108,6 +108,10 @@ pub struct Settings {
     /// `-Z` with `-o ssl_chain_cert=...,ssl_key=...,ssl_ca_cert=...,ssl_verify_mode=N`: every
     /// listener (main and worker ports) speaks TLS only. `None`: plain TCP.
     pub tls: Option<mbal_tls::ServerTlsFiles>,
+    /// TLS of this server's own connections to the other members (the
+    /// replicator's, the forwarder's): the cluster file's `[tls]` CA, client
+    /// certificate and server name. `None`: plain TCP.
+    pub peer_tls: Option<mbal_tls::ClientTls>,
     /// `-Y FILE`: every connection must authenticate (text: memcached's
     /// ASCII auth; binary: SASL PLAIN), with these users (`auth`).
     pub auth: Option<std::sync::Arc<crate::auth::Credentials>>,
@@ -217,6 +221,7 @@ impl Default for Settings {
             prefix_delimiter: b':',
             worker_capacity: 0,
             tls: None,
+            peer_tls: None,
             auth: None,
             control_secret: None,
             max_conns_per_ip: 0,
@@ -230,6 +235,17 @@ impl Default for Settings {
 }
 
 impl Settings {
+    /// How this server dials the other members (the replicator and the
+    /// forwarder): the cluster's TLS and secret, within `timeout`.
+    pub fn peer_dialer(&self, timeout: std::time::Duration) -> mbal_cluster::dial::Dialer {
+        mbal_cluster::dial::Dialer {
+            tls: self.peer_tls.clone(),
+            secret: self.control_secret.clone(),
+            user: None,
+            timeout,
+        }
+    }
+
     /// Take this server's place in a cluster: its address, worker ports,
     /// worker count and key-space geometry come from the cluster file.
     pub fn apply_cluster(&mut self, spec: mbal_cluster::ClusterSpec, id: u16) -> Result<(), String> {

@@ -36,13 +36,14 @@
 use crate::msg::{Envelope, Mailbox, ReplyBatch, ReplyTo, NO_CACHELET};
 use crate::worker::Shared;
 use crossbeam_channel::{Receiver, Sender};
+use mbal_cluster::dial::Proto;
 use mbal_cluster::{ClusterMap, Owner, Redirect, Router};
 use mbal_proto::binary::{opcode as op, write_response, BinHeader, HEADER_LEN, MAGIC_RESPONSE};
 use mbal_proto::client::{Decoder, Expect, Frame};
 use mio::net::TcpStream;
 use mio::{Events, Interest, Poll, Token, Waker};
 use std::collections::{HashMap, VecDeque};
-use std::io::{self, Read, Write};
+use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -171,7 +172,7 @@ enum State {
 
 struct Upstream {
     owner: Owner,
-    sock: Option<TcpStream>,
+    sock: Option<mbal_tls::Stream<TcpStream>>,
     state: State,
     backoff: Duration,
     wbuf: Vec<u8>,
@@ -189,6 +190,8 @@ pub(crate) struct Forwarder {
     mailbox: Arc<Mailbox>,
     router: Router,
     timeout: Duration,
+    /// TLS and the cluster secret's login, when the cluster has them.
+    dialer: mbal_cluster::dial::Dialer,
     ups: Vec<Upstream>,
     up_of: HashMap<Owner, usize>,
     dirty: Vec<usize>,
@@ -207,6 +210,7 @@ impl Forwarder {
         let timeout = Duration::from_millis(shared.settings.forward_timeout_ms.max(1));
         let workers = shared.settings.threads;
         Forwarder {
+            dialer: shared.settings.peer_dialer(timeout),
             shared,
             poll,
             jobs,
@@ -403,9 +407,17 @@ impl Forwarder {
         } else {
             self.router.map().worker_addr(server, worker)
         };
-        let mut sock = TcpStream::connect(addr)?;
-        let _ = sock.set_nodelay(true);
-        self.poll.registry().register(&mut sock, Token(ui), Interest::READABLE | Interest::WRITABLE)?;
+        let proto = if worker == BIN { Proto::Binary } else { Proto::Text };
+        let mut sock = if self.dialer.is_plain(proto) {
+            let sock = TcpStream::connect(addr)?;
+            let _ = sock.set_nodelay(true);
+            mbal_tls::Stream::Plain(sock)
+        } else {
+            // TLS and/or the cluster secret's login: blocking, within the
+            // forward timeout, then handed to the event loop.
+            self.dialer.dial_nonblocking(addr, proto)?.map_sock(TcpStream::from_std)
+        };
+        self.poll.registry().register(sock.sock_mut(), Token(ui), Interest::READABLE | Interest::WRITABLE)?;
         self.stats().connects.fetch_add(1, Ordering::Relaxed);
         let epoch = self.router.map().epoch();
         let u = &mut self.ups[ui];
@@ -438,7 +450,7 @@ impl Forwarder {
     fn down(&mut self, ui: usize, why: &str) {
         let u = &mut self.ups[ui];
         if let Some(mut s) = u.sock.take() {
-            let _ = self.poll.registry().deregister(&mut s);
+            let _ = self.poll.registry().deregister(s.sock_mut());
         }
         u.state = State::Down { until: self.now + u.backoff };
         u.backoff = (u.backoff * 2).min(BACKOFF_MAX);
@@ -483,6 +495,10 @@ impl Forwarder {
             if u.wpos == u.wbuf.len() {
                 u.wbuf.clear();
                 u.wpos = 0;
+            }
+            // TLS records the socket did not take yet (plain: nothing).
+            if !broken && sock.wants_write() {
+                broken = sock.flush_tls().is_err();
             }
             if broken {
                 self.down(ui, "owner connection failed");

@@ -24,7 +24,7 @@ use crate::worker::Shared;
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -66,9 +66,10 @@ pub(crate) struct Job {
     pub done: Done,
 }
 
+/// A connection to a shadow worker (plain or TLS); written through
+/// `r.get_mut()`.
 struct Peer {
-    w: TcpStream,
-    r: BufReader<TcpStream>,
+    r: BufReader<mbal_tls::BlockingStream>,
 }
 
 pub(crate) struct Replicator {
@@ -152,7 +153,8 @@ impl Replicator {
     /// entry of `who`; false on an I/O error or timeout.
     fn exchange(&mut self, loc: Loc, buf: &[u8], who: &[usize], batch: &[Job], ok: &mut [bool]) -> bool {
         let Some(peer) = self.peer(loc) else { return false };
-        if peer.w.write_all(buf).is_err() {
+        let w = peer.r.get_mut();
+        if w.write_all(buf).and_then(|_| w.flush()).is_err() {
             return false;
         }
         let mut line = String::new();
@@ -200,36 +202,24 @@ impl Replicator {
 
     fn connect(&self, (server, worker): Loc) -> std::io::Result<Peer> {
         let addr = *self.servers.get(server as usize).ok_or_else(|| std::io::Error::other("no such server"))?;
-        let s = TcpStream::connect_timeout(&addr, self.timeout)?;
-        s.set_nodelay(true)?;
-        s.set_read_timeout(Some(self.timeout))?;
-        s.set_write_timeout(Some(self.timeout))?;
-        let mut w = s.try_clone()?;
+        // TLS when the cluster uses it; copies are control commands: the
+        // dialer proves this is a cluster member (`mbal peer`) when there is
+        // a cluster secret.
+        let s = self.shared.settings.peer_dialer(self.timeout).dial(addr, mbal_cluster::dial::Proto::Text)?;
         let mut r = BufReader::new(s);
         let mut line = String::new();
-        // Copies are control commands: prove this is a cluster member.
-        if let Some(secret) = &self.shared.settings.control_secret {
-            w.write_all(mbal_cluster::peer_auth::HELLO)?;
-            r.read_line(&mut line)?;
-            let answer =
-                mbal_cluster::peer_auth::answer_line(secret, line.trim_end()).map_err(std::io::Error::other)?;
-            w.write_all(answer.as_bytes())?;
-            line.clear();
-            r.read_line(&mut line)?;
-            if line != "OK\r\n" {
-                return Err(std::io::Error::other(format!("peer authentication refused: {:?}", line.trim_end())));
-            }
-        }
         // Copy upkeep is not client load: exempt from emulated capacity
         // (before the hello, which hands the connection to the shadow worker).
         // (A hand-over must come before other unanswered requests: one at a time.)
-        w.write_all(b"mbal replicator\r\n")?;
+        r.get_mut().write_all(b"mbal replicator\r\n")?;
+        r.get_mut().flush()?;
         line.clear();
         r.read_line(&mut line)?;
         if line != "OK\r\n" {
             return Err(std::io::Error::other(format!("mbal replicator refused: {:?}", line.trim_end())));
         }
-        write!(w, "mbal hello 0 {worker}\r\n")?;
+        write!(r.get_mut(), "mbal hello 0 {worker}\r\n")?;
+        r.get_mut().flush()?;
         line.clear();
         r.read_line(&mut line)?;
         let mut it = line.split_whitespace();
@@ -237,7 +227,7 @@ impl Replicator {
         if [it.next(), it.next(), it.next()] != want {
             return Err(std::io::Error::other(format!("unexpected hello answer {line:?}")));
         }
-        Ok(Peer { w, r })
+        Ok(Peer { r })
     }
 
     fn report(&mut self, job: Job, ok: bool) {

@@ -149,6 +149,7 @@ fn three_server_cluster_serves_only_its_partition() {
             .collect(),
         secret: None,
         secret_file: None,
+        tls: None,
     };
     // Worker ports must be consecutive: pick a consecutive pair per server.
     let spec = consecutive(spec);

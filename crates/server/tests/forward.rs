@@ -49,6 +49,7 @@ fn cluster_with_silent(
             .collect(),
         secret: None,
         secret_file: None,
+        tls: None,
     };
     let silent: Vec<_> = listeners.into_iter().skip(n - silent).collect();
     let servers = (0..n - silent.len())

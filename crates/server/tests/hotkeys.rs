@@ -27,6 +27,7 @@ fn cluster(n: usize, tune: impl Fn(&mut mbal_server::config::Settings)) -> Clust
         servers: ls.iter().map(|l| ServerSpec { addr: l.local_addr().unwrap(), worker_port_base: None }).collect(),
         secret: None,
         secret_file: None,
+        tls: None,
     };
     drop(ls);
     let servers = (0..n)

@@ -25,6 +25,7 @@ use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
+use std::time::Duration;
 
 pub use rustls;
 
@@ -431,6 +432,19 @@ impl<S: Read + Write> Write for Stream<S> {
     fn flush(&mut self) -> io::Result<()> {
         self.flush_tls()
     }
+}
+
+/// Open a blocking client connection to `addr`: TCP connect, no Nagle,
+/// `timeout` on the connect and on every read and write (the handshake
+/// included), then the TLS handshake with `tls`. The one place every mbal
+/// component that dials a server (the replicator, the forwarder, the proxy,
+/// [`mbal_cluster`'s `Dialer`](https://docs.rs/mbal-cluster)) connects.
+pub fn dial(addr: SocketAddr, tls: Option<&ClientTls>, timeout: Duration) -> io::Result<BlockingStream> {
+    let sock = TcpStream::connect_timeout(&addr, timeout)?;
+    sock.set_nodelay(true)?;
+    sock.set_read_timeout(Some(timeout))?;
+    sock.set_write_timeout(Some(timeout))?;
+    BlockingStream::new(sock, addr, tls)
 }
 
 /// A plain or TLS blocking client socket.

@@ -21,16 +21,30 @@ impl Engine {
             if prev as usize >= self.cfg.max_conns {
                 self.shared.curr_connections.fetch_sub(1, Ordering::Relaxed);
                 self.counters.rejected_connections += 1;
-                let _ = sock.write(b"ERROR Too many open connections\r\n");
+                if self.cfg.tls.is_none() {
+                    // (never plaintext on a TLS port: just the close)
+                    let _ = sock.write(b"ERROR Too many open connections\r\n");
+                }
                 continue;
             }
             let _ = sock.set_nodelay(true);
+            let mut sock = match &self.cfg.tls {
+                None => Stream::Plain(sock),
+                Some(tls) => match tls.accept() {
+                    Ok(conn) => Stream::tls(conn, sock),
+                    Err(e) => {
+                        tracing::warn!("proxy: TLS: {e}");
+                        self.shared.curr_connections.fetch_sub(1, Ordering::Relaxed);
+                        continue;
+                    }
+                },
+            };
             let entry = self.clients.vacant_entry();
             let ci = entry.key();
             if self
                 .poll
                 .registry()
-                .register(&mut sock, Token(CLIENT_BASE + ci), Interest::READABLE | Interest::WRITABLE)
+                .register(sock.sock_mut(), Token(CLIENT_BASE + ci), Interest::READABLE | Interest::WRITABLE)
                 .is_err()
             {
                 self.shared.curr_connections.fetch_sub(1, Ordering::Relaxed);
@@ -62,7 +76,8 @@ impl Engine {
 
     pub(super) fn close_client(&mut self, ci: usize) {
         if let Some(mut c) = self.clients.try_remove(ci) {
-            let _ = self.poll.registry().deregister(&mut c.sock);
+            c.sock.close_notify();
+            let _ = self.poll.registry().deregister(c.sock.sock_mut());
             self.shared.curr_connections.fetch_sub(1, Ordering::Relaxed);
         }
     }
@@ -485,6 +500,10 @@ impl Engine {
             if c.wpos == c.wbuf.len() {
                 c.wbuf.clear();
                 c.wpos = 0;
+            }
+            // TLS records the socket did not take yet (plain: nothing).
+            if !broken && c.sock.wants_write() {
+                broken = c.sock.flush_tls().is_err();
             }
             let done = c.closing && c.slots.is_empty() && c.wbuf.is_empty();
             if broken || done {

@@ -4,6 +4,7 @@
 
 use super::client::{get_line, get_prefix, match_key, slot_mut};
 use super::*;
+use mbal_cluster::dial::Proto;
 
 impl Engine {
     pub(super) fn upstream(&mut self, owner: Owner) -> usize {
@@ -103,9 +104,17 @@ impl Engine {
             u.addr = addr;
             u.addr_s = addr.to_string();
         }
-        let mut sock = TcpStream::connect(u.addr)?;
-        let _ = sock.set_nodelay(true);
-        self.poll.registry().register(&mut sock, Token(UP_BASE + ui), Interest::READABLE | Interest::WRITABLE)?;
+        let proto = if u.owner.1 == BIN { Proto::Binary } else { Proto::Text };
+        let mut sock = if self.cfg.dialer.is_plain(proto) {
+            let sock = TcpStream::connect(u.addr)?;
+            let _ = sock.set_nodelay(true);
+            Stream::Plain(sock)
+        } else {
+            // TLS and/or a login: blocking (bounded by the dialer's
+            // timeout), then the socket joins the event loop.
+            self.cfg.dialer.dial_nonblocking(u.addr, proto)?.map_sock(TcpStream::from_std)
+        };
+        self.poll.registry().register(sock.sock_mut(), Token(UP_BASE + ui), Interest::READABLE | Interest::WRITABLE)?;
         u.sock = Some(sock);
         u.state = UpState::Up;
         u.wbuf.clear();
@@ -139,7 +148,7 @@ impl Engine {
     pub(super) fn down(&mut self, ui: usize) {
         let u = &mut self.ups[ui];
         if let Some(mut s) = u.sock.take() {
-            let _ = self.poll.registry().deregister(&mut s);
+            let _ = self.poll.registry().deregister(s.sock_mut());
         }
         u.state = UpState::Down { until: self.now + u.backoff };
         u.backoff = (u.backoff * 2).min(BACKOFF_MAX);
@@ -241,6 +250,10 @@ impl Engine {
             if u.wpos == u.wbuf.len() {
                 u.wbuf.clear();
                 u.wpos = 0;
+            }
+            // TLS records the socket did not take yet (plain: nothing).
+            if !broken && sock.wants_write() {
+                broken = sock.flush_tls().is_err();
             }
             if broken {
                 self.down(ui);
@@ -582,7 +595,12 @@ impl Engine {
 /// `buf[pos..end]` move to the front when the free tail is short, and the
 /// buffer grows only when they fill most of it (so it is zero-filled once,
 /// not on every read).
-pub(super) fn fill(sock: &mut TcpStream, buf: &mut Vec<u8>, pos: &mut usize, end: &mut usize) -> io::Result<usize> {
+pub(super) fn fill(
+    sock: &mut Stream<TcpStream>,
+    buf: &mut Vec<u8>,
+    pos: &mut usize,
+    end: &mut usize,
+) -> io::Result<usize> {
     if *pos == *end {
         *pos = 0;
         *end = 0;

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# A/B of `mbal proxy`'s plain path: two mbal binaries' proxies, alternated in
+# one run against the same server and the same generator.
+#
+#   scripts/bench-proxy-ab.sh BEFORE_BIN [RUNS] [SECONDS]
+#
+# "after" is this tree's release build. One mbal server (`-t 1`, this tree's)
+# and the load generator (`mbal bench`, plain text) on core $SERVER_CPU
+# (default 0); the proxy under test alone on core $PROXY_CPU (default 1), one
+# thread, no TLS, no login. For each scenario, before and after alternate
+# RUNS times (default 5). Reported as medians: throughput and the proxy's CPU
+# time per request (utime+stime from /proc/PID/stat over the run), and the
+# after/before ratios. Loopback only; kills only the processes it started,
+# by pid. Run it under `flock /tmp/bench.lock` on a shared machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BEFORE=${1:?usage: scripts/bench-proxy-ab.sh BEFORE_BIN [RUNS] [SECONDS]}
+RUNS=${2:-5}
+SECS=${3:-3}
+SERVER_CPU=${SERVER_CPU:-0}
+PROXY_CPU=${PROXY_CPU:-1}
+OUT=${OUT:-results/proxy-ab}
+KEYS=${KEYS:-100000}
+source scripts/lib/loopback.sh
+AFTER=$BIN
+mkdir -p "$OUT"
+
+start_server mbal 1 "$SERVER_CPU"
+SPID=$PID SPORT=$PORT
+PID=""
+PPID_=""
+stop_proxy() { if [ -n "$PPID_" ]; then kill "$PPID_" 2>/dev/null && { wait "$PPID_" 2>/dev/null || true; }; fi; PPID_=""; return 0; }
+cleanup() { stop_proxy; kill "$SPID" 2>/dev/null && wait "$SPID" 2>/dev/null; return 0; }
+trap cleanup EXIT
+wait_port() { for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/"$1") 2>/dev/null && return 0; sleep 0.05; done; return 1; }
+
+start_proxy() { # binary -> sets PPID_ and TPORT
+  for _try in 1 2 3 4 5; do
+    TPORT=$((21000 + RANDOM % 20000))
+    taskset -c "$PROXY_CPU" "$1" proxy --server 127.0.0.1:"$SPORT" -l 127.0.0.1 -p "$TPORT" -t 1 2>/dev/null &
+    PPID_=$!
+    wait_port "$TPORT" && kill -0 "$PPID_" 2>/dev/null && return 0
+    stop_proxy
+  done
+  echo "proxy $1 did not start" >&2
+  exit 1
+}
+proxy_ticks() { awk '{print $14+$15}' "/proc/$PPID_/stat"; }
+
+taskset -c "$SERVER_CPU" "$AFTER" bench --server 127.0.0.1:"$SPORT" --keys "$KEYS" --load-only --quiet >/dev/null
+
+scenario() { # name, bench args...
+  local name=$1; shift
+  echo "== $name: $*" >&2
+  for r in $(seq "$RUNS"); do
+    for side in before after; do
+      local bin=$BEFORE; [ "$side" = after ] && bin=$AFTER
+      start_proxy "$bin"
+      local c0; c0=$(proxy_ticks)
+      taskset -c "$SERVER_CPU" "$AFTER" bench --server 127.0.0.1:"$TPORT" --keys "$KEYS" --duration "$SECS" --quiet \
+        --json "$OUT/$name.$side.$r.json" "$@" >/dev/null
+      local c1; c1=$(proxy_ticks)
+      echo "$(( c1 - c0 ))" >"$OUT/$name.$side.$r.cpu"
+      stop_proxy
+    done
+  done
+}
+
+scenario get     --workload uniform --read-ratio 1 --conns 8 --pipeline 16
+scenario set     --workload uniform --read-ratio 0 --conns 8 --pipeline 16
+scenario lat_get --workload uniform --read-ratio 1 --conns 1 --pipeline 1
+
+python3 - "$OUT" "$RUNS" "$HZ" <<'PY'
+import json, statistics, sys
+out, runs, hz = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+med = statistics.median
+def rows(n, side):
+    r = []
+    for i in range(1, runs + 1):
+        d = json.load(open(f"{out}/{n}.{side}.{i}.json"))
+        t = int(open(f"{out}/{n}.{side}.{i}.cpu").read())
+        r.append((d["totals"]["ops_per_sec"], t / hz / max(d["totals"]["requests"], 1) * 1e6,
+                  d["latency"]["all"]["p50_us"], d["latency"]["all"]["p99_us"]))
+    return r
+print(f"medians of {runs} alternated runs")
+print(f"{'scenario':8} {'ops/s before':>12} {'after':>10} {'ratio':>6} {'cpu us/req before':>17} {'after':>6} {'ratio':>6} {'p50 us b/a':>12} {'p99 us b/a':>13}")
+for n in ("get", "set", "lat_get"):
+    b, a = rows(n, "before"), rows(n, "after")
+    col = lambda r, k: med([x[k] for x in r])
+    print(f"{n:8} {col(b,0):12.0f} {col(a,0):10.0f} {col(a,0)/col(b,0):6.3f} {col(b,1):17.2f} {col(a,1):6.2f} "
+          f"{col(a,1)/col(b,1):6.3f} {col(b,2):6.1f}/{col(a,2):<5.1f} {col(b,3):6.1f}/{col(a,3):<6.1f}")
+PY

@@ -5,6 +5,7 @@
     ycsb_driver.py load --server HOST:PORT --records N [--value-size B] [--conns C]
     ycsb_driver.py run  --server HOST:PORT --records N --rate R --duration S --max-ops M
                         [--settle S] [--drain S] [--conns C] [--procs P] [--read-proportion 0.5]
+                        [--distribution scrambled|zipfian]
                         [--value-size B] [--seed N] [--cluster FILE] --json OUT
 
 The client is plain `pymemcache.client.base.Client` (one per thread, `default_noreply=False` so
@@ -15,8 +16,10 @@ Keys and their popularity are YCSB's (core workload, `requestdistribution=zipfia
 k is named `user<fnvhash64(k)>`; a request's key number is drawn by YCSB's
 `ScrambledZipfianGenerator` (a `ZipfianGenerator` over 10^10 items with theta 0.99 and the
 precomputed zeta(10^10, 0.99) = 26.46902820178302, then `fnvhash64(v) % itemcount`), redrawn
-while it is past the last record, as `CoreWorkload.nextKeynum` does. `selftest` checks the
-port against the expected Zipfian frequencies.
+while it is past the last record, as `CoreWorkload.nextKeynum` does. `--distribution zipfian`
+draws the key number from YCSB's `ZipfianGenerator` over the records instead (Zipf's skew over
+the records themselves: a steeper head, see `KeyChooser`). `selftest` checks the port against
+the expected Zipfian frequencies.
 
 Open loop: op i is due at t0 + i / rate (rate split over the processes, interleaved), whether or
 not earlier ones have been answered; a free thread takes the next op due, waits for its time and
@@ -31,6 +34,7 @@ drain). With --cluster, one side thread per server reads its per-worker load epo
 server_load).
 """
 import argparse
+import functools
 import json
 import math
 import multiprocessing as mp
@@ -68,6 +72,7 @@ def java_rem(a, b):
     return -r if a < 0 else r
 
 
+@functools.lru_cache(maxsize=8)
 def zeta(n, theta):
     return sum(1.0 / (i + 1) ** theta for i in range(n))
 
@@ -118,13 +123,21 @@ class ScrambledZipfianGenerator:
 
 
 class KeyChooser:
-    """`CoreWorkload` with requestdistribution=zipfian and no inserts: the generator spans
-    recordcount + 1 values (insertstart..insertstart+insertcount+expectednewkeys, inclusive);
-    a key number past the last record is redrawn."""
+    """`scrambled`: `CoreWorkload` with requestdistribution=zipfian and no inserts (YCSB's
+    workload A): a ScrambledZipfianGenerator spanning recordcount + 1 values
+    (insertstart..insertstart+insertcount+expectednewkeys, inclusive); a key number past the
+    last record is redrawn. `zipfian`: a ZipfianGenerator over the records themselves (key
+    number 0 the most popular, Zipf's skew over n = records: the top key gets 1/zeta(n, 0.99) of
+    the requests, 10.3% for 10,000 records against 3.8% scrambled)."""
 
-    def __init__(self, records, rng):
+    def __init__(self, records, rng, dist="scrambled"):
         self.records = records
-        self.gen = ScrambledZipfianGenerator(0, records, rng=rng)
+        if dist == "scrambled":
+            self.gen = ScrambledZipfianGenerator(0, records, rng=rng)
+        elif dist == "zipfian":
+            self.gen = ZipfianGenerator(0, records - 1, rng=rng)
+        else:
+            raise ValueError(f"unknown distribution {dist!r}")
 
     def next_keynum(self):
         while True:
@@ -207,7 +220,12 @@ def selftest():
     want10 = sum(gray_probability(zg, v) for v in range(10))
     print(check("scrambled top-10 share", sum(top[:10]) / draws, want10, 0.05))
 
-    # 4. fnvhash64 against YCSB's Java `Utils.fnvhash64` (its code compiled and run by javac/java;
+    # 4. The `zipfian` key chooser over 10,000 records: key number 0 at 1/zeta(10^4, 0.99).
+    kz = KeyChooser(records, random.Random(13), "zipfian")
+    hits = sum(kz.next_keynum() == 0 for _ in range(draws // 4))
+    print(check("zipfian records=10000 key 0", hits / (draws // 4), 1.0 / zeta(records, 0.99), 0.05))
+
+    # 5. fnvhash64 against YCSB's Java `Utils.fnvhash64` (its code compiled and run by javac/java;
     # user6284781860667377211 is the first key a YCSB load inserts).
     for v, want in ((0, 6284781860667377211), (1, 8517097267634966620), (12345, 1792800413050876852),
                     (9999999999, 3605131173811637474)):
@@ -294,7 +312,7 @@ def proc_main(args, proc, t0, out_q):
 
     def worker(tid):
         rng = random.Random((args.seed * 1_000_003 + proc) * 10_007 + tid)
-        keys = KeyChooser(args.records, rng)
+        keys = KeyChooser(args.records, rng, args.distribution)
         recs = []
         per_thread.append(recs)
         c = make_client(addr, args.duration + args.drain + 1)
@@ -511,11 +529,12 @@ def run(args):
     done_ops = len(recs) - counts["unfinished"]
     report = {
         "client": "pymemcache %s (pymemcache.client.base.Client, default_noreply=False)" % __import__("pymemcache").__version__,
-        "workload": "YCSB A: %.0f%% read / %.0f%% update, ScrambledZipfian(0.99) over %d records" % (
-            args.read_proportion * 100, (1 - args.read_proportion) * 100, args.records),
+        "workload": "YCSB A: %.0f%% read / %.0f%% update, %s over %d records" % (
+            args.read_proportion * 100, (1 - args.read_proportion) * 100,
+            {"scrambled": "ScrambledZipfianGenerator(0.99)", "zipfian": "ZipfianGenerator(0.99)"}[args.distribution], args.records),
         "settings": {"server": args.server, "records": args.records, "rate": args.rate, "duration": args.duration,
                      "settle": args.settle, "drain": args.drain, "max_ops": args.max_ops, "conns": args.conns,
-                     "procs": args.procs, "read_proportion": args.read_proportion, "value_size": args.value_size,
+                     "procs": args.procs, "distribution": args.distribution, "read_proportion": args.read_proportion, "value_size": args.value_size,
                      "seed": args.seed},
         "totals": {"target_rate": args.rate, "requests": len(recs), "ops": done_ops, "ok": counts["ok"],
                    "misses": counts["miss"], "errors": counts["error"], "unfinished": counts["unfinished"],
@@ -556,6 +575,8 @@ def main():
     rp.add_argument("--drain", type=float, default=10.0)
     rp.add_argument("--procs", type=int, default=1)
     rp.add_argument("--read-proportion", type=float, default=0.5)
+    rp.add_argument("--distribution", choices=["scrambled", "zipfian"], default="scrambled",
+                    help="scrambled: YCSB workload A's key choice; zipfian: YCSB's ZipfianGenerator over the records")
     rp.add_argument("--seed", type=int, default=1)
     rp.add_argument("--cluster", help="cluster file: record the servers' per-worker load (mbal load)")
     rp.add_argument("--json", required=True)

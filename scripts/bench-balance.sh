@@ -21,6 +21,17 @@
 #                                       another halfway: the time until max/avg is back under 1.2
 #                                       is the reaction time); adds the keys replicated, the copies
 #                                       made, their memory and the reads the copies served
+#   scripts/bench-balance.sh proxy      an unmodified pymemcache client through `mbal proxy`
+#                                       (issue 11), balancer off vs on, same run: YCSB workload A
+#                                       (50% read / 50% update, YCSB's scrambled Zipfian 0.99,
+#                                       scripts/lib/ycsb_driver.py, open loop) through
+#                                       `mbal proxy --cluster` in front of a fresh 2 x 4 cluster
+#                                       per run, every worker capped at CAP (default 500 here),
+#                                       KEYS (default 10,000 here) loaded through the proxy first;
+#                                       off = `--balancer off --hot-keys off`, on = both on
+#                                       (Phase 2 and Phase 1); reports per-worker max/avg (the
+#                                       servers' epochs, `mbal load`), throughput and p99 after
+#                                       SETTLE, the moves made and the reads served by copies
 #   scripts/bench-balance.sh all        capacity and balance (the default)
 #
 # The hotspot starts with the measured phase: the keys are loaded first (uniform SETs), then
@@ -38,9 +49,19 @@
 # HOT_CACHELETS and HOT_OPS for the hot partition (4, 0.5); SERVER_ARGS more server arguments
 # for both modes (e.g. "--balance-persistence 2"); OUT (default results/balance). Every run is
 # bounded in time (--duration, --drain, a bounded load phase) and in requests (--max-ops).
+# `proxy` mode knobs: TOPOLOGY_PROXY (default 2x4), PROXY_THREADS (`mbal proxy -t`, default 2),
+# UPSTREAM_TIMEOUT_MS (default 30000: a saturated worker's backlog takes seconds, and the proxy
+# fails what waits longer), DRIVER_PROCS x DRIVER_CONNS pymemcache clients (default 2 x 64: the
+# requests the driver can have in flight), YCSB_DIST (scrambled: YCSB workload A's own key
+# choice; zipfian, the default: YCSB's ZipfianGenerator over the records, whose steeper head
+# saturates a worker at this load), and CAP, KEYS, LOAD, SECS, SETTLE, RUNS as above.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-all}
+if [ "$MODE" = proxy ]; then
+  CAP=${CAP:-500}
+  KEYS=${KEYS:-10000}
+fi
 CAP=${CAP:-2000}
 LOAD=${LOAD:-0.7}
 SECS=${SECS:-20}
@@ -71,7 +92,9 @@ mkdir -p "$OUT"
 cargo build --release --bin mbal >/dev/null 2>&1 || cargo build --release --bin mbal
 BIN=${CARGO_TARGET_DIR:-$PWD/target}/release/mbal
 PID=""
-cleanup() { [ -n "$PID" ] && kill -INT "$PID" 2>/dev/null && wait "$PID" 2>/dev/null; PID=""; }
+PROXY_PID=""
+stop_proxy() { [ -n "$PROXY_PID" ] && kill -INT "$PROXY_PID" 2>/dev/null && wait "$PROXY_PID" 2>/dev/null; PROXY_PID=""; return 0; }
+cleanup() { stop_proxy; [ -n "$PID" ] && kill -INT "$PID" 2>/dev/null && wait "$PID" 2>/dev/null; PID=""; return 0; }
 trap cleanup EXIT
 
 # Start `mbal cluster up` for SERVERS x WORKERS with the capacity; sets PID and FIRST (the
@@ -187,4 +210,55 @@ if [ "$MODE" = balance ] || [ "$MODE" = hotkeys ] || [ "$MODE" = all ]; then
         python3 scripts/lib/balance_report.py "$OUT" "$topo" "$wl" "$RUNS" "$MODES" "$SETTLED_AT" "$P99_TARGET_US" | tee "$OUT/$topo.$wl.report.md"
     done
   done
+fi
+
+if [ "$MODE" = proxy ]; then
+  python3 -c 'import pymemcache, hdrh' 2>/dev/null || python3 -m pip install -q pymemcache hdrhistogram
+  python3 scripts/lib/ycsb_driver.py selftest >"$OUT/ycsb-selftest.txt" || { cat "$OUT/ycsb-selftest.txt"; exit 1; }
+  topo=${TOPOLOGY_PROXY:-2x4}
+  servers=${topo%x*}; workers=${topo#*x}
+  total=$((servers * workers * CAP))
+  rate=$(python3 -c "print(int($total * $LOAD))")
+  PROXY_THREADS=${PROXY_THREADS:-2}
+  UPSTREAM_TIMEOUT_MS=${UPSTREAM_TIMEOUT_MS:-30000}
+  DRIVER_PROCS=${DRIVER_PROCS:-2}
+  DRIVER_CONNS=${DRIVER_CONNS:-64}
+  ptopo="proxy-$topo"
+  YCSB_DIST=${YCSB_DIST:-zipfian}
+  wl="ycsba-$YCSB_DIST"
+  for run in $(seq "$RUNS"); do
+    for mode in $MODES; do
+      tag="$ptopo.$wl.$mode.$run"
+      echo "== $tag: $servers servers x $workers workers at $CAP req/s each, YCSB A ($YCSB_DIST) through mbal proxy at $rate ops/s, balancer and hot keys $mode"
+      cluster_up "$servers" "$workers" "$tag" "--balancer $mode --hot-keys $mode $SERVER_ARGS"
+      "$BIN" proxy --cluster "$OUT/$tag.cluster.toml" -l 127.0.0.1 -p 0 -t "$PROXY_THREADS" \
+        --upstream-timeout-ms "$UPSTREAM_TIMEOUT_MS" --print-ports >"$OUT/$tag.proxy.ports" 2>"$OUT/$tag.proxy.log" &
+      PROXY_PID=$!
+      for _ in $(seq 100); do [ -s "$OUT/$tag.proxy.ports" ] && break; kill -0 "$PROXY_PID" 2>/dev/null || break; sleep 0.05; done
+      PROXY=$(python3 -c "import json,sys;print(json.load(open(sys.argv[1]))['main'])" "$OUT/$tag.proxy.ports") ||
+        { cat "$OUT/$tag.proxy.log"; exit 1; }
+      python3 scripts/lib/ycsb_driver.py load --server "$PROXY" --records "$KEYS" --conns 8 --timeout 120
+      python3 scripts/lib/ycsb_driver.py run --server "$PROXY" --records "$KEYS" --rate "$rate" --duration "$SECS" \
+        --settle "$SETTLE" --max-ops $((rate * SECS * 2)) --drain 10 --procs "$DRIVER_PROCS" --conns "$DRIVER_CONNS" \
+        --seed "$run" --distribution "$YCSB_DIST" --cluster "$OUT/$tag.cluster.toml" --json "$OUT/$tag.json"
+      stats_balancer "$OUT/$tag.cluster.toml" "$OUT/$tag.stats.json"
+      # The proxy's own counters (replica reads, upstream errors and timeouts).
+      python3 - "$PROXY" "$OUT/$tag.proxystats.json" <<'PY'
+import json, socket, sys
+host, port = sys.argv[1].rsplit(":", 1)
+s = socket.create_connection((host, int(port)), timeout=5)
+s.sendall(b"stats\r\n")
+buf = b""
+while not buf.endswith(b"END\r\n"):
+    chunk = s.recv(65536)
+    if not chunk:
+        break
+    buf += chunk
+json.dump({l.split()[1]: l.split()[2] for l in buf.decode().splitlines() if l.startswith("STAT ")}, open(sys.argv[2], "w"))
+PY
+      cleanup
+    done
+  done
+  KNOB=balancer+hot-keys python3 scripts/lib/balance_report.py "$OUT" "$ptopo" "$wl" "$RUNS" "$MODES" "$SETTLED_AT" "$P99_TARGET_US" |
+    tee "$OUT/$ptopo.$wl.report.md"
 fi

@@ -39,6 +39,9 @@ for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/$MC_PORT) 2>/dev/null && bre
 MBAL_MEMCACHED_ADDR="127.0.0.1:$MC_PORT" MBAL_REQUIRE_MEMCACHED=1 cargo test --workspace
 kill $MC_PID 2>/dev/null || true
 
+step "the YCSB driver's generators against YCSB's (scripts/lib/ycsb_driver.py selftest)"
+python3 scripts/lib/ycsb_driver.py selftest
+
 step "real client libraries against a real server (pytest)"
 cargo build --release --bin mbal
 MBAL_BIN="$PWD/target/release/mbal" python3 -m pytest -q tests/clients

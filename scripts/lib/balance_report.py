@@ -6,7 +6,9 @@ usage: balance_report.py OUT TOPO WORKLOAD RUNS "MODES" SETTLED_AT P99_TARGET_US
 For each mode and run it reads OUT/TOPO.WORKLOAD.MODE.RUN.json (the fixed-rate run, with the
 servers' epochs from `mbal load`), .sweep.json (the rate sweep, if any) and .stats.json (every
 server's `stats balancer` at the end), prints one line per run and a markdown table of the
-medians, and the on/off ratios.
+medians, and the on/off ratios. The `proxy` mode's runs (scripts/lib/ycsb_driver.py's JSON, in
+the same shape) add .proxystats.json (`mbal proxy`'s `stats` at the end) and a table of what the
+client saw through the proxy.
 """
 import json
 import os
@@ -115,7 +117,25 @@ def one(mode, run):
         "replica_kib": None,
         "replica_reads": None,
         "state": "",
+        "proxy": None,
     }
+    if os.path.exists(base + ".proxystats.json"):
+        ps = json.load(open(base + ".proxystats.json"))
+        tot = r["totals"]
+        reads = (r["latency"].get("read") or {}).get("count", 0)
+        row["proxy"] = {
+            "replica_reads": int(ps.get("proxy_replica_reads", 0)),
+            "replica_fallbacks": int(ps.get("proxy_replica_fallbacks", 0)),
+            "replica_share": int(ps.get("proxy_replica_reads", 0)) / reads if reads else 0.0,
+            "upstream_errors": int(ps.get("proxy_upstream_errors", 0)),
+            "upstream_timeouts": int(ps.get("proxy_upstream_timeouts", 0)),
+            "redirects": int(ps.get("proxy_redirects", 0)),
+            "client_errors": tot.get("errors", 0),
+            "unfinished": tot.get("unfinished", 0),
+            "misses": tot.get("misses", 0),
+            "p99_read": (st.get("latency_read") or {}).get("p99_us"),
+            "p99_update": (st.get("latency_update") or {}).get("p99_us"),
+        }
     if os.path.exists(base + ".sweep.json"):
         sw = json.load(open(base + ".sweep.json")).get("sweep") or {}
         row["max_at_target"] = sw.get("max_ops_per_sec_at_target") or 0.0
@@ -176,7 +196,7 @@ for m in modes:
         f"{f(med(rs, 'moves_run'), '{:.0f}')} ({f(med(rs, 'moves_total'), '{:.0f}')}) | "
         f"{f(med(rs, 'escalations_run'), '{:.0f}')}{' ' + ','.join(why) if why else ''} |"
     )
-if KNOB == "hot-keys":
+if KNOB == "hot-keys" or any(x["replicated"] is not None for m in modes for x in results[m]):
     print()
     print("| hot-keys | keys replicated at the end | copies made (with the sweep) | copy memory KiB | reads served by copies | reaction to the shift, s (runs) |")
     print("|---|---|---|---|---|---|")
@@ -188,6 +208,27 @@ if KNOB == "hot-keys":
         print(
             f"| {m} | {f(med(rs, 'replicated'), '{:.0f}')} | {f(med(rs, 'copies'), '{:.0f}')} | {f(med(rs, 'replica_kib'), '{:,.0f}')} | "
             f"{f(med(rs, 'replica_reads'), '{:,.0f}')} | {f(med(rs, 'reaction_s'), '{:.1f}') if SHIFT_AT is not None else '-'} ({reacts if SHIFT_AT is not None else ''}) |"
+        )
+if any(x["proxy"] for m in modes for x in results[m]):
+    print()
+    print(
+        f"| {KNOB} | reads served by copies via the proxy (share of reads) | proxy: replica fallbacks | redirects followed "
+        "| upstream errors / timeouts | client errors / unfinished / misses | p99 µs settled, read / update |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for m in modes:
+        rs = [x for x in results[m] if x["proxy"]]
+        if not rs:
+            continue
+
+        def pm(key, fmt="{:,.0f}"):
+            v = [x["proxy"][key] for x in rs if x["proxy"].get(key) is not None]
+            return f(statistics.median(v) if v else None, fmt)
+
+        print(
+            f"| {m} | {pm('replica_reads')} ({pm('replica_share', '{:.1%}')}) | {pm('replica_fallbacks')} | {pm('redirects')} | "
+            f"{pm('upstream_errors')} / {pm('upstream_timeouts')} | {pm('client_errors')} / {pm('unfinished')} / {pm('misses')} | "
+            f"{pm('p99_read')} / {pm('p99_update')} |"
         )
 if "off" in results and "on" in results and results["off"] and results["on"]:
     def ratio(key):

@@ -303,6 +303,11 @@ pub(crate) struct Worker {
     /// it (in arrival order: see `hold`).
     capacity: Capacity,
     throttled: Vec<usize>,
+    /// Connections that ran out of credit after executing requests this
+    /// round: at the next refill they are queued after `throttled` (those
+    /// that got none), so that of two backlogged connections the one that
+    /// spent the last credit does not go first again (it starved the other).
+    spent: Vec<usize>,
     held: VecDeque<Envelope>,
     /// Where the front of `held`, a batch cut short, resumes.
     held_pos: usize,
@@ -384,6 +389,7 @@ impl Worker {
             inbox_wait_max_ns: 0,
             capacity: Capacity::new(shared.settings.worker_capacity, shared.clock_ns()),
             throttled: Vec::new(),
+            spent: Vec::new(),
             held: VecDeque::new(),
             held_pos: 0,
             replicas,
@@ -405,7 +411,7 @@ impl Worker {
             } else {
                 Duration::from_millis(100)
             };
-            if !self.throttled.is_empty() || !self.held.is_empty() {
+            if !self.throttled.is_empty() || !self.spent.is_empty() || !self.held.is_empty() {
                 // Out of emulated capacity with work waiting: sleep until
                 // the bucket has credit again, no longer (and never spin).
                 timeout = timeout.min(self.capacity.wait());

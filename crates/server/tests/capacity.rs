@@ -183,3 +183,65 @@ fn a_flush_behind_held_requests_stays_behind_them() {
     assert!(worker_stat(&mut admin, 1, "capacity_stalls") > 0, "nothing was held");
     srv.shutdown();
 }
+
+#[test]
+fn backlogged_connections_share_a_capped_worker() {
+    // Two connections each keep a backlog on one capped worker (a proxy's
+    // upstream connections to a saturated worker). Both must progress: the
+    // connection that spent the last credit waits behind the one that got
+    // none. (It used to be served first at every refill, so the other one
+    // waited for the whole backlog: seconds at this cap.)
+    let cap = 200;
+    let mut s = settings(1);
+    s.worker_capacity = cap;
+    let srv = start(s);
+    let mut admin = Conn::open(srv.main_addr);
+    assert_eq!(admin.set("fair", b"x"), "STORED\r\n");
+    let backlog = 300; // 1.5 s of work at the cap, per connection
+    let (mut writers, mut readers, mut counts) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..2 {
+        let c = TcpStream::connect(srv.main_addr).expect("connect");
+        c.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        let mut w = c.try_clone().unwrap();
+        let mut r = BufReader::new(c);
+        // A connection's first data request is not held back (docs/operations.md): get it done.
+        w.write_all(b"get fair\r\n").unwrap();
+        let mut line = String::new();
+        for _ in 0..3 {
+            r.read_line(&mut line).unwrap();
+        }
+        assert!(line.ends_with("END\r\n"), "{line:?}");
+        let seen = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        counts.push(seen.clone());
+        readers.push(std::thread::spawn(move || {
+            let mut line = String::new();
+            for _ in 0..backlog {
+                for _ in 0..3 {
+                    // VALUE fair 0 1 / x / END
+                    line.clear();
+                    r.read_line(&mut line).expect("read");
+                    assert!(!line.is_empty(), "connection closed");
+                }
+                seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        }));
+        writers.push(w);
+    }
+    for w in &mut writers {
+        w.write_all(&b"get fair\r\n".repeat(backlog)).unwrap();
+    }
+    // When the first connection has all its replies, the other has had a
+    // fair share too (a quarter: generous; round robin gives about half).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let seen = |i: usize| counts[i].load(std::sync::atomic::Ordering::SeqCst);
+    while seen(0) < backlog && seen(1) < backlog {
+        assert!(Instant::now() < deadline, "not served: {} and {}", seen(0), seen(1));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let (a, b) = (seen(0), seen(1));
+    assert!(a.min(b) > backlog / 4, "one connection starved: {a} and {b} of {backlog}");
+    for r in readers {
+        r.join().unwrap();
+    }
+    srv.shutdown();
+}

@@ -317,7 +317,12 @@ impl Worker {
                 // Out of emulated capacity: the rest waits for a refill.
                 if !conn.throttled {
                     conn.throttled = true;
-                    self.throttled.push(ci);
+                    // Served this round: behind those that were not (`spent`).
+                    if done > 0 {
+                        self.spent.push(ci);
+                    } else {
+                        self.throttled.push(ci);
+                    }
                     self.counters.capacity_stalls += 1;
                 }
                 break;

@@ -208,7 +208,9 @@ impl Worker {
             }
         }
         if self.capacity.has_credit() {
-            for ci in std::mem::take(&mut self.throttled) {
+            // Those that got no credit last time first, then those that spent it.
+            let spent = std::mem::take(&mut self.spent);
+            for ci in std::mem::take(&mut self.throttled).into_iter().chain(spent) {
                 if let Some(c) = self.conns.get_mut(ci) {
                     c.throttled = false;
                     self.requeue(ci);

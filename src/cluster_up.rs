@@ -226,7 +226,20 @@ pub fn run(a: UpArgs) -> Result<()> {
         let s = &spec.servers[id];
         println!("  server {id}: {} (pid {}), {} workers", s.addr, c.id(), a.workers);
     }
-    println!("try: mbal bench --routed --server {} --load --workload a", spec.servers[0].addr);
+    match &spec.tls {
+        None => println!("try: mbal bench --routed --server {} --load --workload a", spec.servers[0].addr),
+        Some(t) => {
+            let mut tls = format!(" --tls-ca {}", t.ca_cert.display());
+            if let Some(c) = &t.client_cert {
+                tls += &format!(" --tls-cert {}", c.display());
+                if let Some(k) = &t.client_key {
+                    tls += &format!(" --tls-key {}", k.display());
+                }
+            }
+            println!("try: mbal bench --routed --server {} --load --workload a{tls}", spec.servers[0].addr);
+            println!("     mbal stats --cluster {}", a.file.display());
+        }
+    }
     println!("Ctrl-C stops the cluster.");
     use std::io::Write;
     let _ = std::io::stdout().flush();

@@ -11,7 +11,7 @@
 
 use std::collections::VecDeque;
 use std::io::{self, Read, Write};
-use std::net::{SocketAddr, TcpStream as StdStream};
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
@@ -92,11 +92,7 @@ pub fn set_login(login: Option<(&str, &str)>) {
 /// handshake too (bounded by [`IO_TIMEOUT`]); then authenticated if a login is set
 /// ([`set_login`]).
 pub(crate) fn connect_std(addr: SocketAddr, tls: Option<&ClientTls>) -> Result<BlockingStream> {
-    let std = StdStream::connect_timeout(&addr, IO_TIMEOUT).with_context(|| format!("connect to {addr}"))?;
-    std.set_nodelay(true)?;
-    std.set_read_timeout(Some(IO_TIMEOUT))?;
-    std.set_write_timeout(Some(IO_TIMEOUT))?;
-    let mut s = BlockingStream::new(std, addr, tls).with_context(|| format!("TLS to {addr}"))?;
+    let mut s = mbal_tls::dial(addr, tls, IO_TIMEOUT).with_context(|| format!("connect to {addr}"))?;
     let login = LOGIN.lock().unwrap_or_else(|e| e.into_inner()).clone();
     if let Some(req) = login {
         s.write_all(&req).with_context(|| format!("login to {addr}"))?;

@@ -23,7 +23,7 @@
 //! it was seen in). A server that reports decisions has only its decisions listed.
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -336,11 +336,8 @@ impl Poller {
 /// One server: `mbal load <after>` until stopped. A server that does not answer `LOAD` (not an
 /// mbal server) ends the loop with an error, which leaves it out of the report.
 fn poll_loop(p: &Poller, stop: &AtomicBool, tls: Option<&mbal_tls::ClientTls>) -> Result<()> {
-    let s = TcpStream::connect_timeout(&p.addr, Duration::from_secs(5))
-        .with_context(|| format!("connect to {}", p.addr))?;
-    s.set_nodelay(true)?;
-    s.set_read_timeout(Some(Duration::from_secs(5)))?;
-    let mut s = mbal_tls::BlockingStream::new(s, p.addr, tls).with_context(|| format!("TLS to {}", p.addr))?;
+    let mut s =
+        mbal_tls::dial(p.addr, tls, Duration::from_secs(5)).with_context(|| format!("connect to {}", p.addr))?;
     s.sock().set_read_timeout(Some(STOP_CHECK))?;
     let mut after = 0u64;
     let mut buf: Vec<u8> = Vec::new();

@@ -6,7 +6,7 @@ use crate::{Error, Peer, Result};
 use mbal_proto::client::{Expect, OwnedHint, Reply, ReplyReader};
 use mbal_tls::{BlockingStream, ClientTls};
 use std::io::{self, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::time::Duration;
 
 pub(crate) struct Conn {
@@ -33,14 +33,8 @@ impl Conn {
         io_timeout: Duration,
         tls: Option<&ClientTls>,
     ) -> Result<Conn> {
-        let stream = TcpStream::connect_timeout(&addr, connect_timeout).map_err(|e| io_err(addr, peer, e))?;
-        let setup = || -> io::Result<()> {
-            stream.set_nodelay(true)?;
-            stream.set_read_timeout(Some(io_timeout))?;
-            stream.set_write_timeout(Some(io_timeout))
-        };
-        setup().map_err(|e| io_err(addr, peer, e))?;
-        let stream = BlockingStream::new(stream, addr, tls).map_err(|e| io_err(addr, peer, e))?;
+        let stream =
+            mbal_tls::dial_timeouts(addr, tls, connect_timeout, io_timeout).map_err(|e| io_err(addr, peer, e))?;
         Ok(Conn { stream, parser: ReplyReader::new(), addr, peer })
     }
 

@@ -7,7 +7,8 @@
 //!   [`crate::peer_auth`]) when it has one — a server with `-Y` takes that
 //!   as the connection's login — else with a user and password
 //!   (memcached's ASCII auth, a `set` whose data is `user password`);
-//! * a binary connection with SASL PLAIN when it has a user.
+//! * a binary connection likewise: the challenge over SASL (mechanism
+//!   [`PEER_SASL_MECH`]) with the secret, else SASL PLAIN with a user.
 //!
 //! The result is a blocking stream; an event loop takes it over with
 //! [`Dialer::dial_nonblocking`].
@@ -17,6 +18,11 @@ use mbal_tls::{BlockingStream, ClientTls, Stream};
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
+
+/// The SASL mechanism of the `mbal peer` challenge on a binary connection:
+/// `SASL_AUTH` answers status 0x21 (continue) with the nonce's hex,
+/// `SASL_STEP` carries the answer's hex (docs/protocol.md).
+pub const PEER_SASL_MECH: &[u8] = b"MBAL-PEER";
 
 /// A user and password for servers started with `-Y` (neither may contain a
 /// space). Its `Debug` form shows the user only.
@@ -60,7 +66,7 @@ impl Dialer {
         self.tls.is_none()
             && match proto {
                 Proto::Text => self.secret.is_none() && self.user.is_none(),
-                Proto::Binary => self.user.is_none(),
+                Proto::Binary => self.secret.is_none() && self.user.is_none(),
             }
     }
 
@@ -76,7 +82,9 @@ impl Dialer {
                 }
             }
             Proto::Binary => {
-                if let Some(u) = &self.user {
+                if let Some(secret) = &self.secret {
+                    sasl_peer_login(&mut s, secret)?;
+                } else if let Some(u) = &self.user {
                     sasl_login(&mut s, u)?;
                 }
             }
@@ -137,34 +145,53 @@ pub fn ascii_login(s: &mut (impl Read + Write), u: &UserLogin) -> io::Result<()>
     Ok(())
 }
 
-/// SASL PLAIN on a binary connection.
-pub fn sasl_login(s: &mut (impl Read + Write), u: &UserLogin) -> io::Result<()> {
-    const MECH: &[u8] = b"PLAIN";
-    let mut body = vec![0u8];
-    body.extend_from_slice(u.user.as_bytes());
-    body.push(0);
-    body.extend_from_slice(u.password.as_bytes());
-    let total = (MECH.len() + body.len()) as u32;
-    let mut req = vec![0x80, 0x21, 0, MECH.len() as u8, 0, 0, 0, 0];
+/// One SASL request (`opcode`, mechanism `mech`, `value`); the response's
+/// status and value.
+fn sasl_exchange(s: &mut (impl Read + Write), opcode: u8, mech: &[u8], value: &[u8]) -> io::Result<(u16, Vec<u8>)> {
+    let total = (mech.len() + value.len()) as u32;
+    let mut req = vec![0x80, opcode, 0, mech.len() as u8, 0, 0, 0, 0];
     req.extend_from_slice(&total.to_be_bytes());
     req.extend_from_slice(&[0; 12]);
-    req.extend_from_slice(MECH);
-    req.extend_from_slice(&body);
+    req.extend_from_slice(mech);
+    req.extend_from_slice(value);
     s.write_all(&req)?;
     s.flush()?;
     let mut h = [0u8; 24];
     s.read_exact(&mut h)?;
     let len = u32::from_be_bytes([h[8], h[9], h[10], h[11]]) as usize;
-    if len > 4096 {
-        return Err(io::Error::other("SASL reply too long"));
+    if h[0] != 0x81 || len > 4096 {
+        return Err(io::Error::other("not a SASL response"));
     }
     let mut rest = vec![0u8; len];
     s.read_exact(&mut rest)?;
-    let status = u16::from_be_bytes([h[6], h[7]]);
-    if h[0] != 0x81 || status != 0 {
-        return Err(io::Error::other(format!("SASL login refused (status {status:#x})")));
+    let skip = (h[4] as usize + u16::from_be_bytes([h[2], h[3]]) as usize).min(len);
+    Ok((u16::from_be_bytes([h[6], h[7]]), rest.split_off(skip)))
+}
+
+/// SASL PLAIN on a binary connection.
+pub fn sasl_login(s: &mut (impl Read + Write), u: &UserLogin) -> io::Result<()> {
+    let mut body = vec![0u8];
+    body.extend_from_slice(u.user.as_bytes());
+    body.push(0);
+    body.extend_from_slice(u.password.as_bytes());
+    match sasl_exchange(s, 0x21, b"PLAIN", &body)? {
+        (0, _) => Ok(()),
+        (status, _) => Err(io::Error::other(format!("SASL login refused (status {status:#x})"))),
     }
-    Ok(())
+}
+
+/// The `mbal peer` challenge over SASL on a binary connection.
+pub fn sasl_peer_login(s: &mut (impl Read + Write), secret: &Secret) -> io::Result<()> {
+    let (status, nonce) = sasl_exchange(s, 0x21, PEER_SASL_MECH, &[])?;
+    if status != 0x21 {
+        return Err(io::Error::other(format!("peer SASL login refused (status {status:#x})")));
+    }
+    let nonce = String::from_utf8_lossy(&nonce).into_owned();
+    let answer = peer_auth::response(secret, &nonce).ok_or_else(|| io::Error::other("bad nonce"))?;
+    match sasl_exchange(s, 0x22, PEER_SASL_MECH, answer.as_bytes())? {
+        (0, _) => Ok(()),
+        (status, _) => Err(io::Error::other(format!("peer SASL login refused (status {status:#x})"))),
+    }
 }
 
 #[cfg(test)]
@@ -222,6 +249,9 @@ mod tests {
         let mut d = Dialer::plain(Duration::from_secs(1));
         assert!(d.is_plain(Proto::Text) && d.is_plain(Proto::Binary));
         d.secret = Some(Secret::new(b"0123456789abcdef-cluster".to_vec()).unwrap());
-        assert!(!d.is_plain(Proto::Text) && d.is_plain(Proto::Binary));
+        assert!(!d.is_plain(Proto::Text) && !d.is_plain(Proto::Binary));
+        d.secret = None;
+        d.user = Some(UserLogin { user: "u".into(), password: "p".into() });
+        assert!(!d.is_plain(Proto::Text) && !d.is_plain(Proto::Binary));
     }
 }

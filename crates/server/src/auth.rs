@@ -164,6 +164,10 @@ pub(crate) fn ascii_step(
     }
 }
 
+/// The SASL mechanism a cluster member logs in with on a binary connection
+/// (the `mbal peer` challenge; not listed by SASL_LIST_MECHS).
+pub const PEER_MECH: &[u8] = mbal_cluster::dial::PEER_SASL_MECH;
+
 /// Binary requests an unauthenticated connection may send (memcached's list).
 pub(crate) fn bin_allowed_before_auth(opcode: u8) -> bool {
     matches!(opcode, op::SASL_LIST_MECHS | op::SASL_AUTH | op::SASL_STEP | op::VERSION)
@@ -179,6 +183,24 @@ pub(crate) fn bin_unauthenticated(req: &BinReq, out: &mut Vec<u8>) {
 /// SASL_LIST_MECHS, SASL_AUTH (PLAIN) and SASL_STEP.
 pub(crate) fn sasl(settings: &Settings, counters: &mut Counters, auth: &mut ConnAuth, req: &BinReq, out: &mut Vec<u8>) {
     let h = &req.header;
+    if matches!(h.opcode, op::SASL_AUTH | op::SASL_STEP) && req.key == PEER_MECH && settings.control_secret.is_some() {
+        // A cluster member (`mbal peer` over SASL, unadvertised; with or
+        // without -Y): SASL_AUTH gets the nonce (status "continue"),
+        // SASL_STEP the answer.
+        let answer = (h.opcode == op::SASL_STEP).then(|| String::from_utf8_lossy(req.value).into_owned());
+        let mut line = Vec::new();
+        peer_step(settings, counters, auth, answer.as_deref(), &mut line);
+        if let Some(hex) = line.strip_prefix(b"NONCE ") {
+            let hex = hex.strip_suffix(b"\r\n").unwrap_or(hex);
+            write_response(out, h.opcode, st::AUTH_CONTINUE, h.opaque, 0, &[], &[], hex);
+        } else if auth.peer == Peer::Ok {
+            auth.authenticated = true;
+            write_response(out, h.opcode, st::NO_ERROR, h.opaque, 0, &[], &[], b"Authenticated");
+        } else {
+            write_response(out, h.opcode, st::AUTH_ERROR, h.opaque, 0, &[], &[], b"Auth failure.");
+        }
+        return;
+    }
     let Some(creds) = &settings.auth else {
         // SASL is off: memcached answers unknown command.
         write_response(out, h.opcode, st::UNKNOWN_COMMAND, h.opaque, 0, &[], &[], b"Unknown command");

@@ -35,6 +35,28 @@ impl TConn {
         c.line()?;
         Ok(c)
     }
+    /// A connection whose first bytes are the caller's (binary clients).
+    fn raw(addr: SocketAddr, tls: &ClientTls) -> TConn {
+        TConn { r: BufReader::new(mbal_tls::dial(addr, Some(tls), Duration::from_secs(10)).unwrap()) }
+    }
+    /// A binary request; (status, value).
+    fn bin(&mut self, opcode: u8, key: &str, extras: &[u8], value: &[u8]) -> (u16, Vec<u8>) {
+        let body = (extras.len() + key.len() + value.len()) as u32;
+        let mut req = vec![0x80, opcode, 0, key.len() as u8, extras.len() as u8, 0, 0, 0];
+        req.extend_from_slice(&body.to_be_bytes());
+        req.extend_from_slice(&[0; 12]);
+        req.extend_from_slice(extras);
+        req.extend_from_slice(key.as_bytes());
+        req.extend_from_slice(value);
+        self.send(&req).unwrap();
+        let mut h = [0u8; 24];
+        self.r.read_exact(&mut h).unwrap();
+        let len = u32::from_be_bytes([h[8], h[9], h[10], h[11]]) as usize;
+        let mut rest = vec![0; len];
+        self.r.read_exact(&mut rest).unwrap();
+        let skip = h[4] as usize + u16::from_be_bytes([h[2], h[3]]) as usize;
+        (u16::from_be_bytes([h[6], h[7]]), rest[skip..].to_vec())
+    }
     fn send(&mut self, b: &[u8]) -> std::io::Result<()> {
         self.r.get_mut().write_all(b)?;
         self.r.get_mut().flush()
@@ -177,6 +199,19 @@ fn members_copy_hot_keys_and_forward_over_tls_with_the_cluster_secret() {
     assert_eq!(c1.get(&k1).as_deref(), Some("fwd"), "stored at its owner");
     assert_eq!(c1.cmd(&format!("set {k1} 0 0 5\r\nowner\r\n")), "STORED\r\n");
     assert_eq!(c0.get(&k1).as_deref(), Some("owner"));
+
+    // Binary requests are forwarded too: the forwarder's binary connection
+    // logs in with the cluster secret over SASL (mechanism MBAL-PEER).
+    let mut b0 = TConn::raw(cl.addr(0), &cl.tls);
+    assert_eq!(b0.bin(0x21, "PLAIN", &[], b"\0app\0pw").0, 0, "SASL PLAIN login");
+    assert_eq!(b0.bin(0x01, &k1, &[0; 8], b"binary").0, 0, "binary set forwarded");
+    assert_eq!(b0.bin(0x00, &k1, &[], &[]), (0, b"binary".to_vec()), "binary get forwarded");
+    assert_eq!(c1.get(&k1).as_deref(), Some("binary"));
+    // A binary client without the secret gets nowhere with MBAL-PEER.
+    let mut b1 = TConn::raw(cl.addr(1), &cl.tls);
+    let (st, nonce) = b1.bin(0x21, "MBAL-PEER", &[], &[]);
+    assert_eq!((st, nonce.len()), (0x21, 32), "a nonce to answer");
+    assert_eq!(b1.bin(0x22, "MBAL-PEER", &[], b"00").0, 0x20);
 
     // A hot key of server 0 copied to server 1 over TLS by the replicator.
     let (k0, w) = cl.key_on(0, "hot");

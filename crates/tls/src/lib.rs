@@ -438,12 +438,24 @@ impl<S: Read + Write> Write for Stream<S> {
 /// `timeout` on the connect and on every read and write (the handshake
 /// included), then the TLS handshake with `tls`. The one place every mbal
 /// component that dials a server (the replicator, the forwarder, the proxy,
-/// [`mbal_cluster`'s `Dialer`](https://docs.rs/mbal-cluster)) connects.
+/// `mbal_cluster::dial::Dialer`, the routing client, the bench, `mbal top`)
+/// connects.
 pub fn dial(addr: SocketAddr, tls: Option<&ClientTls>, timeout: Duration) -> io::Result<BlockingStream> {
-    let sock = TcpStream::connect_timeout(&addr, timeout)?;
+    dial_timeouts(addr, tls, timeout, timeout)
+}
+
+/// [`dial`] with separate limits for the connect and for each read and
+/// write (the handshake's included).
+pub fn dial_timeouts(
+    addr: SocketAddr,
+    tls: Option<&ClientTls>,
+    connect_timeout: Duration,
+    io_timeout: Duration,
+) -> io::Result<BlockingStream> {
+    let sock = TcpStream::connect_timeout(&addr, connect_timeout)?;
     sock.set_nodelay(true)?;
-    sock.set_read_timeout(Some(timeout))?;
-    sock.set_write_timeout(Some(timeout))?;
+    sock.set_read_timeout(Some(io_timeout))?;
+    sock.set_write_timeout(Some(io_timeout))?;
     BlockingStream::new(sock, addr, tls)
 }
 

@@ -76,8 +76,11 @@ fi
 CONNS=${CONNS:-8}
 PIPELINE=${PIPELINE:-64}
 mkdir -p "$OUT"
-cargo build --release --bin mbal >/dev/null 2>&1 || cargo build --release --bin mbal
-BIN=${CARGO_TARGET_DIR:-$PWD/target}/release/mbal
+# BIN: an mbal binary to use as is (default: build the release binary and use it).
+if [ -z "${BIN:-}" ]; then
+  cargo build --release --bin mbal >/dev/null 2>&1 || cargo build --release --bin mbal
+  BIN=${CARGO_TARGET_DIR:-$PWD/target}/release/mbal
+fi
 PID=""
 cleanup() { [ -n "$PID" ] && kill -INT "$PID" 2>/dev/null && wait "$PID" 2>/dev/null; PID=""; }
 trap cleanup EXIT

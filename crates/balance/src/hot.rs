@@ -139,10 +139,13 @@ pub struct HotConfig {
     /// `total % servers` servers get one more), so that the cluster as a
     /// whole stays within floor(2·n·ln n).
     pub repl_high: Option<usize>,
-    /// When REPL_high is reached, a key hotter than the coolest HOT key of
-    /// this server displaces it (the coolest cools at once and a new key
-    /// takes its place once it has retired). Default off: measured, it
-    /// made more copies without a better balance (docs/benchmarks.md §15).
+    /// When REPL_high is reached, a key at least twice as hot as the
+    /// coolest HOT key of this server displaces it: the coolest cools at
+    /// once (no new leases, retired after the leases it gave) and the new
+    /// key is replicated in the same epoch. REPL_high then bounds the keys
+    /// granted leases (HOT_PENDING, HOT); the keys retiring come on top
+    /// for `lease_epochs` + 1 epochs. See docs/benchmarks.md §15 for what
+    /// it does to the copies made and the reaction time.
     pub displace: bool,
     /// SPORE's read-up/write-down weights: a key is replicable when
     /// `read_up` × reads − `write_down` × writes > 0 (default 1 and 9:
@@ -749,7 +752,7 @@ impl HotKeys {
         let cap = self.repl_high(view);
         heat.sort_by(|a, b| b.0.total_cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
         let mut escalate = None;
-        let room = cap.saturating_sub(self.replicated());
+        let mut room = cap.saturating_sub(self.replicated());
         if heat.len() > room {
             escalate = Some(HotEscalation {
                 why: HotEscalateWhy::ReplHigh { wanted: self.replicated() + heat.len(), cap },
@@ -758,9 +761,11 @@ impl HotKeys {
         }
         if self.cfg.displace && heat.len() > room {
             // Displacement: the coolest HOT keys (not pinned) cool at once,
-            // each for a waiting key at least twice as hot; the waiting key
-            // takes the place once the cooled one has retired (after its
-            // leases), so the cap holds throughout.
+            // each for a waiting key at least twice as hot, which is
+            // replicated now: the displaced keys' copies live on (no new
+            // leases) until their leases end, so the keys with copies may
+            // exceed REPL_high by the keys retiring, for lease_epochs + 1
+            // epochs; the keys granted leases stay within it.
             let mut coolest: Vec<(f64, Vec<u8>)> = self
                 .keys
                 .iter()
@@ -768,15 +773,19 @@ impl HotKeys {
                 .map(|(k, e)| (e.reads + e.writes, k.clone()))
                 .collect();
             coolest.sort_by(|a, b| a.0.total_cmp(&b.0).then_with(|| a.1.cmp(&b.1)));
-            // Keys already retiring make room for as many waiting ones.
-            let retiring = self.keys.values().filter(|e| e.state == KeyState::ColdPending).count();
-            for ((f, _), (g, k)) in heat.iter().skip(room + retiring).zip(&coolest) {
+            // Keys already retiring (cooled or displaced) make room too.
+            let leased = self.keys.values().filter(|e| matches!(e.state, KeyState::Hot | KeyState::HotPending)).count();
+            room = cap.saturating_sub(leased);
+            let mut freed = 0;
+            for ((f, _), (g, k)) in heat.iter().skip(room).zip(&coolest) {
                 if *f < 2.0 * g {
                     break;
                 }
                 self.apply(k, KeyEvent::Cooled, &mut log);
                 self.keys.get_mut(k).expect("present").broken = true;
+                freed += 1;
             }
+            room += freed;
         }
         for (f, k) in heat.into_iter().take(room) {
             let want = copies(f, t, max_copies) - 1;

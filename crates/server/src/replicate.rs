@@ -209,16 +209,7 @@ impl Replicator {
         let mut line = String::new();
         // Copies are control commands: prove this is a cluster member.
         if let Some(secret) = &self.shared.settings.control_secret {
-            w.write_all(mbal_cluster::peer_auth::HELLO)?;
-            r.read_line(&mut line)?;
-            let answer =
-                mbal_cluster::peer_auth::answer_line(secret, line.trim_end()).map_err(std::io::Error::other)?;
-            w.write_all(answer.as_bytes())?;
-            line.clear();
-            r.read_line(&mut line)?;
-            if line != "OK\r\n" {
-                return Err(std::io::Error::other(format!("peer authentication refused: {:?}", line.trim_end())));
-            }
+            peer_login(&mut w, &mut r, secret)?;
         }
         // Copy upkeep is not client load: exempt from emulated capacity
         // (before the hello, which hands the connection to the shadow worker).
@@ -272,6 +263,26 @@ impl Replicator {
             send_reply(&self.shared, to, cachelet, &bytes);
         }
     }
+}
+
+/// Prove to a peer server that this is a cluster member (the control
+/// secret's challenge and answer).
+pub(crate) fn peer_login(
+    w: &mut TcpStream,
+    r: &mut BufReader<TcpStream>,
+    secret: &mbal_cluster::peer_auth::Secret,
+) -> std::io::Result<()> {
+    let mut line = String::new();
+    w.write_all(mbal_cluster::peer_auth::HELLO)?;
+    r.read_line(&mut line)?;
+    let answer = mbal_cluster::peer_auth::answer_line(secret, line.trim_end()).map_err(std::io::Error::other)?;
+    w.write_all(answer.as_bytes())?;
+    line.clear();
+    r.read_line(&mut line)?;
+    if line != "OK\r\n" {
+        return Err(std::io::Error::other(format!("peer authentication refused: {:?}", line.trim_end())));
+    }
+    Ok(())
 }
 
 /// A held reply to its connection's worker; `cachelet` is the forwarded

@@ -162,6 +162,12 @@ pub struct HotConfig {
     pub cool_epochs: u32,
     /// See `cool_epochs` (default 0.5).
     pub cool_fraction: f64,
+    /// A key whose rate stands for fewer sampled requests per epoch than
+    /// this (default 3) is sampling noise: left out of T's estimate and
+    /// never replicated. (At 3% sampling, 1 sample is 33 requests/s: with
+    /// every such key in the estimate, T fell to its floor and every noise
+    /// key got the most copies.)
+    pub min_samples: f64,
     /// A tracked key's estimated rate falls by at most this fraction per
     /// epoch (default 0.5: at most halved), so one quiet epoch (sampling
     /// noise, a lease turnover) does not make a hot key look cold.
@@ -186,6 +192,7 @@ impl Default for HotConfig {
             lease_epochs: 2,
             cool_epochs: 3,
             cool_fraction: 0.5,
+            min_samples: 3.0,
             max_fall: 0.5,
             pending_timeout_epochs: 3,
         }
@@ -685,7 +692,14 @@ impl HotKeys {
         // T from the balls-and-bins estimate.
         let (up, down) = (self.cfg.read_up, self.cfg.write_down);
         let replicable = |e: &Entry| up * e.reads - down * e.writes > 0.0;
-        let keys: Vec<(f64, bool)> = self.keys.values().map(|e| (e.reads + e.writes, replicable(e))).collect();
+        // Keys seen fewer than `min_samples` times' worth this epoch are
+        // sampling noise (one sample stands for 1/sample_rate requests/s):
+        // left out of the estimate (NetKV's cold keys, spread evenly) and
+        // never heated. A HOT key's rate counts its copies' reads.
+        let min_rate = self.cfg.min_samples * scale;
+        let significant = |e: &Entry| e.reads + e.writes >= min_rate;
+        let keys: Vec<(f64, bool)> =
+            self.keys.values().filter(|e| significant(e)).map(|e| (e.reads + e.writes, replicable(e))).collect();
         let n = view.n();
         let max_copies = view.max_copies();
         let spread = f64::from(view.servers.max(1));
@@ -709,7 +723,7 @@ impl HotKeys {
             let ok = replicable(e);
             let want = if ok { copies(f, t, max_copies) - 1 } else { 0 };
             match e.state {
-                KeyState::Cold if want > 0 && hot_workers.contains(&e.worker) && max_copies > 1 => {
+                KeyState::Cold if want > 0 && significant(e) && hot_workers.contains(&e.worker) && max_copies > 1 => {
                     heat.push((f, k.clone()));
                 }
                 KeyState::Hot if e.pinned => {}
@@ -805,6 +819,8 @@ impl HotKeys {
                 let mut none_hot = true;
                 for w in &hot_workers {
                     let (mut good, mut bad) = (0.0, 0.0);
+                    // (T is infinite when no significant key is replicable.)
+                    let t = if t.is_finite() { t } else { min_rate };
                     for e in self.keys.values().filter(|e| e.worker == *w && e.reads + e.writes > t) {
                         if replicable(e) {
                             good += e.reads + e.writes;

@@ -552,3 +552,18 @@ fn lost_copies_end_the_leases_and_block_a_reheat_until_retired() {
     }
     assert!(!retired.is_empty(), "retired");
 }
+
+#[test]
+fn sampling_noise_is_never_replicated_and_does_not_drag_t_down() {
+    let mut h = policy();
+    // Worker 0 is hot, carried by "hot"; 50 keys of it seen twice each (below 3 samples: noise).
+    let noise: Vec<Vec<u8>> = (0..50).map(|i| format!("n{i}").into_bytes()).collect();
+    let mut hot: Vec<(&[u8], f64, f64)> = noise.iter().map(|k| (&k[..], 2.0, 0.0)).collect();
+    hot.push((b"hot", 1600.0, 0.0));
+    feed(&mut h, 1, &hot);
+    let d = h.on_epoch(&snapshot(1, &[2500.0, 900.0]), &VIEW);
+    let keys: Vec<&[u8]> = d.replicate.iter().map(|r| &r.key[..]).collect();
+    assert_eq!(keys, [&b"hot"[..]], "{d:?}");
+    assert!(d.threshold > 10.0, "T from the significant keys only: {}", d.threshold);
+    assert_eq!(h.state(b"n0"), S::Cold, "tracked, not replicated");
+}

@@ -46,7 +46,10 @@
 # RUNS runs per mode (default 3); MODES (default "off on"); WORKLOADS (default "zipf hotpart");
 # TOPOLOGIES (default "1x4 8x2"); SWEEP 1/0: the rate sweep after the fixed run (default 1);
 # SWEEP_SECS seconds per rate (default 4); P99_TARGET_US (default 20000); KEYS (default 50000);
-# HOT_CACHELETS and HOT_OPS for the hot partition (4, 0.5); SERVER_ARGS more server arguments
+# HOT_CACHELETS and HOT_OPS for the hot partition (4, 0.5); CONNS and PIPELINE the bench's logical
+# clients and each one's pipeline (default 8 and 64; 64 and 8 for hotkeys: each logical client
+# has its own lease cache, so a hot key's reads spread over its copies only with many clients);
+# WAIT_UP seconds to wait for `cluster up` (default 90); SERVER_ARGS more server arguments
 # for both modes (e.g. "--balance-persistence 2"); OUT (default results/balance). Every run is
 # bounded in time (--duration, --drain, a bounded load phase) and in requests (--max-ops).
 # `proxy` mode knobs: TOPOLOGY_PROXY (default 2x4), PROXY_THREADS (`mbal proxy -t`, default 2),
@@ -79,6 +82,7 @@ TOPOLOGIES=${TOPOLOGIES:-"1x4 8x2"}
 SWEEP_SECS=${SWEEP_SECS:-4}
 SERVER_ARGS=${SERVER_ARGS:-}
 OUT=${OUT:-results/balance}
+WAIT_UP=${WAIT_UP:-90}
 # The server flag the modes toggle (`--KNOB off|on`).
 KNOB=${KNOB:-balancer}
 if [ "$MODE" = hotkeys ]; then
@@ -87,10 +91,17 @@ if [ "$MODE" = hotkeys ]; then
   TOPOLOGIES=${TOPOLOGIES_HOT:-"8x2"}
   SERVER_ARGS="--balancer off ${SERVER_ARGS}"
   OUT=${OUT_HOT:-results/hotkeys}
+  CONNS=${CONNS:-64}
+  PIPELINE=${PIPELINE:-8}
 fi
+CONNS=${CONNS:-8}
+PIPELINE=${PIPELINE:-64}
 mkdir -p "$OUT"
-cargo build --release --bin mbal >/dev/null 2>&1 || cargo build --release --bin mbal
-BIN=${CARGO_TARGET_DIR:-$PWD/target}/release/mbal
+# BIN: an mbal binary to use as is (default: build the release binary and use it).
+if [ -z "${BIN:-}" ]; then
+  cargo build --release --bin mbal >/dev/null 2>&1 || cargo build --release --bin mbal
+  BIN=${CARGO_TARGET_DIR:-$PWD/target}/release/mbal
+fi
 PID=""
 PROXY_PID=""
 stop_proxy() { [ -n "$PROXY_PID" ] && kill -INT "$PROXY_PID" 2>/dev/null && wait "$PROXY_PID" 2>/dev/null; PROXY_PID=""; return 0; }
@@ -98,7 +109,7 @@ cleanup() { stop_proxy; [ -n "$PID" ] && kill -INT "$PID" 2>/dev/null && wait "$
 trap cleanup EXIT
 
 # Start `mbal cluster up` for SERVERS x WORKERS with the capacity; sets PID and FIRST (the
-# first server's address). Waits (bounded) for it to say it is up.
+# first server's address). Waits (up to WAIT_UP s) for it to say it is up.
 cluster_up() {
   local servers=$1 workers=$2 tag=$3 args=${4:-$SERVER_ARGS}
   # shellcheck disable=SC2086 # args is a list of arguments
@@ -106,12 +117,12 @@ cluster_up() {
     --file "$OUT/$tag.cluster.toml" $(for a in $args; do printf -- '--server-arg=%s ' "$a"; done) \
     >"$OUT/$tag.cluster.log" 2>&1 &
   PID=$!
-  for _ in $(seq 300); do
+  for _ in $(seq $((WAIT_UP * 10))); do
     grep -q "Ctrl-C stops" "$OUT/$tag.cluster.log" 2>/dev/null && break
     kill -0 "$PID" 2>/dev/null || { cat "$OUT/$tag.cluster.log"; exit 1; }
     sleep 0.1
   done
-  grep -q "Ctrl-C stops" "$OUT/$tag.cluster.log" || { echo "cluster did not come up"; exit 1; }
+  grep -q "Ctrl-C stops" "$OUT/$tag.cluster.log" || { echo "cluster did not come up in ${WAIT_UP} s"; exit 1; }
   FIRST=$(sed -n 's/^  server 0: \([0-9.:]*\) .*/\1/p' "$OUT/$tag.cluster.log")
 }
 
@@ -186,7 +197,7 @@ if [ "$MODE" = balance ] || [ "$MODE" = hotkeys ] || [ "$MODE" = all ]; then
           echo "== $tag: $servers servers x $workers workers at $CAP req/s each, $wl at $rate ops/s, $KNOB $mode ${SERVER_ARGS}"
           cluster_up "$servers" "$workers" "$tag" "--$KNOB $mode $SERVER_ARGS"
           "$BIN" bench --routed --server "$FIRST" --keys "$KEYS" --load --load-timeout 120 "${wargs[@]}" \
-            --conns 8 --pipeline 64 --rate "$rate" --duration "$SECS" --settle "$SETTLE" \
+            --conns "$CONNS" --pipeline "$PIPELINE" --rate "$rate" --duration "$SECS" --settle "$SETTLE" \
             --max-ops $((rate * SECS * 2)) --drain 10 --quiet --json "$OUT/$tag.json" --plot "$OUT/$tag.svg" >/dev/null
           if [ "$SWEEP" = 1 ]; then
             # Same cluster, keys already loaded: the balancer (on) has settled during the run above.
@@ -198,7 +209,7 @@ if [ "$MODE" = balance ] || [ "$MODE" = hotkeys ] || [ "$MODE" = all ]; then
             if [ "$wl" = hotpart ]; then
               hot=(--hot-cachelet-ids "$(python3 -c "import json,sys;print(','.join(map(str,json.load(open(sys.argv[1]))['hot_cachelets'])))" "$OUT/$tag.json")")
             fi
-            "$BIN" bench --routed --server "$FIRST" --keys "$KEYS" "${sw[@]}" "${hot[@]}" --conns 8 --pipeline 64 \
+            "$BIN" bench --routed --server "$FIRST" --keys "$KEYS" "${sw[@]}" "${hot[@]}" --conns "$CONNS" --pipeline "$PIPELINE" \
               --rate-sweep "$((step * 4)):$total:$step" --p99-target-us "$P99_TARGET_US" --duration "$SWEEP_SECS" \
               --max-ops $((total * SWEEP_SECS * 2)) --drain 10 --quiet --json "$OUT/$tag.sweep.json" >/dev/null
           fi

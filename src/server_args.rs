@@ -226,9 +226,13 @@ pub struct ServerArgs {
     #[arg(long = "hot-target")]
     pub hot_target: Option<f64>,
     /// REPL_high: most keys of this server replicated at once [default: this server's share of
-    /// 2·n·ln n for the cluster's n workers]
+    /// floor(2·n·ln n) for the cluster's n workers, split evenly over the servers]
     #[arg(long = "hot-repl-high")]
     pub hot_repl_high: Option<usize>,
+    /// Past REPL_high, a key at least twice as hot as this server's coolest replicated key
+    /// displaces it [default: off]
+    #[arg(long = "hot-displace", value_parser = parse_on_off)]
+    pub hot_displace: Option<bool>,
     /// Epochs a client may read a hot key's copies after a hint [default: 2]
     #[arg(long = "hot-lease-epochs")]
     pub hot_lease_epochs: Option<u32>,
@@ -882,6 +886,9 @@ impl ServerArgs {
         }
         if let Some(v) = o.hot_repl_high {
             h.policy.repl_high = Some(v);
+        }
+        if let Some(v) = o.hot_displace {
+            h.policy.displace = v;
         }
         if let Some(v) = o.hot_lease_epochs {
             if v == 0 {

@@ -134,9 +134,19 @@ pub struct HotConfig {
     /// above `saturated_util` × its capacity, when known) replicates.
     pub target_imbalance: f64,
     /// REPL_high: at most this many keys of this server replicated at
-    /// once. `None`: this server's share of 2·n·ln n for the cluster's n
-    /// workers, ceil(2·w·ln n) for its w workers.
+    /// once. `None`: this server's share of floor(2·n·ln n) for the
+    /// cluster's n workers, split evenly over the servers (the first
+    /// `total % servers` servers get one more), so that the cluster as a
+    /// whole stays within floor(2·n·ln n).
     pub repl_high: Option<usize>,
+    /// When REPL_high is reached, a key at least twice as hot as the
+    /// coolest HOT key of this server displaces it: the coolest cools at
+    /// once (no new leases, retired after the leases it gave) and the new
+    /// key is replicated in the same epoch. REPL_high then bounds the keys
+    /// granted leases (HOT_PENDING, HOT); the keys retiring come on top
+    /// for `lease_epochs` + 1 epochs. See docs/benchmarks.md §15 for what
+    /// it does to the copies made and the reaction time.
+    pub displace: bool,
     /// SPORE's read-up/write-down weights: a key is replicable when
     /// `read_up` × reads − `write_down` × writes > 0 (default 1 and 9:
     /// at least 9 reads per write).
@@ -145,11 +155,23 @@ pub struct HotConfig {
     /// A client lease on a replica, in epochs (default 2); COLD_PENDING
     /// waits this long (plus one epoch) before replicas are deleted.
     pub lease_epochs: u32,
-    /// A HOT key cools when, for `cool_epochs` epochs (default 3), it
-    /// needs no replica any more (its rate is at most T: with T re-chosen
-    /// each epoch, the estimate is met without it) or it turned
-    /// write-heavy.
+    /// A HOT key cools when, for `cool_epochs` consecutive epochs (default
+    /// 3), its rate is at most `cool_fraction` × T (well below the T at
+    /// which a key needs a copy: hysteresis against keys that hover near
+    /// T) or it turned write-heavy.
     pub cool_epochs: u32,
+    /// See `cool_epochs` (default 0.5).
+    pub cool_fraction: f64,
+    /// A key whose rate stands for fewer sampled requests per epoch than
+    /// this (default 3) is sampling noise: left out of T's estimate and
+    /// never replicated. (At 3% sampling, 1 sample is 33 requests/s: with
+    /// every such key in the estimate, T fell to its floor and every noise
+    /// key got the most copies.)
+    pub min_samples: f64,
+    /// A tracked key's estimated rate falls by at most this fraction per
+    /// epoch (default 0.5: at most halved), so one quiet epoch (sampling
+    /// noise, a lease turnover) does not make a hot key look cold.
+    pub max_fall: f64,
     /// Epochs HOT_PENDING may wait for [`HotKeys::replicas_ready`]
     /// (default 3).
     pub pending_timeout_epochs: u32,
@@ -164,10 +186,14 @@ impl Default for HotConfig {
             decay: 0.5,
             target_imbalance: 1.1,
             repl_high: None,
+            displace: false,
             read_up: 1.0,
             write_down: 9.0,
             lease_epochs: 2,
             cool_epochs: 3,
+            cool_fraction: 0.5,
+            min_samples: 3.0,
+            max_fall: 0.5,
             pending_timeout_epochs: 3,
         }
     }
@@ -288,8 +314,9 @@ struct Entry {
     writes: f64,
     /// Replicated by an operator ([`HotKeys::pin`]): never cools or drops.
     pinned: bool,
-    /// Its copies were lost ([`HotKeys::copies_lost`]): it retires once its
-    /// leases end and is not re-heated before.
+    /// It retires once its leases end and is not re-heated before: its
+    /// copies were lost ([`HotKeys::copies_lost`]), their replication failed
+    /// or timed out, or it was displaced by a hotter key.
     broken: bool,
 }
 
@@ -407,6 +434,22 @@ pub fn choose_threshold(
     (t, est)
 }
 
+/// REPL_high for the whole cluster: floor(2·n·ln n) for its n workers
+/// (MBal §3.2).
+pub fn repl_high_total(n: usize) -> usize {
+    let n = n.max(2) as f64;
+    (2.0 * n * n.ln()).floor() as usize
+}
+
+/// This server's share of [`repl_high_total`]: split evenly over the
+/// servers, the first `total % servers` getting one more, so the shares
+/// add up to the total.
+pub fn repl_high_share(view: &ClusterView) -> usize {
+    let total = repl_high_total(view.n());
+    let servers = usize::from(view.servers.max(1));
+    total / servers + usize::from(usize::from(view.server) < total % servers)
+}
+
 impl HotKeys {
     /// Phase 1 with its knobs and the balancer's (load weights, worker
     /// capacity, saturation, minimum load).
@@ -488,7 +531,11 @@ impl HotKeys {
     /// that exist are deleted once the leases are over).
     pub fn replication_failed(&mut self, key: &[u8]) -> Option<KeyTransition> {
         let mut log = Vec::new();
-        self.apply(key, KeyEvent::Failed, &mut log);
+        if self.apply(key, KeyEvent::Failed, &mut log) {
+            // Retired before it may be replicated again: its copies are in
+            // an unknown state, and a re-heat would grant leases to them.
+            self.keys.get_mut(key).expect("present").broken = true;
+        }
         log.pop().map(|l| l.1)
     }
 
@@ -561,10 +608,7 @@ impl HotKeys {
     }
 
     fn repl_high(&self, view: &ClusterView) -> usize {
-        self.cfg.repl_high.unwrap_or_else(|| {
-            let n = view.n().max(2) as f64;
-            (2.0 * f64::from(view.workers) * n.ln()).ceil() as usize
-        })
+        self.cfg.repl_high.unwrap_or_else(|| repl_high_share(view))
     }
 
     /// One epoch.
@@ -629,15 +673,18 @@ impl HotKeys {
                 self.keys.insert(k.clone(), e);
                 self.apply(k, KeyEvent::Tracked, &mut log);
             }
+            let keep = 1.0 - self.cfg.max_fall.clamp(0.0, 1.0);
             let e = self.keys.get_mut(k).expect("inserted");
-            (e.worker, e.reads, e.writes) = (worker, reads, writes);
+            e.worker = worker;
+            (e.reads, e.writes) = (reads.max(keep * e.reads), writes.max(keep * e.writes));
         }
         let dropped: Vec<Vec<u8>> =
             self.keys.iter().filter(|(k, e)| !e.pinned && !seen.contains_key(*k)).map(|(k, _)| k.clone()).collect();
         for k in dropped {
             if !self.apply(&k, KeyEvent::Dropped, &mut log) {
+                let keep = 1.0 - self.cfg.max_fall.clamp(0.0, 1.0);
                 let e = self.keys.get_mut(&k).expect("present");
-                (e.reads, e.writes) = (0.0, 0.0);
+                (e.reads, e.writes) = (keep * e.reads, keep * e.writes);
             }
         }
         self.keys.retain(|_, e| e.state != KeyState::Invalid);
@@ -645,13 +692,25 @@ impl HotKeys {
         // T from the balls-and-bins estimate.
         let (up, down) = (self.cfg.read_up, self.cfg.write_down);
         let replicable = |e: &Entry| up * e.reads - down * e.writes > 0.0;
-        let keys: Vec<(f64, bool)> = self.keys.values().map(|e| (e.reads + e.writes, replicable(e))).collect();
+        // Keys seen fewer than `min_samples` times' worth this epoch are
+        // sampling noise (one sample stands for 1/sample_rate requests/s):
+        // left out of the estimate (NetKV's cold keys, spread evenly) and
+        // never heated. A HOT key's rate counts its copies' reads.
+        let min_rate = self.cfg.min_samples * scale;
+        let significant = |e: &Entry| e.reads + e.writes >= min_rate;
+        let keys: Vec<(f64, bool)> =
+            self.keys.values().filter(|e| significant(e)).map(|e| (e.reads + e.writes, replicable(e))).collect();
         let n = view.n();
         let max_copies = view.max_copies();
         let spread = f64::from(view.servers.max(1));
         let target = self.cfg.target_imbalance;
         let (t, est) = choose_threshold(&keys, avg, n, spread, max_copies, target);
         let unreplicated = estimate_max_over_avg(&keys.iter().map(|k| (k.0, 1)).collect::<Vec<_>>(), avg, n, spread);
+
+        // The threshold below which a HOT key counts as cool: none needs a
+        // copy when the estimate meets the target without any (T is then
+        // the hottest rate, which would keep that key HOT for ever).
+        let cool_below = self.cfg.cool_fraction * if unreplicated <= target { f64::INFINITY } else { t };
 
         let mut replicate = Vec::new();
         let mut retire = Vec::new();
@@ -664,19 +723,19 @@ impl HotKeys {
             let ok = replicable(e);
             let want = if ok { copies(f, t, max_copies) - 1 } else { 0 };
             match e.state {
-                KeyState::Cold if want > 0 && hot_workers.contains(&e.worker) && max_copies > 1 => {
+                KeyState::Cold if want > 0 && significant(e) && hot_workers.contains(&e.worker) && max_copies > 1 => {
                     heat.push((f, k.clone()));
                 }
                 KeyState::Hot if e.pinned => {}
                 KeyState::Hot => {
-                    let cool = !ok || copies(f, t, max_copies) == 1;
+                    let cool = !ok || f <= cool_below;
                     if cool {
                         let e = self.keys.get_mut(k).expect("present");
                         e.cool += 1;
                         if e.cool >= self.cfg.cool_epochs.max(1) {
                             self.apply(k, KeyEvent::Cooled, &mut log);
                         }
-                    } else if want > e.replicas {
+                    } else if want > e.replicas && !e.broken {
                         let worker = e.worker;
                         self.keys.get_mut(k).expect("present").replicas = want;
                         self.apply(k, KeyEvent::Grew, &mut log);
@@ -686,6 +745,7 @@ impl HotKeys {
                     }
                 }
                 KeyState::HotPending if now - e.since >= u64::from(self.cfg.pending_timeout_epochs.max(1)) => {
+                    self.keys.get_mut(k).expect("present").broken = true;
                     self.apply(k, KeyEvent::Failed, &mut log);
                 }
                 KeyState::ColdPending if want > 0 && !e.broken => {
@@ -706,12 +766,40 @@ impl HotKeys {
         let cap = self.repl_high(view);
         heat.sort_by(|a, b| b.0.total_cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
         let mut escalate = None;
-        let room = cap.saturating_sub(self.replicated());
+        let mut room = cap.saturating_sub(self.replicated());
         if heat.len() > room {
             escalate = Some(HotEscalation {
                 why: HotEscalateWhy::ReplHigh { wanted: self.replicated() + heat.len(), cap },
                 workers: hot_workers.clone(),
             });
+        }
+        if self.cfg.displace && heat.len() > room {
+            // Displacement: the coolest HOT keys (not pinned) cool at once,
+            // each for a waiting key at least twice as hot, which is
+            // replicated now: the displaced keys' copies live on (no new
+            // leases) until their leases end, so the keys with copies may
+            // exceed REPL_high by the keys retiring, for lease_epochs + 1
+            // epochs; the keys granted leases stay within it.
+            let mut coolest: Vec<(f64, Vec<u8>)> = self
+                .keys
+                .iter()
+                .filter(|(_, e)| e.state == KeyState::Hot && !e.pinned)
+                .map(|(k, e)| (e.reads + e.writes, k.clone()))
+                .collect();
+            coolest.sort_by(|a, b| a.0.total_cmp(&b.0).then_with(|| a.1.cmp(&b.1)));
+            // Keys already retiring (cooled or displaced) make room too.
+            let leased = self.keys.values().filter(|e| matches!(e.state, KeyState::Hot | KeyState::HotPending)).count();
+            room = cap.saturating_sub(leased);
+            let mut freed = 0;
+            for ((f, _), (g, k)) in heat.iter().skip(room).zip(&coolest) {
+                if *f < 2.0 * g {
+                    break;
+                }
+                self.apply(k, KeyEvent::Cooled, &mut log);
+                self.keys.get_mut(k).expect("present").broken = true;
+                freed += 1;
+            }
+            room += freed;
         }
         for (f, k) in heat.into_iter().take(room) {
             let want = copies(f, t, max_copies) - 1;
@@ -731,6 +819,8 @@ impl HotKeys {
                 let mut none_hot = true;
                 for w in &hot_workers {
                     let (mut good, mut bad) = (0.0, 0.0);
+                    // (T is infinite when no significant key is replicable.)
+                    let t = if t.is_finite() { t } else { min_rate };
                     for e in self.keys.values().filter(|e| e.worker == *w && e.reads + e.writes > t) {
                         if replicable(e) {
                             good += e.reads + e.writes;

@@ -28,10 +28,13 @@
 //! overrides are enough for a run, and a redirect to a worker its map does not have counts as
 //! an error.
 //!
-//! Hot keys (Phase 1) as in the routing client, with the same [`Leases`]: a hint
-//! `RH hot <key> <replicas> <lease-ms>` read from a key's home grants a lease that draws one
-//! copy; while it is live, a get of that key is one single-key `get` to the copy's connection
-//! (the op's other keys go home as usual). A set ends the driver's lease on its key. An `RD` or
+//! Hot keys (Phase 1) as in the routing client, with the same [`Leases`], one cache per logical
+//! client (each logical client stands for one routing client, so each draws its own copy of a
+//! hot key; a cache shared by a thread's clients sent all of them to the same copy): a hint
+//! `RH hot <key> <replicas> <lease-ms>` read from a key's home grants that client a lease that
+//! draws one copy; while it is live, the client's get of that key is one single-key `get` to the
+//! copy's connection (the op's other keys go home as usual). A set ends the client's lease on
+//! its key. An `RD` or
 //! an error line from a copy ends the lease and the key is resent home; that counts as a
 //! fallback, a copy's answer as a replica read (`Totals::replica_reads`,
 //! `Totals::replica_fallbacks`). A copy whose connection fails stops the run, as any broken
@@ -149,6 +152,7 @@ impl DriverFactory for RoutedFactory {
         Ok(Box::new(RoutedDriver::connect_tls(
             &self.map,
             self.tls.as_ref(),
+            spec.slots,
             spec.max_in_flight,
             a.key_size,
             a.value_size_max.unwrap_or(a.value_size).max(a.value_size),
@@ -188,6 +192,8 @@ impl Pending for Part {
 
 #[derive(Default)]
 struct OpState {
+    /// The logical client that submitted it (its lease cache).
+    slot: u32,
     value_size: u32,
     /// The op's keys, grouped by owning worker at submit time, and their hashes.
     keys: Vec<u32>,
@@ -213,7 +219,9 @@ struct State {
     /// First target index of each server.
     server_base: Vec<usize>,
     router: Router,
-    leases: Leases,
+    /// One lease cache per logical client: each draws its own copy of a hot key, as separate
+    /// routing clients would (one cache per thread sent every client to the same copy).
+    leases: Vec<Leases>,
     /// The time as of the last poll (leases are timed with it).
     now: Instant,
     replica_reads: u64,
@@ -238,17 +246,19 @@ impl RoutedDriver {
     /// Open a connection to every worker of `map`, each opted in with `mbal hello`.
     pub fn connect(
         map: &ClusterMap,
+        slots: usize,
         max_in_flight: usize,
         key_size: usize,
         value_size_max: usize,
     ) -> Result<RoutedDriver> {
-        RoutedDriver::connect_tls(map, None, max_in_flight, key_size, value_size_max)
+        RoutedDriver::connect_tls(map, None, slots, max_in_flight, key_size, value_size_max)
     }
 
     /// [`RoutedDriver::connect`], over TLS with `tls`.
     pub fn connect_tls(
         map: &ClusterMap,
         tls: Option<&ClientTls>,
+        slots: usize,
         max_in_flight: usize,
         key_size: usize,
         value_size_max: usize,
@@ -282,7 +292,7 @@ impl RoutedDriver {
             targets,
             server_base,
             router: Router::new(map.clone()),
-            leases: Leases::new(lease_seed(), mbal_cluster::DEFAULT_MAX_LEASES),
+            leases: slot_leases(slots),
             now: Instant::now(),
             replica_reads: 0,
             replica_fallbacks: 0,
@@ -309,6 +319,19 @@ fn lease_seed() -> u64 {
     std::collections::hash_map::RandomState::new().hash_one(std::process::id())
 }
 
+/// One lease cache per logical client (at least one), each with its own seed.
+fn slot_leases(slots: usize) -> Vec<Leases> {
+    let base = lease_seed();
+    (0..slots.max(1) as u64)
+        .map(|s| Leases::new(base ^ s.wrapping_mul(0x9E37_79B9_7F4A_7C15), mbal_cluster::DEFAULT_MAX_LEASES))
+        .collect()
+}
+
+/// The target (connection) of a (server, worker), if the map has it.
+fn target_of(server_base: &[usize], targets: &[((u16, u16), SocketAddr)], (s, w): (u16, u16)) -> Option<usize> {
+    server_base.get(s as usize).map(|b| b + w as usize).filter(|&t| t < targets.len() && targets[t].0 == (s, w))
+}
+
 impl State {
     fn hash_of(&mut self, key: u32) -> u64 {
         self.key_buf.clear();
@@ -317,11 +340,8 @@ impl State {
     }
 
     /// The target (connection) of a (server, worker), if the map has it.
-    fn target_of(&self, (s, w): (u16, u16)) -> Option<usize> {
-        self.server_base
-            .get(s as usize)
-            .map(|b| b + w as usize)
-            .filter(|&t| t < self.targets.len() && self.targets[t].0 == (s, w))
+    fn target_of(&self, owner: (u16, u16)) -> Option<usize> {
+        target_of(&self.server_base, &self.targets, owner)
     }
 
     /// The target a key hash is sent to now.
@@ -398,7 +418,15 @@ impl State {
                 // only a home grants leases; a hint on a copy's reply is ignored
                 if !part.copy {
                     let home = self.targets[from].0;
-                    self.leases.record(self.router.map(), key_hash(h.key), home, h.replicas, h.lease_ms, self.now);
+                    let slot = self.ops[token as usize].slot as usize;
+                    self.leases[slot].record(
+                        self.router.map(),
+                        key_hash(h.key),
+                        home,
+                        h.replicas,
+                        h.lease_ms,
+                        self.now,
+                    );
                 }
                 return;
             }
@@ -409,7 +437,8 @@ impl State {
             }
             Frame::Redirect { .. } | Frame::Error(_) if part.copy => {
                 // the copy is gone (or not there yet): read at home
-                self.leases.end(self.ops[token as usize].hashes[part.start as usize]);
+                let op = &self.ops[token as usize];
+                self.leases[op.slot as usize].end(op.hashes[part.start as usize]);
                 self.replica_fallbacks += 1;
                 self.resend.push(Part { copy: false, ..part });
                 false
@@ -434,7 +463,7 @@ impl State {
         }
     }
 
-    fn submit(&mut self, conns: &mut Conns<Part>, req: &Request<'_>) -> Result<()> {
+    fn submit(&mut self, conns: &mut Conns<Part>, slot: usize, req: &Request<'_>) -> Result<()> {
         if req.keys.is_empty() {
             bail!("an op needs a key");
         }
@@ -442,6 +471,7 @@ impl State {
             bail!("value size {} above the driver's maximum {}", req.value_size, self.value.len());
         }
         let token = req.token;
+        let slot = slot.min(self.leases.len() - 1);
         let expect = match req.kind {
             OpKind::Set => {
                 if req.keys.len() != 1 {
@@ -457,18 +487,19 @@ impl State {
             hashes.push(self.hash_of(k));
         }
         // keys with a live lease on a copy are read there; a write ends the writer's lease
+        let leases = &mut self.leases[slot];
         self.home_pos.clear();
         self.at_copy.clear();
         for (i, &h) in hashes.iter().enumerate() {
             let copy = match req.kind {
                 OpKind::Set => {
-                    self.leases.end(h);
+                    leases.end(h);
                     None
                 }
-                OpKind::Get if self.leases.is_empty() => None,
-                OpKind::Get => self.leases.read_target(h, self.now).and_then(|c| self.target_of(c)),
+                OpKind::Get if leases.is_empty() => None,
+                OpKind::Get => leases.read_target(h, self.now),
             };
-            match copy {
+            match copy.and_then(|c| target_of(&self.server_base, &self.targets, c)) {
                 Some(t) => self.at_copy.push((req.keys[i], h, t)),
                 None => self.home_pos.push(i as u32),
             }
@@ -487,6 +518,7 @@ impl State {
             op.keys.push(k);
             op.hashes.push(h);
         }
+        op.slot = slot as u32;
         op.value_size = req.value_size;
         op.parts = (self.split.groups().len() + self.at_copy.len()) as u32;
         op.hits = 0;
@@ -514,8 +546,8 @@ impl Driver for RoutedDriver {
         self.r.targets.iter().map(|((s, w), _)| format!("s{s}/w{w}")).collect()
     }
 
-    fn submit(&mut self, _slot: usize, req: &Request<'_>) -> Result<()> {
-        self.r.submit(&mut self.conns, req)
+    fn submit(&mut self, slot: usize, req: &Request<'_>) -> Result<()> {
+        self.r.submit(&mut self.conns, slot, req)
     }
 
     fn flush(&mut self) -> Result<()> {
@@ -553,5 +585,32 @@ impl Driver for RoutedDriver {
 
     fn replica_fallbacks(&self) -> u64 {
         self.r.replica_fallbacks
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mbal_cluster::ServerInfo;
+
+    #[test]
+    fn each_logical_client_draws_its_own_copy() {
+        // 8 servers x 2 workers: a hot key can have up to 14 copies besides its home
+        let addr: SocketAddr = "127.0.0.1:1".parse().unwrap();
+        let map = ClusterMap::even((0..8).map(|_| ServerInfo { main: addr, workers: vec![addr; 2] }).collect(), 2, 64);
+        let hash = key_hash(b"hot");
+        let (_, s, w) = map.route(hash);
+        let home = (s, w);
+        let now = Instant::now();
+        let mut leases = slot_leases(64);
+        assert_eq!(leases.len(), 64);
+        let drawn: std::collections::BTreeSet<u32> =
+            leases.iter_mut().map(|l| l.record(&map, hash, home, 14, 60_000, now).expect("a lease").copy).collect();
+        // 64 clients over 15 copies: all but a few copies are drawn (one shared cache draws one)
+        assert!(drawn.len() >= 10, "{drawn:?}");
+        let reads: std::collections::BTreeSet<Option<(u16, u16)>> =
+            leases.iter_mut().map(|l| l.read_target(hash, now)).collect();
+        assert!(reads.len() >= 10, "the reads go to different workers: {reads:?}");
+        assert_eq!(slot_leases(0).len(), 1, "at least one cache");
     }
 }

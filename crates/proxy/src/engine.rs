@@ -91,6 +91,10 @@ struct Client {
     dirty: bool,
     /// Protocol not decided yet (first byte).
     fresh: bool,
+    /// Phase 1 leases learned from `RH hot` hints for this connection's reads (the routing
+    /// client's cache, one per client connection as one per routing client: each connection
+    /// draws its own copy of a hot key, so a proxy thread's clients spread over the copies).
+    leases: Leases,
     /// Binary protocol (decided by the first byte).
     binary: bool,
 }
@@ -194,8 +198,8 @@ pub(crate) struct Engine {
     stop: Arc<AtomicBool>,
     limits: Limits,
     router: Router,
-    /// Phase 1 leases learned from `RH hot` hints (the client's and the bench's cache).
-    leases: Leases,
+    /// Seeds each client connection's Phase 1 lease cache ([`Client::leases`]).
+    lease_seed: u64,
     clients: Slab<Client>,
     next_cid: u64,
     ups: Vec<Upstream>,
@@ -247,7 +251,7 @@ impl Engine {
             stop,
             limits,
             router: Router::new(map),
-            leases: Leases::new(lease_seed(id), mbal_cluster::DEFAULT_MAX_LEASES),
+            lease_seed: lease_seed(id),
             clients: Slab::new(),
             next_cid: 1,
             ups: Vec::new(),

@@ -145,3 +145,36 @@ fn plain_clients_read_hot_keys_from_copies_through_the_proxy() {
         s.shutdown();
     }
 }
+
+#[test]
+fn each_proxy_connection_draws_its_own_copy() {
+    let (spec, servers) = cluster();
+    let map = ClusterMap::from_spec(&spec);
+    let p = mbal_proxy::start(Config::new("127.0.0.1:0".parse().unwrap()), map.clone()).unwrap();
+    let key = (0..).map(|i| format!("spread{i}")).find(|k| map.route(key_hash(k.as_bytes())).1 == 0).unwrap();
+    let mut c = Conn::open(p.addr);
+    assert_eq!(c.cmd(&format!("set {key} 0 0 2\r\nv0\r\n")), "STORED\r\n");
+    let mut home = Conn::open(spec.servers[0].addr);
+    // 4 copies: one on each worker of servers 1 and 2
+    assert_eq!(home.cmd(&format!("mbal debug hot {key} 4\r\n")), "OK\r\n");
+    let want = format!("VALUE {key} 0 2\r\nv0\r\nEND\r\n");
+    // until the home hands out leases
+    let deadline = Instant::now() + Duration::from_secs(40);
+    while home.stat("hot_hints") == 0 {
+        assert_eq!(Conn::open(p.addr).get(&key), want);
+        assert!(Instant::now() < deadline, "no hint");
+    }
+    // 24 connections of the proxy's one thread, each within its first lease: each draws its own
+    // copy (one cache per thread would send all of them to one copy)
+    let mut conns: Vec<Conn> = (0..24).map(|_| Conn::open(p.addr)).collect();
+    for c in &mut conns {
+        assert_eq!(c.get(&key), want, "the first read goes home and brings the hint");
+        assert_eq!(c.get(&key), want, "the second reads the copy drawn");
+    }
+    let reads: Vec<u64> = [1, 2].iter().map(|&s| Conn::open(spec.servers[s].addr).stat("replica_reads")).collect();
+    assert!(reads.iter().all(|&r| r > 0), "copies on both shadow servers read: {reads:?}");
+    p.shutdown();
+    for s in servers.into_iter().flatten() {
+        s.shutdown();
+    }
+}

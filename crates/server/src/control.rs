@@ -203,13 +203,10 @@ impl Controller {
             Balancer::new(cfg, &home)
         });
         let status = BalancerStatus::default();
-        let hot = shared.replicator.is_some().then(|| {
-            let mut cfg = shared.settings.balance.clone();
-            if shared.settings.worker_capacity > 0 {
-                cfg.worker_capacity = Some(shared.settings.worker_capacity as f64);
-            }
-            HotKeys::new(shared.settings.hot.policy.clone(), cfg)
-        });
+        let hot = shared
+            .replicator
+            .is_some()
+            .then(|| HotKeys::new(shared.settings.hot.policy.clone(), hot_balance_config(&shared.settings)));
         Controller {
             balancer,
             status,
@@ -412,11 +409,15 @@ impl Controller {
     /// delete copies, renew the copies that exist, and tell every worker
     /// the leases it may grant.
     fn hot_epoch(&mut self, snap: &EpochSnapshot) -> Option<ReplicaDecision> {
+        // The cluster's mean: this server's and the others' heard within
+        // the last three epochs (else this server's mean stands for it).
+        let own = crate::peerload::mean_load(snap, &hot_balance_config(&self.shared.settings));
+        let since = Instant::now().checked_sub(self.epoch_len * 3).unwrap_or_else(Instant::now);
         let view = ClusterView {
             server: self.shared.server_id,
             servers: self.map.servers().len() as u16,
             workers: self.shared.settings.threads as u16,
-            avg_load: None,
+            avg_load: self.shared.peer_loads.cluster_mean(usize::from(self.shared.server_id), own, since),
         };
         let now = self.now_ns();
         let d = self.hot.as_mut()?.on_epoch(snap, &view);
@@ -664,6 +665,16 @@ impl Controller {
             self.request_move(c, to, reply);
         }
     }
+}
+
+/// The balancer's knobs as Phase 1 weighs loads with them (with emulated
+/// capacity, each worker's ceiling).
+pub(crate) fn hot_balance_config(settings: &crate::config::Settings) -> mbal_balance::Config {
+    let mut cfg = settings.balance.clone();
+    if settings.worker_capacity > 0 {
+        cfg.worker_capacity = Some(settings.worker_capacity as f64);
+    }
+    cfg
 }
 
 /// `LOAD <seq> <len>\r\n<json>\r\n`: an epoch snapshot (and what was

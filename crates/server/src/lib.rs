@@ -19,6 +19,8 @@
 //!   being copied) and the shadow table of other servers' copies.
 //! * `replicate`: the replicator thread, which carries copies to the shadow
 //!   workers of other servers.
+//! * `peerload`: Phase 1's view of the cluster's mean load per worker (one
+//!   thread per other server follows its epochs with `mbal load`).
 //! * `forward`: the forwarder thread (`--forward`), which passes a plain
 //!   client's requests for keys other servers own to them.
 //! * `stats`: counters and memcached-named stats.
@@ -39,6 +41,7 @@ mod forward;
 mod moves;
 mod msg;
 mod output;
+mod peerload;
 mod readbuf;
 mod replica;
 mod replicate;
@@ -231,6 +234,7 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
         accept_waker: OnceLock::new(),
         tls,
         replicator: replicating.then_some(rep_tx),
+        peer_loads: peerload::PeerLoads::new(map.servers().len()),
         forward,
         settings: settings.clone(),
     });
@@ -271,6 +275,8 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
         let servers = map.servers().iter().map(|s| s.main).collect();
         let r = replicate::Replicator::new(shared.clone(), rep_rx, servers);
         threads.push(std::thread::Builder::new().name("mbal-replicate".into()).spawn(move || r.run())?);
+        let servers = map.servers().iter().map(|s| s.main).collect();
+        peerload::spawn(shared.clone(), servers, control::hot_balance_config(&shared.settings))?;
     }
     if let Some(parts) = forward_parts {
         let f = forward::Forwarder::new(shared.clone(), parts, map.clone());

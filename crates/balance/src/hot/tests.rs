@@ -213,7 +213,7 @@ fn a_hot_read_key_on_a_hot_worker_is_replicated_then_retired() {
     // It cools: after cool_epochs, COLD_PENDING; after the lease, retired.
     let mut states = Vec::new();
     let mut retired = None;
-    for e in 2..12 {
+    for e in 2..20 {
         feed(&mut h, e, &[(b"hot", 2.0, 0.0)]);
         let d = h.on_epoch(&snapshot(e, &[1000.0, 1000.0]), &VIEW);
         states.push(h.state(b"hot"));
@@ -277,8 +277,164 @@ fn repl_high_caps_and_escalates() {
 #[test]
 fn default_repl_high_is_the_share_of_2_n_ln_n() {
     let h = HotKeys::new(HotConfig::default(), Config::default());
-    // 8 servers × 2 workers: 2·16·ln 16 = 88.7 over 8 servers.
-    assert_eq!(h.repl_high(&VIEW), (2.0 * 2.0 * 16f64.ln()).ceil() as usize);
+    // 8 servers × 2 workers: floor(2·16·ln 16) = floor(88.7) = 88 over 8 servers, 11 each.
+    assert_eq!(repl_high_total(16), 88);
+    assert_eq!(h.repl_high(&VIEW), 11);
+    // Shares add up to the total whatever the split: 3 servers × 2 workers, floor(2·6·ln 6) = 21.
+    let share = |server| h.repl_high(&ClusterView { server, servers: 3, workers: 2, avg_load: None });
+    assert_eq!(repl_high_total(6), 21);
+    assert_eq!((share(0), share(1), share(2)), (7, 7, 7));
+    // 5 servers × 2 workers: floor(2·10·ln 10) = 46: 10, 9, 9, 9, 9.
+    let share = |server| h.repl_high(&ClusterView { server, servers: 5, workers: 2, avg_load: None });
+    assert_eq!((0..5).map(share).collect::<Vec<_>>(), [10, 9, 9, 9, 9]);
+}
+
+/// Epochs of a balanced server where a much hotter cold key `big` sets T
+/// and the HOT key `hot` (γ = `g`) runs at `frac` × the last epoch's T
+/// (its home sees 1/(γ+1) of that); returns the states after each epoch.
+fn run_hot(h: &mut HotKeys, epochs: std::ops::Range<u64>, frac: f64, g: u32, t: &mut f64) -> Vec<KeyState> {
+    epochs
+        .map(|e| {
+            let home = (frac * *t / f64::from(g + 1)).round().max(1.0);
+            feed(h, e, &[(b"hot", home, 0.0), (b"big", 100_000.0, 0.0)]);
+            let view = ClusterView { avg_load: Some(100_000.0), ..VIEW };
+            let d = h.on_epoch(&snapshot(e, &[1000.0, 1000.0]), &view);
+            *t = d.threshold;
+            h.state(b"hot")
+        })
+        .collect()
+}
+
+/// Make `hot` HOT (with `replicas` copies) on a hot worker; returns T.
+fn make_hot(h: &mut HotKeys) -> (f64, u32) {
+    feed(h, 1, &[(b"hot", 1600.0, 0.0)]);
+    let d = h.on_epoch(&snapshot(1, &[2500.0, 900.0]), &VIEW);
+    assert_eq!(h.replicas_ready(b"hot"), Some(T::ReplicasReady));
+    (d.threshold, d.replicate[0].replicas)
+}
+
+#[test]
+fn a_rate_falls_by_at_most_half_per_epoch() {
+    let mut h = policy();
+    let (_, g) = make_hot(&mut h);
+    let at = |h: &HotKeys| h.top(1).first().map(|s| s.reads_per_sec).unwrap_or(0.0);
+    assert!((at(&h) - 1600.0).abs() < 1.0, "{}", at(&h));
+    // The home then sees almost nothing (say its copies took every read):
+    // the estimate halves per epoch instead of dropping to ~0.
+    feed(&mut h, 2, &[(b"hot", 1.0, 0.0)]);
+    h.on_epoch(&snapshot(2, &[1000.0, 1000.0]), &VIEW);
+    assert!((at(&h) - 800.0).abs() < 1.0, "{}", at(&h));
+    feed(&mut h, 3, &[]);
+    h.on_epoch(&snapshot(3, &[1000.0, 1000.0]), &VIEW);
+    assert!((at(&h) - 400.0).abs() < 1.0, "untracked this epoch: halved too, {}", at(&h));
+    // A rise is taken at once (a HOT key's home sees 1/(γ+1) of its reads).
+    feed(&mut h, 4, &[(b"hot", 1000.0, 0.0)]);
+    h.on_epoch(&snapshot(4, &[1000.0, 1000.0]), &VIEW);
+    assert!((at(&h) - 1000.0 * f64::from(g + 1)).abs() < 1.0, "{}", at(&h));
+}
+
+#[test]
+fn a_hot_key_cools_only_after_three_epochs_at_half_the_threshold() {
+    let cfg = HotConfig { sample_rate: 1.0, decay: 0.0, max_fall: 1.0, ..HotConfig::default() };
+    let mut h = HotKeys::new(cfg.clone(), Config::default());
+    let (_, g) = make_hot(&mut h);
+    let mut t = 0.0;
+    // One epoch to learn T with `big` there (hot at ~0 meanwhile, within one epoch).
+    run_hot(&mut h, 2..3, 0.0, g, &mut t);
+    assert!(t.is_finite() && t > 2000.0, "{t}");
+    // At 0.7 T (below T: it would not be replicated now, but above 0.5 T): stays HOT.
+    let states = run_hot(&mut h, 3..12, 0.7, g, &mut t);
+    assert!(states.iter().all(|s| *s == S::Hot), "{states:?}");
+    // At 0.3 T: cools on the third epoch, not before.
+    let states = run_hot(&mut h, 12..15, 0.3, g, &mut t);
+    assert_eq!(states, [S::Hot, S::Hot, S::ColdPending]);
+    // An epoch above 0.5 T resets the count.
+    let mut h = HotKeys::new(cfg, Config::default());
+    let (_, g) = make_hot(&mut h);
+    let mut t = 0.0;
+    run_hot(&mut h, 2..3, 0.0, g, &mut t);
+    let mut states = run_hot(&mut h, 3..4, 0.7, g, &mut t);
+    states.extend(run_hot(&mut h, 4..6, 0.3, g, &mut t));
+    states.extend(run_hot(&mut h, 6..7, 0.8, g, &mut t));
+    states.extend(run_hot(&mut h, 7..10, 0.3, g, &mut t));
+    assert_eq!(states, [S::Hot, S::Hot, S::Hot, S::Hot, S::Hot, S::Hot, S::ColdPending]);
+}
+
+#[test]
+fn a_failed_replication_retires_before_it_is_replicated_again() {
+    let mut h = policy();
+    feed(&mut h, 1, &[(b"hot", 1600.0, 0.0)]);
+    h.on_epoch(&snapshot(1, &[2500.0, 900.0]), &VIEW);
+    assert_eq!(h.replication_failed(b"hot"), Some(T::ReplicationFailed));
+    assert_eq!(h.state(b"hot"), S::ColdPending);
+    // Still hot on a hot worker: not re-heated (no leases to copies in an
+    // unknown state); retired after the leases, then replicated afresh.
+    let mut seen = Vec::new();
+    for e in 2..10 {
+        feed(&mut h, e, &[(b"hot", 1600.0, 0.0)]);
+        let d = h.on_epoch(&snapshot(e, &[2500.0, 900.0]), &VIEW);
+        seen.extend(d.transitions.iter().filter(|t| t.0 == b"hot").map(|t| t.1));
+        if d.replicate.iter().any(|r| r.key == b"hot") {
+            break;
+        }
+    }
+    assert_eq!(seen, [T::Retire, T::Replicate], "{seen:?}");
+    // The same for a replication that times out.
+    let mut h = policy();
+    feed(&mut h, 1, &[(b"hot", 1600.0, 0.0)]);
+    h.on_epoch(&snapshot(1, &[2500.0, 900.0]), &VIEW);
+    let mut seen = Vec::new();
+    for e in 2..14 {
+        feed(&mut h, e, &[(b"hot", 1600.0, 0.0)]);
+        let d = h.on_epoch(&snapshot(e, &[2500.0, 900.0]), &VIEW);
+        seen.extend(d.transitions.iter().filter(|t| t.0 == b"hot").map(|t| t.1));
+        if d.replicate.iter().any(|r| r.key == b"hot") {
+            break;
+        }
+    }
+    assert_eq!(seen, [T::ReplicationFailed, T::Retire, T::Replicate], "{seen:?}");
+}
+
+#[test]
+fn displacement_cools_the_coolest_hot_key_for_a_much_hotter_one() {
+    for displace in [false, true] {
+        let cfg = HotConfig { sample_rate: 1.0, decay: 0.0, repl_high: Some(2), displace, ..HotConfig::default() };
+        let mut h = HotKeys::new(cfg, Config::default());
+        feed(&mut h, 1, &[(b"a", 900.0, 0.0), (b"b", 800.0, 0.0)]);
+        let d = h.on_epoch(&snapshot(1, &[3000.0, 900.0]), &VIEW);
+        assert_eq!(d.replicated, 2);
+        h.replicas_ready(b"a");
+        h.replicas_ready(b"b");
+        // "c" turns up much hotter than b (the home sees 1/(γ+1) of a HOT key's reads).
+        let (ga, gb) = (h.hint(b"a"), h.hint(b"b"));
+        let mut states = Vec::new();
+        for e in 2..10 {
+            feed(
+                &mut h,
+                e,
+                &[(b"a", 900.0 / f64::from(ga + 1), 0.0), (b"b", 300.0 / f64::from(gb + 1), 0.0), (b"c", 2000.0, 0.0)],
+            );
+            let d = h.on_epoch(&snapshot(e, &[3000.0, 900.0]), &VIEW);
+            let leased =
+                [b"a", b"b", b"c"].iter().filter(|k| matches!(h.state(&k[..]), S::Hot | S::HotPending)).count();
+            assert!(leased <= 2, "the keys granted leases stay within the cap: {d:?}");
+            assert!(d.replicated <= 3, "{d:?}");
+            if h.state(b"c") == S::HotPending {
+                h.replicas_ready(b"c");
+            }
+            states.push((h.state(b"b"), h.state(b"c")));
+            if e == 6 {
+                break;
+            }
+        }
+        assert_eq!(h.state(b"a"), S::Hot, "the hotter one stays");
+        if displace {
+            assert_eq!(states[0], (S::ColdPending, S::Hot), "b gives way to c at once: {states:?}");
+            assert_eq!(states.last().unwrap(), &(S::Cold, S::Hot), "b retired after its leases: {states:?}");
+        } else {
+            assert!(states.iter().all(|s| s.1 == S::Cold), "{states:?}");
+        }
+    }
 }
 
 #[test]
@@ -312,7 +468,7 @@ fn a_key_that_heats_again_while_cold_pending_is_reheated() {
         feed(&mut h, e, &[(b"hot", 2.0, 0.0)]);
         h.on_epoch(&snapshot(e, &[1000.0, 1000.0]), &VIEW);
         e += 1;
-        assert!(e < 10);
+        assert!(e < 16);
     }
     feed(&mut h, e, &[(b"hot", 1600.0, 0.0)]);
     let d = h.on_epoch(&snapshot(e, &[2000.0, 1000.0]), &VIEW);
@@ -395,4 +551,19 @@ fn lost_copies_end_the_leases_and_block_a_reheat_until_retired() {
         assert_ne!(h.state(b"j"), S::Hot, "epoch {e}: re-heated with lost copies");
     }
     assert!(!retired.is_empty(), "retired");
+}
+
+#[test]
+fn sampling_noise_is_never_replicated_and_does_not_drag_t_down() {
+    let mut h = policy();
+    // Worker 0 is hot, carried by "hot"; 50 keys of it seen twice each (below 3 samples: noise).
+    let noise: Vec<Vec<u8>> = (0..50).map(|i| format!("n{i}").into_bytes()).collect();
+    let mut hot: Vec<(&[u8], f64, f64)> = noise.iter().map(|k| (&k[..], 2.0, 0.0)).collect();
+    hot.push((b"hot", 1600.0, 0.0));
+    feed(&mut h, 1, &hot);
+    let d = h.on_epoch(&snapshot(1, &[2500.0, 900.0]), &VIEW);
+    let keys: Vec<&[u8]> = d.replicate.iter().map(|r| &r.key[..]).collect();
+    assert_eq!(keys, [&b"hot"[..]], "{d:?}");
+    assert!(d.threshold > 10.0, "T from the significant keys only: {}", d.threshold);
+    assert_eq!(h.state(b"n0"), S::Cold, "tracked, not replicated");
 }

@@ -70,6 +70,10 @@ impl Engine {
                 dirty: false,
                 fresh: true,
                 binary: false,
+                leases: Leases::new(
+                    self.lease_seed ^ id.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+                    mbal_cluster::DEFAULT_MAX_LEASES,
+                ),
             });
         }
     }
@@ -254,8 +258,9 @@ impl Engine {
                         let mut inf = self.inflight(ci, cid, seq, raw.to_vec(), what, false);
                         // a plain `get` of a key with a live lease on a copy is read there
                         // (`gets`/`gat` go home: a copy has no CAS and no TTL of its own)
-                        if !cas && touch.is_none() && !self.leases.is_empty() {
-                            if let Some(copy) = self.leases.read_target(hash, self.now) {
+                        let leases = &mut self.clients[ci].leases;
+                        if !cas && touch.is_none() && !leases.is_empty() {
+                            if let Some(copy) = leases.read_target(hash, self.now) {
                                 inf.copy = Some(hash);
                                 return self.send(copy, inf);
                             }
@@ -298,8 +303,8 @@ impl Engine {
                         _ => {}
                     }
                     let hash = key_hash(key);
-                    // a write ends this thread's lease on the key: its clients read their writes
-                    self.leases.end(hash);
+                    // a write ends this connection's lease on the key: it reads its writes
+                    self.clients[ci].leases.end(hash);
                     let (cid, seq) = self.open_slot(ci, 1, noreply);
                     let mut req = raw.to_vec();
                     if noreply {
@@ -382,7 +387,7 @@ impl Engine {
                     }
                 };
                 if cmd.kind != MetaKind::Get {
-                    self.leases.end(hash);
+                    self.clients[ci].leases.end(hash);
                 }
                 match cmd.kind {
                     MetaKind::Get => self.counters.cmd_get += 1,

@@ -72,7 +72,7 @@ impl Engine {
             UpState::Down { until } if now < until => {
                 self.ups[ui].delta.errors += 1;
                 if inf.copy.is_some() {
-                    self.leases.copy_failed(owner, now, mbal_cluster::COPY_RETRY);
+                    self.copy_failed(owner, now);
                 }
                 return self.fail(inf, "SERVER_ERROR upstream unavailable");
             }
@@ -82,7 +82,7 @@ impl Engine {
                     self.ups[ui].delta.errors += 1;
                     self.down(ui);
                     if inf.copy.is_some() {
-                        self.leases.copy_failed(owner, now, mbal_cluster::COPY_RETRY);
+                        self.copy_failed(owner, now);
                     }
                     return self.fail(inf, "SERVER_ERROR upstream unavailable");
                 }
@@ -143,6 +143,14 @@ impl Engine {
         Ok(())
     }
 
+    /// A connection to a hot key's copy at `owner` failed: every client's
+    /// leases there end, and no client reads there for a while.
+    fn copy_failed(&mut self, owner: Owner, now: Instant) {
+        for (_, c) in self.clients.iter_mut() {
+            c.leases.copy_failed(owner, now, mbal_cluster::COPY_RETRY);
+        }
+    }
+
     /// Take the upstream down: drop its connection, fail what is in flight,
     /// and refuse requests to it for the backoff.
     pub(super) fn down(&mut self, ui: usize) {
@@ -160,7 +168,7 @@ impl Engine {
         let lost: Vec<Inflight> = u.inflight.drain(..).collect();
         let owner = u.owner;
         if lost.iter().any(|i| i.copy.is_some()) {
-            self.leases.copy_failed(owner, self.now, mbal_cluster::COPY_RETRY);
+            self.copy_failed(owner, self.now);
         }
         for inf in lost {
             if inf.cid != 0 {
@@ -340,7 +348,9 @@ impl Engine {
                 Frame::Hint(h) => {
                     // never passed on (plain clients must not see it); only a home grants a lease
                     if front.copy.is_none() {
-                        self.leases.record(self.router.map(), key_hash(h.key), owner, h.replicas, h.lease_ms, now);
+                        if let Some(c) = self.clients.get_mut(front.client).filter(|c| c.id == front.cid) {
+                            c.leases.record(self.router.map(), key_hash(h.key), owner, h.replicas, h.lease_ms, now);
+                        }
                     }
                 }
                 Frame::Redirect { .. } | Frame::Error(_) if front.copy.is_some() => {
@@ -574,7 +584,9 @@ impl Engine {
     /// A read at a hot key's copy failed (`RD`, an error, or the upstream):
     /// the lease ends and the read goes home.
     fn copy_fallback(&mut self, hash: u64, inf: Inflight) {
-        self.leases.end(hash);
+        if let Some(c) = self.clients.get_mut(inf.client).filter(|c| c.id == inf.cid) {
+            c.leases.end(hash);
+        }
         self.counters.replica_fallbacks += 1;
         self.send_hash(hash, inf);
     }

@@ -172,3 +172,85 @@ fn the_proxy_speaks_tls_on_both_sides_and_logs_in_upstream() {
     let (st, v) = b.bin(0x00, "k1", &[], &[]);
     assert_eq!(st, 0x86, "{}", String::from_utf8_lossy(&v));
 }
+
+/// A member that accepts TCP connections and never answers (the kernel
+/// completes the handshake; TLS then waits forever) must not stall the
+/// proxy thread: its clients get `SERVER_ERROR upstream unavailable` at the
+/// timeout, and the other members' keys are served meanwhile, first.
+#[test]
+fn a_silent_member_does_not_stall_the_proxy_thread() {
+    use mbal_cluster::{key_hash, ClusterMap, ClusterSpec, ServerSpec, TlsSpec};
+    let pki = Pki::new("silent");
+    pki.server("member");
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let spec = ClusterSpec {
+        vn_count: 1024,
+        cachelets_per_worker: 4,
+        workers: 1,
+        servers: [free.local_addr().unwrap(), silent.local_addr().unwrap()]
+            .into_iter()
+            .map(|addr| ServerSpec { addr, worker_port_base: None })
+            .collect(),
+        secret: None,
+        secret_file: None,
+        tls: Some(TlsSpec {
+            ca_cert: "ca.pem".into(),
+            cert: Some("member.pem".into()),
+            key: Some("member.key".into()),
+            ..TlsSpec::default()
+        }),
+    };
+    drop(free);
+    let file = pki.dir.join("cluster.toml");
+    std::fs::write(&file, spec.to_toml()).unwrap();
+    let member = mbal()
+        .args(["server", "--cluster", file.to_str().unwrap(), "--id", "0", "-m", "16", "--print-ports"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut member = Kill(member);
+    let mut line = String::new();
+    BufReader::new(member.0.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    assert!(line.contains("main"), "{line:?}");
+    let mut child = mbal()
+        .args(["proxy", "--cluster", file.to_str().unwrap(), "-l", "127.0.0.1", "-p", "0", "-t", "1", "--print-ports"])
+        .args(["--upstream-timeout-ms", "3000"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let _proxy = Kill(child);
+    let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+    let addr: std::net::SocketAddr = v["main"].as_str().unwrap().parse().unwrap();
+    let map = ClusterMap::from_spec(&spec);
+    let key_on = |s: u16| (0..).map(|i| format!("s{i}")).find(|k| map.route(key_hash(k.as_bytes())).1 == s).unwrap();
+    let plain = |a| {
+        let s = std::net::TcpStream::connect(a).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        s
+    };
+    // A asks for a key of the silent member: the dial hangs in its TLS handshake.
+    let mut a = plain(addr);
+    a.write_all(format!("get {}\r\n", key_on(1)).as_bytes()).unwrap();
+    // B, after A, for a key of the live member: answered while A still waits.
+    let mut b = BufReader::new(plain(addr));
+    b.get_mut().write_all(format!("get {}\r\n", key_on(0)).as_bytes()).unwrap();
+    let mut got = String::new();
+    b.read_line(&mut got).unwrap();
+    assert_eq!(got, "END\r\n");
+    a.set_nonblocking(true).unwrap();
+    let mut one = [0u8; 1];
+    let early = a.peek(&mut one);
+    assert!(matches!(&early, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock), "A answered first: {early:?}");
+    a.set_nonblocking(false).unwrap();
+    let mut r = BufReader::new(a);
+    let mut got = String::new();
+    r.read_line(&mut got).unwrap();
+    assert_eq!(got, "SERVER_ERROR upstream unavailable\r\n");
+    drop(silent);
+    let _ = member.0.kill();
+}

@@ -179,7 +179,14 @@ struct Upstream {
     inflight: VecDeque<Inflight>,
     dirty: bool,
     delta: UpDelta,
+    /// Bumped by every connect and every drop: a dial finished by a helper
+    /// thread for an older generation is discarded.
+    gen: u64,
 }
+
+/// A dial done off the event loop (TLS handshake, login): (upstream,
+/// generation, the connection).
+type Dialed = (usize, u64, io::Result<Stream<std::net::TcpStream>>);
 
 /// A thing to do once the current upstream's replies are read.
 enum After {
@@ -215,6 +222,11 @@ pub(crate) struct Engine {
     /// The time the last poll returned: request times are taken at round
     /// granularity (one clock read per round).
     now: Instant,
+    /// Dials that need more than a TCP connect run on a helper thread and
+    /// come back here (the waker wakes the loop).
+    dialed_tx: std::sync::mpsc::Sender<Dialed>,
+    dialed_rx: std::sync::mpsc::Receiver<Dialed>,
+    waker: Arc<Waker>,
 }
 
 /// A seed that differs between proxy threads and processes, so that they
@@ -242,7 +254,11 @@ impl Engine {
         poll.registry().register(&mut listener, LISTENER, Interest::READABLE)?;
         let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
         let limits = Limits { max_item_size: cfg.max_item_size, ..Limits::default() };
+        let (dialed_tx, dialed_rx) = std::sync::mpsc::channel();
         let e = Engine {
+            dialed_tx,
+            dialed_rx,
+            waker: waker.clone(),
             id,
             poll,
             listener,
@@ -308,6 +324,7 @@ impl Engine {
                     }
                 }
             }
+            self.take_dialed();
             self.check_timeouts();
             while let Some(ci) = self.resume.pop() {
                 self.read_client(ci);

@@ -37,10 +37,10 @@
 //! * **TLS and logins.** With `tls` the listener speaks TLS only (rustls,
 //!   `mbal_tls::Stream`: the plain path is one enum match per read or
 //!   write). Upstreams are opened by `dialer`: without TLS or a login a
-//!   non-blocking connect as before; with them a blocking connect,
-//!   handshake and login (ASCII auth on text upstreams, SASL PLAIN on
-//!   binary ones) bounded by the dialer's timeout, then the socket joins
-//!   the event loop.
+//!   non-blocking connect as before; with them a helper thread does the
+//!   blocking connect, handshake and login (ASCII auth on text upstreams,
+//!   SASL PLAIN on binary ones), bounded by the dialer's timeout, while the
+//!   upstream's requests queue; then the socket joins the event loop.
 //! * **Failure.** An upstream that closes, sends a reply the codec rejects,
 //!   or leaves its oldest request unanswered for `--upstream-timeout-ms` is
 //!   dropped: every request in flight on it is answered

@@ -181,7 +181,14 @@ struct Upstream {
     dec: Decoder,
     inflight: VecDeque<Sent>,
     dirty: bool,
+    /// Bumped by every connect and every drop: a dial finished by a helper
+    /// thread for an older generation is discarded.
+    gen: u64,
 }
+
+/// A dial done off the loop (TLS handshake, login): (upstream, generation,
+/// the connection).
+type Dialed = (usize, u64, io::Result<mbal_tls::Stream<std::net::TcpStream>>);
 
 pub(crate) struct Forwarder {
     shared: Arc<Shared>,
@@ -199,6 +206,10 @@ pub(crate) struct Forwarder {
     replies: Vec<ReplyBatch>,
     chunk: Box<[u8]>,
     now: Instant,
+    /// Dials that need more than a TCP connect run on a helper thread and
+    /// come back here (the mailbox's waker wakes the loop).
+    dialed_tx: std::sync::mpsc::Sender<Dialed>,
+    dialed_rx: std::sync::mpsc::Receiver<Dialed>,
 }
 
 fn would_block(e: &io::Error) -> bool {
@@ -209,7 +220,10 @@ impl Forwarder {
     pub(crate) fn new(shared: Arc<Shared>, (poll, jobs, mailbox): Parts, map: ClusterMap) -> Forwarder {
         let timeout = Duration::from_millis(shared.settings.forward_timeout_ms.max(1));
         let workers = shared.settings.threads;
+        let (dialed_tx, dialed_rx) = std::sync::mpsc::channel();
         Forwarder {
+            dialed_tx,
+            dialed_rx,
             dialer: shared.settings.peer_dialer(timeout),
             shared,
             poll,
@@ -264,6 +278,7 @@ impl Forwarder {
                     self.read(ui);
                 }
             }
+            self.take_dialed();
             while let Ok(jobs) = self.jobs.try_recv() {
                 for job in jobs {
                     let sent = Sent {
@@ -354,6 +369,7 @@ impl Forwarder {
             dec: Decoder::new(),
             inflight: VecDeque::new(),
             dirty: false,
+            gen: 0,
         });
         self.up_of.insert(owner, self.ups.len() - 1);
         self.ups.len() - 1
@@ -408,20 +424,30 @@ impl Forwarder {
             self.router.map().worker_addr(server, worker)
         };
         let proto = if worker == BIN { Proto::Binary } else { Proto::Text };
-        let mut sock = if self.dialer.is_plain(proto) {
-            let sock = TcpStream::connect(addr)?;
-            let _ = sock.set_nodelay(true);
-            mbal_tls::Stream::Plain(sock)
+        self.ups[ui].gen += 1;
+        let sock = if self.dialer.is_plain(proto) {
+            let mut sock = mbal_tls::Stream::Plain(TcpStream::connect(addr)?);
+            let _ = sock.sock().set_nodelay(true);
+            self.poll.registry().register(sock.sock_mut(), Token(ui), Interest::READABLE | Interest::WRITABLE)?;
+            Some(sock)
         } else {
-            // TLS and/or the cluster secret's login: blocking, within the
-            // forward timeout, then handed to the event loop.
-            self.dialer.dial_nonblocking(addr, proto)?.map_sock(TcpStream::from_std)
+            // TLS and/or the cluster secret's login: a helper thread dials
+            // (blocking, within the forward timeout) while requests queue
+            // here; `take_dialed` hands the connection to the loop.
+            let (dialer, gen, tx) = (self.dialer.clone(), self.ups[ui].gen, self.dialed_tx.clone());
+            let mailbox = self.mailbox.clone();
+            std::thread::Builder::new().name("mbal-fwd-dial".into()).spawn(move || {
+                let r = dialer.dial_nonblocking(addr, proto);
+                if tx.send((ui, gen, r)).is_ok() {
+                    mailbox.wake();
+                }
+            })?;
+            None
         };
-        self.poll.registry().register(sock.sock_mut(), Token(ui), Interest::READABLE | Interest::WRITABLE)?;
         self.stats().connects.fetch_add(1, Ordering::Relaxed);
         let epoch = self.router.map().epoch();
         let u = &mut self.ups[ui];
-        u.sock = Some(sock);
+        u.sock = sock;
         u.state = State::Up;
         u.wbuf.clear();
         u.wpos = 0;
@@ -445,10 +471,38 @@ impl Forwarder {
         Ok(())
     }
 
+    /// Connections dialed by helper threads: into the loop, or the owner
+    /// down (its requests answered `owner unavailable`).
+    fn take_dialed(&mut self) {
+        while let Ok((ui, gen, r)) = self.dialed_rx.try_recv() {
+            if self.ups[ui].gen != gen {
+                continue; // dropped (timed out) meanwhile: the socket closes here
+            }
+            let registered = r.and_then(|s| {
+                let mut s = s.map_sock(TcpStream::from_std);
+                self.poll.registry().register(s.sock_mut(), Token(ui), Interest::READABLE | Interest::WRITABLE)?;
+                Ok(s)
+            });
+            match registered {
+                Ok(s) => {
+                    self.ups[ui].sock = Some(s);
+                    self.mark(ui);
+                }
+                Err(e) => {
+                    tracing::debug!(owner = ?self.ups[ui].owner, "forwarder: connect: {e}");
+                    self.down(ui, "owner unavailable");
+                }
+            }
+        }
+    }
+
     /// Drop an upstream's connection, fail what is in flight on it, and
     /// refuse requests to it for its backoff.
     fn down(&mut self, ui: usize, why: &str) {
         let u = &mut self.ups[ui];
+        // Still dialing: the owner never became available.
+        let why = if u.sock.is_none() { "owner unavailable" } else { why };
+        u.gen += 1;
         if let Some(mut s) = u.sock.take() {
             let _ = self.poll.registry().deregister(s.sock_mut());
         }

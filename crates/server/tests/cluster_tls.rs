@@ -295,3 +295,73 @@ fn a_wrong_ca_or_a_missing_client_certificate_is_refused() {
     let wrong = Dialer { secret: Some(peer_auth::Secret::new(b"not the secret, 16+ bytes".to_vec()).unwrap()), ..d };
     assert!(wrong.dial(cl.addr(1), Proto::Text).is_err());
 }
+
+/// A member that accepts TCP connections and never answers must not stall
+/// the forwarder: the TLS dial runs off its loop, so requests for a live
+/// member are forwarded (and answered) while the silent one's wait, and
+/// those get `SERVER_ERROR forwarding failed: owner unavailable`.
+#[test]
+fn a_silent_member_does_not_stall_the_forwarder() {
+    let pki = Pki::new("fwd-silent");
+    pki.server("member");
+    pki.client("peer");
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let ls: Vec<_> = (0..2).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap()).collect();
+    let addrs = [ls[0].local_addr().unwrap(), silent.local_addr().unwrap(), ls[1].local_addr().unwrap()];
+    let spec = ClusterSpec {
+        vn_count: 1024,
+        cachelets_per_worker: 4,
+        workers: 1,
+        servers: addrs.iter().map(|&addr| ServerSpec { addr, worker_port_base: None }).collect(),
+        secret: None,
+        secret_file: None,
+        tls: Some(TlsSpec {
+            ca_cert: "ca.pem".into(),
+            cert: Some("member.pem".into()),
+            key: Some("member.key".into()),
+            client_cert: Some("peer.pem".into()),
+            client_key: Some("peer.key".into()),
+            ..TlsSpec::default()
+        }),
+    };
+    drop(ls);
+    let file = pki.dir.join("cluster.toml");
+    std::fs::write(&file, spec.to_toml()).unwrap();
+    let cf = ClusterFile::load(&file).unwrap();
+    let servers: Vec<ServerHandle> = [0u16, 2]
+        .into_iter()
+        .map(|id| {
+            let mut s = settings(1);
+            s.apply_cluster(cf.spec.clone(), id).unwrap();
+            s.worker_port_base = None;
+            s.tls = Some(cf.spec.tls.as_ref().unwrap().server_files(cf.dir.as_deref()).unwrap());
+            s.peer_tls = cf.client_tls.clone();
+            s.hot.enabled = false;
+            s.balancer = false;
+            s.forward = id == 0;
+            s.forward_timeout_ms = 3000;
+            mbal_server::start(s).expect("server starts")
+        })
+        .collect();
+    let tls = cf.client_tls.clone().unwrap();
+    let map = ClusterMap::from_spec(&cf.spec);
+    let key_on = |s: u16| (0..).map(|i| format!("q{i}")).find(|k| map.route(key_hash(k.as_bytes())).1 == s).unwrap();
+    // A: a key of the silent member; the forwarder's dial hangs in the TLS handshake.
+    let mut a = TConn::open(servers[0].main_addr, &tls).unwrap();
+    a.send(format!("get {}\r\n", key_on(1)).as_bytes()).unwrap();
+    // B, after A: a key of the live member 2, forwarded and answered first.
+    let mut b = TConn::open(servers[0].main_addr, &tls).unwrap();
+    assert_eq!(b.cmd(&format!("set {} 0 0 1\r\nx\r\n", key_on(2))), "STORED\r\n");
+    // A's answer has not come yet (its socket holds no byte), then it is the error.
+    let sock = a.r.get_ref().sock();
+    sock.set_nonblocking(true).unwrap();
+    let mut one = [0u8; 1];
+    let early = sock.peek(&mut one);
+    assert!(matches!(&early, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock), "A answered first: {early:?}");
+    sock.set_nonblocking(false).unwrap();
+    assert_eq!(a.line().unwrap(), "SERVER_ERROR forwarding failed: owner unavailable\r\n");
+    drop(silent);
+    for s in servers {
+        s.shutdown();
+    }
+}

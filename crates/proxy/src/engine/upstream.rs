@@ -29,6 +29,7 @@ impl Engine {
             inflight: VecDeque::new(),
             dirty: false,
             delta: UpDelta::default(),
+            gen: 0,
         });
         self.up_of.insert(owner, ui);
         ui
@@ -105,17 +106,30 @@ impl Engine {
             u.addr_s = addr.to_string();
         }
         let proto = if u.owner.1 == BIN { Proto::Binary } else { Proto::Text };
-        let mut sock = if self.cfg.dialer.is_plain(proto) {
-            let sock = TcpStream::connect(u.addr)?;
-            let _ = sock.set_nodelay(true);
-            Stream::Plain(sock)
+        u.gen += 1;
+        if self.cfg.dialer.is_plain(proto) {
+            let mut sock = Stream::Plain(TcpStream::connect(u.addr)?);
+            let _ = sock.sock().set_nodelay(true);
+            self.poll.registry().register(
+                sock.sock_mut(),
+                Token(UP_BASE + ui),
+                Interest::READABLE | Interest::WRITABLE,
+            )?;
+            u.sock = Some(sock);
         } else {
-            // TLS and/or a login: blocking (bounded by the dialer's
-            // timeout), then the socket joins the event loop.
-            self.cfg.dialer.dial_nonblocking(u.addr, proto)?.map_sock(TcpStream::from_std)
-        };
-        self.poll.registry().register(sock.sock_mut(), Token(UP_BASE + ui), Interest::READABLE | Interest::WRITABLE)?;
-        u.sock = Some(sock);
+            // TLS and/or a login: a helper thread dials (blocking, bounded
+            // by the dialer's timeout) while requests queue here; the loop
+            // takes the connection over in `take_dialed`.
+            let (dialer, addr, gen, tx, waker) =
+                (self.cfg.dialer.clone(), u.addr, u.gen, self.dialed_tx.clone(), self.waker.clone());
+            std::thread::Builder::new().name("mbal-proxy-dial".into()).spawn(move || {
+                let r = dialer.dial_nonblocking(addr, proto);
+                if tx.send((ui, gen, r)).is_ok() {
+                    let _ = waker.wake();
+                }
+            })?;
+            u.sock = None;
+        }
         u.state = UpState::Up;
         u.wbuf.clear();
         u.wpos = 0;
@@ -151,10 +165,48 @@ impl Engine {
         }
     }
 
+    /// Connections dialed by helper threads: into the loop, or the upstream
+    /// down (its requests answered `SERVER_ERROR upstream unavailable`).
+    pub(super) fn take_dialed(&mut self) {
+        while let Ok((ui, gen, r)) = self.dialed_rx.try_recv() {
+            if self.ups[ui].gen != gen {
+                continue; // dropped (timed out) meanwhile: the socket closes here
+            }
+            let registered = r.and_then(|s| {
+                let mut s = s.map_sock(TcpStream::from_std);
+                let token = Token(UP_BASE + ui);
+                self.poll.registry().register(s.sock_mut(), token, Interest::READABLE | Interest::WRITABLE)?;
+                Ok(s)
+            });
+            match registered {
+                Ok(s) => {
+                    self.ups[ui].sock = Some(s);
+                    self.mark_up(ui);
+                }
+                Err(e) => {
+                    tracing::debug!("proxy: connect to {}: {e}", self.ups[ui].addr);
+                    self.ups[ui].delta.errors += 1;
+                    self.down_with(ui, "SERVER_ERROR upstream unavailable");
+                }
+            }
+        }
+    }
+
     /// Take the upstream down: drop its connection, fail what is in flight,
     /// and refuse requests to it for the backoff.
     pub(super) fn down(&mut self, ui: usize) {
+        // Still dialing: the upstream never became available.
+        let msg = if self.ups[ui].sock.is_none() {
+            "SERVER_ERROR upstream unavailable"
+        } else {
+            "SERVER_ERROR upstream failed"
+        };
+        self.down_with(ui, msg);
+    }
+
+    pub(super) fn down_with(&mut self, ui: usize, msg: &'static str) {
         let u = &mut self.ups[ui];
+        u.gen += 1;
         if let Some(mut s) = u.sock.take() {
             let _ = self.poll.registry().deregister(s.sock_mut());
         }
@@ -174,7 +226,7 @@ impl Engine {
             if inf.cid != 0 {
                 self.ups[ui].delta.errors += 1;
             }
-            self.fail(inf, "SERVER_ERROR upstream failed");
+            self.fail(inf, msg);
         }
     }
 

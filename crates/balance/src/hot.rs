@@ -207,8 +207,9 @@ pub struct ClusterView {
     pub servers: u16,
     /// Workers per server.
     pub workers: u16,
-    /// The cluster's mean load per worker (requests/s), when known (from
-    /// the coordinator); else this server's mean stands for it.
+    /// The cluster's mean load per worker (requests/s), when known (the
+    /// server follows the other servers' epochs); else this server's mean
+    /// stands for it.
     pub avg_load: Option<f64>,
 }
 

@@ -207,8 +207,9 @@ pub struct ClusterView {
     pub servers: u16,
     /// Workers per server.
     pub workers: u16,
-    /// The cluster's mean load per worker (requests/s), when known (from
-    /// the coordinator); else this server's mean stands for it.
+    /// The cluster's mean load per worker (requests/s), when known (the
+    /// server follows the other servers' epochs); else this server's mean
+    /// stands for it.
     pub avg_load: Option<f64>,
 }
 
@@ -310,6 +311,8 @@ struct Entry {
     /// The epoch the current state was entered.
     since: u64,
     cool: u32,
+    /// Copies 1..=`ready` exist (0 until the first are made).
+    ready: u32,
     reads: f64,
     writes: f64,
     /// Replicated by an operator ([`HotKeys::pin`]): never cools or drops.
@@ -472,11 +475,17 @@ impl HotKeys {
         self.keys.get(key).map_or(KeyState::Invalid, |e| e.state)
     }
 
-    /// γ to piggyback on a reply for `key`: its replicas when HOT, else 0
-    /// (SPORE: no new leases in the pending states).
+    /// γ to piggyback on a reply for `key`: its replicas when HOT; while
+    /// more copies are being made for a HOT key (HOT_PENDING after
+    /// AddReplicas), the copies that exist already; else 0 (SPORE: no new
+    /// leases while a key's first copies are made or once it cools). Were
+    /// growth to withhold leases, every client would drop its lease and
+    /// read at home until the new copies exist: the load the copies took
+    /// would come back to the home for an epoch at each growth.
     pub fn hint(&self, key: &[u8]) -> u32 {
         match self.keys.get(key) {
             Some(e) if e.state == KeyState::Hot => e.replicas,
+            Some(e) if e.state == KeyState::HotPending => e.ready,
             _ => 0,
         }
     }
@@ -515,6 +524,13 @@ impl HotKeys {
         entry.state = next;
         entry.since = self.now;
         entry.cool = 0;
+        // Entering HOT, every copy exists (made, or kept while it cooled);
+        // while a write is copied, none may be read.
+        match (next, t) {
+            (KeyState::Hot, _) => entry.ready = entry.replicas,
+            (KeyState::Cold | KeyState::ColdPending, _) | (_, KeyTransition::PropagateWrite) => entry.ready = 0,
+            _ => {}
+        }
         log.push((key.to_vec(), t));
         true
     }
@@ -584,6 +600,7 @@ impl HotKeys {
             replicas: 0,
             since: now,
             cool: 0,
+            ready: 0,
             reads: 0.0,
             writes: 0.0,
             pinned: true,
@@ -665,6 +682,7 @@ impl HotKeys {
                     replicas: 0,
                     since: now,
                     cool: 0,
+                    ready: 0,
                     reads,
                     writes,
                     pinned: false,

@@ -567,3 +567,30 @@ fn sampling_noise_is_never_replicated_and_does_not_drag_t_down() {
     assert!(d.threshold > 10.0, "T from the significant keys only: {}", d.threshold);
     assert_eq!(h.state(b"n0"), S::Cold, "tracked, not replicated");
 }
+
+#[test]
+fn a_growing_key_keeps_its_leases_on_the_copies_that_exist() {
+    let mut h = policy();
+    feed(&mut h, 1, &[(b"hot", 300.0, 0.0)]);
+    let d = h.on_epoch(&snapshot(1, &[2500.0, 900.0]), &VIEW);
+    let g = d.replicate[0].replicas;
+    assert_eq!(h.hint(b"hot"), 0, "no lease before the first copies exist");
+    h.replicas_ready(b"hot");
+    assert_eq!(h.hint(b"hot"), g);
+    // Much hotter now (its home sees 1/(γ+1) of it): more copies.
+    let mut grown = None;
+    for e in 2..6 {
+        feed(&mut h, e, &[(b"hot", 3000.0, 0.0)]);
+        let d = h.on_epoch(&snapshot(e, &[2500.0, 900.0]), &VIEW);
+        if let Some(r) = d.replicate.iter().find(|r| r.key == b"hot") {
+            grown = Some(r.replicas);
+            break;
+        }
+    }
+    let more = grown.expect("grew");
+    assert!(more > g);
+    assert_eq!(h.state(b"hot"), S::HotPending);
+    assert_eq!(h.hint(b"hot"), g, "the leases go on over the copies that exist");
+    h.replicas_ready(b"hot");
+    assert_eq!(h.hint(b"hot"), more);
+}

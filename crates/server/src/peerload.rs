@@ -19,6 +19,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Each server's last heard mean load per worker, by server id.
+///
+/// Shared by a mutex per slot: written by that peer's polling thread and read
+/// by the controller once per epoch; no worker touches it, so no lock is on
+/// the data path (DESIGN.md principle 1 is about the workers' state).
 #[derive(Debug, Default)]
 pub(crate) struct PeerLoads {
     slots: Vec<Mutex<Option<(f64, Instant)>>>,

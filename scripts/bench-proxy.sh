@@ -15,6 +15,11 @@
 # proxy core" is its inverse, the figure that holds on a shared 2-core VM),
 # and for the unloaded scenarios (one connection, one request at a time)
 # p50/p99 latency and what the proxy adds to the direct figure.
+# Placement knobs: PROXY_CPUS, a space-separated list of cores (default
+# $PROXY_CPU), measures the proxies once per listed core in the same run
+# (e.g. PROXY_CPUS="1 0": alone on core 1, then on the client's core 0 as a
+# sidecar pinned with the application); CLIENT_CPU (default $SERVER_CPU) pins
+# the generator. ONLY=lat_get,lat_set,... runs only the named scenarios.
 # JSON reports land in $OUT (default results/proxy). Loopback only; kills
 # only the processes it started, by pid.
 set -euo pipefail
@@ -23,6 +28,8 @@ RUNS=${1:-3}
 SECS=${2:-3}
 SERVER_CPU=${SERVER_CPU:-0}
 PROXY_CPU=${PROXY_CPU:-1}
+PROXY_CPUS=${PROXY_CPUS:-$PROXY_CPU}
+CLIENT_CPU=${CLIENT_CPU:-$SERVER_CPU}
 OUT=${OUT:-results/proxy}
 KEYS=${KEYS:-100000}
 ONLY=${ONLY:-}
@@ -41,13 +48,13 @@ trap cleanup EXIT
 
 wait_port() { for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/"$1") 2>/dev/null && return 0; sleep 0.05; done; return 1; }
 
-start_proxy() { # kind -> sets PPID_ and TPORT
-  local kind=$1
+start_proxy() { # kind, cpu -> sets PPID_ and TPORT
+  local kind=$1 cpu=$2
   for _try in 1 2 3 4 5; do
     TPORT=$((21000 + RANDOM % 20000))
     case $kind in
       mbal)
-        taskset -c "$PROXY_CPU" "$BIN" proxy --server 127.0.0.1:"$SPORT" -l 127.0.0.1 -p "$TPORT" -t 1 2>/dev/null & ;;
+        taskset -c "$cpu" "$BIN" proxy --server 127.0.0.1:"$SPORT" -l 127.0.0.1 -p "$TPORT" -t 1 2>/dev/null & ;;
       twemproxy)
         local conf="$OUT/nutcracker.yml"
         cat >"$conf" <<EOF
@@ -61,7 +68,7 @@ mbal:
    - 127.0.0.1:$SPORT:1
 EOF
         local sport=$((TPORT + 1))
-        taskset -c "$PROXY_CPU" nutcracker -c "$conf" -s "$sport" -a 127.0.0.1 -o "$OUT/nutcracker.log" \
+        taskset -c "$cpu" nutcracker -c "$conf" -s "$sport" -a 127.0.0.1 -o "$OUT/nutcracker.log" \
           -p "$OUT/nutcracker.pid" 2>/dev/null & ;;
     esac
     PPID_=$!
@@ -74,18 +81,26 @@ EOF
 
 proxy_ticks() { awk '{print $14+$15}' "/proc/$PPID_/stat"; }
 
-taskset -c "$SERVER_CPU" "$BIN" bench --server 127.0.0.1:"$SPORT" --keys "$KEYS" --load-only --quiet >/dev/null
+taskset -c "$CLIENT_CPU" "$BIN" bench --server 127.0.0.1:"$SPORT" --keys "$KEYS" --load-only --quiet >/dev/null
+
+# Targets: direct, then mbal and twemproxy once per placement; with one
+# placement they are named mbal/twemproxy (as before), else mbal-cpuN/twemproxy-cpuN.
+TARGETS=(direct)
+for c in $PROXY_CPUS; do
+  if [ "$(wc -w <<<"$PROXY_CPUS")" = 1 ]; then TARGETS+=("mbal:$c" "twemproxy:$c")
+  else TARGETS+=("mbal-cpu$c:$c" "twemproxy-cpu$c:$c"); fi
+done
 
 scenario() { # name, bench args...
   local name=$1; shift
   [ -n "$ONLY" ] && [[ ",$ONLY," != *",$name,"* ]] && return 0
   echo "== $name: $*" >&2
   for r in $(seq "$RUNS"); do
-    for target in direct mbal twemproxy; do
-      local port=$SPORT
-      if [ "$target" != direct ]; then start_proxy "$target"; port=$TPORT; fi
+    for t in "${TARGETS[@]}"; do
+      local target=${t%%:*} cpu=${t#*:} port=$SPORT
+      if [ "$target" != direct ]; then start_proxy "${target%%-cpu*}" "$cpu"; port=$TPORT; fi
       local c0=0; [ "$target" != direct ] && c0=$(proxy_ticks)
-      taskset -c "$SERVER_CPU" "$BIN" bench --server 127.0.0.1:"$port" --keys "$KEYS" --duration "$SECS" --quiet \
+      taskset -c "$CLIENT_CPU" "$BIN" bench --server 127.0.0.1:"$port" --keys "$KEYS" --duration "$SECS" --quiet \
         --json "$OUT/$name.$target.$r.json" "$@" >/dev/null
       local c1=0; [ "$target" != direct ] && c1=$(proxy_ticks)
       echo "$(( c1 - c0 ))" >"$OUT/$name.$target.$r.cpu"
@@ -103,9 +118,11 @@ scenario lat_get     --workload uniform --read-ratio 1 --conns 1 --pipeline 1
 scenario lat_mget100 --workload uniform --read-ratio 1 --multiget 100 --conns 1 --pipeline 1
 scenario lat_set     --workload uniform --read-ratio 0 --conns 1 --pipeline 1
 
-python3 - "$OUT" "$RUNS" "$HZ" <<'PY'
+python3 - "$OUT" "$RUNS" "$HZ" $PROXY_CPUS <<'PY'
 import json, statistics, sys, os
 out, runs, hz = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+cpus = sys.argv[4:]
+places = [("", "")] if len(cpus) == 1 else [(f"-cpu{c}", f" (proxy on core {c})") for c in cpus]
 med = statistics.median
 def load(n, t):
     rows = []
@@ -116,31 +133,35 @@ def load(n, t):
             ticks = int(open(f"{out}/{n}.{t}.{r}.cpu").read())
             rows.append((d, ticks))
     return rows
-print("throughput (keys/s for mget100, ops/s otherwise), medians; proxy CPU us per client request")
-print(f"{'scenario':10} {'direct':>10} {'mbal':>10} {'twemproxy':>10} {'mbal/twem':>9} {'cpu us mbal':>11} {'twem':>7} {'per-core ratio':>14}")
-for n in ("get", "mget100", "set"):
-    v, cpu = {}, {}
-    for t in ("direct", "mbal", "twemproxy"):
-        rows = load(n, t)
-        if not rows:
-            continue
-        key = "keys_per_sec" if n.startswith("mget") else "ops_per_sec"
-        v[t] = med([d["totals"][key] for d, _ in rows])
-        cpu[t] = med([ticks / hz / max(d["totals"]["requests"], 1) * 1e6 for d, ticks in rows])
-    if len(v) == 3:
-        pc = cpu["twemproxy"] / cpu["mbal"] if cpu["mbal"] else 0
-        print(f"{n:10} {v['direct']:10.0f} {v['mbal']:10.0f} {v['twemproxy']:10.0f} {v['mbal']/v['twemproxy']:9.2f} "
-              f"{cpu['mbal']:11.2f} {cpu['twemproxy']:7.2f} {pc:14.2f}")
-print()
-print("latency, one request at a time (us, medians of runs): p50 / p99, and added over direct")
-print(f"{'scenario':12} {'direct p50':>10} {'p99':>7} {'mbal p50':>9} {'p99':>7} {'twem p50':>9} {'p99':>7} {'added p50 mbal':>15} {'twem':>6} {'added p99 mbal':>15} {'twem':>6}")
-for n in ("lat_get", "lat_mget100", "lat_set"):
-    l = {}
-    for t in ("direct", "mbal", "twemproxy"):
-        rows = load(n, t)
-        if rows:
-            l[t] = (med([d["latency"]["all"]["p50_us"] for d, _ in rows]), med([d["latency"]["all"]["p99_us"] for d, _ in rows]))
-    if len(l) == 3:
-        d, m, w = l["direct"], l["mbal"], l["twemproxy"]
-        print(f"{n:12} {d[0]:10.1f} {d[1]:7.1f} {m[0]:9.1f} {m[1]:7.1f} {w[0]:9.1f} {w[1]:7.1f} {m[0]-d[0]:15.1f} {w[0]-d[0]:6.1f} {m[1]-d[1]:15.1f} {w[1]-d[1]:6.1f}")
+for sfx, label in places:
+    M, W = "mbal" + sfx, "twemproxy" + sfx
+    if any(load(n, M) for n in ("get", "mget100", "set")):
+        print(f"throughput (keys/s for mget100, ops/s otherwise), medians; proxy CPU us per client request{label}")
+        print(f"{'scenario':10} {'direct':>10} {'mbal':>10} {'twemproxy':>10} {'mbal/twem':>9} {'cpu us mbal':>11} {'twem':>7} {'per-core ratio':>14}")
+    for n in ("get", "mget100", "set"):
+        v, cpu = {}, {}
+        for t in ("direct", M, W):
+            rows = load(n, t)
+            if not rows:
+                continue
+            key = "keys_per_sec" if n.startswith("mget") else "ops_per_sec"
+            v[t] = med([d["totals"][key] for d, _ in rows])
+            cpu[t] = med([ticks / hz / max(d["totals"]["requests"], 1) * 1e6 for d, ticks in rows])
+        if len(v) == 3:
+            pc = cpu[W] / cpu[M] if cpu[M] else 0
+            print(f"{n:10} {v['direct']:10.0f} {v[M]:10.0f} {v[W]:10.0f} {v[M]/v[W]:9.2f} "
+                  f"{cpu[M]:11.2f} {cpu[W]:7.2f} {pc:14.2f}")
+    print()
+    print(f"latency, one request at a time (us, medians of runs): p50 / p99, and added over direct{label}")
+    print(f"{'scenario':12} {'direct p50':>10} {'p99':>7} {'mbal p50':>9} {'p99':>7} {'twem p50':>9} {'p99':>7} {'added p50 mbal':>15} {'twem':>6} {'added p99 mbal':>15} {'twem':>6}")
+    for n in ("lat_get", "lat_mget100", "lat_set"):
+        l = {}
+        for t in ("direct", M, W):
+            rows = load(n, t)
+            if rows:
+                l[t] = (med([d["latency"]["all"]["p50_us"] for d, _ in rows]), med([d["latency"]["all"]["p99_us"] for d, _ in rows]))
+        if len(l) == 3:
+            d, m, w = l["direct"], l[M], l[W]
+            print(f"{n:12} {d[0]:10.1f} {d[1]:7.1f} {m[0]:9.1f} {m[1]:7.1f} {w[0]:9.1f} {w[1]:7.1f} {m[0]-d[0]:15.1f} {w[0]-d[0]:6.1f} {m[1]-d[1]:15.1f} {w[1]-d[1]:6.1f}")
+    print()
 PY

@@ -27,6 +27,10 @@ const WAKER: Token = Token(1);
 const CLIENT_BASE: usize = 2;
 const UP_BASE: usize = 1 << 30;
 const READ_CHUNK: usize = 16 * 1024;
+/// Spare buffers kept for reuse (see [`Engine::bufs`]): at most this many,
+/// each of at most `SPARE_CAP` bytes.
+const SPARE_BUFS: usize = 256;
+const SPARE_CAP: usize = 4096;
 const BACKOFF_MIN: Duration = Duration::from_millis(10);
 const BACKOFF_MAX: Duration = Duration::from_secs(1);
 /// The "worker" of a server's binary upstream: a plain connection to its
@@ -219,6 +223,11 @@ pub(crate) struct Engine {
     split: Split,
     hashes: Vec<u64>,
     after: Vec<After>,
+    /// Spare buffers (empty, capacity kept): the request copies of finished
+    /// upstream requests and the reply buffers of written slots, handed out
+    /// again for the next ones, so that a single-key request allocates nothing
+    /// in the steady state.
+    bufs: Vec<Vec<u8>>,
     /// The time the last poll returned: request times are taken at round
     /// granularity (one clock read per round).
     now: Instant,
@@ -234,6 +243,14 @@ pub(crate) struct Engine {
 fn lease_seed(thread: usize) -> u64 {
     use std::hash::BuildHasher;
     std::collections::hash_map::RandomState::new().hash_one((std::process::id(), thread))
+}
+
+/// Keep `b` in `bufs` for reuse if it is small and there is room.
+fn recycle(bufs: &mut Vec<Vec<u8>>, mut b: Vec<u8>) {
+    if b.capacity() != 0 && b.capacity() <= SPARE_CAP && bufs.len() < SPARE_BUFS {
+        b.clear();
+        bufs.push(b);
+    }
 }
 
 fn would_block(e: &io::Error) -> bool {
@@ -280,6 +297,7 @@ impl Engine {
             split: Split::new(),
             hashes: Vec::new(),
             after: Vec::new(),
+            bufs: Vec::new(),
             now: Instant::now(),
         };
         Ok((e, waker))

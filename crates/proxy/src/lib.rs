@@ -30,6 +30,9 @@
 //!   request in request order; a reply fills its slot, and the front slots
 //!   that are complete are written out. A request is never reordered with
 //!   respect to another of the same connection, whichever upstreams answer.
+//!   The request copies kept for resends and the slots' reply buffers are
+//!   reused (a per-thread spare list, at most 256 buffers of at most 4 KiB),
+//!   so a single-key request allocates nothing in the steady state.
 //! * **Binary protocol.** A binary request goes to the owning server over a
 //!   plain binary connection to its main port (the server routes it to the
 //!   worker; binary connections do not opt in to redirects), one per thread

@@ -229,7 +229,8 @@ impl Engine {
     pub(super) fn open_slot(&mut self, ci: usize, parts: u32, silent: bool) -> (u64, u64) {
         let c = self.clients.get_mut(ci).unwrap();
         let seq = c.base + c.slots.len() as u64;
-        c.slots.push_back(Slot { parts, silent, ..Slot::default() });
+        let buf = self.bufs.pop().unwrap_or_default();
+        c.slots.push_back(Slot { parts, silent, buf, ..Slot::default() });
         (c.id, seq)
     }
 
@@ -237,6 +238,13 @@ impl Engine {
         let c = self.clients.get_mut(ci).unwrap();
         push_ready(c, reply.to_vec());
         self.mark_client(ci);
+    }
+
+    /// A copy of `raw` in a spare buffer if there is one.
+    pub(super) fn copy_of(&mut self, raw: &[u8]) -> Vec<u8> {
+        let mut b = self.bufs.pop().unwrap_or_default();
+        b.extend_from_slice(raw);
+        b
     }
 
     /// Handle one request of client `ci` (`raw`: its bytes).
@@ -255,7 +263,8 @@ impl Engine {
                         let hash = key_hash(keys.iter().next().unwrap());
                         let (cid, seq) = self.open_slot(ci, 1, false);
                         let what = What::Get { positions: None, cursor: (0, 0) };
-                        let mut inf = self.inflight(ci, cid, seq, raw.to_vec(), what, false);
+                        let req = self.copy_of(raw);
+                        let mut inf = self.inflight(ci, cid, seq, req, what, false);
                         // a plain `get` of a key with a live lease on a copy is read there
                         // (`gets`/`gat` go home: a copy has no CAS and no TTL of its own)
                         let leases = &mut self.clients[ci].leases;
@@ -276,7 +285,8 @@ impl Engine {
                     if groups == 1 {
                         let owner = split.groups()[0].owner;
                         let what = What::Get { positions: None, cursor: (0, 0) };
-                        let inf = self.inflight(ci, cid, seq, raw.to_vec(), what, false);
+                        let req = self.copy_of(raw);
+                        let inf = self.inflight(ci, cid, seq, req, what, false);
                         self.send(owner, inf);
                     } else {
                         let key_list: Vec<&[u8]> = keys.iter().collect();
@@ -306,7 +316,7 @@ impl Engine {
                     // a write ends this connection's lease on the key: it reads its writes
                     self.clients[ci].leases.end(hash);
                     let (cid, seq) = self.open_slot(ci, 1, noreply);
-                    let mut req = raw.to_vec();
+                    let mut req = self.copy_of(raw);
                     if noreply {
                         req.extend_from_slice(b"mn\r\n");
                     }
@@ -396,7 +406,7 @@ impl Engine {
                 }
                 let quiet = cmd.flags.has(b'q');
                 let (cid, seq) = self.open_slot(ci, 1, false);
-                let mut req = raw.to_vec();
+                let mut req = self.copy_of(raw);
                 if quiet {
                     req.extend_from_slice(b"mn\r\n");
                 }
@@ -485,7 +495,8 @@ impl Engine {
             while c.slots.front().is_some_and(|s| s.parts == 0) {
                 let s = c.slots.pop_front().unwrap();
                 c.base += 1;
-                render(s, &mut c.wbuf);
+                render(&s, &mut c.wbuf);
+                recycle(&mut self.bufs, s.buf);
             }
             let mut broken = false;
             while c.wpos < c.wbuf.len() {
@@ -545,15 +556,15 @@ pub(super) fn push_ready(c: &mut Client, reply: Vec<u8>) {
 }
 
 /// Write a complete slot's reply.
-pub(super) fn render(s: Slot, out: &mut Vec<u8>) {
+pub(super) fn render(s: &Slot, out: &mut Vec<u8>) {
     if s.silent {
         return;
     }
-    if let Some(e) = s.err {
-        out.extend_from_slice(&e);
+    if let Some(e) = &s.err {
+        out.extend_from_slice(e);
     } else if s.flush {
         out.extend_from_slice(b"OK\r\n");
-    } else if let Some(m) = s.multi {
+    } else if let Some(m) = &s.multi {
         for &(start, len) in &m.spans {
             out.extend_from_slice(&m.arena[start as usize..(start + len) as usize]);
         }
@@ -629,5 +640,25 @@ mod tests {
         let (req, mut cur) = get_line(&get_prefix(true, None), [&b"x"[..]].into_iter());
         assert_eq!(req, b"gets x\r\n");
         assert_eq!(match_key(&req, &[3], &mut cur, b"y"), None);
+    }
+
+    #[test]
+    fn spare_buffers_are_bounded_and_empty() {
+        let mut bufs = Vec::new();
+        recycle(&mut bufs, Vec::new());
+        assert!(bufs.is_empty(), "no capacity: nothing to keep");
+        recycle(&mut bufs, vec![0u8; SPARE_CAP + 1]);
+        assert!(bufs.is_empty(), "too big to keep");
+        recycle(&mut bufs, b"get k\r\n".to_vec());
+        assert_eq!(bufs.len(), 1);
+        assert!(bufs[0].is_empty() && bufs[0].capacity() >= 7);
+        for _ in 0..2 * SPARE_BUFS {
+            recycle(&mut bufs, Vec::with_capacity(16));
+        }
+        assert_eq!(bufs.len(), SPARE_BUFS);
+        let s = Slot { buf: b"VALUE k 0 1\r\nv\r\nEND\r\n".to_vec(), ..Slot::default() };
+        let mut out = Vec::new();
+        render(&s, &mut out);
+        assert_eq!(out, s.buf);
     }
 }

@@ -477,7 +477,8 @@ impl Engine {
                     None if matches!(inf.what, What::Hello | What::Map) => {}
                     None => {
                         self.counters.replica_reads += u64::from(inf.copy.is_some());
-                        after.push(After::Done { client: inf.client, cid: inf.cid, seq: inf.seq })
+                        after.push(After::Done { client: inf.client, cid: inf.cid, seq: inf.seq });
+                        recycle(&mut self.bufs, inf.req);
                     }
                 }
             }

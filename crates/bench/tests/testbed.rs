@@ -149,7 +149,7 @@ fn the_balancers_decisions_are_the_timelines_events_and_settled_figures_follow_t
     // --settle 2: the ops completed from the third second on.
     let st = r.settled.expect("--settle reports settled figures");
     assert_eq!(st.from_s, 2.0);
-    assert!(st.ops > 0 && st.ops < r.totals.ops, "{st:?}");
+    assert!(st.ops > 0 && st.ops < r.totals.ops, "{st:?} {:?} {:?}", r.totals, r.timeline);
     assert!(st.latency.p99_us > 0.0);
     srv.shutdown();
 }

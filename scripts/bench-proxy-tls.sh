@@ -87,23 +87,4 @@ scenario get     --workload uniform --read-ratio 1 --conns 8 --pipeline 16
 scenario set     --workload uniform --read-ratio 0 --conns 8 --pipeline 16
 scenario lat_get --workload uniform --read-ratio 1 --conns 1 --pipeline 1
 
-python3 - "$OUT" "$RUNS" "$HZ" <<'PY'
-import json, statistics, sys
-out, runs, hz = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-med = statistics.median
-def rows(n, side):
-    r = []
-    for i in range(1, runs + 1):
-        d = json.load(open(f"{out}/{n}.{side}.{i}.json"))
-        t = int(open(f"{out}/{n}.{side}.{i}.cpu").read())
-        r.append((d["totals"]["ops_per_sec"], t / hz / max(d["totals"]["requests"], 1) * 1e6,
-                  d["latency"]["all"]["p50_us"], d["latency"]["all"]["p99_us"]))
-    return r
-print(f"medians of {runs} alternated runs")
-print(f"{'scenario':8} {'ops/s plain':>11} {'tls':>10} {'ratio':>6} {'cpu us/req plain':>16} {'tls':>6} {'ratio':>6} {'p50 us p/t':>12} {'p99 us p/t':>13}")
-for n in ("get", "set", "lat_get"):
-    b, a = rows(n, "plain"), rows(n, "tls")
-    col = lambda r, k: med([x[k] for x in r])
-    print(f"{n:8} {col(b,0):11.0f} {col(a,0):10.0f} {col(a,0)/col(b,0):6.3f} {col(b,1):16.2f} {col(a,1):6.2f} "
-          f"{col(a,1)/col(b,1):6.3f} {col(b,2):6.1f}/{col(a,2):<5.1f} {col(b,3):6.1f}/{col(a,3):<6.1f}")
-PY
+python3 scripts/lib/pair_summary.py "$OUT" "$RUNS" "$HZ" plain tls

@@ -6,6 +6,14 @@
 //! staged behind it until the answer comes. Staged bytes live in one arena
 //! per connection (`stage`, slots hold ranges into it), so a forwarded
 //! request costs a slot in a `VecDeque`, not a buffer of its own.
+//!
+//! Replies are written once per read batch, as memcached does: the
+//! requests read together are answered together. While a batch still waits
+//! for another worker, a reply for its earlier requests is held (`marks`,
+//! [`Output::batch_done`]) instead of being written as soon as it is in
+//! order, which at `-t N` would cost up to N writes per batch (and as many
+//! reads and refills on the client's side). A reply is held at most until
+//! the other replies of its own batch arrive.
 
 use crate::stats::WorkerSnapshot;
 use std::collections::VecDeque;
@@ -41,6 +49,9 @@ pub(crate) struct Output {
     /// The newest slot is `Bytes` and still growing (its `end` is stale
     /// until `close_open`).
     open: bool,
+    /// The end (one past its last slot's sequence number) of each read
+    /// batch that still waits, oldest first.
+    marks: VecDeque<u64>,
 }
 
 /// Stop reading from a connection whose unsent output exceeds this, until
@@ -145,6 +156,31 @@ impl Output {
         self.stage = stage;
     }
 
+    /// A read batch ends: its requests' replies are written together, once
+    /// every one of them is in (`batch_done`).
+    pub fn end_batch(&mut self) {
+        self.close_open();
+        if self.pending.is_empty() {
+            return;
+        }
+        let end = self.base_seq + self.pending.len() as u64;
+        if self.marks.back() != Some(&end) {
+            self.marks.push_back(end);
+        }
+    }
+
+    /// Has a read batch been answered whole since the last call (or is
+    /// nothing waiting)? Then what is in order should be written now.
+    pub fn batch_done(&mut self) -> bool {
+        self.drain();
+        let mut done = self.pending.is_empty();
+        while self.marks.front().is_some_and(|&m| m <= self.base_seq) {
+            self.marks.pop_front();
+            done = true;
+        }
+        done
+    }
+
     /// Does an earlier reply still wait for another worker?
     pub fn waiting(&self) -> bool {
         !self.pending.is_empty()
@@ -186,6 +222,38 @@ mod tests {
         assert_eq!(o.unsent(), 0);
         o.buf().extend_from_slice(b"e");
         assert_eq!(ready(&mut o), b"e");
+    }
+
+    #[test]
+    fn a_batch_is_written_once_all_its_replies_are_in() {
+        let mut o = Output::default();
+        // batch 1: local, wait (w1), local, wait (w2)
+        o.buf().extend_from_slice(b"a");
+        let w1 = o.push(Slot::Wait);
+        o.buf().extend_from_slice(b"b");
+        let w2 = o.push(Slot::Wait);
+        o.end_batch();
+        assert!(!o.batch_done());
+        // w1 answers: "a S1 b" is in order, but the batch still waits for w2
+        assert!(o.fill(w1, b"S1"));
+        assert!(!o.batch_done());
+        // batch 2 read meanwhile: local, wait (w3)
+        o.buf().extend_from_slice(b"c");
+        let w3 = o.push(Slot::Wait);
+        o.end_batch();
+        assert!(!o.batch_done());
+        assert!(o.fill(w2, b"S2"));
+        assert!(o.batch_done(), "batch 1 is whole");
+        assert_eq!(ready(&mut o), b"aS1bS2c");
+        assert!(!o.batch_done(), "batch 2 still waits");
+        assert!(o.fill(w3, b"S3"));
+        assert!(o.batch_done());
+        assert_eq!(ready(&mut o), b"S3");
+        assert!(o.marks.is_empty());
+        // nothing waiting: always done
+        o.buf().extend_from_slice(b"d");
+        o.end_batch();
+        assert!(o.batch_done());
     }
 
     #[test]

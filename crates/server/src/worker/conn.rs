@@ -474,7 +474,8 @@ impl Worker {
         if conn.rbuf.capacity() > 4 * READ_CHUNK && conn.rbuf.len() < READ_CHUNK {
             conn.rbuf.shrink_to(READ_CHUNK);
         }
-        if !conn.output.waiting() || conn.output.unsent() > EARLY_FLUSH || conn.closing {
+        conn.output.end_batch();
+        if conn.output.batch_done() || conn.output.unsent() > EARLY_FLUSH || conn.closing {
             self.flush(ci);
         }
     }
@@ -525,13 +526,22 @@ impl Worker {
         }
     }
 
-    /// Write each connection that got replies this round, once.
+    /// Write each connection that got replies this round, once, if a read
+    /// batch of it is now answered whole (`Output::batch_done`): the other
+    /// replies of a batch are on their way, and come back here.
     pub(super) fn flush_dirty(&mut self) {
-        for ci in std::mem::take(&mut self.dirty) {
+        let mut dirty = std::mem::take(&mut self.dirty);
+        for &ci in &dirty {
             if let Some(c) = self.conns.get_mut(ci) {
                 c.dirty = false;
-                self.flush(ci);
+                if c.output.batch_done() || c.output.unsent() > EARLY_FLUSH || c.closing {
+                    self.flush(ci);
+                }
             }
+        }
+        dirty.clear();
+        if self.dirty.is_empty() {
+            self.dirty = dirty;
         }
     }
 }

@@ -8,22 +8,11 @@ use mbal_tls::test_certs::Pki;
 use mbal_tls::{BlockingStream, ClientTls, ClientTlsFiles};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
-struct Kill(Child);
-
-impl Drop for Kill {
-    fn drop(&mut self) {
-        // SIGTERM to the processes this test started (by pid).
-        unsafe { libc::kill(self.0.id() as libc::pid_t, libc::SIGTERM) };
-        let _ = self.0.wait();
-    }
-}
-
-fn mbal() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_mbal"))
-}
+mod common;
+use common::{cluster_up, mbal, Kill};
 
 /// Start `mbal cluster up` with TLS (verify_mode 2), a secret and -Y; the
 /// servers' addresses once they listen.
@@ -34,29 +23,13 @@ fn tls_cluster(pki: &Pki) -> (Kill, Vec<String>, std::path::PathBuf) {
     std::fs::write(pki.dir.join("users"), "app:pw\n").unwrap();
     let file = pki.dir.join("cluster.toml");
     let p = |f: &str| pki.dir.join(f).to_str().unwrap().to_string();
-    let mut up = mbal()
-        .args(["cluster", "up", "--servers", "2", "--workers", "2", "-m", "16", "--file", &p("cluster.toml")])
+    let mut up = mbal();
+    up.args(["cluster", "up", "--servers", "2", "--workers", "2", "-m", "16", "--file", &p("cluster.toml")])
         .args(["--tls-ca", &p("ca.pem"), "--tls-cert", &p("member.pem"), "--tls-key", &p("member.key")])
         .args(["--tls-verify-mode", "2", "--tls-client-cert", &p("peer.pem"), "--tls-client-key", &p("peer.key")])
         .args(["--secret-file", &p("secret")])
-        .arg(format!("--server-arg=-Y{}", p("users")))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("cluster up");
-    let out = up.stdout.take().unwrap();
-    let guard = Kill(up);
-    let mut addrs = Vec::new();
-    for line in BufReader::new(out).lines() {
-        let line = line.unwrap();
-        if let Some(rest) = line.trim().strip_prefix("server ") {
-            addrs.push(rest.split_whitespace().nth(1).unwrap().to_string());
-        }
-        if line.starts_with("Ctrl-C") {
-            break;
-        }
-    }
-    assert_eq!(addrs.len(), 2, "{addrs:?}");
+        .arg(format!("--server-arg=-Y{}", p("users")));
+    let (guard, addrs) = cluster_up(up, 2);
     (guard, addrs, file)
 }
 

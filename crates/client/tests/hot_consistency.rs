@@ -11,11 +11,11 @@
 //!   copies' time to live; with `--replica-writes sync`, never late at all.
 
 use mbal_client::{key_hash, Client, ClusterMap, Config};
-use mbal_cluster::{ClusterSpec, ServerSpec};
+use mbal_cluster::ClusterSpec;
 use mbal_server::config::Settings;
 use mbal_server::ServerHandle;
 use std::io::{BufRead, BufReader, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -34,30 +34,13 @@ struct Op {
 }
 
 fn start(sync: bool) -> (ClusterSpec, Vec<ServerHandle>, Settings) {
-    let ls: Vec<TcpListener> = (0..3).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
-    let spec = ClusterSpec {
-        vn_count: 1024,
-        cachelets_per_worker: 4,
-        workers: WORKERS,
-        servers: ls.iter().map(|l| ServerSpec { addr: l.local_addr().unwrap(), worker_port_base: None }).collect(),
-        secret: None,
-        secret_file: None,
-        tls: None,
-    };
-    drop(ls);
+    let spec = mbal_server::testing::loopback_spec(3, WORKERS);
     let mut last = Settings::default();
     let servers = (0..3)
         .map(|id| {
-            let mut s = Settings { port: 0, threads: WORKERS as usize, memory_limit: 32 << 20, ..Settings::default() };
-            s.apply_cluster(spec.clone(), id).unwrap();
-            s.worker_port_base = None;
-            s.debug_commands = true;
-            s.epoch_ms = EPOCH_MS;
-            s.hot.epoch_ms = EPOCH_MS;
-            s.hot.enabled = true;
+            let mut s = mbal_server::testing::hot_member(&spec, id, EPOCH_MS);
             s.hot.sync = sync;
             s.hot.policy.lease_epochs = LEASE_EPOCHS;
-            s.balancer = false;
             last = s.clone();
             mbal_server::start(s).expect("server starts")
         })

@@ -5,11 +5,10 @@
 //! caller nothing (the read falls back home, no error).
 
 use mbal_client::{key_hash, Client, ClusterMap, Config};
-use mbal_cluster::{ClusterSpec, ServerSpec};
-use mbal_server::config::Settings;
+use mbal_cluster::ClusterSpec;
 use mbal_server::ServerHandle;
 use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 const WORKERS: u16 = 2;
@@ -24,29 +23,11 @@ impl Cluster {
     /// `lease_epochs` epochs, the debug commands, and no balancer moving
     /// cachelets.
     fn start(n: usize, lease_epochs: u32) -> Cluster {
-        let ls: Vec<TcpListener> = (0..n).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
-        let spec = ClusterSpec {
-            vn_count: 1024,
-            cachelets_per_worker: 4,
-            workers: WORKERS,
-            servers: ls.iter().map(|l| ServerSpec { addr: l.local_addr().unwrap(), worker_port_base: None }).collect(),
-            secret: None,
-            secret_file: None,
-            tls: None,
-        };
-        drop(ls);
+        let spec = mbal_server::testing::loopback_spec(n, WORKERS);
         let servers = (0..n)
             .map(|id| {
-                let mut s =
-                    Settings { port: 0, threads: WORKERS as usize, memory_limit: 32 << 20, ..Settings::default() };
-                s.apply_cluster(spec.clone(), id as u16).unwrap();
-                s.worker_port_base = None;
-                s.debug_commands = true;
-                s.epoch_ms = 100;
-                s.hot.epoch_ms = 100;
-                s.hot.enabled = true;
+                let mut s = mbal_server::testing::hot_member(&spec, id as u16, 100);
                 s.hot.policy.lease_epochs = lease_epochs;
-                s.balancer = false;
                 Some(mbal_server::start(s).expect("server starts"))
             })
             .collect();

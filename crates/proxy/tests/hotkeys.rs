@@ -4,12 +4,11 @@
 //! other servers, it reads its own writes, and a shadow killed mid-lease
 //! costs it no error.
 
-use mbal_cluster::{key_hash, ClusterMap, ClusterSpec, ServerSpec};
+use mbal_cluster::{key_hash, ClusterMap, ClusterSpec};
 use mbal_proxy::Config;
-use mbal_server::config::Settings;
 use mbal_server::ServerHandle;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 const WORKERS: u16 = 2;
@@ -66,28 +65,11 @@ impl Conn {
 
 /// Three servers with Phase 1 on (epochs of 100 ms, leases of 10 s) and the debug commands.
 fn cluster() -> (ClusterSpec, Vec<Option<ServerHandle>>) {
-    let ls: Vec<TcpListener> = (0..3).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
-    let spec = ClusterSpec {
-        vn_count: 1024,
-        cachelets_per_worker: 4,
-        workers: WORKERS,
-        servers: ls.iter().map(|l| ServerSpec { addr: l.local_addr().unwrap(), worker_port_base: None }).collect(),
-        secret: None,
-        secret_file: None,
-        tls: None,
-    };
-    drop(ls);
+    let spec = mbal_server::testing::loopback_spec(3, WORKERS);
     let servers = (0..3)
         .map(|id| {
-            let mut s = Settings { memory_limit: 32 << 20, threads: WORKERS as usize, ..Settings::default() };
-            s.apply_cluster(spec.clone(), id).unwrap();
-            s.worker_port_base = None;
-            s.debug_commands = true;
-            s.epoch_ms = 100;
-            s.hot.epoch_ms = 100;
-            s.hot.enabled = true;
+            let mut s = mbal_server::testing::hot_member(&spec, id, 100);
             s.hot.policy.lease_epochs = 30; // 3 s: a lease that drew the home ends soon enough for another draw
-            s.balancer = false;
             Some(mbal_server::start(s).expect("server starts"))
         })
         .collect();

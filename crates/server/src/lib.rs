@@ -46,6 +46,8 @@ mod readbuf;
 mod replica;
 mod replicate;
 pub mod stats;
+#[doc(hidden)]
+pub mod testing;
 mod tune;
 mod worker;
 

@@ -6,7 +6,7 @@
 mod common;
 
 use common::*;
-use mbal_cluster::{key_hash, replica_location, ClusterMap, ClusterSpec, ServerSpec};
+use mbal_cluster::{key_hash, replica_location, ClusterMap, ClusterSpec};
 use mbal_server::ServerHandle;
 use std::time::{Duration, Instant};
 
@@ -19,27 +19,10 @@ struct Cluster {
 }
 
 fn cluster(n: usize, tune: impl Fn(&mut mbal_server::config::Settings)) -> Cluster {
-    let ls: Vec<std::net::TcpListener> = (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap()).collect();
-    let spec = ClusterSpec {
-        vn_count: 1024,
-        cachelets_per_worker: 4,
-        workers: WORKERS,
-        servers: ls.iter().map(|l| ServerSpec { addr: l.local_addr().unwrap(), worker_port_base: None }).collect(),
-        secret: None,
-        secret_file: None,
-        tls: None,
-    };
-    drop(ls);
+    let spec = mbal_server::testing::loopback_spec(n, WORKERS);
     let servers = (0..n)
         .map(|id| {
-            let mut s = settings(WORKERS as usize);
-            s.apply_cluster(spec.clone(), id as u16).unwrap();
-            s.worker_port_base = None;
-            s.debug_commands = true;
-            s.epoch_ms = 100;
-            s.hot.epoch_ms = 100;
-            s.hot.enabled = true;
-            s.balancer = false;
+            let mut s = mbal_server::testing::hot_member(&spec, id as u16, 100);
             tune(&mut s);
             Some(start(s))
         })

@@ -330,6 +330,10 @@ pub struct HotKeys {
     tracker: Box<dyn Tracker + Send>,
     keys: BTreeMap<Vec<u8>, Entry>,
     now: u64,
+    /// The last epoch's cluster view, mean load per worker and the rate
+    /// below which a key is sampling noise, for [`HotKeys::on_alarm`]
+    /// between epochs.
+    last: Option<(ClusterView, f64, f64)>,
 }
 
 /// The estimated max/avg worker load (NetKV §IV-D, in its "many balls"
@@ -458,7 +462,7 @@ impl HotKeys {
     /// capacity, saturation, minimum load).
     pub fn new(cfg: HotConfig, balance: Config) -> HotKeys {
         let tracker = tracker::build(cfg.tracker, cfg.capacity, cfg.decay);
-        HotKeys { cfg, balance, tracker, keys: BTreeMap::new(), now: 0 }
+        HotKeys { cfg, balance, tracker, keys: BTreeMap::new(), now: 0, last: None }
     }
 
     pub fn config(&self) -> &HotConfig {
@@ -624,6 +628,117 @@ impl HotKeys {
         }
     }
 
+    /// The load (requests/s) above which a worker is hot when the
+    /// cluster's mean per worker is `avg`: `target_imbalance` × `avg`, or
+    /// `saturated_util` × its capacity when that is lower.
+    fn hot_limit(&self, avg: f64) -> f64 {
+        let mut limit = self.cfg.target_imbalance * avg;
+        if let Some(cap) = self.balance.worker_capacity.filter(|c| *c > 0.0) {
+            limit = limit.min(cap * self.balance.saturated_util);
+        }
+        limit
+    }
+
+    /// The hotspot trigger between epochs: the load (requests/s) above
+    /// which a worker should raise an alarm ([`HotKeys::on_alarm`]) at
+    /// once rather than wait for the epoch's end, from the last epoch's
+    /// cluster mean; `None` before the first epoch, under the balancer's
+    /// minimum load, or with no other server to hold copies.
+    pub fn alarm_limit(&self) -> Option<f64> {
+        let (view, avg, _) = self.last?;
+        (avg >= self.balance.min_load && view.max_copies() > 1).then(|| self.hot_limit(avg))
+    }
+
+    /// Hotspot triggering within an epoch (SPORE §3.5, without waiting
+    /// for the epoch's end): `worker` has run above [`HotKeys::alarm_limit`]
+    /// for the last `secs` seconds, and `samples` are the keys it sampled
+    /// meanwhile (`true` for a write). Each COLD (or untracked) key of that
+    /// worker seen at least `min_samples` times, read-mostly, and hot
+    /// enough for a copy at the threshold T the epoch rule would choose now
+    /// (the tracked keys at their last rates, these at their rates in the
+    /// window) is replicated at once, hottest first, within REPL_high: a
+    /// shifted hot set's hottest keys get copies within a fraction of an
+    /// epoch instead of at the epoch's end, before the worker's backlog
+    /// grows. HOT keys are left to the epoch (growth and cooling need a
+    /// whole epoch's rates). The samples still count at the epoch's end.
+    pub fn on_alarm(&mut self, worker: u16, samples: &[(Box<[u8]>, bool)], secs: f64) -> Vec<Replicate> {
+        let Some((view, avg, min_rate)) = self.last else { return Vec::new() };
+        let max_copies = view.max_copies();
+        if secs <= 0.0 || max_copies <= 1 || avg < self.balance.min_load {
+            return Vec::new();
+        }
+        let mut counts: BTreeMap<&[u8], (f64, f64)> = BTreeMap::new();
+        for (k, write) in samples {
+            let c = counts.entry(&k[..]).or_default();
+            if *write {
+                c.1 += 1.0;
+            } else {
+                c.0 += 1.0;
+            }
+        }
+        let scale = 1.0 / (self.cfg.sample_rate.max(1e-9) * secs);
+        let (up, down) = (self.cfg.read_up, self.cfg.write_down);
+        // Keys seen often enough in the window, at their window rates.
+        let seen: BTreeMap<&[u8], (f64, f64)> = counts
+            .into_iter()
+            .filter(|(_, (r, w))| r + w >= self.cfg.min_samples)
+            .map(|(k, (r, w))| (k, (r * scale, w * scale)))
+            .collect();
+        if seen.is_empty() {
+            return Vec::new();
+        }
+        // T as the epoch computes it, with these keys' window rates.
+        let mut rates: Vec<(f64, bool)> = self
+            .keys
+            .iter()
+            .filter(|(k, e)| !seen.contains_key(&k[..]) && e.reads + e.writes >= min_rate)
+            .map(|(_, e)| (e.reads + e.writes, up * e.reads - down * e.writes > 0.0))
+            .collect();
+        rates.extend(seen.values().map(|&(r, w)| (r + w, up * r - down * w > 0.0)));
+        let spread = f64::from(view.servers.max(1));
+        let (t, _) = choose_threshold(&rates, avg, view.n(), spread, max_copies, self.cfg.target_imbalance);
+
+        let mut heat: Vec<(f64, Vec<u8>)> = seen
+            .iter()
+            .filter(|(k, &(r, w))| {
+                let cold = self.keys.get(**k).is_none_or(|e| e.state == KeyState::Cold && !e.broken);
+                cold && up * r - down * w > 0.0 && copies(r + w, t, max_copies) > 1
+            })
+            .map(|(k, &(r, w))| (r + w, k.to_vec()))
+            .collect();
+        heat.sort_by(|a, b| b.0.total_cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
+        let room = self.repl_high(&view).saturating_sub(self.replicated());
+        let now = self.now;
+        let mut log = Vec::new();
+        let mut out = Vec::new();
+        for (f, k) in heat.into_iter().take(room) {
+            let (reads, writes) = seen[&k[..]];
+            if !self.keys.contains_key(&k) {
+                let e = Entry {
+                    state: KeyState::Invalid,
+                    worker,
+                    replicas: 0,
+                    since: now,
+                    cool: 0,
+                    ready: 0,
+                    reads,
+                    writes,
+                    pinned: false,
+                    broken: false,
+                };
+                self.keys.insert(k.clone(), e);
+                self.apply(&k, KeyEvent::Tracked, &mut log);
+            }
+            let want = copies(f, t, max_copies) - 1;
+            let e = self.keys.get_mut(&k).expect("tracked");
+            (e.worker, e.replicas) = (worker, want);
+            (e.reads, e.writes) = (e.reads.max(reads), e.writes.max(writes));
+            self.apply(&k, KeyEvent::Heated, &mut log);
+            out.push(Replicate { key: k, worker, replicas: want, lease_epochs: self.cfg.lease_epochs });
+        }
+        out
+    }
+
     fn repl_high(&self, view: &ClusterView) -> usize {
         self.cfg.repl_high.unwrap_or_else(|| repl_high_share(view))
     }
@@ -639,10 +754,7 @@ impl HotKeys {
         let loads = worker_loads(snap, &self.balance);
         let local_avg = if loads.is_empty() { 0.0 } else { loads.iter().sum::<f64>() / loads.len() as f64 };
         let avg = view.avg_load.unwrap_or(local_avg);
-        let mut limit = self.cfg.target_imbalance * avg;
-        if let Some(cap) = self.balance.worker_capacity.filter(|c| *c > 0.0) {
-            limit = limit.min(cap * self.balance.saturated_util);
-        }
+        let limit = self.hot_limit(avg);
         let hot_workers: Vec<u16> = snap
             .workers
             .iter()
@@ -715,6 +827,7 @@ impl HotKeys {
         // left out of the estimate (NetKV's cold keys, spread evenly) and
         // never heated. A HOT key's rate counts its copies' reads.
         let min_rate = self.cfg.min_samples * scale;
+        self.last = Some((*view, avg, min_rate));
         let significant = |e: &Entry| e.reads + e.writes >= min_rate;
         let keys: Vec<(f64, bool)> =
             self.keys.values().filter(|e| significant(e)).map(|e| (e.reads + e.writes, replicable(e))).collect();

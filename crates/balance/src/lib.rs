@@ -28,7 +28,7 @@ pub mod tracker;
 pub use config::{Config, Planner};
 pub use hot::{
     replica_location, ClusterView, HotConfig, HotEscalateWhy, HotEscalation, HotKeyStat, HotKeys, KeyState,
-    KeyTransition, ReplicaDecision,
+    KeyTransition, ReplicaDecision, Replicate,
 };
 pub use measure::{load_of, worker_loads, Imbalance};
 pub use plan::{Method, Objective, Plan, Problem};

@@ -57,6 +57,9 @@ pub(crate) enum CtlMsg {
     /// A home worker: replicating `key` failed (the item is gone, a write
     /// could not be copied).
     HotFailed { key: Box<[u8]> },
+    /// A worker ran hot for `secs` seconds (Phase 1's trigger within an
+    /// epoch), with the keys it sampled meanwhile (`true` for a write).
+    HotAlarm { worker: u16, keys: Vec<(Box<[u8]>, bool)>, secs: f64 },
     /// `mbal move <cachelet> <worker>`: answer `reply` once it is done.
     Move { cachelet: u32, to: usize, reply: ReplyTo },
     /// Move `token` finished: `worker` owns `cachelet` now.
@@ -118,6 +121,8 @@ pub(crate) struct HotStatus {
     pub top: Vec<HotKeyStat>,
     pub copies_made: u64,
     pub copies_failed: u64,
+    /// Hotspot alarms heard from this server's workers between epochs.
+    pub alarms: u64,
 }
 
 /// A key Phase 1 replicates from this server.
@@ -263,6 +268,7 @@ impl Controller {
             }
             CtlMsg::HotDone { key, created, ok, at_ns } => self.hot_done(key, created, ok, at_ns),
             CtlMsg::HotFailed { key } => self.hot_done(key, false, false, 0),
+            CtlMsg::HotAlarm { worker, keys, secs } => self.hot_alarm(worker, &keys, secs),
             CtlMsg::Move { cachelet, to, reply } => self.request_move(cachelet, to, reply),
             CtlMsg::Moved { token, cachelet, worker } => self.moved(token, cachelet, worker),
             CtlMsg::Map { reply } => {
@@ -421,18 +427,12 @@ impl Controller {
         };
         let now = self.now_ns();
         let d = self.hot.as_mut()?.on_epoch(snap, &view);
+        self.start_copies(&d.replicate);
         let peers = self.shared.peers();
-        for r in &d.replicate {
-            let m = self.hot_meta.entry(r.key.clone()).or_insert(HotMeta {
-                worker: r.worker,
-                replicas: 0,
-                alive_since_ns: None,
-                waiters: Vec::new(),
-            });
-            m.worker = r.worker;
-            m.replicas = m.replicas.max(r.replicas);
-            let cmd = HotCmd::Replicate { key: r.key.as_slice().into(), replicas: m.replicas };
-            peers.send_one(r.worker as usize, Envelope::Hot(cmd), now);
+        // The alarm limit for the next epoch, to every worker.
+        let limit = self.hot.as_ref().and_then(HotKeys::alarm_limit);
+        for w in 0..self.shared.settings.threads {
+            peers.send_one(w, Envelope::Hot(HotCmd::AlarmLimit(limit)), now);
         }
         for r in &d.retire {
             self.hot_meta.remove(&r.key);
@@ -469,8 +469,81 @@ impl Controller {
                 "hot keys"
             );
         }
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            // One line per epoch: what Phase 1 saw and holds (for tracing a
+            // reaction epoch by epoch, `RUST_LOG=mbal_server::control=debug`).
+            let loads: Vec<String> = mbal_balance::worker_loads(snap, &hot_balance_config(&self.shared.settings))
+                .iter()
+                .map(|l| format!("{l:.0}"))
+                .collect();
+            let keys: Vec<String> = st
+                .top
+                .iter()
+                .filter(|k| k.state != KeyState::Cold || !d.hot_workers.is_empty())
+                .take(12)
+                .map(|k| {
+                    format!(
+                        "{}@{}:{:?}:{:.0}:{}",
+                        String::from_utf8_lossy(&k.key),
+                        k.worker,
+                        k.state,
+                        k.reads_per_sec,
+                        k.replicas
+                    )
+                })
+                .collect();
+            tracing::debug!(
+                server = self.shared.server_id,
+                epoch = snap.seq,
+                avg = format!("{:.0}", view.avg_load.unwrap_or(own)),
+                loads = loads.join(","),
+                hot_workers = ?d.hot_workers,
+                t = format!("{:.0}", d.threshold),
+                est = format!("{:.2}", d.estimated_max_over_avg),
+                replicated = d.replicated,
+                keys = keys.join(" "),
+                "hot epoch"
+            );
+        }
         self.publish_hot();
         Some(d)
+    }
+
+    /// Ask home workers to make (or widen) copies.
+    fn start_copies(&mut self, replicate: &[mbal_balance::Replicate]) {
+        let now = self.now_ns();
+        let peers = self.shared.peers();
+        for r in replicate {
+            let m = self.hot_meta.entry(r.key.clone()).or_insert(HotMeta {
+                worker: r.worker,
+                replicas: 0,
+                alive_since_ns: None,
+                waiters: Vec::new(),
+            });
+            m.worker = r.worker;
+            m.replicas = m.replicas.max(r.replicas);
+            let cmd = HotCmd::Replicate { key: r.key.as_slice().into(), replicas: m.replicas };
+            peers.send_one(r.worker as usize, Envelope::Hot(cmd), now);
+        }
+    }
+
+    /// A worker ran hot between epochs: replicate its hottest new keys now.
+    fn hot_alarm(&mut self, worker: u16, keys: &[(Box<[u8]>, bool)], secs: f64) {
+        let Some(hot) = &mut self.hot else { return };
+        let replicate = hot.on_alarm(worker, keys, secs);
+        self.hot_status.alarms += 1;
+        tracing::debug!(
+            server = self.shared.server_id,
+            worker,
+            samples = keys.len(),
+            secs = format!("{secs:.2}"),
+            replicate = ?replicate.iter().map(|r| (String::from_utf8_lossy(&r.key).into_owned(), r.replicas)).collect::<Vec<_>>(),
+            "hot alarm"
+        );
+        if !replicate.is_empty() {
+            self.start_copies(&replicate);
+            self.publish_hot();
+        }
     }
 
     fn pin(&mut self, key: Box<[u8]>, replicas: u32, reply: ReplyTo) {
@@ -548,6 +621,13 @@ impl Controller {
     /// updating a key's copies ended.
     fn hot_done(&mut self, key: Box<[u8]>, created: bool, ok: bool, at_ns: u64) {
         let Some(hot) = &mut self.hot else { return };
+        tracing::debug!(
+            server = self.shared.server_id,
+            key = %String::from_utf8_lossy(&key),
+            created,
+            ok,
+            "hot copies done"
+        );
         if ok {
             if let Some(m) = self.hot_meta.get_mut(&*key) {
                 m.alive_since_ns = Some(m.alive_since_ns.map_or(at_ns, |t| t.max(at_ns)));

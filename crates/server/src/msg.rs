@@ -240,6 +240,9 @@ pub(crate) enum HotCmd {
     /// From the replicator: a write of the key with `hash` reached every
     /// copy (`ok`), or not.
     Written { hash: u64, ok: bool },
+    /// From the controller, each epoch: the load (requests/s) above which
+    /// this worker raises a hotspot alarm between epochs (`None`: none).
+    AlarmLimit(Option<f64>),
 }
 
 /// Messages between workers.

@@ -220,6 +220,51 @@ impl ShadowTable {
 pub(crate) struct Replicas {
     pub hot: HotTable,
     pub shadow: ShadowTable,
+    pub alarm: Alarm,
+}
+
+/// How long a worker measures its load before it may raise an alarm.
+pub(crate) const ALARM_WINDOW_NS: u64 = 250_000_000;
+
+/// A worker's hotspot alarm (Phase 1's trigger within an epoch): over
+/// windows of at least [`ALARM_WINDOW_NS`], the requests it served against
+/// the limit the controller sets each epoch (`HotCmd::AlarmLimit`, the load
+/// above which a worker is hot). A window clearly above it (by more than
+/// three standard deviations of a Poisson count at the limit, so that
+/// noise at a load near it raises none) raises an alarm with the keys
+/// sampled in that window; the controller's policy replicates the hottest
+/// of them at once instead of at the epoch's end.
+#[derive(Debug, Default)]
+pub(crate) struct Alarm {
+    /// Requests/s above which this worker is hot; `None`: no alarms.
+    pub limit: Option<f64>,
+    start_ns: u64,
+    start_count: u64,
+    start_samples: usize,
+}
+
+impl Alarm {
+    /// A new window from `now_ns`, with `count` requests served so far and
+    /// `samples` keys sampled so far.
+    pub fn restart(&mut self, now_ns: u64, count: u64, samples: usize) {
+        (self.start_ns, self.start_count, self.start_samples) = (now_ns, count, samples);
+    }
+
+    /// At `now_ns`, with `count` requests served and `samples` sampled so
+    /// far: once the window is long enough, whether it ran hot (then the
+    /// index of its first sample and its length in seconds); either way a
+    /// new window starts.
+    pub fn check(&mut self, now_ns: u64, count: u64, samples: usize) -> Option<(usize, f64)> {
+        let ns = now_ns.saturating_sub(self.start_ns);
+        if ns < ALARM_WINDOW_NS {
+            return None;
+        }
+        let (served, from) = (count.wrapping_sub(self.start_count), self.start_samples.min(samples));
+        self.restart(now_ns, count, samples);
+        let secs = ns as f64 * 1e-9;
+        let expected = self.limit? * secs;
+        (served as f64 > expected + 3.0 * expected.sqrt()).then_some((from, secs))
+    }
 }
 
 #[cfg(test)]
@@ -227,6 +272,24 @@ mod tests {
     use super::*;
 
     const MS: u64 = 1_000_000;
+
+    #[test]
+    fn an_alarm_needs_a_whole_window_clearly_above_the_limit() {
+        let mut a = Alarm { limit: Some(1000.0), ..Alarm::default() };
+        a.restart(0, 0, 0);
+        // 250 ms at 1,000/s: at the limit, no alarm (noise).
+        assert_eq!(a.check(ALARM_WINDOW_NS, 250, 5), None);
+        // Not a whole window yet, however busy.
+        assert_eq!(a.check(ALARM_WINDOW_NS + 100 * MS, 10_000, 9), None);
+        // 300 ms at 1,400/s: an alarm with the samples of that window.
+        let now = 2 * ALARM_WINDOW_NS + 50 * MS;
+        let (from, secs) = a.check(now, 250 + 420, 12).expect("an alarm");
+        assert_eq!(from, 5);
+        assert!((secs - 0.3).abs() < 1e-9, "{secs}");
+        // No limit (an idle cluster, or before the first epoch): none.
+        a.limit = None;
+        assert_eq!(a.check(now + ALARM_WINDOW_NS, 670 + 10_000, 20), None);
+    }
 
     #[test]
     fn hints_follow_grants_writes_and_time() {

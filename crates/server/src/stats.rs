@@ -644,6 +644,7 @@ pub(crate) fn render_hotkeys(shared: &crate::worker::Shared, sink: &mut dyn Stat
     sink.stat("replicated", &st.replicated);
     sink.stat("copies_made", &st.copies_made);
     sink.stat("copies_failed", &st.copies_failed);
+    sink.stat("alarms", &st.alarms);
     sink.stat("escalate", &st.escalate.as_deref().unwrap_or("none"));
     for (i, k) in st.top.iter().enumerate() {
         sink.stat(

@@ -470,6 +470,7 @@ impl Worker {
             if last_sweep.elapsed() >= Duration::from_millis(50) {
                 last_sweep = Instant::now();
                 self.housekeeping();
+                self.check_alarm();
             }
         }
     }

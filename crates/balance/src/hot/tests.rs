@@ -594,3 +594,80 @@ fn a_growing_key_keeps_its_leases_on_the_copies_that_exist() {
     h.replicas_ready(b"hot");
     assert_eq!(h.hint(b"hot"), more);
 }
+
+/// `n` sampled reads of `key`.
+fn sampled(out: &mut Vec<(Box<[u8]>, bool)>, key: &[u8], n: usize, write: bool) {
+    out.extend(std::iter::repeat_with(|| (Box::<[u8]>::from(key), write)).take(n));
+}
+
+#[test]
+fn no_alarm_before_the_first_epoch_nor_when_idle() {
+    let mut h = policy();
+    assert_eq!(h.alarm_limit(), None, "no epoch yet");
+    let mut s = Vec::new();
+    sampled(&mut s, b"new", 500, false);
+    assert!(h.on_alarm(0, &s, 0.25).is_empty());
+    // The cluster under the balancer's minimum load: nothing is hot.
+    h.on_epoch(&snapshot(1, &[10.0, 10.0]), &ClusterView { avg_load: Some(10.0), ..VIEW });
+    assert_eq!(h.alarm_limit(), None);
+    assert!(h.on_alarm(0, &s, 0.25).is_empty());
+    assert_eq!(h.state(b"new"), S::Invalid);
+    // One server: no shadows, no alarm.
+    h.on_epoch(&snapshot(2, &[1000.0, 1000.0]), &ClusterView { servers: 1, ..VIEW });
+    assert_eq!(h.alarm_limit(), None);
+}
+
+#[test]
+fn an_alarm_replicates_a_new_hot_key_within_the_epoch() {
+    let mut h = policy();
+    // A balanced epoch: the alarm limit is target × the cluster's mean.
+    feed(&mut h, 1, &[]);
+    h.on_epoch(&snapshot(1, &[1000.0, 1000.0]), &VIEW);
+    assert_eq!(h.alarm_limit(), Some(1100.0));
+    // A quarter of an epoch later worker 0 runs hot: a new key carries
+    // 200 of its sampled reads (800/s), noise keys a sample or two.
+    let mut s = Vec::new();
+    sampled(&mut s, b"new", 200, false);
+    sampled(&mut s, b"warm", 2, false);
+    for j in 0..50 {
+        sampled(&mut s, format!("noise{j}").as_bytes(), 1, false);
+    }
+    let r = h.on_alarm(0, &s, 0.25);
+    assert_eq!(r.len(), 1, "{r:?}");
+    assert_eq!((r[0].key.as_slice(), r[0].worker), (&b"new"[..], 0));
+    assert!(r[0].replicas >= 1);
+    assert_eq!(h.state(b"new"), S::HotPending);
+    assert_eq!(h.hint(b"new"), 0, "no lease before the copies exist");
+    assert_eq!(h.state(b"warm"), S::Invalid, "under min_samples: noise, not even tracked");
+    assert_eq!(h.top(1)[0].reads_per_sec, 800.0, "its rate in the window");
+    // Then the usual edges: copies made, leases granted, and the epoch's
+    // end carries on from there (it is not replicated twice).
+    assert_eq!(h.replicas_ready(b"new"), Some(T::ReplicasReady));
+    assert_eq!(h.hint(b"new"), r[0].replicas);
+    feed(&mut h, 2, &[(b"new", 800.0 / f64::from(r[0].replicas + 1), 0.0)]);
+    let d = h.on_epoch(&snapshot(2, &[2000.0, 1000.0]), &VIEW);
+    assert!(d.replicate.iter().all(|x| x.key != b"new"), "{d:?}");
+    assert_eq!(h.state(b"new"), S::Hot);
+}
+
+#[test]
+fn an_alarm_leaves_replicated_and_write_heavy_keys_alone_and_keeps_repl_high() {
+    let cfg = HotConfig { sample_rate: 1.0, decay: 0.0, repl_high: Some(2), ..HotConfig::default() };
+    let mut h = HotKeys::new(cfg, Config::default());
+    let (_, g) = make_hot(&mut h);
+    assert_eq!(h.state(b"hot"), S::Hot);
+    let mut s = Vec::new();
+    // The HOT key is hotter than ever: growth is the epoch's business.
+    sampled(&mut s, b"hot", 400, false);
+    sampled(&mut s, b"a", 300, false);
+    sampled(&mut s, b"b", 200, false);
+    sampled(&mut s, b"counter", 100, false);
+    sampled(&mut s, b"counter", 100, true);
+    let r = h.on_alarm(0, &s, 0.25);
+    let keys: Vec<&[u8]> = r.iter().map(|x| &x.key[..]).collect();
+    assert_eq!(keys, [&b"a"[..]], "one slot left under REPL_high 2, hottest first: {r:?}");
+    assert_eq!(h.hint(b"hot"), g, "the HOT key keeps its copies and leases");
+    assert_eq!(h.state(b"b"), S::Invalid);
+    assert_eq!(h.state(b"counter"), S::Invalid, "write-heavy: never copied");
+    assert_eq!(h.replicated(), 2);
+}

@@ -9,6 +9,34 @@ use crate::replica::HotTable;
 use crate::replicate::{Done, Job, Loc, Op};
 
 impl Worker {
+    /// Requests served so far (wrapping), as the policy weighs a worker's
+    /// load: the store's reads and writes plus the reads of copies.
+    fn served(&mut self) -> u64 {
+        self.store.watch().accesses().wrapping_add(self.counters.replica_reads)
+    }
+
+    /// A new alarm window (each epoch's samples are taken: their count
+    /// starts again).
+    pub(super) fn restart_alarm(&mut self) {
+        let (now, served) = (self.shared.clock_ns(), self.served());
+        let samples = self.store.watch().sample_count();
+        self.replicas.alarm.restart(now, served, samples);
+    }
+
+    /// Phase 1's trigger within an epoch: a window clearly above the hot
+    /// limit sends the controller the keys sampled in it.
+    pub(super) fn check_alarm(&mut self) {
+        if self.replicas.alarm.limit.is_none() {
+            return;
+        }
+        let (now, served) = (self.shared.clock_ns(), self.served());
+        let samples = self.store.watch().sample_count();
+        if let Some((from, secs)) = self.replicas.alarm.check(now, served, samples) {
+            let keys = self.store.watch().samples_since(from);
+            self.shared.tell_controller(CtlMsg::HotAlarm { worker: self.id as u16, keys, secs });
+        }
+    }
+
     pub(super) fn hot(&mut self, cmd: HotCmd) {
         match cmd {
             HotCmd::Replicate { key, replicas } => self.replicate_key(key, replicas),
@@ -26,6 +54,7 @@ impl Worker {
                     self.drop_hot(hash);
                 }
             }
+            HotCmd::AlarmLimit(limit) => self.replicas.alarm.limit = limit,
             HotCmd::Written { hash, ok } => {
                 let Some(e) = self.replicas.hot.get_mut(hash) else { return };
                 e.pending = e.pending.saturating_sub(1);

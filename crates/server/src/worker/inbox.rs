@@ -96,6 +96,7 @@ impl Worker {
                 let sample = Box::new(self.sample());
                 let keys = self.store.watch().take_samples();
                 self.shared.tell_controller(CtlMsg::Sample { seq, sample, keys });
+                self.restart_alarm();
             }
             Envelope::Hot(cmd) => self.hot(cmd),
             Envelope::Owner { cachelet, worker, ver } => {

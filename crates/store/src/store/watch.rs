@@ -24,6 +24,9 @@ pub struct KeyWatch {
     max_samples: usize,
     watched: HashSet<u64>,
     dirty: Vec<(u64, Box<[u8]>)>,
+    /// Accesses seen while sampling is on (reads and writes), for a
+    /// worker's load between two epochs.
+    accesses: u64,
 }
 
 impl Default for KeyWatch {
@@ -36,6 +39,7 @@ impl Default for KeyWatch {
             max_samples: 0,
             watched: HashSet::new(),
             dirty: Vec::new(),
+            accesses: 0,
         }
     }
 }
@@ -63,6 +67,7 @@ impl KeyWatch {
 
     #[inline]
     fn tick(&mut self, key: &[u8], write: bool) {
+        self.accesses = self.accesses.wrapping_add(1);
         self.countdown -= 1;
         if self.countdown == 0 {
             self.countdown = self.gap();
@@ -94,6 +99,23 @@ impl KeyWatch {
     /// The samples since the last call, `true` for a write.
     pub fn take_samples(&mut self) -> Vec<(Box<[u8]>, bool)> {
         std::mem::take(&mut self.samples)
+    }
+
+    /// The samples taken since there were `from` (a copy: they are still
+    /// taken by [`take_samples`](Self::take_samples)).
+    pub fn samples_since(&self, from: usize) -> Vec<(Box<[u8]>, bool)> {
+        self.samples.get(from..).map(<[_]>::to_vec).unwrap_or_default()
+    }
+
+    /// Samples held now.
+    pub fn sample_count(&self) -> usize {
+        self.samples.len()
+    }
+
+    /// Reads and writes seen while sampling was on, since the start
+    /// (wrapping): the difference of two readings is the accesses between.
+    pub fn accesses(&self) -> u64 {
+        self.accesses
     }
 
     /// Note writes to the key with this hash from now on.
@@ -140,6 +162,21 @@ mod tests {
             w.read(&i.to_le_bytes());
         }
         assert_eq!(w.take_samples().len(), 10);
+    }
+
+    #[test]
+    fn counts_accesses_and_shows_the_samples_since_a_mark() {
+        let mut w = KeyWatch::default();
+        w.set_sampling(1.0, 100, 3);
+        w.read(b"a");
+        let mark = w.sample_count();
+        w.read(b"b");
+        w.write(1, b"c");
+        assert_eq!(w.accesses(), 3);
+        let since: Vec<(Box<[u8]>, bool)> = vec![(b"b"[..].into(), false), (b"c"[..].into(), true)];
+        assert_eq!(w.samples_since(mark), since);
+        assert_eq!(w.take_samples().len(), 3, "still all taken at the epoch's end");
+        assert!(w.samples_since(mark).is_empty());
     }
 
     #[test]

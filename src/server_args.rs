@@ -86,6 +86,10 @@ pub struct ServerArgs {
     /// Number of worker threads [default: number of cores]
     #[arg(short = 't', long = "threads")]
     pub threads: Option<usize>,
+    /// OS threads that run the workers; with more workers than that, several share a thread
+    /// [default: 0 = one per worker, at most one per CPU the process may run on]
+    #[arg(long = "worker-threads")]
+    pub worker_threads: Option<usize>,
     /// Item memory in megabytes [default: 64]
     #[arg(short = 'm', long = "memory-limit")]
     pub memory_limit: Option<usize>,
@@ -685,6 +689,12 @@ impl ServerArgs {
                 bail!("-t must be between 1 and 256 (got {v})");
             }
             s.threads = v;
+        }
+        if let Some(v) = o.worker_threads {
+            if v > 256 {
+                bail!("--worker-threads must be at most 256 (got {v})");
+            }
+            s.worker_threads = v;
         }
         if let Some(v) = o.memory_limit {
             if v == 0 {

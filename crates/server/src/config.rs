@@ -57,6 +57,10 @@ pub struct Settings {
     pub port: u16,
     pub listen: IpAddr,
     pub threads: usize,
+    /// OS threads that run the `threads` workers; 0 = one per worker, but no more than the
+    /// CPUs this process may run on (`--worker-threads`; docs/design-notes.md "More
+    /// workers than CPUs").
+    pub worker_threads: usize,
     pub memory_limit: usize,
     pub max_conns: usize,
     pub max_item_size: usize,
@@ -194,6 +198,7 @@ impl Default for Settings {
             port: 11211,
             listen: "127.0.0.1".parse().unwrap(),
             threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+            worker_threads: 0,
             memory_limit: 64 << 20,
             max_conns: 1024,
             max_item_size: 1 << 20,

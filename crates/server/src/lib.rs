@@ -270,8 +270,24 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
     }
     let _ = shared.peers.set(Peers { senders, mailboxes });
     let mut threads = Vec::new();
+    // More workers than CPUs: group them on fewer threads (`worker::run_group`); worker i
+    // runs on thread i mod n.
+    let n = worker_threads(&settings);
+    let mut groups: Vec<Vec<Worker>> = (0..n).map(|_| Vec::new()).collect();
     for (i, w) in built.into_iter().enumerate() {
-        threads.push(std::thread::Builder::new().name(format!("mbal-worker-{i}")).spawn(move || w.run())?);
+        groups[i % n].push(w);
+    }
+    if n < workers as usize {
+        tracing::info!(workers, threads = n, "more workers than CPUs: the workers share {n} threads");
+    }
+    for (t, mut group) in groups.into_iter().enumerate() {
+        if group.len() == 1 {
+            let w = group.pop().unwrap();
+            threads.push(std::thread::Builder::new().name(format!("mbal-worker-{t}")).spawn(move || w.run())?);
+        } else {
+            let name = format!("mbal-workers-{t}");
+            threads.push(std::thread::Builder::new().name(name).spawn(move || worker::run_group(group))?);
+        }
     }
     if replicating {
         let servers = map.servers().iter().map(|s| s.main).collect();
@@ -292,6 +308,15 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
     threads.push(std::thread::Builder::new().name("mbal-acceptor".into()).spawn(move || acceptor.run())?);
     tracing::info!(%main_addr, ?worker_addrs, workers, "mbal server ready");
     Ok(ServerHandle { main_addr, worker_addrs, shared, acceptor_waker, threads })
+}
+
+/// How many threads run the workers: `--worker-threads` if given, else one per worker but
+/// no more than the CPUs this process may run on (its affinity mask and CPU quota, as
+/// `available_parallelism` reads them).
+fn worker_threads(s: &Settings) -> usize {
+    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let n = if s.worker_threads > 0 { s.worker_threads } else { cpus };
+    n.clamp(1, s.threads.max(1))
 }
 
 /// The main port's listener thread: accepts connections and hands each to

@@ -28,9 +28,11 @@
 //! stops between keys once `MAX_PENDING_OUTPUT` of replies are unsent.
 
 mod conn;
+mod group;
 mod hot;
 mod inbox;
 
+pub(crate) use group::run_group;
 pub(crate) use hot::flush_hot;
 
 use crate::capacity::Capacity;
@@ -404,75 +406,103 @@ impl Worker {
         })
     }
 
+    /// The worker's own thread: block in `epoll_wait` when there is nothing to do, else run
+    /// a round.
     pub(crate) fn run(mut self) {
         let mut events = Events::with_capacity(1024);
         let mut last_sweep = Instant::now();
         loop {
-            let mut timeout = if !self.ready.is_empty() || !self.mailbox.prepare_sleep(&self.inbox) {
-                Duration::ZERO
-            } else {
-                Duration::from_millis(100)
-            };
-            if !self.throttled.is_empty() || !self.spent.is_empty() || !self.held.is_empty() {
-                // Out of emulated capacity with work waiting: sleep until
-                // the bucket has credit again, no longer (and never spin).
-                timeout = timeout.min(self.capacity.wait());
+            let idle = self.ready.is_empty() && self.mailbox.prepare_sleep(&self.inbox);
+            let timeout = self.sleep_limit(if idle { Duration::from_millis(100) } else { Duration::ZERO });
+            if self.round(&mut events, Some(timeout), &mut last_sweep).is_none() {
+                return;
             }
-            let polled = self.poll.poll(&mut events, Some(timeout));
-            self.mailbox.awake();
-            if let Err(e) = polled {
-                if e.kind() != io::ErrorKind::Interrupted {
-                    tracing::error!(worker = self.id, "poll failed: {e}");
-                    return;
-                }
-            }
-            let round_start = self.shared.clock_ns();
-            self.now = (round_start / 1_000_000_000) as u32;
-            if self.capacity.limited() {
-                self.refill(round_start);
-            }
-            for ev in events.iter() {
-                match ev.token() {
-                    OWN_LISTENER => self.accept(),
-                    WAKER => {}
-                    Token(t) => {
-                        let ci = t - FIRST_CONN;
-                        if !self.conns.contains(ci) {
-                            continue;
-                        }
-                        if ev.is_writable() {
-                            self.flush(ci);
-                        }
-                        if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
-                            self.on_readable(ci);
-                        }
+        }
+    }
+
+    /// How long the worker may block, at most `limit`: out of emulated capacity with work
+    /// waiting, it sleeps until the bucket has credit again, no longer (and never spins).
+    fn sleep_limit(&self, limit: Duration) -> Duration {
+        if !self.throttled.is_empty() || !self.spent.is_empty() || !self.held.is_empty() {
+            limit.min(self.capacity.wait())
+        } else {
+            limit
+        }
+    }
+
+    /// One round of the event loop: poll for `poll` at most (`None`: do not poll, the
+    /// caller knows there are no socket events), handle the events, the connections left
+    /// ready, the inbox, write the connections that got replies, send the peers their
+    /// batches. Returns whether there was anything to do, `None` once the server stops.
+    fn round(&mut self, events: &mut Events, poll: Option<Duration>, last_sweep: &mut Instant) -> Option<bool> {
+        match poll {
+            Some(timeout) => {
+                let polled = self.poll.poll(events, Some(timeout));
+                self.mailbox.awake();
+                if let Err(e) = polled {
+                    if e.kind() != io::ErrorKind::Interrupted {
+                        tracing::error!(worker = self.id, "poll failed: {e}");
+                        return None;
                     }
                 }
             }
-            self.run_ready();
-            self.drain_inbox();
-            if self.store.watch().has_dirty() {
-                let (shared, store, hot) = (&self.shared, &mut self.store, &mut self.replicas.hot);
-                hot::copy_writes(shared, self.id, store, hot, self.now, None);
-            }
-            self.flush_dirty();
-            let round_end = self.shared.clock_ns();
-            self.busy_ns += round_end.saturating_sub(round_start);
-            self.shared.peers().send_all(self.id, &mut self.outbox, round_end);
-            if !self.fwd.is_empty() {
-                if let Some(f) = &self.shared.forward {
-                    f.send(std::mem::take(&mut self.fwd));
+            None => events.clear(),
+        }
+        let worked = !events.is_empty() || !self.ready.is_empty() || !self.inbox.is_empty();
+        let round_start = self.shared.clock_ns();
+        self.now = (round_start / 1_000_000_000) as u32;
+        if self.capacity.limited() {
+            self.refill(round_start);
+        }
+        for ev in events.iter() {
+            match ev.token() {
+                OWN_LISTENER => self.accept(),
+                WAKER => {}
+                Token(t) => {
+                    let ci = t - FIRST_CONN;
+                    if !self.conns.contains(ci) {
+                        continue;
+                    }
+                    if ev.is_writable() {
+                        self.flush(ci);
+                        if !self.conns.contains(ci) {
+                            // The write failed and closed it (a client gone with replies
+                            // unread).
+                            continue;
+                        }
+                    }
+                    if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
+                        self.on_readable(ci);
+                    }
                 }
             }
-            if self.shared.shutdown.load(Ordering::Relaxed) {
-                return;
-            }
-            if last_sweep.elapsed() >= Duration::from_millis(50) {
-                last_sweep = Instant::now();
-                self.housekeeping();
-                self.check_alarm();
+        }
+        self.run_ready();
+        self.drain_inbox();
+        if self.store.watch().has_dirty() {
+            let (shared, store, hot) = (&self.shared, &mut self.store, &mut self.replicas.hot);
+            hot::copy_writes(shared, self.id, store, hot, self.now, None);
+        }
+        self.flush_dirty();
+        let round_end = self.shared.clock_ns();
+        if worked {
+            self.busy_ns += round_end.saturating_sub(round_start);
+        }
+        self.shared.peers().send_all(self.id, &mut self.outbox, round_end);
+        if !self.fwd.is_empty() {
+            if let Some(f) = &self.shared.forward {
+                f.send(std::mem::take(&mut self.fwd));
             }
         }
+        if self.shared.shutdown.load(Ordering::Relaxed) {
+            return None;
+        }
+        if last_sweep.elapsed() >= Duration::from_millis(50) {
+            *last_sweep = Instant::now();
+            self.housekeeping();
+            self.check_alarm();
+        }
+        Some(worked)
     }
 
     /// Periodic work off the request path: expiry sweep, idle timeouts.

@@ -179,8 +179,20 @@ fn read_bin_replies(addr: SocketAddr, req: Vec<u8>, until_noop: usize) -> Vec<Bi
 #[test]
 fn pipelines_over_every_worker_come_back_complete_and_in_order() {
     // More workers than this machine has cores, as operators run memcached's
-    // -t 4 on small machines: every hop between threads is exercised.
-    let srv = start(settings(4));
+    // -t 4 on small machines, each on its own thread: every hop between
+    // threads is exercised.
+    pipelines_over_every_worker(mbal_server::config::Settings { worker_threads: 4, ..settings(4) });
+}
+
+#[test]
+fn pipelines_over_workers_sharing_threads_come_back_complete_and_in_order() {
+    // The same with the 4 workers on 2 threads (what `-t 4` does by itself
+    // on a 2-CPU machine): hops within a thread and across threads.
+    pipelines_over_every_worker(mbal_server::config::Settings { worker_threads: 2, ..settings(4) });
+}
+
+fn pipelines_over_every_worker(s: mbal_server::config::Settings) {
+    let srv = start(s);
     let (main, workers) = (srv.main_addr, srv.worker_addrs.clone());
     let stop = Arc::new(AtomicBool::new(false));
     // Cachelets move between workers for as long as the clients run.

@@ -160,7 +160,7 @@ impl Worker {
 
     /// Read everything available, then process.
     pub(super) fn on_readable(&mut self, ci: usize) {
-        let conn = &mut self.conns[ci];
+        let Some(conn) = self.conns.get_mut(ci) else { return };
         if conn.output.unsent() > MAX_PENDING_OUTPUT {
             // Back-pressure: do not read more until the client drains
             // replies; `flush` queues the connection again when it has.

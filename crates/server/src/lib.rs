@@ -277,7 +277,7 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
     for (i, w) in built.into_iter().enumerate() {
         groups[i % n].push(w);
     }
-    if n < workers as usize {
+    if n < workers {
         tracing::info!(workers, threads = n, "more workers than CPUs: the workers share {n} threads");
     }
     for (t, mut group) in groups.into_iter().enumerate() {

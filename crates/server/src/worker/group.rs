@@ -102,7 +102,7 @@ pub(crate) fn run_group(mut workers: Vec<Worker>) {
             let mut worked = false;
             for (i, w) in workers.iter_mut().enumerate() {
                 let poll = std::mem::take(&mut ready[i]);
-                if !(all || poll || !w.ready.is_empty() || !w.inbox.is_empty()) {
+                if !all && !poll && w.ready.is_empty() && w.inbox.is_empty() {
                     continue;
                 }
                 match w.round(&mut events, poll.then_some(Duration::ZERO), &mut sweeps[i]) {

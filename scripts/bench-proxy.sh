@@ -20,6 +20,15 @@
 # (e.g. PROXY_CPUS="1 0": alone on core 1, then on the client's core 0 as a
 # sidecar pinned with the application); CLIENT_CPU (default $SERVER_CPU) pins
 # the generator. ONLY=lat_get,lat_set,... runs only the named scenarios.
+# Throughput per proxy core: QUOTA=P holds each proxy to P% of one core (a
+# CFS bandwidth quota: a cgroup of its own, cgroup v1 `cpu` or v2 `cpu.max`,
+# created for the run and removed after; period QUOTA_PERIOD_US, default
+# 20000), so that the proxy, not the server or the generator, is the
+# bottleneck and both proxies are compared at the same CPU budget, both
+# saturated. Then only the throughput scenarios run (unless ONLY says
+# otherwise), and the summary adds how much of its quota each proxy used and
+# how many quota periods ended throttled (near 100%: the proxy was the
+# bottleneck); per-core throughput = ops/s / cores used.
 # JSON reports land in $OUT (default results/proxy). Loopback only; kills
 # only the processes it started, by pid.
 set -euo pipefail
@@ -31,8 +40,12 @@ PROXY_CPU=${PROXY_CPU:-1}
 PROXY_CPUS=${PROXY_CPUS:-$PROXY_CPU}
 CLIENT_CPU=${CLIENT_CPU:-$SERVER_CPU}
 OUT=${OUT:-results/proxy}
+[ -n "${QUOTA:-}" ] && OUT=${OUT%/}-quota
 KEYS=${KEYS:-100000}
 ONLY=${ONLY:-}
+QUOTA=${QUOTA:-}
+QUOTA_PERIOD_US=${QUOTA_PERIOD_US:-20000}
+[ -n "$QUOTA" ] && [ -z "$ONLY" ] && ONLY=get,mget100,set
 source scripts/lib/loopback.sh
 command -v nutcracker >/dev/null || { echo "nutcracker is not installed (apt-get install nutcracker)" >&2; exit 1; }
 mkdir -p "$OUT"
@@ -42,9 +55,35 @@ SPID=$PID SPORT=$PORT
 PID=""
 
 PPID_=""
+CG=""
 stop_proxy() { if [ -n "$PPID_" ]; then kill "$PPID_" 2>/dev/null && { wait "$PPID_" 2>/dev/null || true; }; fi; PPID_=""; return 0; }
-cleanup() { stop_proxy; kill "$SPID" 2>/dev/null && wait "$SPID" 2>/dev/null; return 0; }
+cleanup() {
+  stop_proxy; kill "$SPID" 2>/dev/null && wait "$SPID" 2>/dev/null
+  if [ -n "$CG" ]; then rmdir "$CG" 2>/dev/null || echo "could not remove cgroup $CG" >&2; fi
+  return 0
+}
 trap cleanup EXIT
+
+# The proxy's cgroup (QUOTA): v1 `cpu` hierarchy if mounted, else cgroup v2.
+if [ -n "$QUOTA" ]; then
+  q=$(( QUOTA * QUOTA_PERIOD_US / 100 ))
+  if [ -f /sys/fs/cgroup/cpu/cpu.cfs_quota_us ]; then
+    CG=/sys/fs/cgroup/cpu/mbal-bench-proxy.$$
+    mkdir "$CG"
+    echo "$QUOTA_PERIOD_US" >"$CG/cpu.cfs_period_us"
+    echo "$q" >"$CG/cpu.cfs_quota_us"
+  elif grep -qw cpu /sys/fs/cgroup/cgroup.controllers 2>/dev/null; then
+    grep -qw cpu /sys/fs/cgroup/cgroup.subtree_control || echo +cpu >/sys/fs/cgroup/cgroup.subtree_control
+    CG=/sys/fs/cgroup/mbal-bench-proxy.$$
+    mkdir "$CG"
+    echo "$q $QUOTA_PERIOD_US" >"$CG/cpu.max"
+  else
+    echo "QUOTA needs a writable cgroup cpu controller (v1 /sys/fs/cgroup/cpu or v2 cpu.max)" >&2
+    exit 1
+  fi
+fi
+# nr_periods and nr_throttled of the proxy's cgroup so far ("0 0" without QUOTA)
+cg_periods() { if [ -n "$CG" ]; then awk '$1=="nr_periods"{p=$2} $1=="nr_throttled"{t=$2} END{print p+0, t+0}' "$CG/cpu.stat"; else echo 0 0; fi; }
 
 wait_port() { for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/"$1") 2>/dev/null && return 0; sleep 0.05; done; return 1; }
 
@@ -72,6 +111,8 @@ EOF
           -p "$OUT/nutcracker.pid" 2>/dev/null & ;;
     esac
     PPID_=$!
+    # every thread of the process moves (cgroup.procs), and threads it starts later follow
+    [ -n "$CG" ] && echo "$PPID_" >"$CG/cgroup.procs"
     wait_port "$TPORT" && kill -0 "$PPID_" 2>/dev/null && return 0
     stop_proxy
   done
@@ -100,10 +141,14 @@ scenario() { # name, bench args...
       local target=${t%%:*} cpu=${t#*:} port=$SPORT
       if [ "$target" != direct ]; then start_proxy "${target%%-cpu*}" "$cpu"; port=$TPORT; fi
       local c0=0; [ "$target" != direct ] && c0=$(proxy_ticks)
+      local g0; g0=$(cg_periods)
       taskset -c "$CLIENT_CPU" "$BIN" bench --server 127.0.0.1:"$port" --keys "$KEYS" --duration "$SECS" --quiet \
         --json "$OUT/$name.$target.$r.json" "$@" >/dev/null
       local c1=0; [ "$target" != direct ] && c1=$(proxy_ticks)
+      local g1; g1=$(cg_periods)
       echo "$(( c1 - c0 ))" >"$OUT/$name.$target.$r.cpu"
+      read -r p0 t0 <<<"$g0"; read -r p1 t1 <<<"$g1"
+      echo "$(( p1 - p0 )) $(( t1 - t0 ))" >"$OUT/$name.$target.$r.periods"
       stop_proxy
     done
   done
@@ -118,10 +163,11 @@ scenario lat_get     --workload uniform --read-ratio 1 --conns 1 --pipeline 1
 scenario lat_mget100 --workload uniform --read-ratio 1 --multiget 100 --conns 1 --pipeline 1
 scenario lat_set     --workload uniform --read-ratio 0 --conns 1 --pipeline 1
 
-python3 - "$OUT" "$RUNS" "$HZ" $PROXY_CPUS <<'PY'
+QUOTA=$QUOTA SECS=$SECS python3 - "$OUT" "$RUNS" "$HZ" $PROXY_CPUS <<'PY'
 import json, statistics, sys, os
 out, runs, hz = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 cpus = sys.argv[4:]
+quota, secs = os.environ.get("QUOTA", ""), float(os.environ["SECS"])
 places = [("", "")] if len(cpus) == 1 else [(f"-cpu{c}", f" (proxy on core {c})") for c in cpus]
 med = statistics.median
 def load(n, t):
@@ -133,8 +179,34 @@ def load(n, t):
             ticks = int(open(f"{out}/{n}.{t}.{r}.cpu").read())
             rows.append((d, ticks))
     return rows
+def periods(n, t, r):
+    p = f"{out}/{n}.{t}.{r}.periods"
+    return [int(x) for x in open(p).read().split()] if os.path.exists(p) else [0, 0]
 for sfx, label in places:
     M, W = "mbal" + sfx, "twemproxy" + sfx
+    if quota and any(load(n, M) for n in ("get", "mget100", "set")):
+        print(f"PER PROXY CORE: each proxy held to {quota}% of one core (CFS quota), medians{label}")
+        print("  per core = the client's rate / the proxy's cores used (utime+stime over the run);")
+        print("  throttled = quota periods that ended with the proxy throttled (near 100%: the proxy was the bottleneck)")
+        print(f"{'scenario':10} {'direct':>10} {'mbal':>9} {'twemproxy':>9} {'used mbal':>9} {'twem':>5} "
+              f"{'thr% mbal':>9} {'twem':>5} {'per core mbal':>13} {'twem':>9} {'mbal/twem':>9}")
+        for n in ("get", "mget100", "set"):
+            key = "keys_per_sec" if n.startswith("mget") else "ops_per_sec"
+            row = {}
+            for t in ("direct", M, W):
+                rows = load(n, t)
+                if not rows:
+                    continue
+                rate = med([d["totals"][key] for d, _ in rows])
+                used = med([ticks / hz / secs for _, ticks in rows])
+                pc = med([d["totals"][key] / max(ticks / hz / secs, 1e-9) for d, ticks in rows])
+                thr = med([100 * t_ / max(p_, 1) for p_, t_ in (periods(n, t, r) for r in range(1, len(rows) + 1))])
+                row[t] = (rate, used, pc, thr)
+            if len(row) == 3:
+                d, m, w = row["direct"], row[M], row[W]
+                print(f"{n:10} {d[0]:10.0f} {m[0]:9.0f} {w[0]:9.0f} {m[1]:9.3f} {w[1]:5.3f} "
+                      f"{m[3]:9.0f} {w[3]:5.0f} {m[2]:13.0f} {w[2]:9.0f} {m[2]/w[2]:9.2f}")
+        print()
     if any(load(n, M) for n in ("get", "mget100", "set")):
         print(f"throughput (keys/s for mget100, ops/s otherwise), medians; proxy CPU us per client request{label}")
         print(f"{'scenario':10} {'direct':>10} {'mbal':>10} {'twemproxy':>10} {'mbal/twem':>9} {'cpu us mbal':>11} {'twem':>7} {'per-core ratio':>14}")
@@ -152,6 +224,8 @@ for sfx, label in places:
             print(f"{n:10} {v['direct']:10.0f} {v[M]:10.0f} {v[W]:10.0f} {v[M]/v[W]:9.2f} "
                   f"{cpu[M]:11.2f} {cpu[W]:7.2f} {pc:14.2f}")
     print()
+    if not any(load(n, M) for n in ("lat_get", "lat_mget100", "lat_set")):
+        continue
     print(f"latency, one request at a time (us, medians of runs): p50 / p99, and added over direct{label}")
     print(f"{'scenario':12} {'direct p50':>10} {'p99':>7} {'mbal p50':>9} {'p99':>7} {'twem p50':>9} {'p99':>7} {'added p50 mbal':>15} {'twem':>6} {'added p99 mbal':>15} {'twem':>6}")
     for n in ("lat_get", "lat_mget100", "lat_set"):

@@ -43,10 +43,9 @@ OUT=${OUT:-results/proxy}
 [ -n "${QUOTA:-}" ] && OUT=${OUT%/}-quota
 KEYS=${KEYS:-100000}
 ONLY=${ONLY:-}
-QUOTA=${QUOTA:-}
-QUOTA_PERIOD_US=${QUOTA_PERIOD_US:-20000}
-[ -n "$QUOTA" ] && [ -z "$ONLY" ] && ONLY=get,mget100,set
+[ -n "${QUOTA:-}" ] && [ -z "$ONLY" ] && ONLY=get,mget100,set
 source scripts/lib/loopback.sh
+source scripts/lib/cpu_quota.sh
 command -v nutcracker >/dev/null || { echo "nutcracker is not installed (apt-get install nutcracker)" >&2; exit 1; }
 mkdir -p "$OUT"
 
@@ -55,35 +54,14 @@ SPID=$PID SPORT=$PORT
 PID=""
 
 PPID_=""
-CG=""
 stop_proxy() { if [ -n "$PPID_" ]; then kill "$PPID_" 2>/dev/null && { wait "$PPID_" 2>/dev/null || true; }; fi; PPID_=""; return 0; }
 cleanup() {
   stop_proxy; kill "$SPID" 2>/dev/null && wait "$SPID" 2>/dev/null
-  if [ -n "$CG" ]; then rmdir "$CG" 2>/dev/null || echo "could not remove cgroup $CG" >&2; fi
-  return 0
+  quota_cleanup
 }
 trap cleanup EXIT
 
-# The proxy's cgroup (QUOTA): v1 `cpu` hierarchy if mounted, else cgroup v2.
-if [ -n "$QUOTA" ]; then
-  q=$(( QUOTA * QUOTA_PERIOD_US / 100 ))
-  if [ -f /sys/fs/cgroup/cpu/cpu.cfs_quota_us ]; then
-    CG=/sys/fs/cgroup/cpu/mbal-bench-proxy.$$
-    mkdir "$CG"
-    echo "$QUOTA_PERIOD_US" >"$CG/cpu.cfs_period_us"
-    echo "$q" >"$CG/cpu.cfs_quota_us"
-  elif grep -qw cpu /sys/fs/cgroup/cgroup.controllers 2>/dev/null; then
-    grep -qw cpu /sys/fs/cgroup/cgroup.subtree_control || echo +cpu >/sys/fs/cgroup/cgroup.subtree_control
-    CG=/sys/fs/cgroup/mbal-bench-proxy.$$
-    mkdir "$CG"
-    echo "$q $QUOTA_PERIOD_US" >"$CG/cpu.max"
-  else
-    echo "QUOTA needs a writable cgroup cpu controller (v1 /sys/fs/cgroup/cpu or v2 cpu.max)" >&2
-    exit 1
-  fi
-fi
-# nr_periods and nr_throttled of the proxy's cgroup so far ("0 0" without QUOTA)
-cg_periods() { if [ -n "$CG" ]; then awk '$1=="nr_periods"{p=$2} $1=="nr_throttled"{t=$2} END{print p+0, t+0}' "$CG/cpu.stat"; else echo 0 0; fi; }
+quota_setup
 
 wait_port() { for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/"$1") 2>/dev/null && return 0; sleep 0.05; done; return 1; }
 
@@ -112,7 +90,7 @@ EOF
     esac
     PPID_=$!
     # every thread of the process moves (cgroup.procs), and threads it starts later follow
-    [ -n "$CG" ] && echo "$PPID_" >"$CG/cgroup.procs"
+    quota_add "$PPID_"
     wait_port "$TPORT" && kill -0 "$PPID_" 2>/dev/null && return 0
     stop_proxy
   done
@@ -141,11 +119,11 @@ scenario() { # name, bench args...
       local target=${t%%:*} cpu=${t#*:} port=$SPORT
       if [ "$target" != direct ]; then start_proxy "${target%%-cpu*}" "$cpu"; port=$TPORT; fi
       local c0=0; [ "$target" != direct ] && c0=$(proxy_ticks)
-      local g0; g0=$(cg_periods)
+      local g0; g0=$(quota_periods)
       taskset -c "$CLIENT_CPU" "$BIN" bench --server 127.0.0.1:"$port" --keys "$KEYS" --duration "$SECS" --quiet \
         --json "$OUT/$name.$target.$r.json" "$@" >/dev/null
       local c1=0; [ "$target" != direct ] && c1=$(proxy_ticks)
-      local g1; g1=$(cg_periods)
+      local g1; g1=$(quota_periods)
       echo "$(( c1 - c0 ))" >"$OUT/$name.$target.$r.cpu"
       read -r p0 t0 <<<"$g0"; read -r p1 t1 <<<"$g1"
       echo "$(( p1 - p0 )) $(( t1 - t0 ))" >"$OUT/$name.$target.$r.periods"

@@ -166,9 +166,10 @@ for sfx, label in places:
         print(f"PER PROXY CORE: each proxy held to {quota}% of one core (CFS quota), medians{label}")
         print("  per core = the client's rate / the proxy's cores used (utime+stime over the run);")
         print("  throttled = quota periods that ended with the proxy throttled; only runs with >= 90% (the proxy")
-        print("  was the bottleneck, not a busy core 0) count: n = such runs / runs")
+        print("  was the bottleneck, not a busy core 0) count: n = such runs / runs; same-round ratio: median (range)")
+        print("  of mbal/twemproxy per core over the rounds where both runs count (adjacent in time)")
         print(f"{'scenario':10} {'direct':>10} {'mbal':>9} {'twemproxy':>9} {'used mbal':>9} {'twem':>5} "
-              f"{'n mbal':>6} {'twem':>4} {'per core mbal':>13} {'twem':>9} {'mbal/twem':>9}")
+              f"{'n mbal':>6} {'twem':>4} {'per core mbal':>13} {'twem':>9} {'mbal/twem':>9} {'same-round ratio (range)':>25}")
         for n in ("get", "mget100", "set"):
             key = "keys_per_sec" if n.startswith("mget") else "ops_per_sec"
             row = {}
@@ -180,17 +181,24 @@ for sfx, label in places:
                 if not ok:
                     row[t] = None
                     continue
+                row[t + "/runs"] = {r: d["totals"][key] / max(ticks / hz / secs, 1e-9)
+                                    for r, (d, ticks, _) in enumerate(rows, 1) if (d, ticks, _) in ok}
                 rate = med([d["totals"][key] for d, _, _ in ok])
                 used = med([ticks / hz / secs for _, ticks, _ in ok])
                 pc = med([d["totals"][key] / max(ticks / hz / secs, 1e-9) for d, ticks, _ in ok])
                 row[t] = (rate, used, pc, f"{len(ok)}/{len(rows)}")
-            if len(row) == 3:
+            if all(t in row for t in ("direct", M, W)):
                 d, m, w = row["direct"], row[M], row[W]
                 if m is None or w is None:
                     print(f"{n:10} no saturated runs (mbal {m is not None}, twemproxy {w is not None})")
                     continue
+                # the two proxies' runs of the same round, one after the other: their ratio
+                # cancels the machine's slow drift (other load on a shared VM)
+                pm, pw = row[M + "/runs"], row[W + "/runs"]
+                pair = [pm[r] / pw[r] for r in pm if r in pw]
+                pr = f"{med(pair):9.2f} ({min(pair):.2f}-{max(pair):.2f})" if pair else ""
                 print(f"{n:10} {d[0]:10.0f} {m[0]:9.0f} {w[0]:9.0f} {m[1]:9.3f} {w[1]:5.3f} "
-                      f"{m[3]:>6} {w[3]:>4} {m[2]:13.0f} {w[2]:9.0f} {m[2]/w[2]:9.2f}")
+                      f"{m[3]:>6} {w[3]:>4} {m[2]:13.0f} {w[2]:9.0f} {m[2]/w[2]:9.2f} {pr}")
         print()
     if any(load(n, M) for n in ("get", "mget100", "set")):
         print(f"throughput (keys/s for mget100, ops/s otherwise), medians; proxy CPU us per client request{label}")

@@ -4,7 +4,7 @@
 # created here and removed by quota_cleanup. Without QUOTA, every function
 # does nothing.
 #
-#   QUOTA=P (percent of one core), QUOTA_PERIOD_US (default 20000)
+#   QUOTA=P (percent of one core), QUOTA_PERIOD_US (default 20000; the quota, P% of it, must be >= 1 ms)
 #   quota_setup            creates the cgroup (call once; exits if cgroups are not writable)
 #   quota_add PID          moves the process (all its threads, and the ones it starts later) in
 #   quota_periods          "nr_periods nr_throttled" of the cgroup so far ("0 0" without QUOTA)
@@ -17,6 +17,10 @@ QUOTA_CG=""
 quota_setup() {
   [ -n "$QUOTA" ] || return 0
   local q=$(( QUOTA * QUOTA_PERIOD_US / 100 ))
+  if [ "$q" -lt 1000 ]; then
+    echo "QUOTA=$QUOTA% of QUOTA_PERIOD_US=$QUOTA_PERIOD_US is under the kernel's 1 ms minimum quota: raise the period" >&2
+    exit 1
+  fi
   if [ -f /sys/fs/cgroup/cpu/cpu.cfs_quota_us ]; then
     QUOTA_CG=/sys/fs/cgroup/cpu/mbal-bench-proxy.$$
     mkdir "$QUOTA_CG"

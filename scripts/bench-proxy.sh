@@ -11,8 +11,9 @@
 # the same server (one pool, ketama, fnv1a_64). For each scenario the three
 # targets -- the server directly, mbal proxy, twemproxy -- alternate RUNS
 # times (default 3). Reported, as medians: throughput, the proxy's CPU time
-# per request (utime+stime from /proc/PID/stat over the run: "requests per
-# proxy core" is its inverse, the figure that holds on a shared 2-core VM),
+# per request (utime+stime from /proc/PID/stat over the run; without QUOTA
+# neither proxy is saturated, so this favours the busier one: for throughput
+# per proxy core use QUOTA, below),
 # and for the unloaded scenarios (one connection, one request at a time)
 # p50/p99 latency and what the proxy adds to the direct figure.
 # Placement knobs: PROXY_CPUS, a space-separated list of cores (default

@@ -10,8 +10,12 @@
 # thread, no TLS, no login. For each scenario, before and after alternate
 # RUNS times (default 5). Reported as medians: throughput and the proxy's CPU
 # time per request (utime+stime from /proc/PID/stat over the run), and the
-# after/before ratios. Loopback only; kills only the processes it started,
-# by pid. Run it under `flock /tmp/bench.lock` on a shared machine.
+# after/before ratios. QUOTA=P holds each proxy to P% of one core (a CFS quota,
+# scripts/lib/cpu_quota.sh) so that both are saturated: then only the
+# pipelined scenarios run, and the throttled share of quota periods is shown
+# (near 100%: the proxy was the bottleneck). Loopback only; kills only the
+# processes it started, by pid. Run it under `flock /tmp/bench.lock` on a
+# shared machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BEFORE=${1:?usage: scripts/bench-proxy-ab.sh BEFORE_BIN [RUNS] [SECONDS]}
@@ -20,8 +24,10 @@ SECS=${3:-3}
 SERVER_CPU=${SERVER_CPU:-0}
 PROXY_CPU=${PROXY_CPU:-1}
 OUT=${OUT:-results/proxy-ab}
+[ -n "${QUOTA:-}" ] && OUT=${OUT%/}-quota
 KEYS=${KEYS:-100000}
 source scripts/lib/loopback.sh
+source scripts/lib/cpu_quota.sh
 AFTER=$BIN
 mkdir -p "$OUT"
 
@@ -30,8 +36,9 @@ SPID=$PID SPORT=$PORT
 PID=""
 PPID_=""
 stop_proxy() { if [ -n "$PPID_" ]; then kill "$PPID_" 2>/dev/null && { wait "$PPID_" 2>/dev/null || true; }; fi; PPID_=""; return 0; }
-cleanup() { stop_proxy; kill "$SPID" 2>/dev/null && wait "$SPID" 2>/dev/null; return 0; }
+cleanup() { stop_proxy; kill "$SPID" 2>/dev/null && wait "$SPID" 2>/dev/null; quota_cleanup; }
 trap cleanup EXIT
+quota_setup
 wait_port() { for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/"$1") 2>/dev/null && return 0; sleep 0.05; done; return 1; }
 
 start_proxy() { # binary -> sets PPID_ and TPORT
@@ -39,6 +46,7 @@ start_proxy() { # binary -> sets PPID_ and TPORT
     TPORT=$((21000 + RANDOM % 20000))
     taskset -c "$PROXY_CPU" "$1" proxy --server 127.0.0.1:"$SPORT" -l 127.0.0.1 -p "$TPORT" -t 1 2>/dev/null &
     PPID_=$!
+    quota_add "$PPID_"
     wait_port "$TPORT" && kill -0 "$PPID_" 2>/dev/null && return 0
     stop_proxy
   done
@@ -56,11 +64,13 @@ scenario() { # name, bench args...
     for side in before after; do
       local bin=$BEFORE; [ "$side" = after ] && bin=$AFTER
       start_proxy "$bin"
-      local c0; c0=$(proxy_ticks)
+      local c0 g0 g1; c0=$(proxy_ticks); g0=$(quota_periods)
       taskset -c "$SERVER_CPU" "$AFTER" bench --server 127.0.0.1:"$TPORT" --keys "$KEYS" --duration "$SECS" --quiet \
         --json "$OUT/$name.$side.$r.json" "$@" >/dev/null
-      local c1; c1=$(proxy_ticks)
+      local c1; c1=$(proxy_ticks); g1=$(quota_periods)
       echo "$(( c1 - c0 ))" >"$OUT/$name.$side.$r.cpu"
+      read -r p0 t0 <<<"$g0"; read -r p1 t1 <<<"$g1"
+      echo "$(( p1 - p0 )) $(( t1 - t0 ))" >"$OUT/$name.$side.$r.periods"
       stop_proxy
     done
   done
@@ -68,6 +78,6 @@ scenario() { # name, bench args...
 
 scenario get     --workload uniform --read-ratio 1 --conns 8 --pipeline 16
 scenario set     --workload uniform --read-ratio 0 --conns 8 --pipeline 16
-scenario lat_get --workload uniform --read-ratio 1 --conns 1 --pipeline 1
+[ -z "${QUOTA:-}" ] && scenario lat_get --workload uniform --read-ratio 1 --conns 1 --pipeline 1
 
 python3 scripts/lib/pair_summary.py "$OUT" "$RUNS" "$HZ" before after

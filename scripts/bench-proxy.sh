@@ -11,8 +11,9 @@
 # the same server (one pool, ketama, fnv1a_64). For each scenario the three
 # targets -- the server directly, mbal proxy, twemproxy -- alternate RUNS
 # times (default 3). Reported, as medians: throughput, the proxy's CPU time
-# per request (utime+stime from /proc/PID/stat over the run: "requests per
-# proxy core" is its inverse, the figure that holds on a shared 2-core VM),
+# per request (utime+stime from /proc/PID/stat over the run; without QUOTA
+# neither proxy is saturated, so this favours the busier one: for throughput
+# per proxy core use QUOTA, below),
 # and for the unloaded scenarios (one connection, one request at a time)
 # p50/p99 latency and what the proxy adds to the direct figure.
 # Placement knobs: PROXY_CPUS, a space-separated list of cores (default
@@ -20,6 +21,15 @@
 # (e.g. PROXY_CPUS="1 0": alone on core 1, then on the client's core 0 as a
 # sidecar pinned with the application); CLIENT_CPU (default $SERVER_CPU) pins
 # the generator. ONLY=lat_get,lat_set,... runs only the named scenarios.
+# Throughput per proxy core: QUOTA=P holds each proxy to P% of one core (a
+# CFS bandwidth quota: a cgroup of its own, cgroup v1 `cpu` or v2 `cpu.max`,
+# created for the run and removed after; period QUOTA_PERIOD_US, default
+# 20000), so that the proxy, not the server or the generator, is the
+# bottleneck and both proxies are compared at the same CPU budget, both
+# saturated. Then only the throughput scenarios run (unless ONLY says
+# otherwise), and the summary adds how much of its quota each proxy used and
+# how many quota periods ended throttled (near 100%: the proxy was the
+# bottleneck); per-core throughput = ops/s / cores used.
 # JSON reports land in $OUT (default results/proxy). Loopback only; kills
 # only the processes it started, by pid.
 set -euo pipefail
@@ -31,9 +41,12 @@ PROXY_CPU=${PROXY_CPU:-1}
 PROXY_CPUS=${PROXY_CPUS:-$PROXY_CPU}
 CLIENT_CPU=${CLIENT_CPU:-$SERVER_CPU}
 OUT=${OUT:-results/proxy}
+[ -n "${QUOTA:-}" ] && OUT=${OUT%/}-quota
 KEYS=${KEYS:-100000}
 ONLY=${ONLY:-}
+[ -n "${QUOTA:-}" ] && [ -z "$ONLY" ] && ONLY=get,mget100,set
 source scripts/lib/loopback.sh
+source scripts/lib/cpu_quota.sh
 command -v nutcracker >/dev/null || { echo "nutcracker is not installed (apt-get install nutcracker)" >&2; exit 1; }
 mkdir -p "$OUT"
 
@@ -43,8 +56,13 @@ PID=""
 
 PPID_=""
 stop_proxy() { if [ -n "$PPID_" ]; then kill "$PPID_" 2>/dev/null && { wait "$PPID_" 2>/dev/null || true; }; fi; PPID_=""; return 0; }
-cleanup() { stop_proxy; kill "$SPID" 2>/dev/null && wait "$SPID" 2>/dev/null; return 0; }
+cleanup() {
+  stop_proxy; kill "$SPID" 2>/dev/null && wait "$SPID" 2>/dev/null
+  quota_cleanup
+}
 trap cleanup EXIT
+
+quota_setup
 
 wait_port() { for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/"$1") 2>/dev/null && return 0; sleep 0.05; done; return 1; }
 
@@ -72,6 +90,8 @@ EOF
           -p "$OUT/nutcracker.pid" 2>/dev/null & ;;
     esac
     PPID_=$!
+    # every thread of the process moves (cgroup.procs), and threads it starts later follow
+    quota_add "$PPID_"
     wait_port "$TPORT" && kill -0 "$PPID_" 2>/dev/null && return 0
     stop_proxy
   done
@@ -100,10 +120,14 @@ scenario() { # name, bench args...
       local target=${t%%:*} cpu=${t#*:} port=$SPORT
       if [ "$target" != direct ]; then start_proxy "${target%%-cpu*}" "$cpu"; port=$TPORT; fi
       local c0=0; [ "$target" != direct ] && c0=$(proxy_ticks)
+      local g0; g0=$(quota_periods)
       taskset -c "$CLIENT_CPU" "$BIN" bench --server 127.0.0.1:"$port" --keys "$KEYS" --duration "$SECS" --quiet \
         --json "$OUT/$name.$target.$r.json" "$@" >/dev/null
       local c1=0; [ "$target" != direct ] && c1=$(proxy_ticks)
+      local g1; g1=$(quota_periods)
       echo "$(( c1 - c0 ))" >"$OUT/$name.$target.$r.cpu"
+      read -r p0 t0 <<<"$g0"; read -r p1 t1 <<<"$g1"
+      echo "$(( p1 - p0 )) $(( t1 - t0 ))" >"$OUT/$name.$target.$r.periods"
       stop_proxy
     done
   done
@@ -118,10 +142,11 @@ scenario lat_get     --workload uniform --read-ratio 1 --conns 1 --pipeline 1
 scenario lat_mget100 --workload uniform --read-ratio 1 --multiget 100 --conns 1 --pipeline 1
 scenario lat_set     --workload uniform --read-ratio 0 --conns 1 --pipeline 1
 
-python3 - "$OUT" "$RUNS" "$HZ" $PROXY_CPUS <<'PY'
+QUOTA=$QUOTA SECS=$SECS python3 - "$OUT" "$RUNS" "$HZ" $PROXY_CPUS <<'PY'
 import json, statistics, sys, os
 out, runs, hz = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 cpus = sys.argv[4:]
+quota, secs = os.environ.get("QUOTA", ""), float(os.environ["SECS"])
 places = [("", "")] if len(cpus) == 1 else [(f"-cpu{c}", f" (proxy on core {c})") for c in cpus]
 med = statistics.median
 def load(n, t):
@@ -133,8 +158,49 @@ def load(n, t):
             ticks = int(open(f"{out}/{n}.{t}.{r}.cpu").read())
             rows.append((d, ticks))
     return rows
+def periods(n, t, r):
+    p = f"{out}/{n}.{t}.{r}.periods"
+    return [int(x) for x in open(p).read().split()] if os.path.exists(p) else [0, 0]
 for sfx, label in places:
     M, W = "mbal" + sfx, "twemproxy" + sfx
+    if quota and any(load(n, M) for n in ("get", "mget100", "set")):
+        print(f"PER PROXY CORE: each proxy held to {quota}% of one core (CFS quota), medians{label}")
+        print("  per core = the client's rate / the proxy's cores used (utime+stime over the run);")
+        print("  throttled = quota periods that ended with the proxy throttled; only runs with >= 90% (the proxy")
+        print("  was the bottleneck, not a busy core 0) count: n = such runs / runs; same-round ratio: median (range)")
+        print("  of mbal/twemproxy per core over the rounds where both runs count (adjacent in time)")
+        print(f"{'scenario':10} {'direct':>10} {'mbal':>9} {'twemproxy':>9} {'used mbal':>9} {'twem':>5} "
+              f"{'n mbal':>6} {'twem':>4} {'per core mbal':>13} {'twem':>9} {'mbal/twem':>9} {'same-round ratio (range)':>25}")
+        for n in ("get", "mget100", "set"):
+            key = "keys_per_sec" if n.startswith("mget") else "ops_per_sec"
+            row = {}
+            for t in ("direct", M, W):
+                rows = [(d, ticks, periods(n, t, r)) for r, (d, ticks) in enumerate(load(n, t), 1)]
+                if not rows:
+                    continue
+                ok = rows if t == "direct" else [x for x in rows if x[2][1] >= 0.9 * max(x[2][0], 1)]
+                if not ok:
+                    row[t] = None
+                    continue
+                row[t + "/runs"] = {r: d["totals"][key] / max(ticks / hz / secs, 1e-9)
+                                    for r, (d, ticks, _) in enumerate(rows, 1) if (d, ticks, _) in ok}
+                rate = med([d["totals"][key] for d, _, _ in ok])
+                used = med([ticks / hz / secs for _, ticks, _ in ok])
+                pc = med([d["totals"][key] / max(ticks / hz / secs, 1e-9) for d, ticks, _ in ok])
+                row[t] = (rate, used, pc, f"{len(ok)}/{len(rows)}")
+            if all(t in row for t in ("direct", M, W)):
+                d, m, w = row["direct"], row[M], row[W]
+                if m is None or w is None:
+                    print(f"{n:10} no saturated runs (mbal {m is not None}, twemproxy {w is not None})")
+                    continue
+                # the two proxies' runs of the same round, one after the other: their ratio
+                # cancels the machine's slow drift (other load on a shared VM)
+                pm, pw = row[M + "/runs"], row[W + "/runs"]
+                pair = [pm[r] / pw[r] for r in pm if r in pw]
+                pr = f"{med(pair):9.2f} ({min(pair):.2f}-{max(pair):.2f})" if pair else ""
+                print(f"{n:10} {d[0]:10.0f} {m[0]:9.0f} {w[0]:9.0f} {m[1]:9.3f} {w[1]:5.3f} "
+                      f"{m[3]:>6} {w[3]:>4} {m[2]:13.0f} {w[2]:9.0f} {m[2]/w[2]:9.2f} {pr}")
+        print()
     if any(load(n, M) for n in ("get", "mget100", "set")):
         print(f"throughput (keys/s for mget100, ops/s otherwise), medians; proxy CPU us per client request{label}")
         print(f"{'scenario':10} {'direct':>10} {'mbal':>10} {'twemproxy':>10} {'mbal/twem':>9} {'cpu us mbal':>11} {'twem':>7} {'per-core ratio':>14}")
@@ -152,6 +218,8 @@ for sfx, label in places:
             print(f"{n:10} {v['direct']:10.0f} {v[M]:10.0f} {v[W]:10.0f} {v[M]/v[W]:9.2f} "
                   f"{cpu[M]:11.2f} {cpu[W]:7.2f} {pc:14.2f}")
     print()
+    if not any(load(n, M) for n in ("lat_get", "lat_mget100", "lat_set")):
+        continue
     print(f"latency, one request at a time (us, medians of runs): p50 / p99, and added over direct{label}")
     print(f"{'scenario':12} {'direct p50':>10} {'p99':>7} {'mbal p50':>9} {'p99':>7} {'twem p50':>9} {'p99':>7} {'added p50 mbal':>15} {'twem':>6} {'added p99 mbal':>15} {'twem':>6}")
     for n in ("lat_get", "lat_mget100", "lat_set"):

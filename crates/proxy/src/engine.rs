@@ -15,7 +15,7 @@ use mbal_tls::Stream;
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Token, Waker};
 use slab::Slab;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::io::{self, Write};
 use std::net::{SocketAddr, TcpListener as StdListener};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -214,7 +214,10 @@ pub(crate) struct Engine {
     clients: Slab<Client>,
     next_cid: u64,
     ups: Vec<Upstream>,
-    up_of: HashMap<Owner, usize>,
+    /// Upstream index by owner, a direct table (looked up for every request):
+    /// `up_of[server][0]` is the server's binary upstream, `up_of[server][1 + w]`
+    /// worker w's; `usize::MAX`: none yet.
+    up_of: Vec<Vec<usize>>,
     dirty_clients: Vec<usize>,
     dirty_ups: Vec<usize>,
     resume: Vec<usize>,
@@ -288,7 +291,7 @@ impl Engine {
             clients: Slab::new(),
             next_cid: 1,
             ups: Vec::new(),
-            up_of: HashMap::new(),
+            up_of: Vec::new(),
             dirty_clients: Vec::new(),
             dirty_ups: Vec::new(),
             resume: Vec::new(),

@@ -8,7 +8,8 @@ use mbal_cluster::dial::Proto;
 
 impl Engine {
     pub(super) fn upstream(&mut self, owner: Owner) -> usize {
-        if let Some(&ui) = self.up_of.get(&owner) {
+        let (s, w) = (owner.0 as usize, if owner.1 == BIN { 0 } else { owner.1 as usize + 1 });
+        if let Some(&ui) = self.up_of.get(s).and_then(|row| row.get(w)).filter(|&&ui| ui != usize::MAX) {
             return ui;
         }
         let ui = self.ups.len();
@@ -31,7 +32,14 @@ impl Engine {
             delta: UpDelta::default(),
             gen: 0,
         });
-        self.up_of.insert(owner, ui);
+        if self.up_of.len() <= s {
+            self.up_of.resize_with(s + 1, Vec::new);
+        }
+        let row = &mut self.up_of[s];
+        if row.len() <= w {
+            row.resize(w + 1, usize::MAX);
+        }
+        row[w] = ui;
         ui
     }
 

@@ -410,6 +410,29 @@ impl<S: Read + Write> Stream<S> {
         }
     }
 
+    /// Write `buf[*pos..]` until the socket would block (or is still connecting), advancing
+    /// `pos`; once all of it is written, empty `buf`. Then write the TLS records the socket did
+    /// not take yet. An error means the connection is broken. For a client's outgoing buffer
+    /// in an event loop (the server's forwarder, the proxy's upstreams).
+    pub fn write_pending(&mut self, buf: &mut Vec<u8>, pos: &mut usize) -> io::Result<()> {
+        while *pos < buf.len() {
+            match self.write(&buf[*pos..]) {
+                Ok(n) => *pos += n,
+                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::NotConnected) => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        if *pos == buf.len() {
+            buf.clear();
+            *pos = 0;
+        }
+        if self.wants_write() {
+            self.flush_tls()?;
+        }
+        Ok(())
+    }
+
     /// Say goodbye (TLS close_notify), best effort, before a close.
     pub fn close_notify(&mut self) {
         if let Stream::Tls(t) = self {

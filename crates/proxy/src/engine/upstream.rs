@@ -303,27 +303,7 @@ impl Engine {
             let u = &mut self.ups[ui];
             u.dirty = false;
             let Some(sock) = u.sock.as_mut() else { continue };
-            let mut broken = false;
-            while u.wpos < u.wbuf.len() {
-                match sock.write(&u.wbuf[u.wpos..]) {
-                    Ok(n) => u.wpos += n,
-                    Err(e) if would_block(&e) || e.kind() == io::ErrorKind::NotConnected => break,
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(_) => {
-                        broken = true;
-                        break;
-                    }
-                }
-            }
-            if u.wpos == u.wbuf.len() {
-                u.wbuf.clear();
-                u.wpos = 0;
-            }
-            // TLS records the socket did not take yet (plain: nothing).
-            if !broken && sock.wants_write() {
-                broken = sock.flush_tls().is_err();
-            }
-            if broken {
+            if sock.write_pending(&mut u.wbuf, &mut u.wpos).is_err() {
                 self.down(ui);
             }
         }

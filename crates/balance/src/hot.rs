@@ -117,9 +117,24 @@ pub fn step(s: KeyState, e: KeyEvent) -> Option<(KeyState, KeyTransition)> {
 /// Phase 1's knobs.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct HotConfig {
-    /// The fraction of requests the caller samples into the tracker
-    /// (default 0.03, SPORE's 3%); rates are samples ÷ this ÷ epoch.
+    /// The fraction of requests the caller samples into the tracker when
+    /// `sample_target` is 0 (default 0.03, SPORE's 3%), and the rate
+    /// until the first epoch's loads are known otherwise; rates are
+    /// samples ÷ the rate in force ([`HotKeys::sample_rate`]) ÷ epoch.
     pub sample_rate: f64,
+    /// Sampled requests to aim for per worker and epoch (default 100; 0:
+    /// a fixed `sample_rate`). Each epoch the rate for the next is this ÷
+    /// (this server's mean requests per worker in an epoch), within
+    /// `sample_min`..=`sample_max`: what tells a key worth a copy from
+    /// noise is its share of its worker's load (a key at share p gets
+    /// about target × p samples, and `min_samples` of them), so the count
+    /// per worker is what must hold, whatever the load: 14% at 700
+    /// requests/s per worker, 0.01% at 1M.
+    pub sample_target: f64,
+    /// Bounds of the rate set from `sample_target` (default 0.0001 and
+    /// 0.25).
+    pub sample_min: f64,
+    pub sample_max: f64,
     /// The tracker (default lossy counting, chosen by measurement:
     /// docs/design-notes.md "Phase 1: which hot-key tracker").
     pub tracker: TrackerKind,
@@ -181,6 +196,9 @@ impl Default for HotConfig {
     fn default() -> Self {
         HotConfig {
             sample_rate: 0.03,
+            sample_target: 100.0,
+            sample_min: 0.0001,
+            sample_max: 0.25,
             tracker: TrackerKind::Lossy,
             capacity: 1024,
             decay: 0.5,
@@ -334,6 +352,19 @@ pub struct HotKeys {
     /// below which a key is sampling noise, for [`HotKeys::on_alarm`]
     /// between epochs.
     last: Option<(ClusterView, f64, f64)>,
+    /// The sampling rate in force (see [`HotConfig::sample_target`]).
+    rate: f64,
+}
+
+/// The sampling rate that gives `target` samples per worker and epoch at
+/// `per_worker` requests per worker and epoch, within `min..=max`; `max`
+/// when nothing was counted.
+pub fn sample_rate_for(target: f64, per_worker: f64, min: f64, max: f64) -> f64 {
+    let (min, max) = (min.clamp(1e-9, 1.0), max.clamp(1e-9, 1.0));
+    if per_worker <= 0.0 {
+        return max;
+    }
+    (target / per_worker).clamp(min.min(max), max)
 }
 
 /// The estimated max/avg worker load (NetKV §IV-D, in its "many balls"
@@ -462,7 +493,16 @@ impl HotKeys {
     /// capacity, saturation, minimum load).
     pub fn new(cfg: HotConfig, balance: Config) -> HotKeys {
         let tracker = tracker::build(cfg.tracker, cfg.capacity, cfg.decay);
-        HotKeys { cfg, balance, tracker, keys: BTreeMap::new(), now: 0, last: None }
+        let rate = cfg.sample_rate.clamp(1e-9, 1.0);
+        HotKeys { cfg, balance, tracker, keys: BTreeMap::new(), now: 0, last: None, rate }
+    }
+
+    /// The fraction of requests to sample from now on: fixed, or set each
+    /// epoch from [`HotConfig::sample_target`]. [`HotKeys::on_epoch`] and
+    /// [`HotKeys::on_alarm`] take the samples they see as taken at it, so
+    /// the caller should apply a new rate as soon as an epoch is decided.
+    pub fn sample_rate(&self) -> f64 {
+        self.rate
     }
 
     pub fn config(&self) -> &HotConfig {
@@ -676,7 +716,7 @@ impl HotKeys {
                 c.0 += 1.0;
             }
         }
-        let scale = 1.0 / (self.cfg.sample_rate.max(1e-9) * secs);
+        let scale = 1.0 / (self.rate * secs);
         let (up, down) = (self.cfg.read_up, self.cfg.write_down);
         // Keys seen often enough in the window, at their window rates.
         let seen: BTreeMap<&[u8], (f64, f64)> = counts
@@ -773,7 +813,12 @@ impl HotKeys {
                 s.iter().sum::<f64>() / s.len() as f64
             }
         };
-        let scale = 1.0 / (self.cfg.sample_rate.max(1e-9) * secs);
+        let scale = 1.0 / (self.rate * secs);
+        if self.cfg.sample_target > 0.0 {
+            // The next epoch's rate, from this one's requests per worker.
+            let (lo, hi) = (self.cfg.sample_min, self.cfg.sample_max);
+            self.rate = sample_rate_for(self.cfg.sample_target, local_avg * secs, lo, hi);
+        }
         let mut seen: BTreeMap<Vec<u8>, (u16, f64, f64)> = BTreeMap::new();
         for c in counted.iter().take(self.cfg.capacity).filter(|c| c.total() >= 0.5) {
             let mut reads = (c.reads + c.error) * scale;

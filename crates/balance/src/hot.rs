@@ -162,6 +162,11 @@ pub struct HotConfig {
     /// for `lease_epochs` + 1 epochs. See docs/benchmarks.md §15 for what
     /// it does to the copies made and the reaction time.
     pub displace: bool,
+    /// With `displace`: a HOT key may be displaced only after this many
+    /// consecutive epochs (default 2) in which its rate as measured (not
+    /// smoothed) was at most `cool_fraction` × T; it is judged by that
+    /// rate.
+    pub displace_quiet: u32,
     /// SPORE's read-up/write-down weights: a key is replicable when
     /// `read_up` × reads − `write_down` × writes > 0 (default 1 and 9:
     /// at least 9 reads per write).
@@ -205,6 +210,7 @@ impl Default for HotConfig {
             target_imbalance: 1.1,
             repl_high: None,
             displace: false,
+            displace_quiet: 2,
             read_up: 1.0,
             write_down: 9.0,
             lease_epochs: 2,
@@ -339,6 +345,13 @@ struct Entry {
     /// copies were lost ([`HotKeys::copies_lost`]), their replication failed
     /// or timed out, or it was displaced by a hotter key.
     broken: bool,
+    /// This epoch's rate as measured (requests/s over all copies), before
+    /// the smoothing of `reads`/`writes`; 0 when not seen. Displacement
+    /// judges a HOT key by it: a key whose readers left (a shifted hot
+    /// set) shows it at once, where the smoothed rate takes epochs to fall.
+    raw: f64,
+    /// Consecutive epochs its `raw` rate was at most `cool_fraction` × T.
+    quiet: u32,
 }
 
 /// One server's Phase 1 policy.
@@ -649,6 +662,8 @@ impl HotKeys {
             writes: 0.0,
             pinned: true,
             broken: false,
+            raw: 0.0,
+            quiet: 0,
         });
         e.pinned = true;
         if e.state != KeyState::Cold {
@@ -747,7 +762,7 @@ impl HotKeys {
             .map(|(k, &(r, w))| (r + w, k.to_vec()))
             .collect();
         heat.sort_by(|a, b| b.0.total_cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
-        let room = self.repl_high(&view).saturating_sub(self.replicated());
+        let room = self.repl_high(&view).saturating_sub(self.slots_taken());
         let now = self.now;
         let mut log = Vec::new();
         let mut out = Vec::new();
@@ -765,6 +780,8 @@ impl HotKeys {
                     writes,
                     pinned: false,
                     broken: false,
+                    raw: reads + writes,
+                    quiet: 0,
                 };
                 self.keys.insert(k.clone(), e);
                 self.apply(&k, KeyEvent::Tracked, &mut log);
@@ -777,6 +794,16 @@ impl HotKeys {
             out.push(Replicate { key: k, worker, replicas: want, lease_epochs: self.cfg.lease_epochs });
         }
         out
+    }
+
+    /// Keys counted against REPL_high: those with copies, or with
+    /// `displace` those granted leases (HOT_PENDING, HOT) only.
+    fn slots_taken(&self) -> usize {
+        if self.cfg.displace {
+            self.keys.values().filter(|e| matches!(e.state, KeyState::Hot | KeyState::HotPending)).count()
+        } else {
+            self.replicated()
+        }
     }
 
     fn repl_high(&self, view: &ClusterView) -> usize {
@@ -844,6 +871,8 @@ impl HotKeys {
                     writes,
                     pinned: false,
                     broken: false,
+                    raw: reads + writes,
+                    quiet: 0,
                 };
                 self.keys.insert(k.clone(), e);
                 self.apply(k, KeyEvent::Tracked, &mut log);
@@ -851,6 +880,7 @@ impl HotKeys {
             let keep = 1.0 - self.cfg.max_fall.clamp(0.0, 1.0);
             let e = self.keys.get_mut(k).expect("inserted");
             e.worker = worker;
+            e.raw = reads + writes;
             (e.reads, e.writes) = (reads.max(keep * e.reads), writes.max(keep * e.writes));
         }
         let dropped: Vec<Vec<u8>> =
@@ -859,7 +889,7 @@ impl HotKeys {
             if !self.apply(&k, KeyEvent::Dropped, &mut log) {
                 let keep = 1.0 - self.cfg.max_fall.clamp(0.0, 1.0);
                 let e = self.keys.get_mut(&k).expect("present");
-                (e.reads, e.writes) = (keep * e.reads, keep * e.writes);
+                (e.reads, e.writes, e.raw) = (keep * e.reads, keep * e.writes, 0.0);
             }
         }
         self.keys.retain(|_, e| e.state != KeyState::Invalid);
@@ -894,6 +924,8 @@ impl HotKeys {
         let names: Vec<Vec<u8>> = self.keys.keys().cloned().collect();
         let mut heat: Vec<(f64, Vec<u8>)> = Vec::new();
         for k in &names {
+            let e = self.keys.get_mut(k).expect("present");
+            e.quiet = if e.state == KeyState::Hot && e.raw <= cool_below { e.quiet + 1 } else { 0 };
             let e = &self.keys[k];
             let f = e.reads + e.writes;
             let ok = replicable(e);
@@ -956,11 +988,18 @@ impl HotKeys {
             // leases) until their leases end, so the keys with copies may
             // exceed REPL_high by the keys retiring, for lease_epochs + 1
             // epochs; the keys granted leases stay within it.
+            // Judged by their rate as measured this epoch, and only once it
+            // has been at most cool_fraction × T for `displace_quiet` epochs
+            // running: a key whose readers left (a shifted hot set) frees
+            // its slot in that many epochs, where cooling takes its
+            // smoothed rate's fall plus `cool_epochs`; one unlucky epoch
+            // of a HOT key (its home sees 1/(γ+1) of its reads) does not.
+            let quiet = self.cfg.displace_quiet.max(1);
             let mut coolest: Vec<(f64, Vec<u8>)> = self
                 .keys
                 .iter()
-                .filter(|(_, e)| e.state == KeyState::Hot && !e.pinned)
-                .map(|(k, e)| (e.reads + e.writes, k.clone()))
+                .filter(|(_, e)| e.state == KeyState::Hot && !e.pinned && e.quiet >= quiet)
+                .map(|(k, e)| (e.raw.min(e.reads + e.writes), k.clone()))
                 .collect();
             coolest.sort_by(|a, b| a.0.total_cmp(&b.0).then_with(|| a.1.cmp(&b.1)));
             // Keys already retiring (cooled or displaced) make room too.

@@ -413,15 +413,12 @@ fn displacement_cools_the_coolest_hot_key_for_a_much_hotter_one() {
         assert_eq!(d.replicated, 2);
         h.replicas_ready(b"a");
         h.replicas_ready(b"b");
-        // "c" turns up much hotter than b (the home sees 1/(γ+1) of a HOT key's reads).
+        // The hot set shifts: b's readers leave and "c" turns up much
+        // hotter than b ever was (the home sees 1/(γ+1) of a HOT key's reads).
         let (ga, gb) = (h.hint(b"a"), h.hint(b"b"));
         let mut states = Vec::new();
         for e in 2..10 {
-            feed(
-                &mut h,
-                e,
-                &[(b"a", 900.0 / f64::from(ga + 1), 0.0), (b"b", 300.0 / f64::from(gb + 1), 0.0), (b"c", 2000.0, 0.0)],
-            );
+            feed(&mut h, e, &[(b"a", 900.0 / f64::from(ga + 1), 0.0), (b"b", 1.0, 0.0), (b"c", 2000.0, 0.0)]);
             let d = h.on_epoch(&snapshot(e, &[3000.0, 900.0]), &VIEW);
             let leased =
                 [b"a", b"b", b"c"].iter().filter(|k| matches!(h.state(&k[..]), S::Hot | S::HotPending)).count();
@@ -437,7 +434,10 @@ fn displacement_cools_the_coolest_hot_key_for_a_much_hotter_one() {
         }
         assert_eq!(h.state(b"a"), S::Hot, "the hotter one stays");
         if displace {
-            assert_eq!(states[0], (S::ColdPending, S::Hot), "b gives way to c at once: {states:?}");
+            // b's measured rate is quiet for displace_quiet (2) epochs: it
+            // gives way to c then, while its smoothed rate is still high.
+            assert_eq!(states[0], (S::Hot, S::Cold), "not after one quiet epoch: {states:?}");
+            assert_eq!(states[1], (S::ColdPending, S::Hot), "b gives way to c: {states:?}");
             assert_eq!(states.last().unwrap(), &(S::Cold, S::Hot), "b retired after its leases: {states:?}");
         } else {
             assert!(states.iter().all(|s| s.1 == S::Cold), "{states:?}");
@@ -741,5 +741,31 @@ fn a_fixed_sampling_rate_stays_fixed() {
     for e in 1..4 {
         h.on_epoch(&snapshot(e, &[100.0 * e as f64, 5000.0]), &VIEW);
         assert_eq!(h.sample_rate(), 0.05);
+    }
+}
+
+#[test]
+fn displacement_spares_a_hot_key_with_one_quiet_epoch_at_a_time() {
+    let cfg = HotConfig {
+        sample_rate: 1.0,
+        sample_target: 0.0,
+        decay: 0.0,
+        repl_high: Some(2),
+        displace: true,
+        ..HotConfig::default()
+    };
+    let mut h = HotKeys::new(cfg, Config::default());
+    feed(&mut h, 1, &[(b"a", 900.0, 0.0), (b"b", 800.0, 0.0)]);
+    h.on_epoch(&snapshot(1, &[3000.0, 900.0]), &VIEW);
+    h.replicas_ready(b"a");
+    h.replicas_ready(b"b");
+    let (ga, gb) = (h.hint(b"a"), h.hint(b"b"));
+    // b's home sees none of its reads every other epoch (sampling noise:
+    // the home sees 1/(γ+1) of them); c waits, much hotter.
+    for e in 2..10 {
+        let b = if e % 2 == 0 { 1.0 } else { 800.0 / f64::from(gb + 1) };
+        feed(&mut h, e, &[(b"a", 900.0 / f64::from(ga + 1), 0.0), (b"b", b, 0.0), (b"c", 2000.0, 0.0)]);
+        let d = h.on_epoch(&snapshot(e, &[3000.0, 900.0]), &VIEW);
+        assert_eq!((h.state(b"a"), h.state(b"b"), h.state(b"c")), (S::Hot, S::Hot, S::Cold), "epoch {e}: {d:?}");
     }
 }

@@ -242,7 +242,7 @@ pub struct ServerArgs {
     #[arg(long = "hot-repl-high")]
     pub hot_repl_high: Option<usize>,
     /// Past REPL_high, a key at least twice as hot as this server's coolest replicated key
-    /// displaces it [default: off]
+    /// displaces it, once its measured rate has been quiet for 2 epochs [default: on]
     #[arg(long = "hot-displace", value_parser = parse_on_off)]
     pub hot_displace: Option<bool>,
     /// Epochs a client may read a hot key's copies after a hint [default: 2]

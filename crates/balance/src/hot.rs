@@ -154,8 +154,9 @@ pub struct HotConfig {
     /// `total % servers` servers get one more), so that the cluster as a
     /// whole stays within floor(2·n·ln n).
     pub repl_high: Option<usize>,
-    /// When REPL_high is reached, a key at least twice as hot as the
-    /// coolest HOT key of this server displaces it: the coolest cools at
+    /// When REPL_high is reached (default on), a key at least twice as hot
+    /// as the coolest displaceable HOT key of this server (see
+    /// `displace_quiet`) displaces it: the coolest cools at
     /// once (no new leases, retired after the leases it gave) and the new
     /// key is replicated in the same epoch. REPL_high then bounds the keys
     /// granted leases (HOT_PENDING, HOT); the keys retiring come on top
@@ -209,7 +210,7 @@ impl Default for HotConfig {
             decay: 0.5,
             target_imbalance: 1.1,
             repl_high: None,
-            displace: false,
+            displace: true,
             displace_quiet: 2,
             read_up: 1.0,
             write_down: 9.0,

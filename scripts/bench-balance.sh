@@ -40,7 +40,7 @@
 # if the last epochs are above it; and the first second from which every second's p99 stays
 # within P99_TARGET_US (the backlog built up before the moves has drained).
 #
-# Knobs (environment): CAP per-worker capacity, requests/s (default 2000); LOAD offered load as
+# Knobs (environment): CAP per-worker capacity, requests/s (default 2000; 4000 for hotkeys); LOAD offered load as
 # a fraction of the cluster's total capacity (default 0.7); SECS seconds of the fixed-rate run
 # (default 20); SETTLE seconds at its start left out of the "settled" figures (default 8);
 # RUNS runs per mode (default 3); MODES (default "off on"); WORKLOADS (default "zipf hotpart");

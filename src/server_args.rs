@@ -223,9 +223,21 @@ pub struct ServerArgs {
     /// servers]
     #[arg(long = "hot-keys", value_parser = parse_on_off)]
     pub hot_keys: Option<bool>,
-    /// Fraction of requests sampled into the hot-key tracker [default: 0.03]
+    /// Fraction of requests sampled into the hot-key tracker: given alone, a fixed rate (no
+    /// --hot-sample-target); with a target, the rate until the first epoch [default: 0.03]
     #[arg(long = "hot-sample-rate")]
     pub hot_sample_rate: Option<f64>,
+    /// Sampled requests to aim for per worker and epoch: the sampling rate is set each epoch
+    /// from the load, between --hot-sample-min and --hot-sample-max; 0: a fixed
+    /// --hot-sample-rate [default: 100]
+    #[arg(long = "hot-sample-target")]
+    pub hot_sample_target: Option<f64>,
+    /// Lowest sampling rate the sample target may set [default: 0.0001]
+    #[arg(long = "hot-sample-min")]
+    pub hot_sample_min: Option<f64>,
+    /// Highest sampling rate the sample target may set [default: 0.25]
+    #[arg(long = "hot-sample-max")]
+    pub hot_sample_max: Option<f64>,
     /// The per-worker max/avg load Phase 1 aims for; picks each key's replica count [default: 1.1]
     #[arg(long = "hot-target")]
     pub hot_target: Option<f64>,
@@ -234,7 +246,7 @@ pub struct ServerArgs {
     #[arg(long = "hot-repl-high")]
     pub hot_repl_high: Option<usize>,
     /// Past REPL_high, a key at least twice as hot as this server's coolest replicated key
-    /// displaces it [default: off]
+    /// displaces it, once its measured rate has been quiet for 2 epochs [default: on]
     #[arg(long = "hot-displace", value_parser = parse_on_off)]
     pub hot_displace: Option<bool>,
     /// Epochs a client may read a hot key's copies after a hint [default: 2]
@@ -887,6 +899,30 @@ impl ServerArgs {
                 bail!("--hot-sample-rate must be in (0, 1] (got {v})");
             }
             h.policy.sample_rate = v;
+            // A rate given alone is a fixed rate.
+            if o.hot_sample_target.is_none() {
+                h.policy.sample_target = 0.0;
+            }
+        }
+        if let Some(v) = o.hot_sample_target {
+            if !(v >= 0.0 && v.is_finite()) {
+                bail!("--hot-sample-target must be 0 or more (got {v})");
+            }
+            h.policy.sample_target = v;
+        }
+        for (flag, v, slot) in [
+            ("--hot-sample-min", o.hot_sample_min, &mut h.policy.sample_min),
+            ("--hot-sample-max", o.hot_sample_max, &mut h.policy.sample_max),
+        ] {
+            if let Some(v) = v {
+                if !(v > 0.0 && v <= 1.0) {
+                    bail!("{flag} must be in (0, 1] (got {v})");
+                }
+                *slot = v;
+            }
+        }
+        if h.policy.sample_min > h.policy.sample_max {
+            bail!("--hot-sample-min must not be above --hot-sample-max");
         }
         if let Some(v) = o.hot_target {
             if v < 1.0 {

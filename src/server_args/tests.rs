@@ -473,3 +473,24 @@ fn forward_flag() {
     assert!(s.forward);
     assert_eq!(s.forward_timeout_ms, 250);
 }
+
+#[test]
+fn hot_sampling_flags() {
+    let p = parse(&[]).unwrap().hot.policy;
+    assert_eq!((p.sample_target, p.sample_min, p.sample_max, p.displace), (100.0, 0.0001, 0.25, true));
+    // A rate given alone is a fixed rate; with a target, the first epoch's.
+    let p = parse(&["--hot-sample-rate", "0.05"]).unwrap().hot.policy;
+    assert_eq!((p.sample_rate, p.sample_target), (0.05, 0.0));
+    let p = parse(&["--hot-sample-rate", "0.05", "--hot-sample-target", "200"]).unwrap().hot.policy;
+    assert_eq!((p.sample_rate, p.sample_target), (0.05, 200.0));
+    let p =
+        parse(&["--hot-sample-min", "0.001", "--hot-sample-max", "0.5", "--hot-displace", "off"]).unwrap().hot.policy;
+    assert_eq!((p.sample_min, p.sample_max, p.displace), (0.001, 0.5, false));
+    for bad in [
+        &["--hot-sample-target", "-1"][..],
+        &["--hot-sample-max", "0"],
+        &["--hot-sample-min", "0.5", "--hot-sample-max", "0.1"],
+    ] {
+        assert!(parse(bad).is_err(), "{bad:?}");
+    }
+}

@@ -117,9 +117,24 @@ pub fn step(s: KeyState, e: KeyEvent) -> Option<(KeyState, KeyTransition)> {
 /// Phase 1's knobs.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct HotConfig {
-    /// The fraction of requests the caller samples into the tracker
-    /// (default 0.03, SPORE's 3%); rates are samples ÷ this ÷ epoch.
+    /// The fraction of requests the caller samples into the tracker when
+    /// `sample_target` is 0 (default 0.03, SPORE's 3%), and the rate
+    /// until the first epoch's loads are known otherwise; rates are
+    /// samples ÷ the rate in force ([`HotKeys::sample_rate`]) ÷ epoch.
     pub sample_rate: f64,
+    /// Sampled requests to aim for per worker and epoch (default 100; 0:
+    /// a fixed `sample_rate`). Each epoch the rate for the next is this ÷
+    /// (this server's mean requests per worker in an epoch), within
+    /// `sample_min`..=`sample_max`: what tells a key worth a copy from
+    /// noise is its share of its worker's load (a key at share p gets
+    /// about target × p samples, and `min_samples` of them), so the count
+    /// per worker is what must hold, whatever the load: 14% at 700
+    /// requests/s per worker, 0.01% at 1M.
+    pub sample_target: f64,
+    /// Bounds of the rate set from `sample_target` (default 0.0001 and
+    /// 0.25).
+    pub sample_min: f64,
+    pub sample_max: f64,
     /// The tracker (default lossy counting, chosen by measurement:
     /// docs/design-notes.md "Phase 1: which hot-key tracker").
     pub tracker: TrackerKind,
@@ -139,14 +154,20 @@ pub struct HotConfig {
     /// `total % servers` servers get one more), so that the cluster as a
     /// whole stays within floor(2·n·ln n).
     pub repl_high: Option<usize>,
-    /// When REPL_high is reached, a key at least twice as hot as the
-    /// coolest HOT key of this server displaces it: the coolest cools at
+    /// When REPL_high is reached (default on), a key at least twice as hot
+    /// as the coolest displaceable HOT key of this server (see
+    /// `displace_quiet`) displaces it: the coolest cools at
     /// once (no new leases, retired after the leases it gave) and the new
     /// key is replicated in the same epoch. REPL_high then bounds the keys
     /// granted leases (HOT_PENDING, HOT); the keys retiring come on top
     /// for `lease_epochs` + 1 epochs. See docs/benchmarks.md §15 for what
     /// it does to the copies made and the reaction time.
     pub displace: bool,
+    /// With `displace`: a HOT key may be displaced only after this many
+    /// consecutive epochs (default 2) in which its rate as measured (not
+    /// smoothed) was at most `cool_fraction` × T; it is judged by that
+    /// rate.
+    pub displace_quiet: u32,
     /// SPORE's read-up/write-down weights: a key is replicable when
     /// `read_up` × reads − `write_down` × writes > 0 (default 1 and 9:
     /// at least 9 reads per write).
@@ -181,12 +202,16 @@ impl Default for HotConfig {
     fn default() -> Self {
         HotConfig {
             sample_rate: 0.03,
+            sample_target: 100.0,
+            sample_min: 0.0001,
+            sample_max: 0.25,
             tracker: TrackerKind::Lossy,
             capacity: 1024,
             decay: 0.5,
             target_imbalance: 1.1,
             repl_high: None,
-            displace: false,
+            displace: true,
+            displace_quiet: 2,
             read_up: 1.0,
             write_down: 9.0,
             lease_epochs: 2,
@@ -321,6 +346,13 @@ struct Entry {
     /// copies were lost ([`HotKeys::copies_lost`]), their replication failed
     /// or timed out, or it was displaced by a hotter key.
     broken: bool,
+    /// This epoch's rate as measured (requests/s over all copies), before
+    /// the smoothing of `reads`/`writes`; 0 when not seen. Displacement
+    /// judges a HOT key by it: a key whose readers left (a shifted hot
+    /// set) shows it at once, where the smoothed rate takes epochs to fall.
+    raw: f64,
+    /// Consecutive epochs its `raw` rate was at most `cool_fraction` × T.
+    quiet: u32,
 }
 
 /// One server's Phase 1 policy.
@@ -334,6 +366,19 @@ pub struct HotKeys {
     /// below which a key is sampling noise, for [`HotKeys::on_alarm`]
     /// between epochs.
     last: Option<(ClusterView, f64, f64)>,
+    /// The sampling rate in force (see [`HotConfig::sample_target`]).
+    rate: f64,
+}
+
+/// The sampling rate that gives `target` samples per worker and epoch at
+/// `per_worker` requests per worker and epoch, within `min..=max`; `max`
+/// when nothing was counted.
+pub fn sample_rate_for(target: f64, per_worker: f64, min: f64, max: f64) -> f64 {
+    let (min, max) = (min.clamp(1e-9, 1.0), max.clamp(1e-9, 1.0));
+    if per_worker <= 0.0 {
+        return max;
+    }
+    (target / per_worker).clamp(min.min(max), max)
 }
 
 /// The estimated max/avg worker load (NetKV §IV-D, in its "many balls"
@@ -462,7 +507,16 @@ impl HotKeys {
     /// capacity, saturation, minimum load).
     pub fn new(cfg: HotConfig, balance: Config) -> HotKeys {
         let tracker = tracker::build(cfg.tracker, cfg.capacity, cfg.decay);
-        HotKeys { cfg, balance, tracker, keys: BTreeMap::new(), now: 0, last: None }
+        let rate = cfg.sample_rate.clamp(1e-9, 1.0);
+        HotKeys { cfg, balance, tracker, keys: BTreeMap::new(), now: 0, last: None, rate }
+    }
+
+    /// The fraction of requests to sample from now on: fixed, or set each
+    /// epoch from [`HotConfig::sample_target`]. [`HotKeys::on_epoch`] and
+    /// [`HotKeys::on_alarm`] take the samples they see as taken at it, so
+    /// the caller should apply a new rate as soon as an epoch is decided.
+    pub fn sample_rate(&self) -> f64 {
+        self.rate
     }
 
     pub fn config(&self) -> &HotConfig {
@@ -609,6 +663,8 @@ impl HotKeys {
             writes: 0.0,
             pinned: true,
             broken: false,
+            raw: 0.0,
+            quiet: 0,
         });
         e.pinned = true;
         if e.state != KeyState::Cold {
@@ -676,7 +732,7 @@ impl HotKeys {
                 c.0 += 1.0;
             }
         }
-        let scale = 1.0 / (self.cfg.sample_rate.max(1e-9) * secs);
+        let scale = 1.0 / (self.rate * secs);
         let (up, down) = (self.cfg.read_up, self.cfg.write_down);
         // Keys seen often enough in the window, at their window rates.
         let seen: BTreeMap<&[u8], (f64, f64)> = counts
@@ -707,7 +763,7 @@ impl HotKeys {
             .map(|(k, &(r, w))| (r + w, k.to_vec()))
             .collect();
         heat.sort_by(|a, b| b.0.total_cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
-        let room = self.repl_high(&view).saturating_sub(self.replicated());
+        let room = self.repl_high(&view).saturating_sub(self.slots_taken());
         let now = self.now;
         let mut log = Vec::new();
         let mut out = Vec::new();
@@ -725,6 +781,8 @@ impl HotKeys {
                     writes,
                     pinned: false,
                     broken: false,
+                    raw: reads + writes,
+                    quiet: 0,
                 };
                 self.keys.insert(k.clone(), e);
                 self.apply(&k, KeyEvent::Tracked, &mut log);
@@ -737,6 +795,16 @@ impl HotKeys {
             out.push(Replicate { key: k, worker, replicas: want, lease_epochs: self.cfg.lease_epochs });
         }
         out
+    }
+
+    /// Keys counted against REPL_high: those with copies, or with
+    /// `displace` those granted leases (HOT_PENDING, HOT) only.
+    fn slots_taken(&self) -> usize {
+        if self.cfg.displace {
+            self.keys.values().filter(|e| matches!(e.state, KeyState::Hot | KeyState::HotPending)).count()
+        } else {
+            self.replicated()
+        }
     }
 
     fn repl_high(&self, view: &ClusterView) -> usize {
@@ -773,7 +841,12 @@ impl HotKeys {
                 s.iter().sum::<f64>() / s.len() as f64
             }
         };
-        let scale = 1.0 / (self.cfg.sample_rate.max(1e-9) * secs);
+        let scale = 1.0 / (self.rate * secs);
+        if self.cfg.sample_target > 0.0 {
+            // The next epoch's rate, from this one's requests per worker.
+            let (lo, hi) = (self.cfg.sample_min, self.cfg.sample_max);
+            self.rate = sample_rate_for(self.cfg.sample_target, local_avg * secs, lo, hi);
+        }
         let mut seen: BTreeMap<Vec<u8>, (u16, f64, f64)> = BTreeMap::new();
         for c in counted.iter().take(self.cfg.capacity).filter(|c| c.total() >= 0.5) {
             let mut reads = (c.reads + c.error) * scale;
@@ -799,6 +872,8 @@ impl HotKeys {
                     writes,
                     pinned: false,
                     broken: false,
+                    raw: reads + writes,
+                    quiet: 0,
                 };
                 self.keys.insert(k.clone(), e);
                 self.apply(k, KeyEvent::Tracked, &mut log);
@@ -806,6 +881,7 @@ impl HotKeys {
             let keep = 1.0 - self.cfg.max_fall.clamp(0.0, 1.0);
             let e = self.keys.get_mut(k).expect("inserted");
             e.worker = worker;
+            e.raw = reads + writes;
             (e.reads, e.writes) = (reads.max(keep * e.reads), writes.max(keep * e.writes));
         }
         let dropped: Vec<Vec<u8>> =
@@ -814,7 +890,7 @@ impl HotKeys {
             if !self.apply(&k, KeyEvent::Dropped, &mut log) {
                 let keep = 1.0 - self.cfg.max_fall.clamp(0.0, 1.0);
                 let e = self.keys.get_mut(&k).expect("present");
-                (e.reads, e.writes) = (keep * e.reads, keep * e.writes);
+                (e.reads, e.writes, e.raw) = (keep * e.reads, keep * e.writes, 0.0);
             }
         }
         self.keys.retain(|_, e| e.state != KeyState::Invalid);
@@ -849,6 +925,8 @@ impl HotKeys {
         let names: Vec<Vec<u8>> = self.keys.keys().cloned().collect();
         let mut heat: Vec<(f64, Vec<u8>)> = Vec::new();
         for k in &names {
+            let e = self.keys.get_mut(k).expect("present");
+            e.quiet = if e.state == KeyState::Hot && e.raw <= cool_below { e.quiet + 1 } else { 0 };
             let e = &self.keys[k];
             let f = e.reads + e.writes;
             let ok = replicable(e);
@@ -911,11 +989,18 @@ impl HotKeys {
             // leases) until their leases end, so the keys with copies may
             // exceed REPL_high by the keys retiring, for lease_epochs + 1
             // epochs; the keys granted leases stay within it.
+            // Judged by their rate as measured this epoch, and only once it
+            // has been at most cool_fraction × T for `displace_quiet` epochs
+            // running: a key whose readers left (a shifted hot set) frees
+            // its slot in that many epochs, where cooling takes its
+            // smoothed rate's fall plus `cool_epochs`; one unlucky epoch
+            // of a HOT key (its home sees 1/(γ+1) of its reads) does not.
+            let quiet = self.cfg.displace_quiet.max(1);
             let mut coolest: Vec<(f64, Vec<u8>)> = self
                 .keys
                 .iter()
-                .filter(|(_, e)| e.state == KeyState::Hot && !e.pinned)
-                .map(|(k, e)| (e.reads + e.writes, k.clone()))
+                .filter(|(_, e)| e.state == KeyState::Hot && !e.pinned && e.quiet >= quiet)
+                .map(|(k, e)| (e.raw.min(e.reads + e.writes), k.clone()))
                 .collect();
             coolest.sort_by(|a, b| a.0.total_cmp(&b.0).then_with(|| a.1.cmp(&b.1)));
             // Keys already retiring (cooled or displaced) make room too.

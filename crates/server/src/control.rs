@@ -123,6 +123,9 @@ pub(crate) struct HotStatus {
     pub copies_failed: u64,
     /// Hotspot alarms heard from this server's workers between epochs.
     pub alarms: u64,
+    /// The fraction of requests sampled now (`HotKeys::sample_rate`; 0
+    /// before the first epoch).
+    pub sample_rate: f64,
 }
 
 /// A key Phase 1 replicates from this server.
@@ -431,8 +434,15 @@ impl Controller {
         let peers = self.shared.peers();
         // The alarm limit for the next epoch, to every worker.
         let limit = self.hot.as_ref().and_then(HotKeys::alarm_limit);
+        // And the sampling rate from now on, when it changed.
+        let rate = self.hot.as_ref().map_or(0.0, HotKeys::sample_rate);
+        let new_rate = (rate != self.hot_status.sample_rate).then_some(rate);
+        self.hot_status.sample_rate = rate;
         for w in 0..self.shared.settings.threads {
             peers.send_one(w, Envelope::Hot(HotCmd::AlarmLimit(limit)), now);
+            if let Some(r) = new_rate {
+                peers.send_one(w, Envelope::Hot(HotCmd::SampleRate(r)), now);
+            }
         }
         for r in &d.retire {
             self.hot_meta.remove(&r.key);

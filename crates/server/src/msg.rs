@@ -243,6 +243,9 @@ pub(crate) enum HotCmd {
     /// From the controller, each epoch: the load (requests/s) above which
     /// this worker raises a hotspot alarm between epochs (`None`: none).
     AlarmLimit(Option<f64>),
+    /// From the controller, each epoch: the fraction of requests to sample
+    /// for the hot-key tracker from now on (`HotKeys::sample_rate`).
+    SampleRate(f64),
 }
 
 /// Messages between workers.

@@ -632,7 +632,10 @@ pub(crate) fn render_hotkeys(shared: &crate::worker::Shared, sink: &mut dyn Stat
     let on = shared.replicator.is_some();
     sink.stat("hot_keys", &if on { "on" } else { "off" });
     let h = &shared.settings.hot;
-    sink.stat("sample_rate", &h.policy.sample_rate);
+    // The rate in force (set each epoch from the sample target, or fixed).
+    let rate = if st.sample_rate > 0.0 { st.sample_rate } else { h.policy.sample_rate };
+    sink.stat("sample_rate", &format_args!("{rate:.5}"));
+    sink.stat("sample_target", &h.policy.sample_target);
     sink.stat("target_imbalance", &h.policy.target_imbalance);
     sink.stat("replica_writes", &if h.sync { "sync" } else { "async" });
     sink.stat("lease_ms", &h.lease_ms());

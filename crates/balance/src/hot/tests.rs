@@ -184,7 +184,7 @@ fn feed(h: &mut HotKeys, epoch: u64, hot: &[(&[u8], f64, f64)]) {
 }
 
 fn policy() -> HotKeys {
-    let cfg = HotConfig { sample_rate: 1.0, decay: 0.0, ..HotConfig::default() };
+    let cfg = HotConfig { sample_rate: 1.0, sample_target: 0.0, decay: 0.0, ..HotConfig::default() };
     HotKeys::new(cfg, Config::default())
 }
 
@@ -264,7 +264,8 @@ fn a_hot_partition_escalates_with_no_hot_keys() {
 
 #[test]
 fn repl_high_caps_and_escalates() {
-    let cfg = HotConfig { sample_rate: 1.0, decay: 0.0, repl_high: Some(2), ..HotConfig::default() };
+    let cfg =
+        HotConfig { sample_rate: 1.0, sample_target: 0.0, decay: 0.0, repl_high: Some(2), ..HotConfig::default() };
     let mut h = HotKeys::new(cfg, Config::default());
     feed(&mut h, 1, &[(b"a", 900.0, 0.0), (b"b", 800.0, 0.0), (b"c", 700.0, 0.0)]);
     let d = h.on_epoch(&snapshot(1, &[3000.0, 900.0]), &VIEW);
@@ -335,7 +336,7 @@ fn a_rate_falls_by_at_most_half_per_epoch() {
 
 #[test]
 fn a_hot_key_cools_only_after_three_epochs_at_half_the_threshold() {
-    let cfg = HotConfig { sample_rate: 1.0, decay: 0.0, max_fall: 1.0, ..HotConfig::default() };
+    let cfg = HotConfig { sample_rate: 1.0, sample_target: 0.0, decay: 0.0, max_fall: 1.0, ..HotConfig::default() };
     let mut h = HotKeys::new(cfg.clone(), Config::default());
     let (_, g) = make_hot(&mut h);
     let mut t = 0.0;
@@ -398,22 +399,26 @@ fn a_failed_replication_retires_before_it_is_replicated_again() {
 #[test]
 fn displacement_cools_the_coolest_hot_key_for_a_much_hotter_one() {
     for displace in [false, true] {
-        let cfg = HotConfig { sample_rate: 1.0, decay: 0.0, repl_high: Some(2), displace, ..HotConfig::default() };
+        let cfg = HotConfig {
+            sample_rate: 1.0,
+            sample_target: 0.0,
+            decay: 0.0,
+            repl_high: Some(2),
+            displace,
+            ..HotConfig::default()
+        };
         let mut h = HotKeys::new(cfg, Config::default());
         feed(&mut h, 1, &[(b"a", 900.0, 0.0), (b"b", 800.0, 0.0)]);
         let d = h.on_epoch(&snapshot(1, &[3000.0, 900.0]), &VIEW);
         assert_eq!(d.replicated, 2);
         h.replicas_ready(b"a");
         h.replicas_ready(b"b");
-        // "c" turns up much hotter than b (the home sees 1/(γ+1) of a HOT key's reads).
+        // The hot set shifts: b's readers leave and "c" turns up much
+        // hotter than b ever was (the home sees 1/(γ+1) of a HOT key's reads).
         let (ga, gb) = (h.hint(b"a"), h.hint(b"b"));
         let mut states = Vec::new();
         for e in 2..10 {
-            feed(
-                &mut h,
-                e,
-                &[(b"a", 900.0 / f64::from(ga + 1), 0.0), (b"b", 300.0 / f64::from(gb + 1), 0.0), (b"c", 2000.0, 0.0)],
-            );
+            feed(&mut h, e, &[(b"a", 900.0 / f64::from(ga + 1), 0.0), (b"b", 1.0, 0.0), (b"c", 2000.0, 0.0)]);
             let d = h.on_epoch(&snapshot(e, &[3000.0, 900.0]), &VIEW);
             let leased =
                 [b"a", b"b", b"c"].iter().filter(|k| matches!(h.state(&k[..]), S::Hot | S::HotPending)).count();
@@ -429,7 +434,10 @@ fn displacement_cools_the_coolest_hot_key_for_a_much_hotter_one() {
         }
         assert_eq!(h.state(b"a"), S::Hot, "the hotter one stays");
         if displace {
-            assert_eq!(states[0], (S::ColdPending, S::Hot), "b gives way to c at once: {states:?}");
+            // b's measured rate is quiet for displace_quiet (2) epochs: it
+            // gives way to c then, while its smoothed rate is still high.
+            assert_eq!(states[0], (S::Hot, S::Cold), "not after one quiet epoch: {states:?}");
+            assert_eq!(states[1], (S::ColdPending, S::Hot), "b gives way to c: {states:?}");
             assert_eq!(states.last().unwrap(), &(S::Cold, S::Hot), "b retired after its leases: {states:?}");
         } else {
             assert!(states.iter().all(|s| s.1 == S::Cold), "{states:?}");
@@ -652,7 +660,8 @@ fn an_alarm_replicates_a_new_hot_key_within_the_epoch() {
 
 #[test]
 fn an_alarm_leaves_replicated_and_write_heavy_keys_alone_and_keeps_repl_high() {
-    let cfg = HotConfig { sample_rate: 1.0, decay: 0.0, repl_high: Some(2), ..HotConfig::default() };
+    let cfg =
+        HotConfig { sample_rate: 1.0, sample_target: 0.0, decay: 0.0, repl_high: Some(2), ..HotConfig::default() };
     let mut h = HotKeys::new(cfg, Config::default());
     let (_, g) = make_hot(&mut h);
     assert_eq!(h.state(b"hot"), S::Hot);
@@ -670,4 +679,93 @@ fn an_alarm_leaves_replicated_and_write_heavy_keys_alone_and_keeps_repl_high() {
     assert_eq!(h.state(b"b"), S::Invalid);
     assert_eq!(h.state(b"counter"), S::Invalid, "write-heavy: never copied");
     assert_eq!(h.replicated(), 2);
+}
+
+#[test]
+fn the_sampling_rate_follows_a_target_count_per_worker_within_bounds() {
+    // 100 samples per worker and epoch: 1/7 at the testbed's 700
+    // requests/s, the floor at a real worker's 1M, the ceiling when idle
+    // or nearly.
+    let r = |per_worker| sample_rate_for(100.0, per_worker, 0.0001, 0.25);
+    assert!((r(700.0) - 100.0 / 700.0).abs() < 1e-12);
+    assert_eq!(r(1e6), 0.0001);
+    assert_eq!(r(1e9), 0.0001);
+    assert_eq!(r(100.0), 0.25);
+    assert_eq!(r(0.0), 0.25);
+    // Bounds out of order or out of range cannot give a rate above 1 or
+    // at 0.
+    assert_eq!(sample_rate_for(100.0, 10.0, 0.5, 2.0), 1.0);
+    assert!(sample_rate_for(0.0, 10.0, 0.0, 0.1) > 0.0);
+}
+
+#[test]
+fn with_a_sample_target_each_epoch_is_read_at_the_rate_in_force_during_it() {
+    let cfg = HotConfig { decay: 0.0, ..HotConfig::default() };
+    assert_eq!(cfg.sample_target, 100.0, "the default");
+    let mut h = HotKeys::new(cfg, Config::default());
+    assert_eq!(h.sample_rate(), 0.03, "until the first epoch's loads are known");
+    // Epoch 1 sampled at 3%: 30 samples of a key are 1,000 requests/s.
+    for _ in 0..30 {
+        h.observe(b"k", Access::Read, 0);
+    }
+    h.on_epoch(&snapshot(1, &[1000.0, 1000.0]), &VIEW);
+    assert!((h.top(1)[0].reads_per_sec - 1000.0).abs() < 1e-9);
+    // From now on 100 / 1,000 = 10%: the same 30 samples are 300/s.
+    assert!((h.sample_rate() - 0.1).abs() < 1e-12);
+    for _ in 0..30 {
+        h.observe(b"k", Access::Read, 0);
+    }
+    h.on_epoch(&snapshot(2, &[4000.0, 4000.0]), &VIEW);
+    // (Its rate falls by at most half an epoch: max(300, 500).)
+    assert!((h.top(1)[0].reads_per_sec - 500.0).abs() < 1e-9, "{:?}", h.top(1));
+    assert!((h.sample_rate() - 0.025).abs() < 1e-12);
+    // The noise floor moves with the rate: at 2.5%, 3 samples are 120/s.
+    for _ in 0..3 {
+        h.observe(b"three", Access::Read, 0);
+    }
+    h.on_epoch(&snapshot(3, &[4000.0, 4000.0]), &VIEW);
+    let three = h.top(8).into_iter().find(|k| k.key == b"three").expect("tracked");
+    assert!((three.reads_per_sec - 120.0).abs() < 1e-9);
+    // An alarm's window is read at the rate in force too.
+    let mut s = Vec::new();
+    sampled(&mut s, b"new", 10, false);
+    let r = h.on_alarm(0, &s, 0.25);
+    let new = h.top(8).into_iter().find(|k| k.key == b"new");
+    assert!(r.is_empty() || (new.expect("tracked").reads_per_sec - 1600.0).abs() < 1e-9);
+}
+
+#[test]
+fn a_fixed_sampling_rate_stays_fixed() {
+    let cfg = HotConfig { sample_rate: 0.05, sample_target: 0.0, decay: 0.0, ..HotConfig::default() };
+    let mut h = HotKeys::new(cfg, Config::default());
+    for e in 1..4 {
+        h.on_epoch(&snapshot(e, &[100.0 * e as f64, 5000.0]), &VIEW);
+        assert_eq!(h.sample_rate(), 0.05);
+    }
+}
+
+#[test]
+fn displacement_spares_a_hot_key_with_one_quiet_epoch_at_a_time() {
+    let cfg = HotConfig {
+        sample_rate: 1.0,
+        sample_target: 0.0,
+        decay: 0.0,
+        repl_high: Some(2),
+        displace: true,
+        ..HotConfig::default()
+    };
+    let mut h = HotKeys::new(cfg, Config::default());
+    feed(&mut h, 1, &[(b"a", 900.0, 0.0), (b"b", 800.0, 0.0)]);
+    h.on_epoch(&snapshot(1, &[3000.0, 900.0]), &VIEW);
+    h.replicas_ready(b"a");
+    h.replicas_ready(b"b");
+    let (ga, gb) = (h.hint(b"a"), h.hint(b"b"));
+    // b's home sees none of its reads every other epoch (sampling noise:
+    // the home sees 1/(γ+1) of them); c waits, much hotter.
+    for e in 2..10 {
+        let b = if e % 2 == 0 { 1.0 } else { 800.0 / f64::from(gb + 1) };
+        feed(&mut h, e, &[(b"a", 900.0 / f64::from(ga + 1), 0.0), (b"b", b, 0.0), (b"c", 2000.0, 0.0)]);
+        let d = h.on_epoch(&snapshot(e, &[3000.0, 900.0]), &VIEW);
+        assert_eq!((h.state(b"a"), h.state(b"b"), h.state(b"c")), (S::Hot, S::Hot, S::Cold), "epoch {e}: {d:?}");
+    }
 }

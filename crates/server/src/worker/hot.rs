@@ -55,6 +55,7 @@ impl Worker {
                 }
             }
             HotCmd::AlarmLimit(limit) => self.replicas.alarm.limit = limit,
+            HotCmd::SampleRate(rate) => self.store.watch().set_rate(rate),
             HotCmd::Written { hash, ok } => {
                 let Some(e) = self.replicas.hot.get_mut(hash) else { return };
                 e.pending = e.pending.saturating_sub(1);

@@ -54,6 +54,16 @@ impl KeyWatch {
         self.countdown = self.gap();
     }
 
+    /// Sample about `rate` of all accesses from now on (0 turns sampling
+    /// off), keeping the bound and the random sequence.
+    pub fn set_rate(&mut self, rate: f64) {
+        let period = if rate > 0.0 { (1.0 / rate.min(1.0)).round().max(1.0) as u32 } else { 0 };
+        if period != self.period {
+            self.period = period;
+            self.countdown = self.gap();
+        }
+    }
+
     /// A gap drawn uniformly from 1..=2·period−1 (mean `period`).
     fn gap(&mut self) -> u32 {
         // xorshift64*

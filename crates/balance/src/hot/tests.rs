@@ -415,7 +415,7 @@ fn displacement_cools_the_coolest_hot_key_for_a_much_hotter_one() {
         h.replicas_ready(b"b");
         // The hot set shifts: b's readers leave and "c" turns up much
         // hotter than b ever was (the home sees 1/(γ+1) of a HOT key's reads).
-        let (ga, gb) = (h.hint(b"a"), h.hint(b"b"));
+        let ga = h.hint(b"a");
         let mut states = Vec::new();
         for e in 2..10 {
             feed(&mut h, e, &[(b"a", 900.0 / f64::from(ga + 1), 0.0), (b"b", 1.0, 0.0), (b"c", 2000.0, 0.0)]);

@@ -764,29 +764,11 @@ impl HotKeys {
             .collect();
         heat.sort_by(|a, b| b.0.total_cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
         let room = self.repl_high(&view).saturating_sub(self.slots_taken());
-        let now = self.now;
         let mut log = Vec::new();
         let mut out = Vec::new();
         for (f, k) in heat.into_iter().take(room) {
             let (reads, writes) = seen[&k[..]];
-            if !self.keys.contains_key(&k) {
-                let e = Entry {
-                    state: KeyState::Invalid,
-                    worker,
-                    replicas: 0,
-                    since: now,
-                    cool: 0,
-                    ready: 0,
-                    reads,
-                    writes,
-                    pinned: false,
-                    broken: false,
-                    raw: reads + writes,
-                    quiet: 0,
-                };
-                self.keys.insert(k.clone(), e);
-                self.apply(&k, KeyEvent::Tracked, &mut log);
-            }
+            self.track(&k, worker, reads, writes, &mut log);
             let want = copies(f, t, max_copies) - 1;
             let e = self.keys.get_mut(&k).expect("tracked");
             (e.worker, e.replicas) = (worker, want);
@@ -795,6 +777,29 @@ impl HotKeys {
             out.push(Replicate { key: k, worker, replicas: want, lease_epochs: self.cfg.lease_epochs });
         }
         out
+    }
+
+    /// Start tracking `key` (INVALID → COLD) at the given rates, unless it is tracked.
+    fn track(&mut self, key: &[u8], worker: u16, reads: f64, writes: f64, log: &mut Vec<(Vec<u8>, KeyTransition)>) {
+        if self.keys.contains_key(key) {
+            return;
+        }
+        let e = Entry {
+            state: KeyState::Invalid,
+            worker,
+            replicas: 0,
+            since: self.now,
+            cool: 0,
+            ready: 0,
+            reads,
+            writes,
+            pinned: false,
+            broken: false,
+            raw: reads + writes,
+            quiet: 0,
+        };
+        self.keys.insert(key.to_vec(), e);
+        self.apply(key, KeyEvent::Tracked, log);
     }
 
     /// Keys counted against REPL_high: those with copies, or with
@@ -860,24 +865,7 @@ impl HotKeys {
 
         // INVALID ↔ COLD; every entry's rate.
         for (k, &(worker, reads, writes)) in &seen {
-            if !self.keys.contains_key(k) {
-                let e = Entry {
-                    state: KeyState::Invalid,
-                    worker,
-                    replicas: 0,
-                    since: now,
-                    cool: 0,
-                    ready: 0,
-                    reads,
-                    writes,
-                    pinned: false,
-                    broken: false,
-                    raw: reads + writes,
-                    quiet: 0,
-                };
-                self.keys.insert(k.clone(), e);
-                self.apply(k, KeyEvent::Tracked, &mut log);
-            }
+            self.track(k, worker, reads, writes, &mut log);
             let keep = 1.0 - self.cfg.max_fall.clamp(0.0, 1.0);
             let e = self.keys.get_mut(k).expect("inserted");
             e.worker = worker;

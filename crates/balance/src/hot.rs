@@ -368,6 +368,9 @@ pub struct HotKeys {
     last: Option<(ClusterView, f64, f64)>,
     /// The sampling rate in force (see [`HotConfig::sample_target`]).
     rate: f64,
+    /// Reads served by each HOT key's copies since the last epoch, as the shadows reported
+    /// them with the renewals ([`HotKeys::copy_reads`]).
+    copy_reads: BTreeMap<Vec<u8>, u64>,
 }
 
 /// The sampling rate that gives `target` samples per worker and epoch at
@@ -508,7 +511,15 @@ impl HotKeys {
     pub fn new(cfg: HotConfig, balance: Config) -> HotKeys {
         let tracker = tracker::build(cfg.tracker, cfg.capacity, cfg.decay);
         let rate = cfg.sample_rate.clamp(1e-9, 1.0);
-        HotKeys { cfg, balance, tracker, keys: BTreeMap::new(), now: 0, last: None, rate }
+        HotKeys { cfg, balance, tracker, keys: BTreeMap::new(), now: 0, last: None, rate, copy_reads: BTreeMap::new() }
+    }
+
+    /// The reads `key`'s copies served since they were last renewed, as the shadows count
+    /// them. A HOT key's rate at the next epoch is then its home's sampled reads plus these
+    /// (measured), instead of the home's reads times (γ + 1) (inferred from the uniform lease
+    /// draw), so a key whose readers left is seen to cool at once.
+    pub fn copy_reads(&mut self, key: &[u8], reads: u64) {
+        *self.copy_reads.entry(key.to_vec()).or_insert(0) += reads;
     }
 
     /// The fraction of requests to sample from now on: fixed, or set each
@@ -853,14 +864,25 @@ impl HotKeys {
             self.rate = sample_rate_for(self.cfg.sample_target, local_avg * secs, lo, hi);
         }
         let mut seen: BTreeMap<Vec<u8>, (u16, f64, f64)> = BTreeMap::new();
+        let mut copy_reads = std::mem::take(&mut self.copy_reads);
         for c in counted.iter().take(self.cfg.capacity).filter(|c| c.total() >= 0.5) {
             let mut reads = (c.reads + c.error) * scale;
             if let Some(e) = self.keys.get(&c.key) {
                 if e.state == KeyState::Hot {
-                    reads *= f64::from(e.replicas + 1);
+                    // Measured when the copies reported, else inferred.
+                    match copy_reads.remove(&c.key) {
+                        Some(n) => reads += n as f64 / secs,
+                        None => reads *= f64::from(e.replicas + 1),
+                    }
                 }
             }
             seen.insert(c.key.clone(), (c.worker, reads, c.writes * scale));
+        }
+        // A HOT key the home did not sample this epoch, read from its copies.
+        for (k, n) in copy_reads {
+            if let Some(e) = self.keys.get(&k).filter(|e| e.state == KeyState::Hot && n > 0) {
+                seen.insert(k, (e.worker, n as f64 / secs, 0.0));
+            }
         }
 
         // INVALID ↔ COLD; every entry's rate.

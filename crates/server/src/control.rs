@@ -53,7 +53,8 @@ pub(crate) enum CtlMsg {
     Sample { seq: u64, sample: Box<WorkerSample>, keys: Vec<(Box<[u8]>, bool)> },
     /// The replicator: a key's copies were made (`created`) or renewed by a
     /// job started at `at_ns` (`ok`), or could not be.
-    HotDone { key: Box<[u8]>, created: bool, ok: bool, at_ns: u64 },
+    /// A renewal also brings the reads the copies served since the last one.
+    HotDone { key: Box<[u8]>, created: bool, ok: bool, at_ns: u64, copy_reads: u64 },
     /// A home worker: replicating `key` failed (the item is gone, a write
     /// could not be copied).
     HotFailed { key: Box<[u8]> },
@@ -269,7 +270,14 @@ impl Controller {
                 }
                 self.sampled(seq, *sample)
             }
-            CtlMsg::HotDone { key, created, ok, at_ns } => self.hot_done(key, created, ok, at_ns),
+            CtlMsg::HotDone { key, created, ok, at_ns, copy_reads } => {
+                if ok && !created {
+                    if let Some(hot) = &mut self.hot {
+                        hot.copy_reads(&key, copy_reads);
+                    }
+                }
+                self.hot_done(key, created, ok, at_ns)
+            }
             CtlMsg::HotFailed { key } => self.hot_done(key, false, false, 0),
             CtlMsg::HotAlarm { worker, keys, secs } => self.hot_alarm(worker, &keys, secs),
             CtlMsg::Move { cachelet, to, reply } => self.request_move(cachelet, to, reply),

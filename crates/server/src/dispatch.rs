@@ -501,9 +501,14 @@ fn shadow_cmd(shared: &Shared, rt: &mut Route, out: &mut Vec<u8>, args: &str, da
             let line: &[u8] = if sh.del(key.as_bytes()) { text::DELETED } else { text::NOT_FOUND };
             out.extend_from_slice(line);
         }
-        ["rttl", key, ttl] => match ttl.parse::<u64>() {
-            Ok(ttl) if sh.renew(key.as_bytes(), ttl, now) => out.extend_from_slice(text::OK),
-            Ok(_) => out.extend_from_slice(text::NOT_FOUND),
+        ["rttl", key, ttl] => match ttl.parse::<u64>().map(|ttl| sh.renew(key.as_bytes(), ttl, now)) {
+            // The reads the copy served since the last renewal go back to the home.
+            Ok(Some(reads)) => {
+                out.extend_from_slice(b"OK ");
+                out.extend_from_slice(itoa::Buffer::new().format(reads).as_bytes());
+                out.extend_from_slice(b"\r\n");
+            }
+            Ok(None) => out.extend_from_slice(text::NOT_FOUND),
             Err(_) => out.extend_from_slice(b"CLIENT_ERROR usage: mbal rttl <key> <ttl-ms>\r\n"),
         },
         _ => out.extend_from_slice(b"CLIENT_ERROR bad mbal replica command\r\n"),

@@ -104,6 +104,9 @@ pub(crate) struct Copy {
     pub until_ns: u64,
     /// The item's own expiry (server clock, ns), if it has one.
     pub expires_ns: Option<u64>,
+    /// Reads served since it was made or last renewed (reported to the home with the
+    /// renewal, `mbal rttl`).
+    pub reads: u64,
 }
 
 /// Counters of the shadow table (`stats`).
@@ -158,7 +161,7 @@ impl ShadowTable {
         }
         self.bytes += c;
         let until_ns = now_ns + ttl_ms * 1_000_000;
-        self.copies.insert(key.into(), Copy { flags, value: value.into(), until_ns, expires_ns });
+        self.copies.insert(key.into(), Copy { flags, value: value.into(), until_ns, expires_ns, reads: 0 });
         self.st.stored += 1;
         true
     }
@@ -174,13 +177,15 @@ impl ShadowTable {
     }
 
     /// Extend a copy's life; false if there is none.
-    pub fn renew(&mut self, key: &[u8], ttl_ms: u64, now_ns: u64) -> bool {
+    /// Extend a live copy's life; returns the reads it served since it was made or last
+    /// renewed (and starts counting again), `None` if there is no live copy.
+    pub fn renew(&mut self, key: &[u8], ttl_ms: u64, now_ns: u64) -> Option<u64> {
         match self.copies.get_mut(key) {
             Some(c) if c.until_ns > now_ns => {
                 c.until_ns = now_ns + ttl_ms * 1_000_000;
-                true
+                Some(std::mem::take(&mut c.reads))
             }
-            _ => false,
+            _ => None,
         }
     }
 
@@ -193,7 +198,9 @@ impl ShadowTable {
             return None;
         }
         self.st.reads += 1;
-        self.copies.get(key)
+        let c = self.copies.get_mut(key)?;
+        c.reads += 1;
+        Some(c)
     }
 
     /// Drop every copy whose time is up.
@@ -318,10 +325,11 @@ mod tests {
         let mut s = ShadowTable::with_cap(1000);
         assert!(s.put(b"k", 7, b"v1", 100, None, 0));
         assert_eq!(s.get(b"k", 50 * MS).map(|c| (c.flags, &c.value[..])), Some((7, &b"v1"[..])));
-        assert!(s.renew(b"k", 100, 90 * MS));
+        assert_eq!(s.renew(b"k", 100, 90 * MS), Some(1), "renewed, with the one read it served");
         assert!(s.get(b"k", 150 * MS).is_some(), "renewed");
+        assert_eq!(s.renew(b"k", 30, 160 * MS), Some(1), "the reads since the last renewal");
         assert!(s.get(b"k", 190 * MS).is_none(), "expired");
-        assert!(!s.renew(b"k", 100, 200 * MS), "gone");
+        assert_eq!(s.renew(b"k", 100, 200 * MS), None, "gone");
         assert!(!s.put(b"big", 0, &[0u8; 2000], 100, None, 0), "over the cap");
         assert_eq!(s.stats().refused, 1);
         assert!(s.put(b"a", 0, b"x", 100, Some(10 * MS), 0));

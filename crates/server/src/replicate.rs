@@ -126,6 +126,8 @@ impl Replicator {
         // Commands per shadow worker, in job order, with the job each answers.
         let mut out: HashMap<Loc, (Vec<u8>, Vec<usize>)> = HashMap::new();
         let mut ok = vec![true; batch.len()];
+        // Reads the copies served since their last renewal (renewals only).
+        let mut reads = vec![0u64; batch.len()];
         for (i, job) in batch.iter().enumerate() {
             for &loc in &job.to {
                 let (buf, who) = out.entry(loc).or_default();
@@ -137,21 +139,30 @@ impl Replicator {
         locs.sort_unstable();
         for loc in locs {
             let (buf, who) = out.remove(&loc).expect("listed");
-            if !self.exchange(loc, &buf, &who, &batch, &mut ok) {
+            if !self.exchange(loc, &buf, &who, &batch, &mut ok, &mut reads) {
                 self.peers.remove(&loc);
                 for &i in &who {
                     ok[i] = false;
                 }
             }
         }
-        for (job, ok) in batch.into_iter().zip(ok) {
-            self.report(job, ok);
+        for ((job, ok), reads) in batch.into_iter().zip(ok).zip(reads) {
+            self.report(job, ok, reads);
         }
     }
 
     /// Write `buf` to the shadow worker at `loc` and read one answer per
-    /// entry of `who`; false on an I/O error or timeout.
-    fn exchange(&mut self, loc: Loc, buf: &[u8], who: &[usize], batch: &[Job], ok: &mut [bool]) -> bool {
+    /// entry of `who` (a renewal's `OK <reads>` adds to `reads`); false on an I/O error or
+    /// timeout.
+    fn exchange(
+        &mut self,
+        loc: Loc,
+        buf: &[u8],
+        who: &[usize],
+        batch: &[Job],
+        ok: &mut [bool],
+        reads: &mut [u64],
+    ) -> bool {
         let Some(peer) = self.peer(loc) else { return false };
         let w = peer.r.get_mut();
         if w.write_all(buf).and_then(|_| w.flush()).is_err() {
@@ -168,7 +179,13 @@ impl Replicator {
                 Op::Put { .. } => line == "STORED\r\n",
                 // A copy already gone is as good as deleted.
                 Op::Del => line == "DELETED\r\n" || line == "NOT_FOUND\r\n",
-                Op::Renew { .. } => line == "OK\r\n",
+                Op::Renew { .. } => match renewed(&line) {
+                    Some(n) => {
+                        reads[i] += n;
+                        true
+                    }
+                    None => false,
+                },
             };
             if !good {
                 tracing::debug!(?loc, answer = line.trim_end(), "replica command refused");
@@ -230,11 +247,11 @@ impl Replicator {
         Ok(Peer { r })
     }
 
-    fn report(&mut self, job: Job, ok: bool) {
+    fn report(&mut self, job: Job, ok: bool, copy_reads: u64) {
         match job.done {
             Done::Nobody => {}
             Done::Controller { created, at_ns } => {
-                self.shared.tell_controller(CtlMsg::HotDone { key: job.key, created, ok, at_ns });
+                self.shared.tell_controller(CtlMsg::HotDone { key: job.key, created, ok, at_ns, copy_reads });
             }
             Done::Worker { worker, hash, reply } => {
                 let now = self.shared.clock_ns();
@@ -273,6 +290,16 @@ fn send_reply(shared: &Shared, to: ReplyTo, cachelet: u32, bytes: &[u8]) {
     shared.peers().send_one(to.worker, Envelope::Replies(batch), shared.clock_ns());
 }
 
+/// A shadow's answer to `mbal rttl`: `OK <reads>` (the reads the copy served since it was
+/// made or last renewed; a bare `OK` counts none), `None` for anything else.
+fn renewed(line: &str) -> Option<u64> {
+    let rest = line.strip_suffix("\r\n")?.strip_prefix("OK")?;
+    if rest.is_empty() {
+        return Some(0);
+    }
+    rest.strip_prefix(' ')?.parse().ok()
+}
+
 /// The wire form of one job for one shadow (docs/protocol.md).
 fn command(buf: &mut Vec<u8>, key: &[u8], op: &Op) {
     let mut n = itoa::Buffer::new();
@@ -300,5 +327,17 @@ fn command(buf: &mut Vec<u8>, key: &[u8], op: &Op) {
             buf.extend_from_slice(n.format(*ttl_ms).as_bytes());
             buf.extend_from_slice(b"\r\n");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_renewal_answer_carries_the_copys_reads() {
+        assert_eq!(super::renewed("OK 42\r\n"), Some(42));
+        assert_eq!(super::renewed("OK\r\n"), Some(0));
+        assert_eq!(super::renewed("NOT_FOUND\r\n"), None);
+        assert_eq!(super::renewed("OK x\r\n"), None);
+        assert_eq!(super::renewed("OKAY 1\r\n"), None);
     }
 }

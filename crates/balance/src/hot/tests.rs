@@ -769,3 +769,41 @@ fn displacement_spares_a_hot_key_with_one_quiet_epoch_at_a_time() {
         assert_eq!((h.state(b"a"), h.state(b"b"), h.state(b"c")), (S::Hot, S::Hot, S::Cold), "epoch {e}: {d:?}");
     }
 }
+
+#[test]
+fn a_hot_keys_rate_is_measured_from_its_copies_reads_when_they_report() {
+    let cfg = HotConfig { sample_rate: 1.0, sample_target: 0.0, decay: 0.0, max_fall: 1.0, ..HotConfig::default() };
+    let mut h = HotKeys::new(cfg, Config::default());
+    feed(&mut h, 1, &[(b"a", 900.0, 0.0)]);
+    h.on_epoch(&snapshot(1, &[1800.0, 200.0]), &VIEW);
+    h.replicas_ready(b"a");
+    assert_eq!(h.state(b"a"), S::Hot);
+    let g = f64::from(h.hint(b"a"));
+    assert!(g >= 1.0);
+    let rate = |h: &HotKeys| h.top(1000).into_iter().find(|s| s.key == b"a").map(|s| s.reads_per_sec);
+    // The home sees its share; the copies report theirs: 900 in all.
+    let home = (900.0 / (g + 1.0)).round();
+    feed(&mut h, 2, &[(b"a", home, 0.0)]);
+    h.copy_reads(b"a", (900.0 - home) as u64);
+    h.on_epoch(&snapshot(2, &[1800.0, 200.0]), &VIEW);
+    assert!((rate(&h).unwrap() - 900.0).abs() < 1.0, "{:?}", rate(&h));
+    // The copies' readers left: measured, not the home's share x (γ + 1).
+    feed(&mut h, 3, &[(b"a", home, 0.0)]);
+    h.copy_reads(b"a", 0);
+    h.on_epoch(&snapshot(3, &[1800.0, 200.0]), &VIEW);
+    assert!((rate(&h).unwrap() - home).abs() < 1.0, "{:?} (home {home})", rate(&h));
+    // Without a report the rate is inferred as before.
+    feed(&mut h, 4, &[(b"a", home, 0.0)]);
+    h.on_epoch(&snapshot(4, &[1800.0, 200.0]), &VIEW);
+    if h.state(b"a") == S::Hot {
+        let g = f64::from(h.hint(b"a"));
+        assert!((rate(&h).unwrap() - home * (g + 1.0)).abs() < 1.0, "{:?}", rate(&h));
+    }
+    // Read only from its copies this epoch: still measured.
+    if h.state(b"a") == S::Hot {
+        feed(&mut h, 5, &[]);
+        h.copy_reads(b"a", 700);
+        h.on_epoch(&snapshot(5, &[1800.0, 200.0]), &VIEW);
+        assert!((rate(&h).unwrap() - 700.0).abs() < 1.0, "{:?}", rate(&h));
+    }
+}

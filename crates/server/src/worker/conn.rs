@@ -475,7 +475,7 @@ impl Worker {
             conn.rbuf.shrink_to(READ_CHUNK);
         }
         conn.output.end_batch();
-        if conn.output.batch_done() || conn.output.unsent() > EARLY_FLUSH || conn.closing {
+        if conn.write_due() {
             self.flush(ci);
         }
     }
@@ -534,7 +534,7 @@ impl Worker {
         for &ci in &dirty {
             if let Some(c) = self.conns.get_mut(ci) {
                 c.dirty = false;
-                if c.output.batch_done() || c.output.unsent() > EARLY_FLUSH || c.closing {
+                if c.write_due() {
                     self.flush(ci);
                 }
             }
@@ -543,5 +543,13 @@ impl Worker {
         if self.dirty.is_empty() {
             self.dirty = dirty;
         }
+    }
+}
+
+impl Conn {
+    /// Is a write due: a read batch answered whole (or nothing waiting), a backlog past
+    /// `EARLY_FLUSH`, or a connection closing?
+    fn write_due(&mut self) -> bool {
+        self.output.batch_done() || self.output.unsent() > EARLY_FLUSH || self.closing
     }
 }

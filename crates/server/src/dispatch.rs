@@ -635,6 +635,27 @@ fn admin(shared: &Shared, rt: &mut Route, output: &mut Output, args: &[u8], data
             rt.ask_controller(shared, output, |reply| CtlMsg::Move { cachelet: c, to, reply });
             Action::None
         }
+        (Some("threads"), n, None, None) => {
+            // How many threads run the workers (`worker/group.rs`): `<n>` fixes it, `auto`
+            // hands it back to the thread policy (`fold.rs`).
+            let th = &shared.threads;
+            match n {
+                None => {}
+                Some("auto") => th.set_manual(None, shared.peers()),
+                Some(n) => match n.parse::<usize>() {
+                    Ok(n) if (1..=th.hosts()).contains(&n) => th.set_manual(Some(n), shared.peers()),
+                    _ => {
+                        let usage = format!("CLIENT_ERROR usage: mbal threads [<1..{}> | auto]\r\n", th.hosts());
+                        output.buf().extend_from_slice(usage.as_bytes());
+                        return Action::None;
+                    }
+                },
+            }
+            let policy = if th.auto() { "auto" } else { "fixed" };
+            let line = format!("THREADS {} {} {policy}\r\n", th.active(), th.hosts());
+            output.buf().extend_from_slice(line.as_bytes());
+            Action::None
+        }
         (Some("debug"), Some(what @ ("hot" | "cool")), Some(key), n) if shared.settings.debug_commands => {
             // Pin a key as hot with n copies (or let it cool): Phase 1 made
             // deterministic for tests.

@@ -37,6 +37,7 @@ pub mod config;
 mod control;
 mod dispatch;
 mod exec;
+mod fold;
 mod forward;
 mod moves;
 mod msg;
@@ -238,6 +239,7 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
         replicator: replicating.then_some(rep_tx),
         peer_loads: peerload::PeerLoads::new(map.servers().len()),
         forward,
+        threads: worker::Threads::new(worker_threads(&settings), workers, settings.worker_threads == 0)?,
         settings: settings.clone(),
     });
     let _ = shared.worker_ports.set(worker_addrs.iter().map(|a| a.port()).collect());
@@ -270,24 +272,28 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
     }
     let _ = shared.peers.set(Peers { senders, mailboxes });
     let mut threads = Vec::new();
-    // More workers than CPUs: group them on fewer threads (`worker::run_group`); worker i
-    // runs on thread i mod n.
-    let n = worker_threads(&settings);
-    let mut groups: Vec<Vec<Worker>> = (0..n).map(|_| Vec::new()).collect();
+    // Worker i runs on host thread i mod (hosts in use); see `worker::run_host`. With more
+    // workers than CPUs, several share a thread from the start.
+    let hosts = shared.threads.hosts();
+    let mut groups: Vec<Vec<Worker>> = (0..hosts).map(|_| Vec::new()).collect();
     for (i, w) in built.into_iter().enumerate() {
-        groups[i % n].push(w);
+        groups[i % hosts].push(w);
     }
-    if n < workers {
-        tracing::info!(workers, threads = n, "more workers than CPUs: the workers share {n} threads");
+    if hosts < workers {
+        tracing::info!(workers, threads = hosts, "more workers than CPUs: the workers share {hosts} threads");
     }
-    for (t, mut group) in groups.into_iter().enumerate() {
-        if group.len() == 1 {
-            let w = group.pop().unwrap();
-            threads.push(std::thread::Builder::new().name(format!("mbal-worker-{t}")).spawn(move || w.run())?);
-        } else {
-            let name = format!("mbal-workers-{t}");
-            threads.push(std::thread::Builder::new().name(name).spawn(move || worker::run_group(group))?);
-        }
+    let handoff = Arc::new(worker::Handoff::new(hosts));
+    for (t, group) in groups.into_iter().enumerate() {
+        let (shared, handoff) = (shared.clone(), handoff.clone());
+        threads.push(
+            std::thread::Builder::new()
+                .name(format!("mbal-worker-{t}"))
+                .spawn(move || worker::run_host(shared, handoff, t, group))?,
+        );
+    }
+    drop(handoff);
+    if hosts > 1 {
+        fold::spawn(shared.clone())?;
     }
     if replicating {
         let servers = map.servers().iter().map(|s| s.main).collect();
@@ -310,9 +316,10 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
     Ok(ServerHandle { main_addr, worker_addrs, shared, acceptor_waker, threads })
 }
 
-/// How many threads run the workers: `--worker-threads` if given, else one per worker but
-/// no more than the CPUs this process may run on (its affinity mask and CPU quota, as
-/// `available_parallelism` reads them).
+/// How many host threads run the workers: `--worker-threads` if given, else one per worker
+/// but no more than the CPUs this process may run on (its affinity mask and CPU quota, as
+/// `available_parallelism` reads them). Without `--worker-threads` the thread policy
+/// (`fold`) chooses how many of them are in use.
 fn worker_threads(s: &Settings) -> usize {
     let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let n = if s.worker_threads > 0 { s.worker_threads } else { cpus };

@@ -239,6 +239,19 @@ pub struct ProcessInfo<'a> {
     pub detail_enabled: bool,
     /// The forwarder's figures, when it runs (`--forward`).
     pub forward: Option<ForwardFigures>,
+    /// The threads running the workers: started, in use, whether the thread policy chooses,
+    /// and its changes and trials so far.
+    pub worker_threads: WorkerThreads,
+}
+
+/// `stats`: worker_threads*, the thread policy's figures (`worker/group.rs`, `fold.rs`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct WorkerThreads {
+    pub started: usize,
+    pub active: usize,
+    pub auto: bool,
+    pub changes: u64,
+    pub trials: u64,
 }
 
 /// The forwarder's counters (`--forward`), for `stats`.
@@ -403,6 +416,12 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
             sink.stat("limit_maxbytes", &s.memory_limit);
             sink.stat("accepting_conns", &1);
             sink.stat("threads", &s.threads);
+            let wt = &p.worker_threads;
+            sink.stat("worker_threads", &wt.active);
+            sink.stat("worker_threads_started", &wt.started);
+            sink.stat("worker_threads_policy", &if wt.auto { "auto" } else { "fixed" });
+            sink.stat("worker_thread_changes", &wt.changes);
+            sink.stat("worker_thread_trials", &wt.trials);
             sink.stat("conn_yields", &c.conn_yields);
             sink.stat("hash_bytes", &st.hash_bytes);
             sink.stat("bytes", &bytes);

@@ -32,7 +32,7 @@ mod group;
 mod hot;
 mod inbox;
 
-pub(crate) use group::run_group;
+pub(crate) use group::{run_host, Handoff, Threads};
 pub(crate) use hot::flush_hot;
 
 use crate::capacity::Capacity;
@@ -132,6 +132,8 @@ pub(crate) struct Shared {
     pub peer_loads: crate::peerload::PeerLoads,
     /// The forwarder's job queue and counters (`--forward` in a cluster).
     pub forward: Option<crate::forward::ForwardHandle>,
+    /// The threads that run the workers and how many are in use (`worker/group.rs`).
+    pub threads: Threads,
 }
 
 impl Shared {
@@ -161,7 +163,7 @@ impl Shared {
 
     pub fn wake_all(&self) {
         if let Some(p) = self.peers.get() {
-            p.wake_all();
+            self.threads.kick_all(p);
         }
         if let Some(f) = &self.forward {
             f.wake();
@@ -298,6 +300,8 @@ pub(crate) struct Worker {
     /// (outside the poll wait), batches taken in from peers and how long
     /// they waited in the inbox, the longest wait since the last sample.
     busy_ns: u64,
+    /// Requests read from this worker's connections (the thread policy's measure).
+    requests: u64,
     inbox_batches: u64,
     inbox_wait_ns: u64,
     inbox_wait_max_ns: u64,
@@ -388,6 +392,7 @@ impl Worker {
             now: 0,
             self_stats: Vec::new(),
             busy_ns: 0,
+            requests: 0,
             inbox_batches: 0,
             inbox_wait_ns: 0,
             inbox_wait_max_ns: 0,
@@ -404,20 +409,6 @@ impl Worker {
             },
             shared,
         })
-    }
-
-    /// The worker's own thread: block in `epoll_wait` when there is nothing to do, else run
-    /// a round.
-    pub(crate) fn run(mut self) {
-        let mut events = Events::with_capacity(1024);
-        let mut last_sweep = Instant::now();
-        loop {
-            let idle = self.ready.is_empty() && self.mailbox.prepare_sleep(&self.inbox);
-            let timeout = self.sleep_limit(if idle { Duration::from_millis(100) } else { Duration::ZERO });
-            if self.round(&mut events, Some(timeout), &mut last_sweep).is_none() {
-                return;
-            }
-        }
     }
 
     /// How long the worker may block, at most `limit`: out of emulated capacity with work

@@ -131,6 +131,7 @@ fn sasl_plain_over_binary() {
 const CONTROL: &[&str] = &[
     "mbal move 0 1\r\n",
     "mbal debug stall 1 10\r\n",
+    "mbal threads 1\r\n",
     "mbal replica add k 1\r\n",
     "mbal replica drop k\r\n",
     "mbal no-such-command\r\n",

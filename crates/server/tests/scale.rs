@@ -181,17 +181,25 @@ fn pipelines_over_every_worker_come_back_complete_and_in_order() {
     // More workers than this machine has cores, as operators run memcached's
     // -t 4 on small machines, each on its own thread: every hop between
     // threads is exercised.
-    pipelines_over_every_worker(mbal_server::config::Settings { worker_threads: 4, ..settings(4) });
+    pipelines_over_every_worker(mbal_server::config::Settings { worker_threads: 4, ..settings(4) }, false);
 }
 
 #[test]
 fn pipelines_over_workers_sharing_threads_come_back_complete_and_in_order() {
     // The same with the 4 workers on 2 threads (what `-t 4` does by itself
     // on a 2-CPU machine): hops within a thread and across threads.
-    pipelines_over_every_worker(mbal_server::config::Settings { worker_threads: 2, ..settings(4) });
+    pipelines_over_every_worker(mbal_server::config::Settings { worker_threads: 2, ..settings(4) }, false);
 }
 
-fn pipelines_over_every_worker(s: mbal_server::config::Settings) {
+#[test]
+fn pipelines_over_workers_moving_between_threads_come_back_complete_and_in_order() {
+    // The same while the number of threads in use changes all the time (`mbal threads`, what
+    // the thread policy does when it folds or spreads the workers): workers leave one
+    // thread and join another between their rounds, mid-pipeline.
+    pipelines_over_every_worker(mbal_server::config::Settings { worker_threads: 4, ..settings(4) }, true);
+}
+
+fn pipelines_over_every_worker(s: mbal_server::config::Settings, rethread: bool) {
     let srv = start(s);
     let (main, workers) = (srv.main_addr, srv.worker_addrs.clone());
     let stop = Arc::new(AtomicBool::new(false));
@@ -207,6 +215,10 @@ fn pipelines_over_every_worker(s: mbal_server::config::Settings) {
                 let l = admin.cmd(&format!("mbal move {c} {w}\r\n"));
                 assert!(l.starts_with("MOVED "), "{l}");
                 moves += 1;
+                if rethread {
+                    let n = rng.gen_range(1..=4u32);
+                    assert_eq!(admin.cmd(&format!("mbal threads {n}\r\n")), format!("THREADS {n} 4 fixed\r\n"));
+                }
             }
             moves
         })
@@ -319,13 +331,50 @@ fn main_port_connections_are_spread_evenly() {
     }
 }
 
+/// The thread policy (`fold.rs`): with nothing to do the workers end up on one thread; an
+/// operator can fix the count and hand it back; wrong counts are refused.
+#[test]
+fn idle_workers_fold_onto_one_thread_and_operators_can_fix_the_count() {
+    let srv = start(settings(2));
+    let mut c = Conn::open(srv.main_addr);
+    let hosts = stat(&mut c, "worker_threads_started");
+    if hosts < 2 {
+        eprintln!("one CPU: a single thread runs the workers, nothing to fold");
+        assert_eq!(c.cmd("mbal threads\r\n"), "THREADS 1 1 fixed\r\n");
+        srv.shutdown();
+        return;
+    }
+    // The policy looks twice a second; an idle server's first trial keeps one thread.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while c.cmd("mbal threads\r\n") != "THREADS 1 2 auto\r\n" {
+        assert!(std::time::Instant::now() < deadline, "never folded: {}", c.cmd("mbal threads\r\n"));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(stat(&mut c, "worker_thread_changes") >= 1);
+    assert!(stat(&mut c, "worker_thread_trials") >= 1);
+    // Both workers still serve, each with its own cachelets.
+    for k in 0..100 {
+        assert_eq!(c.cmd(&format!("set fold{k} 0 0 1\r\nx\r\n")), "STORED\r\n");
+    }
+    assert!(stat(&mut c, "cross_worker_requests") > 0);
+    assert_eq!(c.cmd("mbal threads 2\r\n"), "THREADS 2 2 fixed\r\n");
+    let mut w1 = Conn::open(srv.worker_addrs[1]);
+    for k in 0..100 {
+        assert_eq!(w1.get(&format!("fold{k}")).as_deref(), Some(&b"x"[..]));
+    }
+    assert_eq!(c.cmd("mbal threads 3\r\n"), "CLIENT_ERROR usage: mbal threads [<1..2> | auto]\r\n");
+    assert_eq!(c.cmd("mbal threads 0\r\n"), "CLIENT_ERROR usage: mbal threads [<1..2> | auto]\r\n");
+    assert_eq!(c.cmd("mbal threads auto\r\n"), "THREADS 2 2 auto\r\n");
+    srv.shutdown();
+}
+
 #[test]
 fn a_stalled_worker_holds_back_its_peers_clients_without_losing_a_request() {
     // Worker 1 stops serving for a while; a client of worker 0 pipelines
     // thousands of requests for worker 1's keys. Worker 0 may have at most
     // `max_inflight` of them waiting; it stops reading until answers come,
     // then every reply arrives, right and in order.
-    let s = mbal_server::config::Settings { max_inflight: 64, debug_commands: true, ..settings(2) };
+    let s = mbal_server::config::Settings { max_inflight: 64, debug_commands: true, worker_threads: 2, ..settings(2) };
     let srv = start(s);
     let (w0, w1) = (srv.worker_addrs[0], srv.worker_addrs[1]);
     // Keys worker 1 owns: the ones a routed hello on worker 1 accepts.

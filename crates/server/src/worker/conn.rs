@@ -456,6 +456,7 @@ impl Worker {
             }
         }
         self.finish_self_stats();
+        self.requests += done as u64;
         if let Some(to) = hand_off {
             self.hand_off(ci, pos, to);
             return;

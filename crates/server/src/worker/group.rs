@@ -1,34 +1,205 @@
-//! Several workers on one thread, when there are more workers than CPUs to run them.
+//! The threads that run the workers ("hosts"), and how many of them are in use.
 //!
-//! memcached's `-t 4` is often copied onto machines (or containers, or `taskset` masks) with
-//! fewer CPUs. With a thread per worker, the workers then take turns on a CPU and every
-//! request that hops between two of them costs a sleep, a wake-up and a context switch. So
-//! when the workers outnumber the CPUs this process may use, the server runs them on as many
-//! threads as there are CPUs, each thread hosting a fixed group of workers (`lib.rs`;
-//! `--worker-threads` chooses another count). Nothing else changes: each worker keeps its own
-//! cachelets, connections, listening port, event loop (`mio::Poll`) and inbox, and a request
-//! for another worker's key is still a message; only the sleeping is shared. A hosted worker
-//! whose peer on the same thread sends it a batch finds it on the thread's next pass, without
-//! an eventfd write or a context switch.
+//! The server starts `min(workers, CPUs it may use)` host threads (`--worker-threads` fixes
+//! another count). Worker `i` runs on host `i % active`; `active` (1..=hosts) is what the
+//! thread policy (`crate::fold`) or an operator (`mbal threads`) sets. When the workers
+//! outnumber the active hosts, several share a thread: memcached's `-t 4` is often copied onto
+//! machines (or containers, or `taskset` masks) with fewer CPUs, and a machine shared with the
+//! application gives the server fewer CPUs than it has. Workers on one thread take turns
+//! without sleeping, waking or switching context between them: a request for another worker's
+//! key is still a message, but one found on the thread's next pass.
 //!
-//! The thread blocks in one `epoll_wait` on an epoll set holding each hosted worker's own
-//! epoll descriptor (level-triggered: a worker's epoll is readable while it has events, so an
-//! event is never lost to an edge). A wake-up from another thread (a `Mailbox` eventfd, which
-//! lives in the worker's own epoll set) wakes the thread the same way. Then it runs passes:
-//! each hosted worker whose epoll is ready runs a round that polls it (timeout 0), each one
-//! with messages or ready connections a round without polling, until a pass finds nothing
-//! to do; then every hosted worker's mailbox is marked asleep (`prepare_sleep`) and the
-//! thread blocks again. After every wake-up each worker runs one round, so its timers
-//! (housekeeping, emulated capacity) run as on its own thread.
+//! Nothing else changes when workers share a thread: each keeps its own cachelets,
+//! connections, listening port, event loop (`mio::Poll`) and inbox. A worker moves between
+//! hosts whole, between two of its rounds (where it holds no borrowed state and has sent its
+//! outbox), through its new host's hand-off channel; its sockets stay registered in its own
+//! poll, and a wake-up sent to it while in transit leaves its poll readable, which the new
+//! host sees when it adds the poll to its epoll set (level-triggered).
+//!
+//! A host with one worker blocks in that worker's own poll, as a thread per worker would. A
+//! host with several (or none) blocks in one `epoll_wait` on an epoll set holding its own
+//! eventfd and each hosted worker's epoll descriptor (level-triggered: a worker's epoll is
+//! readable while it has events, so none is lost to an edge), then runs passes: each hosted
+//! worker whose epoll is ready runs a round that polls it (timeout 0), each one with messages
+//! or ready connections a round without polling, until a pass finds nothing to do; then every
+//! hosted worker's mailbox is marked asleep (`prepare_sleep`) and the thread blocks again.
+//! After every wake-up each worker runs one round, so its timers (housekeeping, emulated
+//! capacity) run as on its own thread.
 
 use super::Worker;
+use crate::Shared;
+use crossbeam_channel::{Receiver, Sender};
 use mio::Events;
 use std::io;
 use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// An epoll set of the hosted workers' epoll descriptors.
+/// An eventfd: how a host is told that `active` changed or a worker was handed to it.
+struct EventFd(libc::c_int);
+
+impl EventFd {
+    fn new() -> io::Result<EventFd> {
+        // SAFETY: a plain system call; the descriptor is owned by the returned value.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(EventFd(fd))
+    }
+
+    fn signal(&self) {
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a live u64 to a descriptor we own.
+        unsafe { libc::write(self.0, (&one as *const u64).cast(), 8) };
+    }
+
+    fn drain(&self) {
+        let mut n: u64 = 0;
+        // SAFETY: reads 8 bytes into a live u64 from a descriptor we own (non-blocking).
+        unsafe { libc::read(self.0, (&mut n as *mut u64).cast(), 8) };
+    }
+}
+
+impl Drop for EventFd {
+    fn drop(&mut self) {
+        // SAFETY: the descriptor was returned by eventfd and is closed only here.
+        unsafe { libc::close(self.0) };
+    }
+}
+
+/// A worker's count of requests served, on its own cache line (each worker stores to its
+/// own once per round; the thread policy reads them all twice a second).
+#[repr(align(64))]
+#[derive(Default)]
+struct Served(AtomicU64);
+
+/// The host threads' shared state (in `Shared`): how many are in use, and what the thread
+/// policy reads.
+pub(crate) struct Threads {
+    /// Host threads started.
+    hosts: usize,
+    /// Hosts in use: worker `i` runs on host `i % active`.
+    active: AtomicUsize,
+    /// Bumped with every change of `active`; a host re-places its workers when it sees a new one.
+    epoch: AtomicU64,
+    /// May the thread policy change `active`? (No with `--worker-threads`, or after
+    /// `mbal threads <n>` until `mbal threads auto`.)
+    auto: AtomicBool,
+    wakes: Vec<EventFd>,
+    /// Each host's kernel thread id, for its scheduler statistics (0 until it starts).
+    tids: Vec<AtomicI32>,
+    served: Vec<Served>,
+    /// Changes of `active` made by the policy, and its trials (`stats`: worker_threads_*).
+    pub changes: AtomicU64,
+    pub trials: AtomicU64,
+}
+
+impl Threads {
+    pub fn new(hosts: usize, workers: usize, auto: bool) -> io::Result<Threads> {
+        let hosts = hosts.clamp(1, workers.max(1));
+        Ok(Threads {
+            hosts,
+            active: AtomicUsize::new(hosts),
+            epoch: AtomicU64::new(0),
+            auto: AtomicBool::new(auto && hosts > 1),
+            wakes: (0..hosts).map(|_| EventFd::new()).collect::<io::Result<_>>()?,
+            tids: (0..hosts).map(|_| AtomicI32::new(0)).collect(),
+            served: (0..workers).map(|_| Served::default()).collect(),
+            changes: AtomicU64::new(0),
+            trials: AtomicU64::new(0),
+        })
+    }
+
+    pub fn hosts(&self) -> usize {
+        self.hosts
+    }
+
+    pub fn active(&self) -> usize {
+        self.active.load(Ordering::Acquire)
+    }
+
+    pub fn auto(&self) -> bool {
+        self.auto.load(Ordering::Relaxed)
+    }
+
+    /// `mbal threads <n>` (Some: fixed from now on) or `mbal threads auto` (None).
+    pub fn set_manual(&self, n: Option<usize>, peers: &crate::msg::Peers) {
+        match n {
+            Some(n) => {
+                self.auto.store(false, Ordering::Relaxed);
+                self.set_active(n, peers);
+            }
+            None => self.auto.store(self.hosts > 1, Ordering::Relaxed),
+        }
+    }
+
+    /// Run the workers on `n` hosts (clamped to 1..=hosts). Returns whether that changed
+    /// anything.
+    pub fn set_active(&self, n: usize, peers: &crate::msg::Peers) -> bool {
+        let n = n.clamp(1, self.hosts);
+        if self.active.swap(n, Ordering::AcqRel) == n {
+            return false;
+        }
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+        self.kick_all(peers);
+        true
+    }
+
+    /// Wake every host, whatever it blocks in: its eventfd (a host with none or several
+    /// workers) and every worker's mailbox (a host with one blocks in that one's poll). Rare:
+    /// on a change of `active`, a hand-off, shutdown.
+    pub fn kick_all(&self, peers: &crate::msg::Peers) {
+        for w in &self.wakes {
+            w.signal();
+        }
+        peers.wake_all();
+    }
+
+    /// The host that should run `worker` when `active` hosts are in use.
+    fn home(worker: usize, active: usize) -> usize {
+        worker % active.max(1)
+    }
+
+    fn publish_served(&self, worker: usize, n: u64) {
+        if let Some(s) = self.served.get(worker) {
+            s.0.store(n, Ordering::Relaxed);
+        }
+    }
+
+    /// Requests served by all workers since the start.
+    pub fn served(&self) -> u64 {
+        self.served.iter().map(|s| s.0.load(Ordering::Relaxed)).sum()
+    }
+
+    /// The kernel thread ids of the first `n` hosts (0: not started yet).
+    pub fn tids(&self, n: usize) -> Vec<i32> {
+        self.tids.iter().take(n).map(|t| t.load(Ordering::Relaxed)).collect()
+    }
+}
+
+/// The hosts' hand-off channels: a worker moving to host `t` is sent on `chans[t]`. Held by
+/// the host threads only (not `Shared`, which the workers hold), so that a worker left in
+/// transit at shutdown is dropped with the last host.
+pub(crate) struct Handoff {
+    chans: Vec<(Sender<Moving>, Receiver<Moving>)>,
+}
+
+/// A worker on its way to another host, with the time of its last housekeeping.
+type Moving = (Worker, Instant);
+
+impl Handoff {
+    pub fn new(hosts: usize) -> Handoff {
+        Handoff { chans: (0..hosts).map(|_| crossbeam_channel::unbounded()).collect() }
+    }
+}
+
+/// An epoll set of the host's eventfd and the hosted workers' epoll descriptors.
 struct Outer(libc::c_int);
+
+/// The host's own eventfd's key in its epoll set (workers are keyed by id).
+const HOST_KEY: u64 = u64::MAX;
 
 impl Drop for Outer {
     fn drop(&mut self) {
@@ -38,96 +209,167 @@ impl Drop for Outer {
 }
 
 impl Outer {
-    fn new(fds: &[libc::c_int]) -> io::Result<Outer> {
-        // SAFETY: plain system calls on descriptors this thread owns; `ev` outlives each call.
+    fn new() -> io::Result<Outer> {
+        // SAFETY: a plain system call; the descriptor is owned by the returned value.
         let outer = Outer(unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) });
         if outer.0 < 0 {
             return Err(io::Error::last_os_error());
         }
-        for (i, &fd) in fds.iter().enumerate() {
-            let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: i as u64 };
-            if unsafe { libc::epoll_ctl(outer.0, libc::EPOLL_CTL_ADD, fd, &mut ev) } < 0 {
-                return Err(io::Error::last_os_error());
-            }
-        }
         Ok(outer)
     }
 
-    /// Mark in `ready` the hosted workers whose epoll has events, waiting up to `timeout`.
-    fn wait(&self, ready: &mut [bool], timeout: Duration) -> io::Result<()> {
+    fn ctl(&self, op: libc::c_int, fd: libc::c_int, key: u64) -> io::Result<()> {
+        let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: key };
+        // SAFETY: a plain system call on descriptors this thread owns; `ev` outlives it.
+        if unsafe { libc::epoll_ctl(self.0, op, fd, &mut ev) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Wait up to `timeout`; mark in `hosted` the workers whose epoll has events. Returns
+    /// whether the host's own eventfd was signalled.
+    fn wait(&self, hosted: &mut [Hosted], timeout: Duration) -> io::Result<bool> {
         let mut evs = [libc::epoll_event { events: 0, u64: 0 }; 64];
         let ms = timeout.as_millis().min(i32::MAX as u128) as libc::c_int;
         // SAFETY: `evs` is a valid buffer of `evs.len()` events for the kernel to fill.
         let n = unsafe { libc::epoll_wait(self.0, evs.as_mut_ptr(), evs.len() as libc::c_int, ms) };
         if n < 0 {
             let e = io::Error::last_os_error();
-            return if e.kind() == io::ErrorKind::Interrupted { Ok(()) } else { Err(e) };
+            return if e.kind() == io::ErrorKind::Interrupted { Ok(false) } else { Err(e) };
         }
+        let mut host = false;
         for ev in &evs[..n as usize] {
-            if let Some(r) = ready.get_mut(ev.u64 as usize) {
-                *r = true;
+            if ev.u64 == HOST_KEY {
+                host = true;
+            } else if let Some(h) = hosted.iter_mut().find(|h| h.w.id as u64 == ev.u64) {
+                h.ready = true;
             }
         }
-        Ok(())
+        Ok(host)
     }
 }
 
-/// Run `workers` on this thread until the server stops.
-pub(crate) fn run_group(mut workers: Vec<Worker>) {
-    let fds: Vec<libc::c_int> = workers.iter().map(|w| w.poll.as_raw_fd()).collect();
-    let outer = match Outer::new(&fds) {
-        Ok(o) => o,
-        Err(e) => {
-            tracing::error!("workers {:?}: epoll set failed: {e}", workers.iter().map(|w| w.id).collect::<Vec<_>>());
-            return;
-        }
-    };
-    let n = workers.len();
+/// A worker on this host, the last time it ran its housekeeping, and whether its epoll
+/// reported events.
+struct Hosted {
+    w: Worker,
+    sweep: Instant,
+    ready: bool,
+}
+
+/// One host thread: `t` is its index, `initial` the workers it starts with. Runs until the
+/// server stops.
+pub(crate) fn run_host(shared: Arc<Shared>, handoff: Arc<Handoff>, t: usize, initial: Vec<Worker>) {
+    if let Err(e) = host(&shared, &handoff, t, initial) {
+        tracing::error!(host = t, "worker thread failed: {e}");
+    }
+}
+
+fn host(shared: &Shared, handoff: &Handoff, t: usize, initial: Vec<Worker>) -> io::Result<()> {
+    let th = &shared.threads;
+    // SAFETY: gettid has no preconditions.
+    th.tids[t].store(unsafe { libc::gettid() }, Ordering::Relaxed);
+    let outer = Outer::new()?;
+    outer.ctl(libc::EPOLL_CTL_ADD, th.wakes[t].0, HOST_KEY)?;
+    let mut hosted: Vec<Hosted> = Vec::new();
+    let now = Instant::now();
+    for w in initial {
+        outer.ctl(libc::EPOLL_CTL_ADD, w.poll.as_raw_fd(), w.id as u64)?;
+        hosted.push(Hosted { w, sweep: now, ready: true });
+    }
+    let (_, inbound) = &handoff.chans[t];
     let mut events = Events::with_capacity(1024);
-    let mut sweeps = vec![Instant::now(); n];
-    let mut ready = vec![false; n];
+    let mut seen = th.epoch.load(Ordering::Acquire);
     let mut timeout = Duration::ZERO;
     loop {
-        if let Err(e) = outer.wait(&mut ready, timeout) {
-            tracing::error!("workers' epoll_wait failed: {e}");
-            return;
+        if let [h] = &mut hosted[..] {
+            // One worker: block in its own poll, as a thread of its own would.
+            if h.w.round(&mut events, Some(timeout), &mut h.sweep).is_none() {
+                return Ok(());
+            }
+        } else {
+            let wait = if hosted.is_empty() { Duration::from_millis(100) } else { timeout };
+            let signalled = outer.wait(&mut hosted, wait)?;
+            if signalled {
+                th.wakes[t].drain();
+            }
+            for h in &hosted {
+                h.w.mailbox.awake();
+            }
         }
-        for w in &workers {
-            w.mailbox.awake();
+        if shared.shutdown.load(Ordering::Relaxed) {
+            return Ok(());
         }
-        // After a wake-up (or a timeout), every hosted worker runs a round; then only those
-        // with something to do, until none has.
-        let mut all = true;
-        loop {
-            let mut worked = false;
-            for (i, w) in workers.iter_mut().enumerate() {
-                let poll = std::mem::take(&mut ready[i]);
-                if !all && !poll && w.ready.is_empty() && w.inbox.is_empty() {
+        // Workers handed to us, and those that belong elsewhere now.
+        let mut arrived = false;
+        while let Ok((w, sweep)) = inbound.try_recv() {
+            outer.ctl(libc::EPOLL_CTL_ADD, w.poll.as_raw_fd(), w.id as u64)?;
+            hosted.push(Hosted { w, sweep, ready: true });
+            arrived = true;
+        }
+        let epoch = th.epoch.load(Ordering::Acquire);
+        if arrived || epoch != seen {
+            seen = epoch;
+            let active = th.active();
+            let mut i = 0;
+            while i < hosted.len() {
+                let to = Threads::home(hosted[i].w.id, active);
+                if to == t {
+                    i += 1;
                     continue;
                 }
-                match w.round(&mut events, poll.then_some(Duration::ZERO), &mut sweeps[i]) {
-                    None => return,
-                    Some(did) => worked |= did,
+                let Hosted { w, sweep, .. } = hosted.swap_remove(i);
+                outer.ctl(libc::EPOLL_CTL_DEL, w.poll.as_raw_fd(), 0)?;
+                // The receiving host is woken by its eventfd, or, if it blocks in its one
+                // worker's poll, by that worker's mailbox.
+                let _ = handoff.chans[to].0.send((w, sweep));
+                th.kick_all(shared.peers());
+            }
+            if hosted.len() > 1 || arrived {
+                hosted.sort_by_key(|h| h.w.id);
+            }
+        }
+        if hosted.len() != 1 {
+            // Several workers: after a wake-up (or a timeout), every hosted worker runs a
+            // round; then only those with something to do, until none has.
+            let mut all = true;
+            loop {
+                let mut worked = false;
+                for h in hosted.iter_mut() {
+                    let poll = std::mem::take(&mut h.ready);
+                    if !all && !poll && h.w.ready.is_empty() && h.w.inbox.is_empty() {
+                        continue;
+                    }
+                    match h.w.round(&mut events, poll.then_some(Duration::ZERO), &mut h.sweep) {
+                        None => return Ok(()),
+                        Some(did) => worked |= did,
+                    }
+                    th.publish_served(h.w.id, h.w.requests);
+                }
+                all = false;
+                if hosted.is_empty() {
+                    break;
+                }
+                // Sockets that became ready during the pass.
+                if outer.wait(&mut hosted, Duration::ZERO)? {
+                    th.wakes[t].drain();
+                }
+                if !worked && !hosted.iter().any(|h| h.ready) {
+                    break;
                 }
             }
-            all = false;
-            // Sockets that became ready during the pass.
-            if let Err(e) = outer.wait(&mut ready, Duration::ZERO) {
-                tracing::error!("workers' epoll_wait failed: {e}");
-                return;
-            }
-            if !worked && !ready.contains(&true) {
-                break;
-            }
+        } else {
+            th.publish_served(hosted[0].w.id, hosted[0].w.requests);
         }
         // Nothing to do: sleep unless a message arrived while the mailboxes were marked.
         let mut idle = true;
         timeout = Duration::from_millis(100);
-        for w in &workers {
-            idle &= w.ready.is_empty() && w.mailbox.prepare_sleep(&w.inbox);
-            timeout = w.sleep_limit(timeout);
+        for h in &hosted {
+            idle &= h.w.ready.is_empty() && h.w.mailbox.prepare_sleep(&h.w.inbox);
+            timeout = h.w.sleep_limit(timeout);
         }
-        if !idle {
+        if !idle || !inbound.is_empty() || th.epoch.load(Ordering::Acquire) != seen {
             timeout = Duration::ZERO;
         }
     }

@@ -508,6 +508,13 @@ pub(super) fn render_stats(
         rejected_per_ip: shared.rejected_per_ip.load(Ordering::Relaxed),
         worker_ports: ports,
         detail_enabled: shared.detail().is_some(),
+        worker_threads: stats::WorkerThreads {
+            started: shared.threads.hosts(),
+            active: shared.threads.active(),
+            auto: shared.threads.auto(),
+            changes: shared.threads.changes.load(Ordering::Relaxed),
+            trials: shared.threads.trials.load(Ordering::Relaxed),
+        },
         forward: shared.forward.as_ref().map(|f| {
             let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
             let s = &f.stats;

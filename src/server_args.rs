@@ -86,8 +86,9 @@ pub struct ServerArgs {
     /// Number of worker threads [default: number of cores]
     #[arg(short = 't', long = "threads")]
     pub threads: Option<usize>,
-    /// OS threads that run the workers; with more workers than that, several share a thread
-    /// [default: 0 = one per worker, at most one per CPU the process may run on]
+    /// OS threads that run the workers, fixed; with more workers than that, several share a
+    /// thread [default: 0 = one per worker, at most one per CPU the process may run on, and a
+    /// thread policy chooses how many of them are in use]
     #[arg(long = "worker-threads")]
     pub worker_threads: Option<usize>,
     /// Item memory in megabytes [default: 64]

@@ -24,8 +24,9 @@
 //! * a trial that fails is not tried again for [`BACKOFF_MIN`], doubling up to [`BACKOFF_MAX`];
 //!   the back-off ends when the served rate moves by half.
 //!
-//! An idle server thus runs on one thread, and one under load from clients elsewhere spreads
-//! over the CPUs as soon as the one is saturated. `--worker-threads N` fixes the count, and
+//! A server starts with every thread in use. Under load (at least [`FOLD_MIN_RATE`]) that
+//! its threads cannot use well it folds onto fewer; folded and saturated with a CPU idle, it
+//! tries spreading again. `--worker-threads N` fixes the count, and
 //! `mbal threads <n>` / `mbal threads auto` set it or hand it back to the policy at run time.
 
 use crate::Shared;
@@ -44,6 +45,10 @@ pub const FOLD_WAIT: f64 = 0.2;
 pub const UNFOLD_BUSY: f64 = 0.85;
 /// ... and this many CPUs (of those the process may use) were idle.
 pub const UNFOLD_IDLE: f64 = 0.7;
+/// No trial of fewer threads below this rate (requests/s): a lightly loaded server loses
+/// nothing to its threads, and one that starts spread needs no trial to spread when load
+/// comes (a failed trial of more threads costs more than one of fewer: docs/benchmarks.md §7).
+pub const FOLD_MIN_RATE: f64 = 1000.0;
 /// Keep fewer threads if they served at least this share of the rate before the trial.
 pub const KEEP_FOLD: f64 = 0.97;
 /// Keep more threads only if they served at least this share.
@@ -158,8 +163,8 @@ impl Policy {
         }
         let rate = t.rate;
         let busy: f64 = t.busy.iter().sum();
-        if active > 1 && (busy <= (active - 1) as f64 * FOLD_FITS || t.wait >= FOLD_WAIT) && self.fold.allows(now, rate)
-        {
+        let crowded = busy <= (active - 1) as f64 * FOLD_FITS || t.wait >= FOLD_WAIT;
+        if active > 1 && rate >= FOLD_MIN_RATE && crowded && self.fold.allows(now, rate) {
             self.trial = Some(Trial { dir: Dir::Fold, from: active, base: rate, ticks: 0 });
             return Some((active - 1, true));
         }
@@ -324,16 +329,19 @@ mod tests {
         assert_eq!(p.tick(later + TICK * 3 + BACKOFF_MIN, 2, &tick(&[0.9, 0.9], 0.25, 0.1, 3e5)), Some((1, true)));
     }
 
-    /// An idle server folds (the same rate, fewer threads); one saturated with an idle CPU
-    /// tries two and keeps them if they serve clearly more.
+    /// A lightly loaded server keeps its threads; one that serves the same on fewer folds
+    /// (a tie keeps fewer); saturated with an idle CPU it tries two and keeps them if they
+    /// serve clearly more.
     #[test]
-    fn idle_folds_then_saturation_with_idle_cpu_unfolds() {
+    fn light_load_stays_ties_fold_then_saturation_with_idle_cpu_unfolds() {
         let mut p = Policy::new(2);
         let t0 = Instant::now();
-        assert_eq!(p.tick(t0, 2, &tick(&[0.0, 0.0], 0.0, 2.0, 0.0)), Some((1, true)));
-        assert_eq!(p.tick(t0 + TICK, 1, &tick(&[0.0], 0.0, 2.0, 0.0)), None);
-        assert_eq!(p.tick(t0 + TICK * 2, 1, &tick(&[0.0], 0.0, 2.0, 0.0)), None, "kept on a tie");
-        let sat = tick(&[0.99], 0.01, 0.9, 1e6);
+        assert_eq!(p.tick(t0, 2, &tick(&[0.0, 0.0], 0.0, 2.0, 0.0)), None, "idle");
+        assert_eq!(p.tick(t0, 2, &tick(&[0.01, 0.01], 0.5, 2.0, 500.0)), None, "light load");
+        assert_eq!(p.tick(t0, 2, &tick(&[0.3, 0.3], 0.0, 1.4, 2e5)), Some((1, true)), "fits in one");
+        assert_eq!(p.tick(t0 + TICK, 1, &tick(&[0.6], 0.0, 1.4, 2e5)), None);
+        assert_eq!(p.tick(t0 + TICK * 2, 1, &tick(&[0.6], 0.0, 1.4, 1.95e5)), None, "kept on a tie");
+        let sat = tick(&[0.99], 0.01, 0.9, 3e5);
         assert_eq!(p.tick(t0 + TICK * 3, 1, &sat), None, "no trial straight back");
         let t1 = t0 + TICK * 2 + BACKOFF_MIN;
         assert_eq!(p.tick(t1, 1, &sat), Some((2, true)));

@@ -200,7 +200,12 @@ fn run(shared: Arc<Shared>) {
             active,
         };
         let Some(p) = prev.replace(r.clone()) else { continue };
-        if !th.auto() || p.active != active {
+        if !th.auto() {
+            // An operator fixed the count: forget any trial in progress.
+            policy = Policy::new(th.hosts());
+            continue;
+        }
+        if p.active != active {
             continue;
         }
         let secs = now.duration_since(p.at).as_secs_f64().max(1e-3);

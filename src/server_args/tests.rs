@@ -1,3 +1,4 @@
+use super::ext::ExtKind;
 use super::*;
 use clap::Parser;
 

@@ -312,6 +312,7 @@ fn host(shared: &Shared, handoff: &Handoff, t: usize, initial: Vec<Worker>) -> i
         if arrived || epoch != seen {
             seen = epoch;
             let active = th.active();
+            let mut sent = false;
             let mut i = 0;
             while i < hosted.len() {
                 let to = Threads::home(hosted[i].w.id, active);
@@ -321,13 +322,13 @@ fn host(shared: &Shared, handoff: &Handoff, t: usize, initial: Vec<Worker>) -> i
                 }
                 let Hosted { w, sweep, .. } = hosted.swap_remove(i);
                 outer.ctl(libc::EPOLL_CTL_DEL, w.poll.as_raw_fd(), 0)?;
-                // The receiving host is woken by its eventfd, or, if it blocks in its one
-                // worker's poll, by that worker's mailbox.
                 let _ = handoff.chans[to].0.send((w, sweep));
-                th.kick_all(shared.peers());
+                sent = true;
             }
-            if hosted.len() > 1 || arrived {
-                hosted.sort_by_key(|h| h.w.id);
+            if sent {
+                // The receiving hosts are woken by their eventfds, or, those blocked in their
+                // one worker's poll, by that worker's mailbox.
+                th.kick_all(shared.peers());
             }
         }
         if hosted.len() != 1 {

@@ -157,6 +157,10 @@ impl Tables {
         }
         let own = self.owner[c as usize];
         self.route[c as usize] = (own.worker, own.ver);
+        if self.parked.is_empty() {
+            // The common case, on every answered forward: no hashing.
+            return None;
+        }
         let (mut bounced, newer) = self.parked.remove(&c)?;
         bounced.extend(newer);
         Some(bounced)

@@ -425,7 +425,7 @@ impl Worker {
     /// caller knows there are no socket events), handle the events, the connections left
     /// ready, the inbox, write the connections that got replies, send the peers their
     /// batches. Returns whether there was anything to do, `None` once the server stops.
-    fn round(&mut self, events: &mut Events, poll: Option<Duration>, last_sweep: &mut Instant) -> Option<bool> {
+    fn round(&mut self, events: &mut Events, poll: Option<Duration>, last_sweep: &mut u64) -> Option<bool> {
         match poll {
             Some(timeout) => {
                 let polled = self.poll.poll(events, Some(timeout));
@@ -488,8 +488,8 @@ impl Worker {
         if self.shared.shutdown.load(Ordering::Relaxed) {
             return None;
         }
-        if last_sweep.elapsed() >= Duration::from_millis(50) {
-            *last_sweep = Instant::now();
+        if round_end.saturating_sub(*last_sweep) >= 50_000_000 {
+            *last_sweep = round_end;
             self.housekeeping();
             self.check_alarm();
         }

@@ -34,7 +34,7 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// An eventfd: how a host is told that `active` changed or a worker was handed to it.
 struct EventFd(libc::c_int);
@@ -186,8 +186,9 @@ pub(crate) struct Handoff {
     chans: Vec<(Sender<Moving>, Receiver<Moving>)>,
 }
 
-/// A worker on its way to another host, with the time of its last housekeeping.
-type Moving = (Worker, Instant);
+/// A worker on its way to another host, with the time of its last housekeeping
+/// (`Shared::clock_ns`).
+type Moving = (Worker, u64);
 
 impl Handoff {
     pub fn new(hosts: usize) -> Handoff {
@@ -254,9 +255,13 @@ impl Outer {
 /// reported events.
 struct Hosted {
     w: Worker,
-    sweep: Instant,
+    sweep: u64,
     ready: bool,
 }
+
+/// Passes a host with several workers runs for their messages alone before it polls the
+/// sockets again.
+const MESSAGE_PASSES: u32 = 4;
 
 /// One host thread: `t` is its index, `initial` the workers it starts with. Runs until the
 /// server stops.
@@ -273,7 +278,7 @@ fn host(shared: &Shared, handoff: &Handoff, t: usize, initial: Vec<Worker>) -> i
     let outer = Outer::new()?;
     outer.ctl(libc::EPOLL_CTL_ADD, th.wakes[t].0, HOST_KEY)?;
     let mut hosted: Vec<Hosted> = Vec::new();
-    let now = Instant::now();
+    let now = shared.clock_ns();
     for w in initial {
         outer.ctl(libc::EPOLL_CTL_ADD, w.poll.as_raw_fd(), w.id as u64)?;
         hosted.push(Hosted { w, sweep: now, ready: true });
@@ -335,6 +340,7 @@ fn host(shared: &Shared, handoff: &Handoff, t: usize, initial: Vec<Worker>) -> i
             // Several workers: after a wake-up (or a timeout), every hosted worker runs a
             // round; then only those with something to do, until none has.
             let mut all = true;
+            let mut inner = 0;
             loop {
                 let mut worked = false;
                 for h in hosted.iter_mut() {
@@ -352,11 +358,21 @@ fn host(shared: &Shared, handoff: &Handoff, t: usize, initial: Vec<Worker>) -> i
                 if hosted.is_empty() {
                     break;
                 }
-                // Sockets that became ready during the pass.
+                // What co-hosted workers sent each other in this pass (requests, their
+                // replies) is taken in passes of its own, with no system call, before the
+                // sockets are looked at again; a few at most, so that sockets wait no longer
+                // than a few rounds.
+                let pending = hosted.iter().any(|h| !h.w.ready.is_empty() || !h.w.inbox.is_empty());
+                if pending && inner < MESSAGE_PASSES {
+                    inner += 1;
+                    continue;
+                }
+                inner = 0;
+                // Sockets that became ready during the passes.
                 if outer.wait(&mut hosted, Duration::ZERO)? {
                     th.wakes[t].drain();
                 }
-                if !worked && !hosted.iter().any(|h| h.ready) {
+                if !worked && !pending && !hosted.iter().any(|h| h.ready) {
                     break;
                 }
             }

@@ -9,8 +9,8 @@ use crate::control::CtlMsg;
 use crate::exec::{self, locate, Ctx, Loc};
 use crate::forward::{Job, Kind};
 use crate::moves::{Own, Parked, Tables};
-use crate::msg::{Envelope, FwdKind, Outbox, ReplyTo};
-use crate::output::{Output, Slot, StatsFormat, MAX_PENDING_OUTPUT};
+use crate::msg::{Envelope, FwdKind, Outbox, ReplyTo, StoreFields};
+use crate::output::{Gather, Output, Slot, StatsFormat, MAX_PENDING_OUTPUT};
 use crate::replica::Replicas;
 use crate::stats::Counters;
 use crate::worker::Shared;
@@ -216,10 +216,11 @@ pub(crate) fn handle(
                 // key list between them, copied into the batch once the run
                 // ends.
                 type Run<'k> = Option<(Dest, u32, &'k [u8], &'k [u8], u64)>;
-                let kind = FwdKind::Values { cas: *cas, touch: *touch };
                 let all = keys.raw();
                 let send = |rt: &mut Route, output: &mut Output, run: Run| match run {
-                    Some((Dest::Worker(to), c, first, last, _)) => {
+                    Some((Dest::Worker(to), c, first, last, hash)) => {
+                        let one = if std::ptr::eq(first, last) { hash } else { 0 };
+                        let kind = FwdKind::Values { cas: *cas, touch: *touch, one };
                         rt.forward(output, to, c, kind, |d| d.extend_from_slice(span(all, first, last)))
                     }
                     Some((_, _, first, last, hash)) => {
@@ -278,6 +279,18 @@ pub(crate) fn handle(
                     _ => false,
                 };
                 let remote = Kind::Line { expect: Expect::Line, quiet: noreply, silent: noreply };
+                if let (&TextCmd::Store { mode, key, flags, exptime, data, cas_unique, noreply }, Dest::Worker(owner)) =
+                    (cmd, rt.dest(at))
+                {
+                    // To another worker of this server (a plain connection): what was parsed
+                    // travels, not the line, and the owner does not parse it again.
+                    if let (false, Ok(key_len)) = (rt.routed, u8::try_from(key.len())) {
+                        let kind = FwdKind::Store { mode, noreply, key_len, hash: at.hash };
+                        let f = StoreFields { key, flags, exptime, cas_unique, data };
+                        rt.forward(output, owner, at.cachelet, kind, |d| f.encode(d));
+                        return Action::None;
+                    }
+                }
                 route_keyed(shared, rt, store, now, output, at, Protocol::Text, raw, exec, remote, |out| {
                     foreign_text(cmd, out)
                 });
@@ -853,7 +866,8 @@ fn flush_all(shared: &Shared, rt: &mut Route, store: &mut WorkerStore, now: u32,
 fn gather_stats(shared: &Shared, rt: &mut Route, output: &mut Output, group: String, format: StatsFormat) {
     let workers = shared.settings.threads;
     let want_conns = group == "conns";
-    let seq = output.push(Slot::Gather { group, format, remaining: workers, snaps: Vec::with_capacity(workers) });
+    let g = Gather { group, format, remaining: workers, snaps: Vec::with_capacity(workers) };
+    let seq = output.push(Slot::Gather(Box::new(g)));
     for (w, ob) in rt.outbox.iter_mut().enumerate() {
         if w != rt.worker {
             ob.push(Envelope::StatsReq {

@@ -35,7 +35,50 @@ pub(crate) enum FwdKind {
     Raw(Protocol, u64),
     /// Keys (space-separated) of a text multi-get, all of one cachelet:
     /// answer VALUE blocks only (the origin writes END after the last run).
-    Values { cas: bool, touch: Option<i64> },
+    /// `one`: when the bytes are a single key, its hash (else 0), so that
+    /// the owner neither splits nor hashes it again.
+    Values { cas: bool, touch: Option<i64>, one: u64 },
+    /// A text storage command the origin parsed: its bytes are
+    /// [`StoreFields::encode`]'s (flags, exptime, cas unique, key, data), so
+    /// the owner executes it without parsing the command line again.
+    Store { mode: mbal_proto::text::StoreMode, noreply: bool, key_len: u8, hash: u64 },
+}
+
+/// The fields of a text storage command that travel in a forwarded
+/// request's bytes (`FwdKind::Store`).
+pub(crate) struct StoreFields<'a> {
+    pub key: &'a [u8],
+    pub flags: u32,
+    pub exptime: i64,
+    pub cas_unique: u64,
+    pub data: &'a [u8],
+}
+
+/// Bytes before the key: flags (4), exptime (8), cas unique (8), little-endian.
+const STORE_HEAD: usize = 20;
+
+impl<'a> StoreFields<'a> {
+    pub fn encode(&self, d: &mut Vec<u8>) {
+        d.reserve(STORE_HEAD + self.key.len() + self.data.len());
+        d.extend_from_slice(&self.flags.to_le_bytes());
+        d.extend_from_slice(&self.exptime.to_le_bytes());
+        d.extend_from_slice(&self.cas_unique.to_le_bytes());
+        d.extend_from_slice(self.key);
+        d.extend_from_slice(self.data);
+    }
+
+    /// The inverse of `encode` (`key_len` from the request's `FwdKind`).
+    pub fn decode(b: &'a [u8], key_len: u8) -> StoreFields<'a> {
+        let word = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
+        let (key, data) = b[STORE_HEAD..].split_at(key_len as usize);
+        StoreFields {
+            key,
+            flags: u32::from_le_bytes(b[..4].try_into().expect("4 bytes")),
+            exptime: word(4) as i64,
+            cas_unique: word(12),
+            data,
+        }
+    }
 }
 
 /// The cachelet of a reply that answers no forwarded request (an admin
@@ -461,7 +504,7 @@ mod tests {
     fn batches_keep_order_and_bytes() {
         let mut b = ReqBatch::default();
         b.push(to(1), 7, 0, FwdKind::Raw(Protocol::Text, 0), |d| d.extend_from_slice(b"get a\r\n"));
-        b.push(to(2), 8, 0, FwdKind::Values { cas: true, touch: None }, |d| d.extend_from_slice(b"k1 k2"));
+        b.push(to(2), 8, 0, FwdKind::Values { cas: true, touch: None, one: 0 }, |d| d.extend_from_slice(b"k1 k2"));
         b.push(to(3), 9, 0, FwdKind::Raw(Protocol::Text, 0), |_| {});
         let got: Vec<(u64, u32, Vec<u8>)> = b.iter().map(|(r, d)| (r.to.seq, r.cachelet, d.to_vec())).collect();
         assert_eq!(got, vec![(1, 7, b"get a\r\n".to_vec()), (2, 8, b"k1 k2".to_vec()), (3, 9, vec![])]);
@@ -472,6 +515,22 @@ mod tests {
         r.push(to(7), 1, |d| d.extend_from_slice(b"STORED\r\n"));
         let got: Vec<(u64, Vec<u8>)> = r.iter().map(|(i, d)| (i.to.seq, d.to_vec())).collect();
         assert_eq!(got, vec![(5, b"END\r\n".to_vec()), (6, vec![]), (7, b"STORED\r\n".to_vec())]);
+    }
+
+    #[test]
+    fn a_parsed_store_travels_whole() {
+        let f = StoreFields { key: b"key", flags: 0xdead_beef, exptime: -3, cas_unique: u64::MAX - 1, data: b"v\r\nv" };
+        let mut d = b"before".to_vec();
+        f.encode(&mut d);
+        let g = StoreFields::decode(&d[6..], 3);
+        assert_eq!(
+            (g.key, g.flags, g.exptime, g.cas_unique, g.data),
+            (&b"key"[..], 0xdead_beef, -3, u64::MAX - 1, &b"v\r\nv"[..])
+        );
+        let empty = StoreFields { key: b"k", flags: 0, exptime: 0, cas_unique: 0, data: b"" };
+        let mut d = Vec::new();
+        empty.encode(&mut d);
+        assert_eq!(StoreFields::decode(&d, 1).data, b"");
     }
 
     #[test]

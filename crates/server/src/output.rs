@@ -30,8 +30,16 @@ pub(crate) enum Slot {
     Bytes { start: usize, end: usize },
     /// A reply another worker will send.
     Wait,
-    /// A stats reply gathered from every worker.
-    Gather { group: String, format: StatsFormat, remaining: usize, snaps: Vec<WorkerSnapshot> },
+    /// A stats reply gathered from every worker (boxed: the slots of every
+    /// forwarded request move through a `VecDeque`, and stay small).
+    Gather(Box<Gather>),
+}
+
+pub(crate) struct Gather {
+    pub group: String,
+    pub format: StatsFormat,
+    pub remaining: usize,
+    pub snaps: Vec<WorkerSnapshot>,
 }
 
 #[derive(Default)]
@@ -286,9 +294,10 @@ mod tests {
     #[test]
     fn gather_slots_are_filled_like_waits() {
         let mut o = Output::default();
-        let s = o.push(Slot::Gather { group: String::new(), format: StatsFormat::Text, remaining: 2, snaps: vec![] });
+        let g = Gather { group: String::new(), format: StatsFormat::Text, remaining: 2, snaps: vec![] };
+        let s = o.push(Slot::Gather(Box::new(g)));
         o.buf().extend_from_slice(b"after");
-        assert!(matches!(o.slot_mut(s), Some(Slot::Gather { .. })));
+        assert!(matches!(o.slot_mut(s), Some(Slot::Gather(_))));
         assert!(o.fill(s, b"STAT x 1\r\nEND\r\n"));
         assert_eq!(ready(&mut o), b"STAT x 1\r\nEND\r\nafter");
     }

@@ -41,8 +41,10 @@ use crate::control::CtlMsg;
 use crate::dispatch::{self, text_key, Action, Route};
 use crate::exec::{self, locate, Ctx};
 use crate::moves::{self, Parked, Tables};
-use crate::msg::{Envelope, FwdKind, FwdReq, HandOff, Mailbox, Outbox, Peers, ReplyTo, ReqBatch, NO_CACHELET};
-use crate::output::{Output, Slot, StatsFormat, MAX_PENDING_OUTPUT};
+use crate::msg::{
+    Envelope, FwdKind, FwdReq, HandOff, Mailbox, Outbox, Peers, ReplyTo, ReqBatch, StoreFields, NO_CACHELET,
+};
+use crate::output::{Gather, Output, Slot, StatsFormat, MAX_PENDING_OUTPUT};
 use crate::readbuf::ReadBuf;
 use crate::replica::{Replicas, ShadowTable};
 use crate::stats::{self, BinSink, CacheletInfo, ConnInfo, Counters, ProcessInfo, TextSink, WorkerSnapshot};

@@ -315,3 +315,97 @@ fn set_after_flush_all_in_the_same_second_survives() {
         srv.shutdown();
     }
 }
+
+/// One side of `storage_commands_answer_alike_on_one_and_on_four_workers`: a
+/// connection and the cas unique it last saw for each key.
+struct Side {
+    c: Conn,
+    cas: std::collections::HashMap<String, u64>,
+}
+
+impl Side {
+    /// Send one pipelined batch, closed by a meta no-op; return the replies
+    /// with cas uniques replaced by `C` (each server numbers its own).
+    fn batch(&mut self, cmds: &[Cmd]) -> Vec<String> {
+        let mut req = String::new();
+        for cmd in cmds {
+            req += &cmd.text(&self.cas);
+        }
+        req += "mn\r\n";
+        self.c.send(req.as_bytes());
+        let mut out = Vec::new();
+        loop {
+            let l = self.c.line();
+            if l == "MN\r\n" {
+                return out;
+            }
+            let f: Vec<&str> = l.split_whitespace().collect();
+            if f.len() == 5 && f[0] == "VALUE" {
+                self.cas.insert(f[1].to_string(), f[4].parse().unwrap());
+                out.push(format!("VALUE {} {} {} C", f[1], f[2], f[3]));
+            } else {
+                out.push(l);
+            }
+        }
+    }
+}
+
+/// A storage, read or delete command of the differential test.
+enum Cmd {
+    Store { verb: &'static str, key: String, flags: u32, exptime: i64, value: String, noreply: bool, good_cas: bool },
+    Gets(Vec<String>),
+    Delete(String),
+}
+
+impl Cmd {
+    fn text(&self, cas: &std::collections::HashMap<String, u64>) -> String {
+        match self {
+            Cmd::Store { verb, key, flags, exptime, value, noreply, good_cas } => {
+                let unique = match (verb, cas.get(key)) {
+                    (&"cas", Some(c)) if *good_cas => format!(" {c}"),
+                    (&"cas", _) => " 4611686018427387904".to_string(),
+                    _ => String::new(),
+                };
+                let nr = if *noreply { " noreply" } else { "" };
+                format!("{verb} {key} {flags} {exptime} {}{unique}{nr}\r\n{value}\r\n", value.len())
+            }
+            Cmd::Gets(keys) => format!("gets {}\r\n", keys.join(" ")),
+            Cmd::Delete(key) => format!("delete {key}\r\n"),
+        }
+    }
+}
+
+#[test]
+fn storage_commands_answer_alike_on_one_and_on_four_workers() {
+    // With four workers three keys in four belong to a worker the connection does not
+    // live on: their storage commands travel pre-parsed (flags, exptime, cas unique, the
+    // value) and must come out as they do where nothing travels.
+    use rand::{rngs::StdRng, Rng, SeedableRng};
+    let mut rng = StdRng::seed_from_u64(0x5eed);
+    let (one, four) = (start(settings(1)), start(settings(4)));
+    let mut a = Side { c: Conn::open(one.main_addr), cas: Default::default() };
+    let mut b = Side { c: Conn::open(four.main_addr), cas: Default::default() };
+    let key = |rng: &mut StdRng| format!("key:{}", rng.gen_range(0..40));
+    for round in 0..300 {
+        let cmds: Vec<Cmd> = (0..rng.gen_range(1..10))
+            .map(|_| match rng.gen_range(0..10) {
+                0..=5 => Cmd::Store {
+                    verb: ["set", "set", "add", "replace", "append", "prepend", "cas", "cas"][rng.gen_range(0..8)],
+                    key: key(&mut rng),
+                    flags: [0, 1, u32::MAX, rng.gen()][rng.gen_range(0..4)],
+                    exptime: [0, 0, 1000, -1][rng.gen_range(0..4)],
+                    value: (0..rng.gen_range(0..40)).map(|_| rng.gen_range(b'a'..=b'z') as char).collect(),
+                    noreply: rng.gen_range(0..5) == 0,
+                    good_cas: rng.gen_range(0..3) != 0,
+                },
+                6..=8 => Cmd::Gets((0..rng.gen_range(1..5)).map(|_| key(&mut rng)).collect()),
+                _ => Cmd::Delete(key(&mut rng)),
+            })
+            .collect();
+        let (ra, rb) = (a.batch(&cmds), b.batch(&cmds));
+        assert_eq!(ra, rb, "round {round}: one worker vs four");
+    }
+    assert!(stat(&mut b.c, "cross_worker_requests") > 1000, "most commands went to another worker");
+    one.shutdown();
+    four.shutdown();
+}

@@ -139,12 +139,13 @@ impl Worker {
         // Overlap the index misses of the batch's gets and text stores.
         for (req, bytes) in batch.iter().skip(from).take(n) {
             match req.kind {
-                FwdKind::Values { .. } => {
+                FwdKind::Values { one: 0, .. } => {
                     for key in bytes.split(|&b| b == b' ').filter(|k| !k.is_empty()) {
                         self.store.prefetch(req.cachelet, mbal_cluster::key_hash(key));
                     }
                 }
-                FwdKind::Raw(_, hash) => self.store.prefetch(req.cachelet, hash),
+                FwdKind::Values { one: hash, .. } => self.store.prefetch(req.cachelet, hash),
+                FwdKind::Raw(_, hash) | FwdKind::Store { hash, .. } => self.store.prefetch(req.cachelet, hash),
             }
         }
         for (req, bytes) in batch.iter().skip(from).take(n) {
@@ -338,17 +339,16 @@ impl Worker {
 
     pub(super) fn gathered(&mut self, ci: usize, seq: u64, snap: WorkerSnapshot) {
         let Some(c) = self.conns.get_mut(ci) else { return };
-        let Some(Slot::Gather { remaining, snaps, .. }) = c.output.slot_mut(seq) else { return };
-        snaps.push(snap);
-        *remaining -= 1;
-        if *remaining > 0 {
+        let Some(Slot::Gather(g)) = c.output.slot_mut(seq) else { return };
+        g.snaps.push(snap);
+        g.remaining -= 1;
+        if g.remaining > 0 {
             return;
         }
-        let Some(Slot::Gather { group, format, mut snaps, .. }) =
-            c.output.slot_mut(seq).map(|s| std::mem::replace(s, Slot::Wait))
-        else {
+        let Some(Slot::Gather(g)) = c.output.slot_mut(seq).map(|s| std::mem::replace(s, Slot::Wait)) else {
             return;
         };
+        let Gather { group, format, mut snaps, .. } = *g;
         let mut data = Vec::new();
         let ports = self.shared.worker_ports.get().cloned().unwrap_or_default();
         render_stats(&self.shared, &ports, &group, &format, &mut snaps, &mut data);
@@ -447,7 +447,10 @@ fn at(layout: &KeySpace, key: &[u8], hash: u64) -> exec::Loc {
 /// The cachelet was checked by the caller.
 pub(super) fn execute(ctx: &mut Ctx, limits: &Limits, kind: FwdKind, bytes: &[u8], out: &mut Vec<u8>) {
     match kind {
-        FwdKind::Values { cas, touch } => {
+        FwdKind::Values { cas, touch, one } if one != 0 => {
+            exec::text_get_one(ctx, bytes, at(ctx.layout, bytes, one), cas, touch, out);
+        }
+        FwdKind::Values { cas, touch, .. } => {
             for key in bytes.split(|&b| b == b' ').filter(|k| !k.is_empty()) {
                 let at = locate(ctx.layout, key);
                 exec::text_get_one(ctx, key, at, cas, touch, out);
@@ -471,6 +474,11 @@ pub(super) fn execute(ctx: &mut Ctx, limits: &Limits, kind: FwdKind, bytes: &[u8
             Parsed::Err { reply, .. } => reply.write(out),
             Parsed::NeedMore => out.extend_from_slice(b"SERVER_ERROR internal forwarding error\r\n"),
         },
+        FwdKind::Store { mode, noreply, key_len, hash } => {
+            let StoreFields { key, flags, exptime, cas_unique, data } = StoreFields::decode(bytes, key_len);
+            let cmd = TextCmd::Store { mode, key, flags, exptime, data, cas_unique, noreply };
+            exec::text_keyed(ctx, &cmd, at(ctx.layout, key, hash), out);
+        }
     }
 }
 

@@ -21,7 +21,8 @@
 //! eventfd and each hosted worker's epoll descriptor (level-triggered: a worker's epoll is
 //! readable while it has events, so none is lost to an edge), then runs passes: each hosted
 //! worker whose epoll is ready runs a round that polls it (timeout 0), each one with messages
-//! or ready connections a round without polling, until a pass finds nothing to do; then every
+//! or ready connections a round without polling, until a pass finds nothing to do (what they
+//! sent each other is first taken in up to `MESSAGE_PASSES` passes with no poll); then every
 //! hosted worker's mailbox is marked asleep (`prepare_sleep`) and the thread blocks again.
 //! After every wake-up each worker runs one round, so its timers (housekeeping, emulated
 //! capacity) run as on its own thread.

@@ -30,8 +30,10 @@
 //! `mbal threads <n>` / `mbal threads auto` set it or hand it back to the policy at run time.
 
 use crate::Shared;
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// How often the policy looks.
@@ -177,19 +179,24 @@ impl Policy {
     }
 }
 
-/// Start the policy's thread (only when there is a choice to make).
-pub(crate) fn spawn(shared: Arc<Shared>) -> std::io::Result<()> {
-    std::thread::Builder::new().name("mbal-threads".into()).spawn(move || run(shared))?;
-    Ok(())
+/// Start the policy's thread (only when there is a choice to make). It stops when the server
+/// does: at once when the returned sender is dropped (`ServerHandle` does so on shutdown),
+/// else within a tick of the shutdown flag (a `shutdown` command).
+pub(crate) fn spawn(shared: Arc<Shared>) -> std::io::Result<(JoinHandle<()>, Sender<()>)> {
+    let (stop, stopped) = crossbeam_channel::bounded(0);
+    let t = std::thread::Builder::new().name("mbal-threads".into()).spawn(move || run(shared, stopped))?;
+    Ok((t, stop))
 }
 
-fn run(shared: Arc<Shared>) {
+fn run(shared: Arc<Shared>, stopped: Receiver<()>) {
     let th = &shared.threads;
     let mut policy = Policy::new(th.hosts());
     let cpus = allowed_cpus();
     let mut prev: Option<Reading> = None;
     while !shared.shutdown.load(Ordering::Relaxed) {
-        std::thread::sleep(TICK);
+        if stopped.recv_timeout(TICK) != Err(RecvTimeoutError::Timeout) {
+            return;
+        }
         let active = th.active();
         let now = Instant::now();
         let r = Reading {

@@ -73,6 +73,8 @@ pub struct ServerHandle {
     shared: Arc<Shared>,
     acceptor_waker: Arc<mio::Waker>,
     threads: Vec<JoinHandle<()>>,
+    /// Dropped to stop the thread policy's thread at once (`fold::spawn`).
+    policy_stop: Option<crossbeam_channel::Sender<()>>,
 }
 
 impl ServerHandle {
@@ -85,6 +87,7 @@ impl ServerHandle {
         self.shared.shutdown.store(true, Ordering::Relaxed);
         self.shared.wake_all();
         let _ = self.acceptor_waker.wake();
+        self.policy_stop = None;
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
@@ -292,8 +295,11 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
         );
     }
     drop(handoff);
+    let mut policy_stop = None;
     if hosts > 1 {
-        fold::spawn(shared.clone())?;
+        let (t, stop) = fold::spawn(shared.clone())?;
+        threads.push(t);
+        policy_stop = Some(stop);
     }
     if replicating {
         let servers = map.servers().iter().map(|s| s.main).collect();
@@ -313,7 +319,7 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
     let _ = shared.accept_waker.set(acceptor_waker.clone());
     threads.push(std::thread::Builder::new().name("mbal-acceptor".into()).spawn(move || acceptor.run())?);
     tracing::info!(%main_addr, ?worker_addrs, workers, "mbal server ready");
-    Ok(ServerHandle { main_addr, worker_addrs, shared, acceptor_waker, threads })
+    Ok(ServerHandle { main_addr, worker_addrs, shared, acceptor_waker, threads, policy_stop })
 }
 
 /// How many host threads run the workers: `--worker-threads` if given, else one per worker

@@ -7,10 +7,9 @@
 //! up to the server.
 
 use crate::reply::ErrReply;
-use crate::text::{data_block, fail, next_token, num, split_spaces, E_ERROR, E_FORMAT, E_TOO_LARGE};
+use crate::text::{data_block, fail, next_token, num, split_spaces, Decimal, E_ERROR, E_FORMAT, E_TOO_LARGE};
 use crate::{valid_key, Limits, Parsed, Request, MAX_KEY_LEN};
 use base64::Engine as _;
-use std::str::FromStr;
 
 pub use crate::reply::{write_b64, MetaReply};
 
@@ -74,7 +73,7 @@ impl<'a> MetaFlags<'a> {
     }
     /// Flag `f` parsed as a number: `Ok(None)` if absent, `Err(())` if its token is not a valid `T`.
     #[allow(clippy::result_unit_err)]
-    pub fn num<T: FromStr>(&self, f: u8) -> Result<Option<T>, ()> {
+    pub fn num<T: Decimal>(&self, f: u8) -> Result<Option<T>, ()> {
         match self.token(f) {
             None => Ok(None),
             Some(t) => num::<T>(t).map(Some).ok_or(()),

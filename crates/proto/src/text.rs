@@ -6,7 +6,6 @@
 
 use crate::reply::ErrReply;
 use crate::{meta, valid_key, Limits, Parsed, Request};
-use std::str::FromStr;
 
 pub use crate::reply::{
     write_number, write_stat, write_value, write_version, DELETED, END, ERROR, EXISTS, NOT_FOUND, NOT_STORED, OK,
@@ -190,9 +189,73 @@ pub(crate) fn trim(mut s: &[u8]) -> &[u8] {
     s
 }
 
-pub(crate) fn num<T: FromStr>(tok: &[u8]) -> Option<T> {
-    std::str::from_utf8(tok).ok()?.parse().ok()
+/// A decimal integer token, read as Rust's `FromStr` reads the integer types (an optional
+/// `+`, or `-` for a signed type, then one or more ASCII digits, no overflow) but straight from
+/// the bytes: no UTF-8 check, no `&str`. Every number of every request line goes through it.
+pub(crate) fn num<T: Decimal>(tok: &[u8]) -> Option<T> {
+    T::decimal(tok)
 }
+
+/// The integer types a request's numbers are read as ([`num`]).
+pub trait Decimal: Sized {
+    fn decimal(tok: &[u8]) -> Option<Self>;
+}
+
+macro_rules! decimal_unsigned {
+    ($($t:ty),*) => {$(
+        impl Decimal for $t {
+            fn decimal(tok: &[u8]) -> Option<$t> {
+                let digits = match tok {
+                    [b'+', rest @ ..] => rest,
+                    _ => tok,
+                };
+                if digits.is_empty() {
+                    return None;
+                }
+                let mut n: $t = 0;
+                for &b in digits {
+                    let d = b.wrapping_sub(b'0');
+                    if d > 9 {
+                        return None;
+                    }
+                    n = n.checked_mul(10)?.checked_add(d as $t)?;
+                }
+                Some(n)
+            }
+        }
+    )*};
+}
+
+macro_rules! decimal_signed {
+    ($($t:ty),*) => {$(
+        impl Decimal for $t {
+            fn decimal(tok: &[u8]) -> Option<$t> {
+                let (negative, digits) = match tok {
+                    [b'-', rest @ ..] => (true, rest),
+                    [b'+', rest @ ..] => (false, rest),
+                    _ => (false, tok),
+                };
+                if digits.is_empty() {
+                    return None;
+                }
+                // Accumulated towards the sign, so that MIN (one more than -MAX) fits.
+                let mut n: $t = 0;
+                for &b in digits {
+                    let d = b.wrapping_sub(b'0');
+                    if d > 9 {
+                        return None;
+                    }
+                    n = n.checked_mul(10)?;
+                    n = if negative { n.checked_sub(d as $t)? } else { n.checked_add(d as $t)? };
+                }
+                Some(n)
+            }
+        }
+    )*};
+}
+
+decimal_unsigned!(u8, u16, u32, u64, usize);
+decimal_signed!(i32, i64);
 
 pub(crate) fn fail<'a>(msg: &'static str, skip: usize) -> Parsed<'a> {
     Parsed::Err { reply: ErrReply::Text(msg), skip, close: false }
@@ -920,5 +983,70 @@ mod tests {
     fn crlf_only_stripped_once() {
         // "\r" inside a key token is a control char -> bad format
         assert_eq!(terr(b"get a\r\r\n").0, E_FORMAT);
+    }
+}
+
+#[cfg(test)]
+mod decimal_tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// `num` must read a token exactly as `FromStr` does.
+    fn same<T: Decimal + std::str::FromStr + PartialEq + std::fmt::Debug>(tok: &[u8]) {
+        let std = std::str::from_utf8(tok).ok().and_then(|s| s.parse::<T>().ok());
+        assert_eq!(num::<T>(tok), std, "{:?}", String::from_utf8_lossy(tok));
+    }
+
+    fn all(tok: &[u8]) {
+        same::<u8>(tok);
+        same::<u16>(tok);
+        same::<u32>(tok);
+        same::<u64>(tok);
+        same::<usize>(tok);
+        same::<i32>(tok);
+        same::<i64>(tok);
+    }
+
+    #[test]
+    fn edges_read_as_from_str_reads_them() {
+        for tok in [
+            &b""[..],
+            b"+",
+            b"-",
+            b"0",
+            b"-0",
+            b"+0",
+            b"00012",
+            b"255",
+            b"256",
+            b"65536",
+            b"4294967295",
+            b"4294967296",
+            b"18446744073709551615",
+            b"18446744073709551616",
+            b"9223372036854775807",
+            b"9223372036854775808",
+            b"-9223372036854775808",
+            b"-9223372036854775809",
+            b"-2147483648",
+            b"2147483648",
+            b"1 ",
+            b" 1",
+            b"1a",
+            b"--1",
+            b"+-1",
+            b"\xff1",
+            b"\xd9\xa1",
+        ] {
+            all(tok);
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn any_token_reads_as_from_str_reads_it(tok in proptest::collection::vec(
+            prop_oneof![4 => b'0'..=b'9', 1 => Just(b'-'), 1 => Just(b'+'), 1 => any::<u8>()], 0..24)) {
+            all(&tok);
+        }
     }
 }

@@ -262,6 +262,11 @@ impl Worker {
         let conn = &self.conns[ci];
         let Some(proto @ Protocol::Text) = conn.proto else { return };
         let (mut pos, buf, mut line) = (0usize, &conn.rbuf[..], conn.line);
+        // One request (a client that does not pipeline: one line, or a store's line and
+        // data) has nothing to overlap its miss with: do not parse it twice.
+        if memchr::memchr_iter(b'\n', buf).nth(2).is_none() {
+            return;
+        }
         for _ in 0..self.shared.settings.reqs_per_event {
             let Parsed::Req { req, consumed } = mbal_proto::parse_stream(&mut line, proto, &buf[pos..], &self.limits)
             else {

@@ -19,6 +19,16 @@ fn input_limit_reply(proto: Protocol, buf: &[u8], out: &mut Vec<u8>) {
     }
 }
 
+/// A request parsed ahead of its turn (`look_ahead`): where in the read buffer it starts,
+/// the line state it was parsed in and the one it leaves. Parsing depends on nothing else,
+/// so `process` may use it whenever it reaches that position in that state.
+struct Ahead<'r> {
+    at: usize,
+    before: LineState,
+    after: LineState,
+    parsed: Parsed<'r>,
+}
+
 impl Worker {
     /// Connections on this worker's own port.
     pub(super) fn accept(&mut self) {
@@ -254,34 +264,42 @@ impl Worker {
         }
     }
 
-    /// Look ahead over the requests `process` is about to execute and start loading the index
-    /// lines of the keys this worker will look up, so the batch's cache misses overlap. Text
-    /// gets and stores (`prefetch_keys`); a prefetch is a hint, so a key that turns out to be
-    /// elsewhere costs nothing but the hash.
-    pub(super) fn prefetch_batch(&self, ci: usize) {
-        let conn = &self.conns[ci];
-        let Some(proto @ Protocol::Text) = conn.proto else { return };
-        let (mut pos, buf, mut line) = (0usize, &conn.rbuf[..], conn.line);
+    /// Parse ahead the requests `process` is about to execute, and start loading the index
+    /// lines of the keys this worker will look up, so the batch's cache misses overlap (text
+    /// gets and stores, `prefetch_keys`; a prefetch is a hint, so a key that turns out to be
+    /// elsewhere costs nothing but the hash). `process` executes what was parsed here instead
+    /// of parsing it again.
+    fn look_ahead<'r>(&self, proto: Option<Protocol>, buf: &'r [u8], mut line: LineState) -> Vec<Ahead<'r>> {
+        let Some(proto @ Protocol::Text) = proto else { return Vec::new() };
         // One request (a client that does not pipeline: one line, or a store's line and
-        // data) has nothing to overlap its miss with: do not parse it twice.
+        // data) has nothing to overlap its miss with.
         if memchr::memchr_iter(b'\n', buf).nth(2).is_none() {
-            return;
+            return Vec::new();
         }
-        for _ in 0..self.shared.settings.reqs_per_event {
-            let Parsed::Req { req, consumed } = mbal_proto::parse_stream(&mut line, proto, &buf[pos..], &self.limits)
-            else {
-                break;
-            };
-            prefetch_keys(&self.store, &self.shared.layout, &req);
-            pos += consumed;
+        let n = self.shared.settings.reqs_per_event;
+        let mut ahead = Vec::with_capacity(n.min(64));
+        let mut at = 0usize;
+        for _ in 0..n {
+            let before = line;
+            let parsed = mbal_proto::parse_stream(&mut line, proto, &buf[at..], &self.limits);
+            let Parsed::Req { req, consumed } = &parsed else { break };
+            prefetch_keys(&self.store, &self.shared.layout, req);
+            let next = at + consumed;
+            ahead.push(Ahead { at, before, after: line, parsed });
+            at = next;
         }
+        ahead
     }
 
     /// Parse and execute up to `reqs_per_event` requests from the buffer.
     pub(super) fn process(&mut self, ci: usize) {
-        if self.conns[ci].skip == 0 {
-            self.prefetch_batch(ci);
-        }
+        // The read buffer leaves the connection while its requests run, so that what was
+        // parsed ahead (which borrows it) can be executed while the connection changes; it
+        // goes back before anything else can look at it.
+        let rbuf = std::mem::take(&mut self.conns[ci].rbuf);
+        let conn = &self.conns[ci];
+        let ahead = if conn.skip == 0 { self.look_ahead(conn.proto, &rbuf, conn.line) } else { Vec::new() };
+        let mut next = 0;
         let reqs_per_event = self.shared.settings.reqs_per_event;
         let mut done = 0usize;
         let mut pos = 0usize;
@@ -295,14 +313,14 @@ impl Worker {
                 break;
             }
             if conn.skip > 0 {
-                let n = conn.skip.min(conn.rbuf.len() - pos);
+                let n = conn.skip.min(rbuf.len() - pos);
                 conn.skip -= n;
                 pos += n;
                 if conn.skip > 0 {
                     break;
                 }
             }
-            if pos >= conn.rbuf.len() {
+            if pos >= rbuf.len() {
                 break;
             }
             if self.inflight >= self.max_inflight {
@@ -338,12 +356,11 @@ impl Worker {
                 self.requeue(ci);
                 break;
             }
-            let proto = *conn.proto.get_or_insert_with(|| mbal_proto::detect(conn.rbuf[pos]));
+            let proto = *conn.proto.get_or_insert_with(|| mbal_proto::detect(rbuf[pos]));
             if !conn.auth.authenticated && proto == Protocol::Text {
                 // memcached's ASCII authentication (-Y) comes first.
                 let (settings, counters) = (&self.shared.settings, &mut self.counters);
-                match crate::auth::ascii_step(settings, counters, &mut conn.auth, &conn.rbuf[pos..], conn.output.buf())
-                {
+                match crate::auth::ascii_step(settings, counters, &mut conn.auth, &rbuf[pos..], conn.output.buf()) {
                     AsciiStep::NeedMore => {
                         partial = true;
                         break;
@@ -356,7 +373,7 @@ impl Worker {
                 }
                 continue;
             }
-            let Conn { rbuf, output, gen, routed, line, auth, exempt, fresh: only_admin, .. } = conn;
+            let Conn { output, gen, routed, line, auth, exempt, fresh: only_admin, .. } = conn;
             let exempt = *exempt || *only_admin;
             let buf = &rbuf[pos..];
             let mut rt = Route {
@@ -376,7 +393,24 @@ impl Worker {
                 forwarding: self.shared.forward.is_some(),
             };
             let fresh = matches!(line, LineState::Start);
-            match mbal_proto::parse_stream(line, proto, buf, &self.limits) {
+            // What was parsed ahead at this position in this state, else parse now. (By
+            // reference: a parsed request is large, a meta request's flags are inline.)
+            while ahead.get(next).is_some_and(|a| a.at < pos) {
+                next += 1;
+            }
+            let parsed_now;
+            let parsed = match ahead.get(next) {
+                Some(a) if a.at == pos && a.before == *line => {
+                    next += 1;
+                    *line = a.after;
+                    &a.parsed
+                }
+                _ => {
+                    parsed_now = mbal_proto::parse_stream(line, proto, buf, &self.limits);
+                    &parsed_now
+                }
+            };
+            match *parsed {
                 Parsed::NeedMore => {
                     if buf.len() >= self.input_cap {
                         // The request needs more than the connection may buffer.
@@ -388,7 +422,7 @@ impl Worker {
                     partial = true;
                     break;
                 }
-                Parsed::Err { reply, skip, close } => {
+                Parsed::Err { ref reply, skip, close } => {
                     if reply.is_too_large() {
                         rt.counters.store_too_large += 1;
                     }
@@ -410,11 +444,11 @@ impl Worker {
                         conn.closing = true;
                     }
                 }
-                Parsed::Req { req, consumed } => {
+                Parsed::Req { ref req, consumed } => {
                     let raw = &buf[..consumed];
                     let forwarded_before = *rt.inflight;
                     let reply_at = output.buf().len();
-                    let action = dispatch::handle(&self.shared, &mut rt, &mut self.store, self.now, output, &req, raw);
+                    let action = dispatch::handle(&self.shared, &mut rt, &mut self.store, self.now, output, req, raw);
                     if self.store.watch().has_dirty() {
                         // A write to a replicated key: copy it; in sync mode
                         // its reply waits until every copy has it.
@@ -459,6 +493,10 @@ impl Worker {
                     }
                 }
             }
+        }
+        drop(ahead);
+        if let Some(conn) = self.conns.get_mut(ci) {
+            conn.rbuf = rbuf;
         }
         self.finish_self_stats();
         self.requests += done as u64;

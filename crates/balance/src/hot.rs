@@ -167,9 +167,14 @@ pub struct HotConfig {
     /// it does to the copies made and the reaction time.
     pub displace: bool,
     /// With `displace`: a HOT key may be displaced only after this many
-    /// consecutive epochs (default 2) in which its rate as measured (not
-    /// smoothed) was at most `cool_fraction` × T; it is judged by that
-    /// rate.
+    /// consecutive epochs (default 1) in which its rate as measured (not
+    /// smoothed) was at most `cool_fraction` × T, or under the rate below
+    /// which a key is sampling noise; it is judged by that rate. When its
+    /// home reports its reads exactly ([`HotKeys::home_reads`]) the rate
+    /// measured is those reads × (γ + 1), this epoch's: a key whose
+    /// readers left is seen in the first epoch after (its copies' reads
+    /// come with the renewals, an epoch late), and an exact count has no
+    /// sampling noise to wait out (with sampled home reads, 2 epochs).
     pub displace_quiet: u32,
     /// SPORE's read-up/write-down weights: a key is replicable when
     /// `read_up` × reads − `write_down` × writes > 0 (default 1 and 9:
@@ -214,7 +219,7 @@ impl Default for HotConfig {
             target_imbalance: 1.1,
             repl_high: None,
             displace: true,
-            displace_quiet: 2,
+            displace_quiet: 1,
             read_up: 1.0,
             write_down: 9.0,
             lease_epochs: 2,
@@ -354,7 +359,11 @@ struct Entry {
     /// judges a HOT key by it: a key whose readers left (a shifted hot
     /// set) shows it at once, where the smoothed rate takes epochs to fall.
     raw: f64,
-    /// Consecutive epochs its `raw` rate was at most `cool_fraction` × T.
+    /// The rate displacement judges a HOT key by: its home's exact reads
+    /// this epoch × (γ + 1) when the home reported them, else `raw`.
+    recent: f64,
+    /// Consecutive epochs its `recent` rate was at most `cool_fraction` × T
+    /// (or under the noise floor).
     quiet: u32,
 }
 
@@ -374,6 +383,9 @@ pub struct HotKeys {
     /// Reads served by each HOT key's copies since the last epoch, as the shadows reported
     /// them with the renewals ([`HotKeys::copy_reads`]).
     copy_reads: BTreeMap<Vec<u8>, u64>,
+    /// Reads each replicated key got at its home this epoch, counted
+    /// exactly ([`HotKeys::home_reads`]).
+    home_reads: BTreeMap<Vec<u8>, u64>,
 }
 
 /// REPL_high for the whole cluster: floor(2·n·ln n) for its n workers
@@ -398,7 +410,17 @@ impl HotKeys {
     pub fn new(cfg: HotConfig, balance: Config) -> HotKeys {
         let tracker = tracker::build(cfg.tracker, cfg.capacity, cfg.decay);
         let rate = cfg.sample_rate.clamp(1e-9, 1.0);
-        HotKeys { cfg, balance, tracker, keys: BTreeMap::new(), now: 0, last: None, rate, copy_reads: BTreeMap::new() }
+        HotKeys {
+            cfg,
+            balance,
+            tracker,
+            keys: BTreeMap::new(),
+            now: 0,
+            last: None,
+            rate,
+            copy_reads: BTreeMap::new(),
+            home_reads: BTreeMap::new(),
+        }
     }
 
     /// The reads `key`'s copies served since they were last renewed, as the shadows count
@@ -407,6 +429,17 @@ impl HotKeys {
     /// draw), so a key whose readers left is seen to cool at once.
     pub fn copy_reads(&mut self, key: &[u8], reads: u64) {
         *self.copy_reads.entry(key.to_vec()).or_insert(0) += reads;
+    }
+
+    /// The reads of a replicated `key` its home served this epoch, counted
+    /// exactly (every routed read of it asks for its hint there). Clients
+    /// spread a HOT key's reads evenly over its γ + 1 copies, home
+    /// included, so these × (γ + 1) are its rate now: what displacement
+    /// judges a HOT key by (its copies' own counts arrive with the
+    /// renewals, an epoch late, and the home's samples are too few to
+    /// tell a key whose readers left from noise).
+    pub fn home_reads(&mut self, key: &[u8], reads: u64) {
+        *self.home_reads.entry(key.to_vec()).or_insert(0) += reads;
     }
 
     /// The fraction of requests to sample from now on: fixed, or set each
@@ -562,6 +595,7 @@ impl HotKeys {
             pinned: true,
             broken: false,
             raw: 0.0,
+            recent: 0.0,
             quiet: 0,
         });
         e.pinned = true;
@@ -694,6 +728,7 @@ impl HotKeys {
             pinned: false,
             broken: false,
             raw: reads + writes,
+            recent: reads + writes,
             quiet: 0,
         };
         self.keys.insert(key.to_vec(), e);
@@ -752,6 +787,7 @@ impl HotKeys {
         }
         let mut seen: BTreeMap<Vec<u8>, (u16, f64, f64)> = BTreeMap::new();
         let mut copy_reads = std::mem::take(&mut self.copy_reads);
+        let home_reads = std::mem::take(&mut self.home_reads);
         for c in counted.iter().take(self.cfg.capacity).filter(|c| c.total() >= 0.5) {
             let mut reads = (c.reads + c.error) * scale;
             if let Some(e) = self.keys.get(&c.key) {
@@ -779,6 +815,7 @@ impl HotKeys {
             let e = self.keys.get_mut(k).expect("inserted");
             e.worker = worker;
             e.raw = reads + writes;
+            e.recent = e.raw;
             (e.reads, e.writes) = (reads.max(keep * e.reads), writes.max(keep * e.writes));
         }
         let dropped: Vec<Vec<u8>> =
@@ -787,7 +824,7 @@ impl HotKeys {
             if !self.apply(&k, KeyEvent::Dropped, &mut log) {
                 let keep = 1.0 - self.cfg.max_fall.clamp(0.0, 1.0);
                 let e = self.keys.get_mut(&k).expect("present");
-                (e.reads, e.writes, e.raw) = (keep * e.reads, keep * e.writes, 0.0);
+                (e.reads, e.writes, e.raw, e.recent) = (keep * e.reads, keep * e.writes, 0.0, 0.0);
             }
         }
         self.keys.retain(|_, e| e.state != KeyState::Invalid);
@@ -823,7 +860,11 @@ impl HotKeys {
         let mut heat: Vec<(f64, Vec<u8>)> = Vec::new();
         for k in &names {
             let e = self.keys.get_mut(k).expect("present");
-            e.quiet = if e.state == KeyState::Hot && e.raw <= cool_below { e.quiet + 1 } else { 0 };
+            if let (KeyState::Hot, Some(&n)) = (e.state, home_reads.get(k)) {
+                e.recent = n as f64 / secs * f64::from(e.replicas + 1);
+            }
+            let quiet = e.state == KeyState::Hot && (e.recent <= cool_below || e.recent < min_rate);
+            e.quiet = if quiet { e.quiet + 1 } else { 0 };
             let e = &self.keys[k];
             let f = e.reads + e.writes;
             let ok = replicable(e);
@@ -886,18 +927,20 @@ impl HotKeys {
             // leases) until their leases end, so the keys with copies may
             // exceed REPL_high by the keys retiring, for lease_epochs + 1
             // epochs; the keys granted leases stay within it.
-            // Judged by their rate as measured this epoch, and only once it
-            // has been at most cool_fraction × T for `displace_quiet` epochs
-            // running: a key whose readers left (a shifted hot set) frees
-            // its slot in that many epochs, where cooling takes its
-            // smoothed rate's fall plus `cool_epochs`; one unlucky epoch
-            // of a HOT key (its home sees 1/(γ+1) of its reads) does not.
+            // Judged by their rate as measured this epoch (the home's exact
+            // reads × (γ+1) when reported, else its samples and its copies'
+            // last counts), and only once it has been at most
+            // cool_fraction × T (or under the noise floor) for
+            // `displace_quiet` epochs running: a key whose readers left (a
+            // shifted hot set) frees its slot at the end of the first epoch
+            // after, where cooling takes its smoothed rate's fall plus
+            // `cool_epochs`.
             let quiet = self.cfg.displace_quiet.max(1);
             let mut coolest: Vec<(f64, Vec<u8>)> = self
                 .keys
                 .iter()
                 .filter(|(_, e)| e.state == KeyState::Hot && !e.pinned && e.quiet >= quiet)
-                .map(|(k, e)| (e.raw.min(e.reads + e.writes), k.clone()))
+                .map(|(k, e)| (e.recent.min(e.reads + e.writes), k.clone()))
                 .collect();
             coolest.sort_by(|a, b| a.0.total_cmp(&b.0).then_with(|| a.1.cmp(&b.1)));
             // Keys already retiring (cooled or displaced) make room too.

@@ -49,8 +49,9 @@ use std::time::{Duration, Instant};
 /// Messages to the controller.
 pub(crate) enum CtlMsg {
     /// A worker's counters for the sampling round `seq`, and the keys it
-    /// sampled since the last round (`true`: a write).
-    Sample { seq: u64, sample: Box<WorkerSample>, keys: Vec<(Box<[u8]>, bool)> },
+    /// sampled since the last round (`true`: a write), and the reads its
+    /// replicated keys got at home since then (exact counts).
+    Sample { seq: u64, sample: Box<WorkerSample>, keys: Vec<(Box<[u8]>, bool)>, home_reads: Vec<(Box<[u8]>, u64)> },
     /// The replicator: a key's copies were made (`created`) or renewed by a
     /// job started at `at_ns` (`ok`), or could not be.
     /// A renewal also brings the reads the copies served since the last one.
@@ -262,10 +263,13 @@ impl Controller {
 
     fn handle(&mut self, msg: CtlMsg) {
         match msg {
-            CtlMsg::Sample { seq, sample, keys } => {
+            CtlMsg::Sample { seq, sample, keys, home_reads } => {
                 if let Some(h) = &mut self.hot {
                     for (k, write) in keys {
                         h.observe(&k, if write { Access::Write } else { Access::Read }, sample.worker);
+                    }
+                    for (k, n) in home_reads {
+                        h.home_reads(&k, n);
                     }
                 }
                 self.sampled(seq, *sample)

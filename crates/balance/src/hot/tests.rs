@@ -405,6 +405,8 @@ fn displacement_cools_the_coolest_hot_key_for_a_much_hotter_one() {
             decay: 0.0,
             repl_high: Some(2),
             displace,
+            // Without the homes' exact counts (judged by the samples).
+            displace_quiet: 2,
             ..HotConfig::default()
         };
         let mut h = HotKeys::new(cfg, Config::default());
@@ -752,6 +754,8 @@ fn displacement_spares_a_hot_key_with_one_quiet_epoch_at_a_time() {
         decay: 0.0,
         repl_high: Some(2),
         displace: true,
+        // Without the homes' exact counts (judged by the samples).
+        displace_quiet: 2,
         ..HotConfig::default()
     };
     let mut h = HotKeys::new(cfg, Config::default());
@@ -768,6 +772,61 @@ fn displacement_spares_a_hot_key_with_one_quiet_epoch_at_a_time() {
         let d = h.on_epoch(&snapshot(e, &[3000.0, 900.0]), &VIEW);
         assert_eq!((h.state(b"a"), h.state(b"b"), h.state(b"c")), (S::Hot, S::Hot, S::Cold), "epoch {e}: {d:?}");
     }
+}
+
+/// The homes count a HOT key's reads exactly and report them each epoch:
+/// a key whose readers left gives its slot to a waiting, much hotter key
+/// at the end of the first epoch after the shift (by default), though its
+/// copies' counts, which come an epoch late, still say it is hot; a key
+/// still read keeps its slot, epoch after epoch, without sampling noise.
+#[test]
+fn exact_home_reads_free_a_shifted_keys_slot_in_the_first_epoch() {
+    let cfg =
+        HotConfig { sample_rate: 1.0, sample_target: 0.0, decay: 0.0, repl_high: Some(2), ..HotConfig::default() };
+    let mut h = HotKeys::new(cfg, Config::default());
+    feed(&mut h, 1, &[(b"a", 900.0, 0.0), (b"b", 800.0, 0.0)]);
+    h.on_epoch(&snapshot(1, &[3000.0, 900.0]), &VIEW);
+    h.replicas_ready(b"a");
+    h.replicas_ready(b"b");
+    let (ga, gb) = (f64::from(h.hint(b"a")), f64::from(h.hint(b"b")));
+    assert!(ga >= 1.0 && gb >= 1.0);
+    let (home_a, home_b) = ((900.0 / (ga + 1.0)).round(), (800.0 / (gb + 1.0)).round());
+    // Settled: both read, c not yet there; the copies report last epoch's reads.
+    for e in 2..4 {
+        feed(&mut h, e, &[(b"a", home_a, 0.0), (b"b", home_b, 0.0)]);
+        h.home_reads(b"a", home_a as u64);
+        h.home_reads(b"b", home_b as u64);
+        h.copy_reads(b"a", (900.0 - home_a) as u64);
+        h.copy_reads(b"b", (800.0 - home_b) as u64);
+        h.on_epoch(&snapshot(e, &[3000.0, 900.0]), &VIEW);
+        assert_eq!((h.state(b"a"), h.state(b"b")), (S::Hot, S::Hot));
+    }
+    // The shift: b's readers leave, c turns up at 2,000/s. b's home saw none
+    // of its reads (exact), its copies still report the epoch before's.
+    feed(&mut h, 4, &[(b"a", home_a, 0.0), (b"c", 2000.0, 0.0)]);
+    h.home_reads(b"a", home_a as u64);
+    h.home_reads(b"b", 0);
+    h.copy_reads(b"a", (900.0 - home_a) as u64);
+    h.copy_reads(b"b", (800.0 - home_b) as u64);
+    let d = h.on_epoch(&snapshot(4, &[3000.0, 900.0]), &VIEW);
+    assert_eq!(h.state(b"b"), S::ColdPending, "b gives way at once: {d:?}");
+    assert_eq!(h.state(b"c"), S::HotPending, "c is replicated in the same epoch: {d:?}");
+    assert_eq!(h.state(b"a"), S::Hot, "a, still read, stays: {d:?}");
+    assert!(d.replicate.iter().any(|r| r.key == b"c"), "{d:?}");
+    // The same shift judged by the samples only (no exact counts): b's
+    // copies' late count keeps it for another epoch.
+    let cfg =
+        HotConfig { sample_rate: 1.0, sample_target: 0.0, decay: 0.0, repl_high: Some(2), ..HotConfig::default() };
+    let mut h = HotKeys::new(cfg, Config::default());
+    feed(&mut h, 1, &[(b"a", 900.0, 0.0), (b"b", 800.0, 0.0)]);
+    h.on_epoch(&snapshot(1, &[3000.0, 900.0]), &VIEW);
+    h.replicas_ready(b"a");
+    h.replicas_ready(b"b");
+    feed(&mut h, 2, &[(b"a", home_a, 0.0), (b"c", 2000.0, 0.0)]);
+    h.copy_reads(b"a", (900.0 - home_a) as u64);
+    h.copy_reads(b"b", (800.0 - home_b) as u64);
+    h.on_epoch(&snapshot(2, &[3000.0, 900.0]), &VIEW);
+    assert_eq!((h.state(b"b"), h.state(b"c")), (S::Hot, S::Cold));
 }
 
 #[test]

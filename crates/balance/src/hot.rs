@@ -853,6 +853,16 @@ impl HotKeys {
         // the hottest rate, which would keep that key HOT for ever).
         let cool_below = self.cfg.cool_fraction * if unreplicated <= target { f64::INFINITY } else { t };
 
+        // A key whose load alone, on one worker, puts that worker past the
+        // target once the rest is spread (the estimate's largest single
+        // copy, f − f/n, above (target − 1) × the mean) is a hotspot
+        // wherever it is, whether or not its worker is hot this epoch:
+        // right after a shift a worker's load does not yet hold the reads
+        // of the copies of other servers' new keys that it is about to
+        // get, and such a key waited an epoch for its worker to look hot.
+        let nf = n.max(1) as f64;
+        let busy = avg >= self.balance.min_load;
+        let too_hot_alone = |f: f64| busy && f * (1.0 - 1.0 / nf) > (target - 1.0).max(0.0) * avg;
         let mut replicate = Vec::new();
         let mut retire = Vec::new();
         let lease = self.cfg.lease_epochs;
@@ -870,7 +880,12 @@ impl HotKeys {
             let ok = replicable(e);
             let want = if ok { copies(f, t, max_copies) - 1 } else { 0 };
             match e.state {
-                KeyState::Cold if want > 0 && significant(e) && hot_workers.contains(&e.worker) && max_copies > 1 => {
+                KeyState::Cold
+                    if want > 0
+                        && significant(e)
+                        && (hot_workers.contains(&e.worker) || too_hot_alone(f))
+                        && max_copies > 1 =>
+                {
                     heat.push((f, k.clone()));
                 }
                 KeyState::Hot if e.pinned => {}

@@ -234,12 +234,29 @@ fn a_hot_read_key_on_a_hot_worker_is_replicated_then_retired() {
 #[test]
 fn a_cool_worker_does_not_replicate() {
     let mut h = policy();
-    feed(&mut h, 1, &[(b"hot", 1600.0, 0.0)]);
-    // Every worker at the mean: no hotspot, nothing replicated.
+    feed(&mut h, 1, &[(b"warm", 90.0, 0.0), (b"warm2", 80.0, 0.0)]);
+    // Every worker at the mean: no hotspot, nothing replicated (each key
+    // alone is under (target − 1) × the mean, 100/s).
     let d = h.on_epoch(&snapshot(1, &[1000.0, 1000.0]), &VIEW);
     assert!(d.hot_workers.is_empty());
-    assert!(d.replicate.is_empty());
-    assert_eq!(h.state(b"hot"), S::Cold);
+    assert!(d.replicate.is_empty(), "{d:?}");
+    assert_eq!(h.state(b"warm"), S::Cold);
+}
+
+/// A key that alone would put any worker past the target (f − f/n above
+/// (target − 1) × the mean) is replicated even while its worker is not hot
+/// yet (after a shift, the worker's load does not yet hold the copies of
+/// other servers' new keys it is about to serve).
+#[test]
+fn a_key_too_hot_for_any_worker_is_replicated_before_its_worker_looks_hot() {
+    let mut h = policy();
+    // Mean 1,000/s: (1.1 − 1) × 1,000 = 100; 150 × (1 − 1/16) = 140 is above.
+    feed(&mut h, 1, &[(b"big", 150.0, 0.0), (b"warm", 90.0, 0.0)]);
+    let d = h.on_epoch(&snapshot(1, &[1050.0, 1000.0]), &VIEW);
+    assert!(d.hot_workers.is_empty(), "{d:?}");
+    let keys: Vec<&[u8]> = d.replicate.iter().map(|r| &r.key[..]).collect();
+    assert_eq!(keys, [&b"big"[..]], "{d:?}");
+    assert_eq!(h.state(b"warm"), S::Cold);
 }
 
 #[test]

@@ -378,6 +378,9 @@ pub struct HotKeys {
     /// below which a key is sampling noise, for [`HotKeys::on_alarm`]
     /// between epochs.
     last: Option<(ClusterView, f64, f64)>,
+    /// The last epoch's `cool_fraction` × T (infinite when no key needs a
+    /// copy), for displacement by an alarm.
+    last_cool_below: f64,
     /// The sampling rate in force (see [`HotConfig::sample_target`]).
     rate: f64,
     /// Reads served by each HOT key's copies since the last epoch, as the shadows reported
@@ -420,6 +423,7 @@ impl HotKeys {
             rate,
             copy_reads: BTreeMap::new(),
             home_reads: BTreeMap::new(),
+            last_cool_below: f64::INFINITY,
         }
     }
 
@@ -648,8 +652,22 @@ impl HotKeys {
     /// shifted hot set's hottest keys get copies within a fraction of an
     /// epoch instead of at the epoch's end, before the worker's backlog
     /// grows. HOT keys are left to the epoch (growth and cooling need a
-    /// whole epoch's rates). The samples still count at the epoch's end.
-    pub fn on_alarm(&mut self, worker: u16, samples: &[(Box<[u8]>, bool)], secs: f64) -> Vec<Replicate> {
+    /// whole epoch's rates), but for displacement: `home` are the reads
+    /// each of this worker's replicated keys got at home in the last
+    /// `home_secs` (since the epoch began, exact); with `displace`, when
+    /// REPL_high is full, a HOT key of this worker whose reads so far
+    /// × (γ+1) are at most `cool_fraction` × T or under the noise floor (its
+    /// readers left: a shifted hot set) gives its slot to a waiting key at
+    /// least twice as hot (and than the noise floor), as at an epoch's end.
+    /// The samples still count at the epoch's end.
+    pub fn on_alarm(
+        &mut self,
+        worker: u16,
+        samples: &[(Box<[u8]>, bool)],
+        secs: f64,
+        home: &[(Box<[u8]>, u64)],
+        home_secs: f64,
+    ) -> Vec<Replicate> {
         let Some((view, avg, min_rate)) = self.last else { return Vec::new() };
         let max_copies = view.max_copies();
         if secs <= 0.0 || max_copies <= 1 || avg < self.balance.min_load {
@@ -695,8 +713,34 @@ impl HotKeys {
             .map(|(k, &(r, w))| (r + w, k.to_vec()))
             .collect();
         heat.sort_by(|a, b| b.0.total_cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
-        let room = self.repl_high(&view).saturating_sub(self.slots_taken());
+        let mut room = self.repl_high(&view).saturating_sub(self.slots_taken());
         let mut log = Vec::new();
+        if self.cfg.displace && heat.len() > room && home_secs > 0.0 {
+            // Displacement within the epoch, judged by the home's exact
+            // reads so far: only this worker's keys are known here.
+            let quiet_below = self.last_cool_below.max(min_rate);
+            let home: BTreeMap<&[u8], u64> = home.iter().map(|(k, n)| (&k[..], *n)).collect();
+            let mut coolest: Vec<(f64, Vec<u8>)> = self
+                .keys
+                .iter()
+                .filter(|(_, e)| e.state == KeyState::Hot && !e.pinned && e.worker == worker)
+                .filter_map(|(k, e)| {
+                    let r = *home.get(&k[..])? as f64 / home_secs * f64::from(e.replicas + 1);
+                    (r <= quiet_below).then(|| (r, k.clone()))
+                })
+                .collect();
+            coolest.sort_by(|a, b| a.0.total_cmp(&b.0).then_with(|| a.1.cmp(&b.1)));
+            let mut freed = 0;
+            for ((f, _), (g, k)) in heat.iter().skip(room).zip(&coolest) {
+                if *f < 2.0 * g.max(min_rate) {
+                    break;
+                }
+                self.apply(k, KeyEvent::Cooled, &mut log);
+                self.keys.get_mut(k).expect("present").broken = true;
+                freed += 1;
+            }
+            room += freed;
+        }
         let mut out = Vec::new();
         for (f, k) in heat.into_iter().take(room) {
             let (reads, writes) = seen[&k[..]];
@@ -852,6 +896,7 @@ impl HotKeys {
         // copy when the estimate meets the target without any (T is then
         // the hottest rate, which would keep that key HOT for ever).
         let cool_below = self.cfg.cool_fraction * if unreplicated <= target { f64::INFINITY } else { t };
+        self.last_cool_below = cool_below;
 
         // A key whose load alone, on one worker, puts that worker past the
         // target once the rest is spread (the estimate's largest single

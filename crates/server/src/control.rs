@@ -61,7 +61,9 @@ pub(crate) enum CtlMsg {
     HotFailed { key: Box<[u8]> },
     /// A worker ran hot for `secs` seconds (Phase 1's trigger within an
     /// epoch), with the keys it sampled meanwhile (`true` for a write).
-    HotAlarm { worker: u16, keys: Vec<(Box<[u8]>, bool)>, secs: f64 },
+    /// With its replicated keys' reads at home (exact) over the `home_secs`
+    /// since its last epoch sample.
+    HotAlarm { worker: u16, keys: Vec<(Box<[u8]>, bool)>, secs: f64, home: Vec<(Box<[u8]>, u64)>, home_secs: f64 },
     /// `mbal move <cachelet> <worker>`: answer `reply` once it is done.
     Move { cachelet: u32, to: usize, reply: ReplyTo },
     /// Move `token` finished: `worker` owns `cachelet` now.
@@ -283,7 +285,9 @@ impl Controller {
                 self.hot_done(key, created, ok, at_ns)
             }
             CtlMsg::HotFailed { key } => self.hot_done(key, false, false, 0),
-            CtlMsg::HotAlarm { worker, keys, secs } => self.hot_alarm(worker, &keys, secs),
+            CtlMsg::HotAlarm { worker, keys, secs, home, home_secs } => {
+                self.hot_alarm(worker, &keys, secs, &home, home_secs)
+            }
             CtlMsg::Move { cachelet, to, reply } => self.request_move(cachelet, to, reply),
             CtlMsg::Moved { token, cachelet, worker } => self.moved(token, cachelet, worker),
             CtlMsg::Map { reply } => {
@@ -550,9 +554,16 @@ impl Controller {
     }
 
     /// A worker ran hot between epochs: replicate its hottest new keys now.
-    fn hot_alarm(&mut self, worker: u16, keys: &[(Box<[u8]>, bool)], secs: f64) {
+    fn hot_alarm(
+        &mut self,
+        worker: u16,
+        keys: &[(Box<[u8]>, bool)],
+        secs: f64,
+        home: &[(Box<[u8]>, u64)],
+        home_secs: f64,
+    ) {
         let Some(hot) = &mut self.hot else { return };
-        let replicate = hot.on_alarm(worker, keys, secs);
+        let replicate = hot.on_alarm(worker, keys, secs, home, home_secs);
         self.hot_status.alarms += 1;
         tracing::debug!(
             server = self.shared.server_id,
@@ -564,6 +575,8 @@ impl Controller {
         );
         if !replicate.is_empty() {
             self.start_copies(&replicate);
+            // A key the alarm displaced grants no more leases from now on.
+            self.send_grants(None);
             self.publish_hot();
         }
     }

@@ -86,6 +86,12 @@ impl HotTable {
         self.by_hash.keys().copied().collect()
     }
 
+    /// Each replicated key's reads served here since the last
+    /// [`HotTable::take_home_reads`], counting on (for an alarm).
+    pub fn home_reads_so_far(&self) -> Vec<(Box<[u8]>, u64)> {
+        self.by_hash.values().map(|e| (e.key.clone(), e.home_reads)).collect()
+    }
+
     /// Each replicated key's reads served here since the last call (its
     /// epoch's), and the count starts again.
     pub fn take_home_reads(&mut self) -> Vec<(Box<[u8]>, u64)> {
@@ -241,6 +247,9 @@ pub(crate) struct Replicas {
     pub hot: HotTable,
     pub shadow: ShadowTable,
     pub alarm: Alarm,
+    /// When the home reads were last taken (the epoch sample; server
+    /// clock, ns).
+    pub sampled_ns: u64,
 }
 
 /// How long a worker measures its load before it may raise an alarm.
@@ -329,6 +338,7 @@ mod tests {
         assert!(!t.replicate(1, b"k", 3, 1), "never narrows while copies exist");
         assert_eq!(t.get_mut(1).unwrap().replicas, 4);
         // Every read that asked for its hint here was counted, exactly.
+        assert_eq!(t.home_reads_so_far(), vec![(b"k"[..].into(), 5)]);
         assert_eq!(t.take_home_reads(), vec![(b"k"[..].into(), 5)]);
         assert_eq!(t.take_home_reads(), vec![(b"k"[..].into(), 0)], "counted again from 0");
         assert_eq!(t.of_cachelet(3), vec![1]);

@@ -6,7 +6,8 @@
 //! [`HotKeys::replication_failed`], [`HotKeys::write_propagating`]).
 //!
 //! * Hotspot triggering (SPORE §3.5): only a key whose worker is past its
-//!   load threshold starts being replicated.
+//!   load threshold starts being replicated, or one that alone would put
+//!   any worker past the target (f − f/n > (target − 1) × the mean).
 //! * Replica count (NetKV §IV-B): r = ceil(f/T) copies (home included), T
 //!   chosen each epoch as the largest threshold whose estimated max/avg
 //!   worker load meets `target_imbalance` ([`choose_threshold`]).

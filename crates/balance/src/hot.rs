@@ -837,16 +837,10 @@ impl HotKeys {
             let mut reads = (c.reads + c.error) * scale;
             if let Some(e) = self.keys.get(&c.key) {
                 if e.state == KeyState::Hot {
-                    // Measured when the copies reported, else inferred:
-                    // from the home's exact reads × (γ+1) when it counted
-                    // them (at least what the home sampled: a key made HOT
-                    // within the epoch was read only at home before), else
-                    // from its samples × (γ+1).
-                    let copies = f64::from(e.replicas + 1);
-                    match (copy_reads.remove(&c.key), home_reads.get(&c.key)) {
-                        (Some(n), _) => reads += n as f64 / secs,
-                        (None, Some(&h)) => reads = reads.max(h as f64 / secs * copies),
-                        (None, None) => reads *= copies,
+                    // Measured when the copies reported, else inferred.
+                    match copy_reads.remove(&c.key) {
+                        Some(n) => reads += n as f64 / secs,
+                        None => reads *= f64::from(e.replicas + 1),
                     }
                 }
             }
@@ -856,12 +850,6 @@ impl HotKeys {
         for (k, n) in copy_reads {
             if let Some(e) = self.keys.get(&k).filter(|e| e.state == KeyState::Hot && n > 0) {
                 seen.insert(k, (e.worker, n as f64 / secs, 0.0));
-            }
-        }
-        // Or with no report from its copies yet, read at home (exact).
-        for (k, &h) in &home_reads {
-            if let Some(e) = self.keys.get(k).filter(|e| e.state == KeyState::Hot && h > 0 && !seen.contains_key(k)) {
-                seen.insert(k.clone(), (e.worker, h as f64 / secs * f64::from(e.replicas + 1), 0.0));
             }
         }
 

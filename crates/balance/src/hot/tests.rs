@@ -883,33 +883,6 @@ fn exact_home_reads_free_a_shifted_keys_slot_in_the_first_epoch() {
     assert_eq!((h.state(b"b"), h.state(b"c")), (S::Hot, S::Cold));
 }
 
-/// Before its copies first report (they do with the renewal after the
-/// epoch they were made in), a HOT key's rate is its home's exact reads ×
-/// (γ+1), or what the home sampled if more (a key made HOT within the
-/// epoch was read only at home before): not the home's few samples × (γ+1),
-/// which for a key made HOT by an alarm counted the reads before its
-/// leases (γ+1) times over.
-#[test]
-fn before_its_copies_report_a_hot_keys_rate_is_its_exact_home_reads_times_its_copies() {
-    let cfg = HotConfig { sample_rate: 1.0, sample_target: 0.0, decay: 0.0, max_fall: 1.0, ..HotConfig::default() };
-    let mut h = HotKeys::new(cfg, Config::default());
-    feed(&mut h, 1, &[(b"a", 900.0, 0.0)]);
-    h.on_epoch(&snapshot(1, &[1800.0, 200.0]), &VIEW);
-    h.replicas_ready(b"a");
-    let g = f64::from(h.hint(b"a"));
-    assert!(g >= 1.0);
-    let rate = |h: &HotKeys| h.top(1000).into_iter().find(|s| s.key == b"a").map(|s| s.reads_per_sec);
-    // Made HOT a quarter into the epoch: the home sampled 900/4 before the
-    // leases and its share after; it counted (exactly) its share after.
-    let share = (0.75 * 900.0 / (g + 1.0)).round();
-    feed(&mut h, 2, &[(b"a", 225.0 + share, 0.0)]);
-    h.home_reads(b"a", share as u64);
-    h.on_epoch(&snapshot(2, &[1800.0, 200.0]), &VIEW);
-    let r = rate(&h).unwrap();
-    assert!((r - (225.0 + share).max(share * (g + 1.0))).abs() < 1.0, "{r}");
-    assert!(r <= 900.0 + g + 1.0, "not (225 + share) × (γ+1) = {}: {r}", (225.0 + share) * (g + 1.0));
-}
-
 #[test]
 fn a_hot_keys_rate_is_measured_from_its_copies_reads_when_they_report() {
     let cfg = HotConfig { sample_rate: 1.0, sample_target: 0.0, decay: 0.0, max_fall: 1.0, ..HotConfig::default() };

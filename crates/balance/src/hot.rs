@@ -6,7 +6,8 @@
 //! [`HotKeys::replication_failed`], [`HotKeys::write_propagating`]).
 //!
 //! * Hotspot triggering (SPORE §3.5): only a key whose worker is past its
-//!   load threshold starts being replicated.
+//!   load threshold starts being replicated, or one that alone would put
+//!   any worker past the target (f − f/n > (target − 1) × the mean).
 //! * Replica count (NetKV §IV-B): r = ceil(f/T) copies (home included), T
 //!   chosen each epoch as the largest threshold whose estimated max/avg
 //!   worker load meets `target_imbalance` ([`choose_threshold`]).
@@ -167,9 +168,14 @@ pub struct HotConfig {
     /// it does to the copies made and the reaction time.
     pub displace: bool,
     /// With `displace`: a HOT key may be displaced only after this many
-    /// consecutive epochs (default 2) in which its rate as measured (not
-    /// smoothed) was at most `cool_fraction` × T; it is judged by that
-    /// rate.
+    /// consecutive epochs (default 1) in which its rate as measured (not
+    /// smoothed) was at most `cool_fraction` × T, or under the rate below
+    /// which a key is sampling noise; it is judged by that rate. When its
+    /// home reports its reads exactly ([`HotKeys::home_reads`]) the rate
+    /// measured is those reads × (γ + 1), this epoch's: a key whose
+    /// readers left is seen in the first epoch after (its copies' reads
+    /// come with the renewals, an epoch late), and an exact count has no
+    /// sampling noise to wait out (with sampled home reads, 2 epochs).
     pub displace_quiet: u32,
     /// SPORE's read-up/write-down weights: a key is replicable when
     /// `read_up` × reads − `write_down` × writes > 0 (default 1 and 9:
@@ -214,7 +220,7 @@ impl Default for HotConfig {
             target_imbalance: 1.1,
             repl_high: None,
             displace: true,
-            displace_quiet: 2,
+            displace_quiet: 1,
             read_up: 1.0,
             write_down: 9.0,
             lease_epochs: 2,
@@ -354,7 +360,11 @@ struct Entry {
     /// judges a HOT key by it: a key whose readers left (a shifted hot
     /// set) shows it at once, where the smoothed rate takes epochs to fall.
     raw: f64,
-    /// Consecutive epochs its `raw` rate was at most `cool_fraction` × T.
+    /// The rate displacement judges a HOT key by: its home's exact reads
+    /// this epoch × (γ + 1) when the home reported them, else `raw`.
+    recent: f64,
+    /// Consecutive epochs its `recent` rate was at most `cool_fraction` × T
+    /// (or under the noise floor).
     quiet: u32,
 }
 
@@ -369,11 +379,17 @@ pub struct HotKeys {
     /// below which a key is sampling noise, for [`HotKeys::on_alarm`]
     /// between epochs.
     last: Option<(ClusterView, f64, f64)>,
+    /// The last epoch's `cool_fraction` × T (infinite when no key needs a
+    /// copy), for displacement by an alarm.
+    last_cool_below: f64,
     /// The sampling rate in force (see [`HotConfig::sample_target`]).
     rate: f64,
     /// Reads served by each HOT key's copies since the last epoch, as the shadows reported
     /// them with the renewals ([`HotKeys::copy_reads`]).
     copy_reads: BTreeMap<Vec<u8>, u64>,
+    /// Reads each replicated key got at its home this epoch, counted
+    /// exactly ([`HotKeys::home_reads`]).
+    home_reads: BTreeMap<Vec<u8>, u64>,
 }
 
 /// REPL_high for the whole cluster: floor(2·n·ln n) for its n workers
@@ -398,7 +414,18 @@ impl HotKeys {
     pub fn new(cfg: HotConfig, balance: Config) -> HotKeys {
         let tracker = tracker::build(cfg.tracker, cfg.capacity, cfg.decay);
         let rate = cfg.sample_rate.clamp(1e-9, 1.0);
-        HotKeys { cfg, balance, tracker, keys: BTreeMap::new(), now: 0, last: None, rate, copy_reads: BTreeMap::new() }
+        HotKeys {
+            cfg,
+            balance,
+            tracker,
+            keys: BTreeMap::new(),
+            now: 0,
+            last: None,
+            rate,
+            copy_reads: BTreeMap::new(),
+            home_reads: BTreeMap::new(),
+            last_cool_below: f64::INFINITY,
+        }
     }
 
     /// The reads `key`'s copies served since they were last renewed, as the shadows count
@@ -407,6 +434,17 @@ impl HotKeys {
     /// draw), so a key whose readers left is seen to cool at once.
     pub fn copy_reads(&mut self, key: &[u8], reads: u64) {
         *self.copy_reads.entry(key.to_vec()).or_insert(0) += reads;
+    }
+
+    /// The reads of a replicated `key` its home served this epoch, counted
+    /// exactly (every routed read of it asks for its hint there). Clients
+    /// spread a HOT key's reads evenly over its γ + 1 copies, home
+    /// included, so these × (γ + 1) are its rate now: what displacement
+    /// judges a HOT key by (its copies' own counts arrive with the
+    /// renewals, an epoch late, and the home's samples are too few to
+    /// tell a key whose readers left from noise).
+    pub fn home_reads(&mut self, key: &[u8], reads: u64) {
+        *self.home_reads.entry(key.to_vec()).or_insert(0) += reads;
     }
 
     /// The fraction of requests to sample from now on: fixed, or set each
@@ -562,6 +600,7 @@ impl HotKeys {
             pinned: true,
             broken: false,
             raw: 0.0,
+            recent: 0.0,
             quiet: 0,
         });
         e.pinned = true;
@@ -614,8 +653,22 @@ impl HotKeys {
     /// shifted hot set's hottest keys get copies within a fraction of an
     /// epoch instead of at the epoch's end, before the worker's backlog
     /// grows. HOT keys are left to the epoch (growth and cooling need a
-    /// whole epoch's rates). The samples still count at the epoch's end.
-    pub fn on_alarm(&mut self, worker: u16, samples: &[(Box<[u8]>, bool)], secs: f64) -> Vec<Replicate> {
+    /// whole epoch's rates), but for displacement: `home` are the reads
+    /// each of this worker's replicated keys got at home in the last
+    /// `home_secs` (since the epoch began, exact); with `displace`, when
+    /// REPL_high is full, a HOT key of this worker whose reads so far
+    /// × (γ+1) are at most `cool_fraction` × T or under the noise floor (its
+    /// readers left: a shifted hot set) gives its slot to a waiting key at
+    /// least twice as hot (and than the noise floor), as at an epoch's end.
+    /// The samples still count at the epoch's end.
+    pub fn on_alarm(
+        &mut self,
+        worker: u16,
+        samples: &[(Box<[u8]>, bool)],
+        secs: f64,
+        home: &[(Box<[u8]>, u64)],
+        home_secs: f64,
+    ) -> Vec<Replicate> {
         let Some((view, avg, min_rate)) = self.last else { return Vec::new() };
         let max_copies = view.max_copies();
         if secs <= 0.0 || max_copies <= 1 || avg < self.balance.min_load {
@@ -661,8 +714,34 @@ impl HotKeys {
             .map(|(k, &(r, w))| (r + w, k.to_vec()))
             .collect();
         heat.sort_by(|a, b| b.0.total_cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
-        let room = self.repl_high(&view).saturating_sub(self.slots_taken());
+        let mut room = self.repl_high(&view).saturating_sub(self.slots_taken());
         let mut log = Vec::new();
+        if self.cfg.displace && heat.len() > room && home_secs > 0.0 {
+            // Displacement within the epoch, judged by the home's exact
+            // reads so far: only this worker's keys are known here.
+            let quiet_below = self.last_cool_below.max(min_rate);
+            let home: BTreeMap<&[u8], u64> = home.iter().map(|(k, n)| (&k[..], *n)).collect();
+            let mut coolest: Vec<(f64, Vec<u8>)> = self
+                .keys
+                .iter()
+                .filter(|(_, e)| e.state == KeyState::Hot && !e.pinned && e.worker == worker)
+                .filter_map(|(k, e)| {
+                    let r = *home.get(&k[..])? as f64 / home_secs * f64::from(e.replicas + 1);
+                    (r <= quiet_below).then(|| (r, k.clone()))
+                })
+                .collect();
+            coolest.sort_by(|a, b| a.0.total_cmp(&b.0).then_with(|| a.1.cmp(&b.1)));
+            let mut freed = 0;
+            for ((f, _), (g, k)) in heat.iter().skip(room).zip(&coolest) {
+                if *f < 2.0 * g.max(min_rate) {
+                    break;
+                }
+                self.apply(k, KeyEvent::Cooled, &mut log);
+                self.keys.get_mut(k).expect("present").broken = true;
+                freed += 1;
+            }
+            room += freed;
+        }
         let mut out = Vec::new();
         for (f, k) in heat.into_iter().take(room) {
             let (reads, writes) = seen[&k[..]];
@@ -694,6 +773,7 @@ impl HotKeys {
             pinned: false,
             broken: false,
             raw: reads + writes,
+            recent: reads + writes,
             quiet: 0,
         };
         self.keys.insert(key.to_vec(), e);
@@ -752,6 +832,7 @@ impl HotKeys {
         }
         let mut seen: BTreeMap<Vec<u8>, (u16, f64, f64)> = BTreeMap::new();
         let mut copy_reads = std::mem::take(&mut self.copy_reads);
+        let home_reads = std::mem::take(&mut self.home_reads);
         for c in counted.iter().take(self.cfg.capacity).filter(|c| c.total() >= 0.5) {
             let mut reads = (c.reads + c.error) * scale;
             if let Some(e) = self.keys.get(&c.key) {
@@ -779,6 +860,7 @@ impl HotKeys {
             let e = self.keys.get_mut(k).expect("inserted");
             e.worker = worker;
             e.raw = reads + writes;
+            e.recent = e.raw;
             (e.reads, e.writes) = (reads.max(keep * e.reads), writes.max(keep * e.writes));
         }
         let dropped: Vec<Vec<u8>> =
@@ -787,7 +869,7 @@ impl HotKeys {
             if !self.apply(&k, KeyEvent::Dropped, &mut log) {
                 let keep = 1.0 - self.cfg.max_fall.clamp(0.0, 1.0);
                 let e = self.keys.get_mut(&k).expect("present");
-                (e.reads, e.writes, e.raw) = (keep * e.reads, keep * e.writes, 0.0);
+                (e.reads, e.writes, e.raw, e.recent) = (keep * e.reads, keep * e.writes, 0.0, 0.0);
             }
         }
         self.keys.retain(|_, e| e.state != KeyState::Invalid);
@@ -815,7 +897,18 @@ impl HotKeys {
         // copy when the estimate meets the target without any (T is then
         // the hottest rate, which would keep that key HOT for ever).
         let cool_below = self.cfg.cool_fraction * if unreplicated <= target { f64::INFINITY } else { t };
+        self.last_cool_below = cool_below;
 
+        // A key whose load alone, on one worker, puts that worker past the
+        // target once the rest is spread (the estimate's largest single
+        // copy, f − f/n, above (target − 1) × the mean) is a hotspot
+        // wherever it is, whether or not its worker is hot this epoch:
+        // right after a shift a worker's load does not yet hold the reads
+        // of the copies of other servers' new keys that it is about to
+        // get, and such a key waited an epoch for its worker to look hot.
+        let nf = n.max(1) as f64;
+        let busy = avg >= self.balance.min_load;
+        let too_hot_alone = |f: f64| busy && f * (1.0 - 1.0 / nf) > (target - 1.0).max(0.0) * avg;
         let mut replicate = Vec::new();
         let mut retire = Vec::new();
         let lease = self.cfg.lease_epochs;
@@ -823,13 +916,22 @@ impl HotKeys {
         let mut heat: Vec<(f64, Vec<u8>)> = Vec::new();
         for k in &names {
             let e = self.keys.get_mut(k).expect("present");
-            e.quiet = if e.state == KeyState::Hot && e.raw <= cool_below { e.quiet + 1 } else { 0 };
+            if let (KeyState::Hot, Some(&n)) = (e.state, home_reads.get(k)) {
+                e.recent = n as f64 / secs * f64::from(e.replicas + 1);
+            }
+            let quiet = e.state == KeyState::Hot && (e.recent <= cool_below || e.recent < min_rate);
+            e.quiet = if quiet { e.quiet + 1 } else { 0 };
             let e = &self.keys[k];
             let f = e.reads + e.writes;
             let ok = replicable(e);
             let want = if ok { copies(f, t, max_copies) - 1 } else { 0 };
             match e.state {
-                KeyState::Cold if want > 0 && significant(e) && hot_workers.contains(&e.worker) && max_copies > 1 => {
+                KeyState::Cold
+                    if want > 0
+                        && significant(e)
+                        && (hot_workers.contains(&e.worker) || too_hot_alone(f))
+                        && max_copies > 1 =>
+                {
                     heat.push((f, k.clone()));
                 }
                 KeyState::Hot if e.pinned => {}
@@ -886,18 +988,20 @@ impl HotKeys {
             // leases) until their leases end, so the keys with copies may
             // exceed REPL_high by the keys retiring, for lease_epochs + 1
             // epochs; the keys granted leases stay within it.
-            // Judged by their rate as measured this epoch, and only once it
-            // has been at most cool_fraction × T for `displace_quiet` epochs
-            // running: a key whose readers left (a shifted hot set) frees
-            // its slot in that many epochs, where cooling takes its
-            // smoothed rate's fall plus `cool_epochs`; one unlucky epoch
-            // of a HOT key (its home sees 1/(γ+1) of its reads) does not.
+            // Judged by their rate as measured this epoch (the home's exact
+            // reads × (γ+1) when reported, else its samples and its copies'
+            // last counts), and only once it has been at most
+            // cool_fraction × T (or under the noise floor) for
+            // `displace_quiet` epochs running: a key whose readers left (a
+            // shifted hot set) frees its slot at the end of the first epoch
+            // after, where cooling takes its smoothed rate's fall plus
+            // `cool_epochs`.
             let quiet = self.cfg.displace_quiet.max(1);
             let mut coolest: Vec<(f64, Vec<u8>)> = self
                 .keys
                 .iter()
                 .filter(|(_, e)| e.state == KeyState::Hot && !e.pinned && e.quiet >= quiet)
-                .map(|(k, e)| (e.raw.min(e.reads + e.writes), k.clone()))
+                .map(|(k, e)| (e.recent.min(e.reads + e.writes), k.clone()))
                 .collect();
             coolest.sort_by(|a, b| a.0.total_cmp(&b.0).then_with(|| a.1.cmp(&b.1)));
             // Keys already retiring (cooled or displaced) make room too.

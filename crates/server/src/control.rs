@@ -49,8 +49,9 @@ use std::time::{Duration, Instant};
 /// Messages to the controller.
 pub(crate) enum CtlMsg {
     /// A worker's counters for the sampling round `seq`, and the keys it
-    /// sampled since the last round (`true`: a write).
-    Sample { seq: u64, sample: Box<WorkerSample>, keys: Vec<(Box<[u8]>, bool)> },
+    /// sampled since the last round (`true`: a write), and the reads its
+    /// replicated keys got at home since then (exact counts).
+    Sample { seq: u64, sample: Box<WorkerSample>, keys: Vec<(Box<[u8]>, bool)>, home_reads: Vec<(Box<[u8]>, u64)> },
     /// The replicator: a key's copies were made (`created`) or renewed by a
     /// job started at `at_ns` (`ok`), or could not be.
     /// A renewal also brings the reads the copies served since the last one.
@@ -60,7 +61,9 @@ pub(crate) enum CtlMsg {
     HotFailed { key: Box<[u8]> },
     /// A worker ran hot for `secs` seconds (Phase 1's trigger within an
     /// epoch), with the keys it sampled meanwhile (`true` for a write).
-    HotAlarm { worker: u16, keys: Vec<(Box<[u8]>, bool)>, secs: f64 },
+    /// With its replicated keys' reads at home (exact) over the `home_secs`
+    /// since its last epoch sample.
+    HotAlarm { worker: u16, keys: Vec<(Box<[u8]>, bool)>, secs: f64, home: Vec<(Box<[u8]>, u64)>, home_secs: f64 },
     /// `mbal move <cachelet> <worker>`: answer `reply` once it is done.
     Move { cachelet: u32, to: usize, reply: ReplyTo },
     /// Move `token` finished: `worker` owns `cachelet` now.
@@ -262,10 +265,13 @@ impl Controller {
 
     fn handle(&mut self, msg: CtlMsg) {
         match msg {
-            CtlMsg::Sample { seq, sample, keys } => {
+            CtlMsg::Sample { seq, sample, keys, home_reads } => {
                 if let Some(h) = &mut self.hot {
                     for (k, write) in keys {
                         h.observe(&k, if write { Access::Write } else { Access::Read }, sample.worker);
+                    }
+                    for (k, n) in home_reads {
+                        h.home_reads(&k, n);
                     }
                 }
                 self.sampled(seq, *sample)
@@ -279,7 +285,9 @@ impl Controller {
                 self.hot_done(key, created, ok, at_ns)
             }
             CtlMsg::HotFailed { key } => self.hot_done(key, false, false, 0),
-            CtlMsg::HotAlarm { worker, keys, secs } => self.hot_alarm(worker, &keys, secs),
+            CtlMsg::HotAlarm { worker, keys, secs, home, home_secs } => {
+                self.hot_alarm(worker, &keys, secs, &home, home_secs)
+            }
             CtlMsg::Move { cachelet, to, reply } => self.request_move(cachelet, to, reply),
             CtlMsg::Moved { token, cachelet, worker } => self.moved(token, cachelet, worker),
             CtlMsg::Map { reply } => {
@@ -546,9 +554,16 @@ impl Controller {
     }
 
     /// A worker ran hot between epochs: replicate its hottest new keys now.
-    fn hot_alarm(&mut self, worker: u16, keys: &[(Box<[u8]>, bool)], secs: f64) {
+    fn hot_alarm(
+        &mut self,
+        worker: u16,
+        keys: &[(Box<[u8]>, bool)],
+        secs: f64,
+        home: &[(Box<[u8]>, u64)],
+        home_secs: f64,
+    ) {
         let Some(hot) = &mut self.hot else { return };
-        let replicate = hot.on_alarm(worker, keys, secs);
+        let replicate = hot.on_alarm(worker, keys, secs, home, home_secs);
         self.hot_status.alarms += 1;
         tracing::debug!(
             server = self.shared.server_id,
@@ -560,6 +575,8 @@ impl Controller {
         );
         if !replicate.is_empty() {
             self.start_copies(&replicate);
+            // A key the alarm displaced grants no more leases from now on.
+            self.send_grants(None);
             self.publish_hot();
         }
     }

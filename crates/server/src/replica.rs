@@ -27,6 +27,11 @@ pub(crate) struct HotEntry {
     pub grant: Option<(u32, u64)>,
     /// Writes being copied to the replicas (no lease meanwhile).
     pub pending: u32,
+    /// Routed reads of it served here (each asks for its hint) since the
+    /// last epoch sample: counted exactly, not sampled, so that the policy
+    /// sees within the epoch when a HOT key's readers left
+    /// ([`HotTable::take_home_reads`]).
+    pub home_reads: u64,
 }
 
 /// The hint a read of a key gets.
@@ -61,7 +66,7 @@ impl HotTable {
                 false
             }
             _ => {
-                let e = HotEntry { key: key.into(), cachelet, replicas, grant: None, pending: 0 };
+                let e = HotEntry { key: key.into(), cachelet, replicas, grant: None, pending: 0, home_reads: 0 };
                 self.by_hash.insert(hash, e);
                 true
             }
@@ -81,10 +86,24 @@ impl HotTable {
         self.by_hash.keys().copied().collect()
     }
 
-    /// The hint for a read of `key` at `now_ns`, if it is replicated.
+    /// Each replicated key's reads served here since the last
+    /// [`HotTable::take_home_reads`], counting on (for an alarm).
+    pub fn home_reads_so_far(&self) -> Vec<(Box<[u8]>, u64)> {
+        self.by_hash.values().map(|e| (e.key.clone(), e.home_reads)).collect()
+    }
+
+    /// Each replicated key's reads served here since the last call (its
+    /// epoch's), and the count starts again.
+    pub fn take_home_reads(&mut self) -> Vec<(Box<[u8]>, u64)> {
+        self.by_hash.values_mut().map(|e| (e.key.clone(), std::mem::take(&mut e.home_reads))).collect()
+    }
+
+    /// The hint for a read of `key` at `now_ns`, if it is replicated (the
+    /// read is counted in its `home_reads`).
     #[inline]
-    pub fn hint(&self, hash: u64, key: &[u8], now_ns: u64) -> Option<Hint> {
-        let e = self.by_hash.get(&hash).filter(|e| *e.key == *key)?;
+    pub fn hint(&mut self, hash: u64, key: &[u8], now_ns: u64) -> Option<Hint> {
+        let e = self.by_hash.get_mut(&hash).filter(|e| *e.key == *key)?;
+        e.home_reads += 1;
         let none = Hint { replicas: 0, lease_ms: 0 };
         let Some((g, until)) = e.grant else { return Some(none) };
         if e.pending > 0 || g == 0 || until <= now_ns {
@@ -228,6 +247,9 @@ pub(crate) struct Replicas {
     pub hot: HotTable,
     pub shadow: ShadowTable,
     pub alarm: Alarm,
+    /// When the home reads were last taken (the epoch sample; server
+    /// clock, ns).
+    pub sampled_ns: u64,
 }
 
 /// How long a worker measures its load before it may raise an alarm.
@@ -315,6 +337,10 @@ mod tests {
         assert_eq!(t.get_mut(1).unwrap().replicas, 4);
         assert!(!t.replicate(1, b"k", 3, 1), "never narrows while copies exist");
         assert_eq!(t.get_mut(1).unwrap().replicas, 4);
+        // Every read that asked for its hint here was counted, exactly.
+        assert_eq!(t.home_reads_so_far(), vec![(b"k"[..].into(), 5)]);
+        assert_eq!(t.take_home_reads(), vec![(b"k"[..].into(), 5)]);
+        assert_eq!(t.take_home_reads(), vec![(b"k"[..].into(), 0)], "counted again from 0");
         assert_eq!(t.of_cachelet(3), vec![1]);
         assert!(t.remove(1).is_some());
         assert!(t.is_empty());

@@ -234,12 +234,29 @@ fn a_hot_read_key_on_a_hot_worker_is_replicated_then_retired() {
 #[test]
 fn a_cool_worker_does_not_replicate() {
     let mut h = policy();
-    feed(&mut h, 1, &[(b"hot", 1600.0, 0.0)]);
-    // Every worker at the mean: no hotspot, nothing replicated.
+    feed(&mut h, 1, &[(b"warm", 90.0, 0.0), (b"warm2", 80.0, 0.0)]);
+    // Every worker at the mean: no hotspot, nothing replicated (each key
+    // alone is under (target − 1) × the mean, 100/s).
     let d = h.on_epoch(&snapshot(1, &[1000.0, 1000.0]), &VIEW);
     assert!(d.hot_workers.is_empty());
-    assert!(d.replicate.is_empty());
-    assert_eq!(h.state(b"hot"), S::Cold);
+    assert!(d.replicate.is_empty(), "{d:?}");
+    assert_eq!(h.state(b"warm"), S::Cold);
+}
+
+/// A key that alone would put any worker past the target (f − f/n above
+/// (target − 1) × the mean) is replicated even while its worker is not hot
+/// yet (after a shift, the worker's load does not yet hold the copies of
+/// other servers' new keys it is about to serve).
+#[test]
+fn a_key_too_hot_for_any_worker_is_replicated_before_its_worker_looks_hot() {
+    let mut h = policy();
+    // Mean 1,000/s: (1.1 − 1) × 1,000 = 100; 150 × (1 − 1/16) = 140 is above.
+    feed(&mut h, 1, &[(b"big", 150.0, 0.0), (b"warm", 90.0, 0.0)]);
+    let d = h.on_epoch(&snapshot(1, &[1050.0, 1000.0]), &VIEW);
+    assert!(d.hot_workers.is_empty(), "{d:?}");
+    let keys: Vec<&[u8]> = d.replicate.iter().map(|r| &r.key[..]).collect();
+    assert_eq!(keys, [&b"big"[..]], "{d:?}");
+    assert_eq!(h.state(b"warm"), S::Cold);
 }
 
 #[test]
@@ -405,6 +422,8 @@ fn displacement_cools_the_coolest_hot_key_for_a_much_hotter_one() {
             decay: 0.0,
             repl_high: Some(2),
             displace,
+            // Without the homes' exact counts (judged by the samples).
+            displace_quiet: 2,
             ..HotConfig::default()
         };
         let mut h = HotKeys::new(cfg, Config::default());
@@ -614,11 +633,11 @@ fn no_alarm_before_the_first_epoch_nor_when_idle() {
     assert_eq!(h.alarm_limit(), None, "no epoch yet");
     let mut s = Vec::new();
     sampled(&mut s, b"new", 500, false);
-    assert!(h.on_alarm(0, &s, 0.25).is_empty());
+    assert!(h.on_alarm(0, &s, 0.25, &[], 0.0).is_empty());
     // The cluster under the balancer's minimum load: nothing is hot.
     h.on_epoch(&snapshot(1, &[10.0, 10.0]), &ClusterView { avg_load: Some(10.0), ..VIEW });
     assert_eq!(h.alarm_limit(), None);
-    assert!(h.on_alarm(0, &s, 0.25).is_empty());
+    assert!(h.on_alarm(0, &s, 0.25, &[], 0.0).is_empty());
     assert_eq!(h.state(b"new"), S::Invalid);
     // One server: no shadows, no alarm.
     h.on_epoch(&snapshot(2, &[1000.0, 1000.0]), &ClusterView { servers: 1, ..VIEW });
@@ -640,7 +659,7 @@ fn an_alarm_replicates_a_new_hot_key_within_the_epoch() {
     for j in 0..50 {
         sampled(&mut s, format!("noise{j}").as_bytes(), 1, false);
     }
-    let r = h.on_alarm(0, &s, 0.25);
+    let r = h.on_alarm(0, &s, 0.25, &[], 0.0);
     assert_eq!(r.len(), 1, "{r:?}");
     assert_eq!((r[0].key.as_slice(), r[0].worker), (&b"new"[..], 0));
     assert!(r[0].replicas >= 1);
@@ -672,13 +691,50 @@ fn an_alarm_leaves_replicated_and_write_heavy_keys_alone_and_keeps_repl_high() {
     sampled(&mut s, b"b", 200, false);
     sampled(&mut s, b"counter", 100, false);
     sampled(&mut s, b"counter", 100, true);
-    let r = h.on_alarm(0, &s, 0.25);
+    let r = h.on_alarm(0, &s, 0.25, &[], 0.0);
     let keys: Vec<&[u8]> = r.iter().map(|x| &x.key[..]).collect();
     assert_eq!(keys, [&b"a"[..]], "one slot left under REPL_high 2, hottest first: {r:?}");
     assert_eq!(h.hint(b"hot"), g, "the HOT key keeps its copies and leases");
     assert_eq!(h.state(b"b"), S::Invalid);
     assert_eq!(h.state(b"counter"), S::Invalid, "write-heavy: never copied");
     assert_eq!(h.replicated(), 2);
+}
+
+/// With REPL_high full, an alarm displaces a HOT key of the alarming
+/// worker whose home has served none of its reads so far in the epoch
+/// (exact counts: its readers left) for a new key twice as hot; a key of
+/// that worker still read, and a key of another worker (whose counts the
+/// alarm does not carry), keep their slots.
+#[test]
+fn an_alarm_displaces_a_key_whose_readers_left() {
+    let cfg =
+        HotConfig { sample_rate: 1.0, sample_target: 0.0, decay: 0.0, repl_high: Some(3), ..HotConfig::default() };
+    let mut h = HotKeys::new(cfg, Config::default());
+    feed(&mut h, 1, &[(b"a", 900.0, 0.0), (b"b", 800.0, 0.0)]);
+    for _ in 0..400 {
+        h.observe(b"c", Access::Read, 1);
+    }
+    h.on_epoch(&snapshot(1, &[3000.0, 1500.0]), &VIEW);
+    for k in [&b"a"[..], b"b", b"c"] {
+        assert_eq!(h.state(k), S::HotPending, "{}", String::from_utf8_lossy(k));
+        h.replicas_ready(k);
+    }
+    let (ga, gb) = (h.hint(b"a"), h.hint(b"b"));
+    // A quarter into the next epoch worker 0 runs hot with a new key at
+    // 1,200/s; a's home served its share, b's none; c is worker 1's.
+    let mut s = Vec::new();
+    sampled(&mut s, b"new", 300, false);
+    let home: Vec<(Box<[u8]>, u64)> =
+        vec![(b"a"[..].into(), (900.0 / f64::from(ga + 1) * 0.25) as u64), (b"b"[..].into(), 0)];
+    // Without the home's counts nothing can be displaced: REPL_high is full.
+    assert!(h.on_alarm(0, &s, 0.25, &[], 0.0).is_empty());
+    let r = h.on_alarm(0, &s, 0.25, &home, 0.25);
+    let keys: Vec<&[u8]> = r.iter().map(|x| &x.key[..]).collect();
+    assert_eq!(keys, [&b"new"[..]], "{r:?}");
+    assert_eq!(h.state(b"b"), S::ColdPending, "b gave way");
+    assert_eq!((h.state(b"a"), h.hint(b"a")), (S::Hot, ga), "a, still read, keeps its slot");
+    assert_eq!(h.state(b"c"), S::Hot, "another worker's key is not judged");
+    assert!(gb >= 1);
 }
 
 #[test]
@@ -729,7 +785,7 @@ fn with_a_sample_target_each_epoch_is_read_at_the_rate_in_force_during_it() {
     // An alarm's window is read at the rate in force too.
     let mut s = Vec::new();
     sampled(&mut s, b"new", 10, false);
-    let r = h.on_alarm(0, &s, 0.25);
+    let r = h.on_alarm(0, &s, 0.25, &[], 0.0);
     let new = h.top(8).into_iter().find(|k| k.key == b"new");
     assert!(r.is_empty() || (new.expect("tracked").reads_per_sec - 1600.0).abs() < 1e-9);
 }
@@ -752,6 +808,8 @@ fn displacement_spares_a_hot_key_with_one_quiet_epoch_at_a_time() {
         decay: 0.0,
         repl_high: Some(2),
         displace: true,
+        // Without the homes' exact counts (judged by the samples).
+        displace_quiet: 2,
         ..HotConfig::default()
     };
     let mut h = HotKeys::new(cfg, Config::default());
@@ -768,6 +826,61 @@ fn displacement_spares_a_hot_key_with_one_quiet_epoch_at_a_time() {
         let d = h.on_epoch(&snapshot(e, &[3000.0, 900.0]), &VIEW);
         assert_eq!((h.state(b"a"), h.state(b"b"), h.state(b"c")), (S::Hot, S::Hot, S::Cold), "epoch {e}: {d:?}");
     }
+}
+
+/// The homes count a HOT key's reads exactly and report them each epoch:
+/// a key whose readers left gives its slot to a waiting, much hotter key
+/// at the end of the first epoch after the shift (by default), though its
+/// copies' counts, which come an epoch late, still say it is hot; a key
+/// still read keeps its slot, epoch after epoch, without sampling noise.
+#[test]
+fn exact_home_reads_free_a_shifted_keys_slot_in_the_first_epoch() {
+    let cfg =
+        HotConfig { sample_rate: 1.0, sample_target: 0.0, decay: 0.0, repl_high: Some(2), ..HotConfig::default() };
+    let mut h = HotKeys::new(cfg, Config::default());
+    feed(&mut h, 1, &[(b"a", 900.0, 0.0), (b"b", 800.0, 0.0)]);
+    h.on_epoch(&snapshot(1, &[3000.0, 900.0]), &VIEW);
+    h.replicas_ready(b"a");
+    h.replicas_ready(b"b");
+    let (ga, gb) = (f64::from(h.hint(b"a")), f64::from(h.hint(b"b")));
+    assert!(ga >= 1.0 && gb >= 1.0);
+    let (home_a, home_b) = ((900.0 / (ga + 1.0)).round(), (800.0 / (gb + 1.0)).round());
+    // Settled: both read, c not yet there; the copies report last epoch's reads.
+    for e in 2..4 {
+        feed(&mut h, e, &[(b"a", home_a, 0.0), (b"b", home_b, 0.0)]);
+        h.home_reads(b"a", home_a as u64);
+        h.home_reads(b"b", home_b as u64);
+        h.copy_reads(b"a", (900.0 - home_a) as u64);
+        h.copy_reads(b"b", (800.0 - home_b) as u64);
+        h.on_epoch(&snapshot(e, &[3000.0, 900.0]), &VIEW);
+        assert_eq!((h.state(b"a"), h.state(b"b")), (S::Hot, S::Hot));
+    }
+    // The shift: b's readers leave, c turns up at 2,000/s. b's home saw none
+    // of its reads (exact), its copies still report the epoch before's.
+    feed(&mut h, 4, &[(b"a", home_a, 0.0), (b"c", 2000.0, 0.0)]);
+    h.home_reads(b"a", home_a as u64);
+    h.home_reads(b"b", 0);
+    h.copy_reads(b"a", (900.0 - home_a) as u64);
+    h.copy_reads(b"b", (800.0 - home_b) as u64);
+    let d = h.on_epoch(&snapshot(4, &[3000.0, 900.0]), &VIEW);
+    assert_eq!(h.state(b"b"), S::ColdPending, "b gives way at once: {d:?}");
+    assert_eq!(h.state(b"c"), S::HotPending, "c is replicated in the same epoch: {d:?}");
+    assert_eq!(h.state(b"a"), S::Hot, "a, still read, stays: {d:?}");
+    assert!(d.replicate.iter().any(|r| r.key == b"c"), "{d:?}");
+    // The same shift judged by the samples only (no exact counts): b's
+    // copies' late count keeps it for another epoch.
+    let cfg =
+        HotConfig { sample_rate: 1.0, sample_target: 0.0, decay: 0.0, repl_high: Some(2), ..HotConfig::default() };
+    let mut h = HotKeys::new(cfg, Config::default());
+    feed(&mut h, 1, &[(b"a", 900.0, 0.0), (b"b", 800.0, 0.0)]);
+    h.on_epoch(&snapshot(1, &[3000.0, 900.0]), &VIEW);
+    h.replicas_ready(b"a");
+    h.replicas_ready(b"b");
+    feed(&mut h, 2, &[(b"a", home_a, 0.0), (b"c", 2000.0, 0.0)]);
+    h.copy_reads(b"a", (900.0 - home_a) as u64);
+    h.copy_reads(b"b", (800.0 - home_b) as u64);
+    h.on_epoch(&snapshot(2, &[3000.0, 900.0]), &VIEW);
+    assert_eq!((h.state(b"b"), h.state(b"c")), (S::Hot, S::Cold));
 }
 
 #[test]

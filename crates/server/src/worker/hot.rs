@@ -33,7 +33,9 @@ impl Worker {
         let samples = self.store.watch().sample_count();
         if let Some((from, secs)) = self.replicas.alarm.check(now, served, samples) {
             let keys = self.store.watch().samples_since(from);
-            self.shared.tell_controller(CtlMsg::HotAlarm { worker: self.id as u16, keys, secs });
+            let home = self.replicas.hot.home_reads_so_far();
+            let home_secs = now.saturating_sub(self.replicas.sampled_ns) as f64 * 1e-9;
+            self.shared.tell_controller(CtlMsg::HotAlarm { worker: self.id as u16, keys, secs, home, home_secs });
         }
     }
 

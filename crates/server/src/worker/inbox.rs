@@ -95,7 +95,9 @@ impl Worker {
             Envelope::Sample { seq } => {
                 let sample = Box::new(self.sample());
                 let keys = self.store.watch().take_samples();
-                self.shared.tell_controller(CtlMsg::Sample { seq, sample, keys });
+                let home_reads = self.replicas.hot.take_home_reads();
+                self.replicas.sampled_ns = self.shared.clock_ns();
+                self.shared.tell_controller(CtlMsg::Sample { seq, sample, keys, home_reads });
                 self.restart_alarm();
             }
             Envelope::Hot(cmd) => self.hot(cmd),

@@ -201,44 +201,19 @@ pub trait Decimal: Sized {
     fn decimal(tok: &[u8]) -> Option<Self>;
 }
 
-macro_rules! decimal_unsigned {
-    ($($t:ty),*) => {$(
-        impl Decimal for $t {
-            fn decimal(tok: &[u8]) -> Option<$t> {
-                let digits = match tok {
-                    [b'+', rest @ ..] => rest,
-                    _ => tok,
-                };
-                if digits.is_empty() {
-                    return None;
-                }
-                let mut n: $t = 0;
-                for &b in digits {
-                    let d = b.wrapping_sub(b'0');
-                    if d > 9 {
-                        return None;
-                    }
-                    n = n.checked_mul(10)?.checked_add(d as $t)?;
-                }
-                Some(n)
-            }
-        }
-    )*};
-}
-
-macro_rules! decimal_signed {
-    ($($t:ty),*) => {$(
+macro_rules! decimal {
+    ($($t:ty: $signed:expr),*) => {$(
         impl Decimal for $t {
             fn decimal(tok: &[u8]) -> Option<$t> {
                 let (negative, digits) = match tok {
-                    [b'-', rest @ ..] => (true, rest),
+                    [b'-', rest @ ..] if $signed => (true, rest),
                     [b'+', rest @ ..] => (false, rest),
                     _ => (false, tok),
                 };
                 if digits.is_empty() {
                     return None;
                 }
-                // Accumulated towards the sign, so that MIN (one more than -MAX) fits.
+                // Accumulated towards the sign, so that a signed MIN (one more than -MAX) fits.
                 let mut n: $t = 0;
                 for &b in digits {
                     let d = b.wrapping_sub(b'0');
@@ -254,8 +229,7 @@ macro_rules! decimal_signed {
     )*};
 }
 
-decimal_unsigned!(u8, u16, u32, u64, usize);
-decimal_signed!(i32, i64);
+decimal!(u8: false, u16: false, u32: false, u64: false, usize: false, i32: true, i64: true);
 
 pub(crate) fn fail<'a>(msg: &'static str, skip: usize) -> Parsed<'a> {
     Parsed::Err { reply: ErrReply::Text(msg), skip, close: false }

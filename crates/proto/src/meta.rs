@@ -47,13 +47,26 @@ pub struct MetaCmd<'a> {
 
 /// Flags of a meta request: a fixed-capacity list of (flag letter, token) in
 /// request order plus a presence bitmask. Each letter occurs at most once.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, Default)]
 pub struct MetaFlags<'a> {
-    toks: [&'a [u8]; MAX_META_FLAGS],
+    /// The part of the line the tokens are in; each token is `spans[i]` (start, length) of
+    /// it: offsets, not slices, so that a parsed request stays small (it is moved by value).
+    base: &'a [u8],
+    spans: [(u32, u32); MAX_META_FLAGS],
     letters: [u8; MAX_META_FLAGS],
     len: u8,
     mask: u64,
 }
+
+/// Equal when they hold the same flags with the same tokens, in the same order (wherever the
+/// tokens are).
+impl PartialEq for MetaFlags<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        self.mask == other.mask && self.len == other.len && self.iter().eq(other.iter())
+    }
+}
+
+impl Eq for MetaFlags<'_> {}
 
 fn bit(f: u8) -> Option<u64> {
     f.is_ascii_alphabetic().then(|| 1u64 << (f - b'A'))
@@ -82,7 +95,11 @@ impl<'a> MetaFlags<'a> {
     /// (flag, token) pairs in request order.
     pub fn iter(&self) -> impl Iterator<Item = (u8, &'a [u8])> + '_ {
         let n = self.len as usize;
-        self.letters[..n].iter().copied().zip(self.toks[..n].iter().copied())
+        let base = self.base;
+        self.letters[..n].iter().copied().zip(self.spans[..n].iter().map(move |&(at, len)| {
+            let at = at as usize;
+            &base[at..at + len as usize]
+        }))
     }
     /// Number of flags.
     pub fn len(&self) -> usize {
@@ -235,7 +252,7 @@ pub(crate) fn parse_line<'a>(which: u8, rest: &'a [u8], buf: &'a [u8], line_len:
     let flag_skip = if kind == MetaKind::Set { line_len + vlen + 2 } else { line_len };
     let flag_fail =
         |msg: &'static str| fail(if one_msg { "CLIENT_ERROR invalid or duplicate flag" } else { msg }, flag_skip);
-    let mut flags = MetaFlags::default();
+    let mut flags = MetaFlags { base: rest, ..MetaFlags::default() };
     let mut noted: Option<&'static str> = None;
     for tok in split_spaces(rest) {
         let f = tok[0];
@@ -253,7 +270,8 @@ pub(crate) fn parse_line<'a>(which: u8, rest: &'a [u8], buf: &'a [u8], line_len:
             noted = Some("CLIENT_ERROR error decoding key");
         }
         flags.letters[flags.len as usize] = f;
-        flags.toks[flags.len as usize] = t;
+        let at = t.as_ptr() as usize - rest.as_ptr() as usize;
+        flags.spans[flags.len as usize] = (at as u32, t.len() as u32);
         flags.len += 1;
         flags.mask |= b;
     }
@@ -441,5 +459,33 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(matches!(p(T, &buf[16..]), Parsed::Req { consumed: 4, .. }));
+    }
+}
+
+#[cfg(test)]
+mod flag_tests {
+    use super::*;
+
+    #[test]
+    fn flags_compare_by_their_tokens_not_where_they_are() {
+        let a = b"mg k v t N30 Oab\r\n".to_vec();
+        let b = b"mg  k  v t  N30   Oab\r\n".to_vec();
+        let (Parsed::Req { req: Request::Meta(x), .. }, Parsed::Req { req: Request::Meta(y), .. }) = (
+            crate::parse(crate::Protocol::Text, &a, &Limits::default()),
+            crate::parse(crate::Protocol::Text, &b, &Limits::default()),
+        ) else {
+            panic!("both parse");
+        };
+        assert_eq!(x.flags, y.flags);
+        assert_eq!(x.flags.token(b'O'), Some(&b"ab"[..]));
+        assert_eq!(x.flags.token(b'N'), Some(&b"30"[..]));
+        assert_eq!(x.flags.token(b'v'), Some(&b""[..]));
+        assert_eq!(x.flags.iter().map(|(f, _)| f).collect::<Vec<_>>(), b"vtNO");
+        let c = b"mg k v t N31 Oab\r\n".to_vec();
+        let Parsed::Req { req: Request::Meta(z), .. } = crate::parse(crate::Protocol::Text, &c, &Limits::default())
+        else {
+            panic!("parses");
+        };
+        assert_ne!(x.flags, z.flags);
     }
 }

@@ -279,19 +279,7 @@ pub(crate) fn handle(
                     _ => false,
                 };
                 let remote = Kind::Line { expect: Expect::Line, quiet: noreply, silent: noreply };
-                if let (&TextCmd::Store { mode, key, flags, exptime, data, cas_unique, noreply }, Dest::Worker(owner)) =
-                    (cmd, rt.dest(at))
-                {
-                    // To another worker of this server (a plain connection): what was parsed
-                    // travels, not the line, and the owner does not parse it again.
-                    if let (false, Ok(key_len)) = (rt.routed, u8::try_from(key.len())) {
-                        let kind = FwdKind::Store { mode, noreply, key_len, hash: at.hash };
-                        let f = StoreFields { key, flags, exptime, cas_unique, data };
-                        rt.forward(output, owner, at.cachelet, kind, |d| f.encode(d));
-                        return Action::None;
-                    }
-                }
-                route_keyed(shared, rt, store, now, output, at, Protocol::Text, raw, exec, remote, |out| {
+                route_keyed(shared, rt, store, now, output, at, Travel::text(cmd, at), raw, exec, remote, |out| {
                     foreign_text(cmd, out)
                 });
                 Action::None
@@ -396,12 +384,35 @@ pub(crate) fn handle(
             }
             let exec = |ctx: &mut Ctx, out: &mut Vec<u8>| exec::meta_keyed(ctx, cmd, key, at, out);
             let remote = Kind::Line { expect: Expect::Meta, quiet: cmd.flags.has(b'q'), silent: false };
-            route_keyed(shared, rt, store, now, output, at, Protocol::Text, raw, exec, remote, |out| {
+            route_keyed(shared, rt, store, now, output, at, Travel::Raw(Protocol::Text), raw, exec, remote, |out| {
                 foreign_meta(cmd, out)
             });
             Action::None
         }
         Request::Bin(breq) => handle_bin(shared, rt, store, now, output, breq, raw),
+    }
+}
+
+/// How a single-key request travels to another worker of this server.
+enum Travel<'r> {
+    /// Its bytes, in this protocol (the owner parses them).
+    Raw(Protocol),
+    /// A text storage command as the origin parsed it (the owner does not parse it again).
+    Store(FwdKind, StoreFields<'r>),
+}
+
+impl<'r> Travel<'r> {
+    fn text(cmd: &TextCmd<'r>, at: Loc) -> Travel<'r> {
+        match *cmd {
+            TextCmd::Store { mode, key, flags, exptime, data, cas_unique, noreply } => match u8::try_from(key.len()) {
+                Ok(key_len) => Travel::Store(
+                    FwdKind::Store { mode, noreply, key_len, hash: at.hash },
+                    StoreFields { key, flags, exptime, cas_unique, data },
+                ),
+                Err(_) => Travel::Raw(Protocol::Text),
+            },
+            _ => Travel::Raw(Protocol::Text),
+        }
     }
 }
 
@@ -416,7 +427,7 @@ fn route_keyed(
     now: u32,
     output: &mut Output,
     at: Loc,
-    proto: Protocol,
+    travel: Travel,
     raw: &[u8],
     exec: impl FnOnce(&mut Ctx, &mut Vec<u8>),
     remote: Kind,
@@ -429,9 +440,12 @@ fn route_keyed(
             exec(&mut ctx, output.buf())
         }
         d if rt.routed => redirect(shared, rt, output, d, None),
-        Dest::Worker(owner) => {
-            rt.forward(output, owner, at.cachelet, FwdKind::Raw(proto, at.hash), |d| d.extend_from_slice(raw))
-        }
+        Dest::Worker(owner) => match travel {
+            Travel::Raw(proto) => {
+                rt.forward(output, owner, at.cachelet, FwdKind::Raw(proto, at.hash), |d| d.extend_from_slice(raw))
+            }
+            Travel::Store(kind, f) => rt.forward(output, owner, at.cachelet, kind, |d| f.encode(d)),
+        },
         Dest::Server(..) if rt.forwarding => rt.forward_server(output, at.hash, remote, raw.to_vec()),
         Dest::Server(..) => {
             rt.counters.foreign_keys += 1;
@@ -780,7 +794,7 @@ pub(crate) fn handle_bin(
             let at = locate(layout, req.key);
             let exec = |ctx: &mut Ctx, out: &mut Vec<u8>| exec::bin_keyed(ctx, req, at, out);
             let remote = Kind::Bin { quiet: mbal_proto::binary::is_quiet(h.opcode) };
-            route_keyed(shared, rt, store, now, output, at, Protocol::Binary, raw, exec, remote, |out| {
+            route_keyed(shared, rt, store, now, output, at, Travel::Raw(Protocol::Binary), raw, exec, remote, |out| {
                 foreign_bin(req, out)
             });
             Action::None

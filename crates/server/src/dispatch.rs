@@ -10,6 +10,7 @@ use crate::exec::{self, locate, Ctx, Loc};
 use crate::forward::{Job, Kind};
 use crate::moves::{Own, Parked, Tables};
 use crate::msg::{Envelope, FwdKind, Outbox, ReplyTo, StoreFields};
+use crate::near::{Near, NearWorker};
 use crate::output::{Gather, Output, Slot, StatsFormat, MAX_PENDING_OUTPUT};
 use crate::replica::Replicas;
 use crate::stats::Counters;
@@ -46,7 +47,7 @@ pub(crate) enum Action {
 }
 
 /// Routing state for one connection's request.
-pub(crate) struct Route<'a> {
+pub(crate) struct Route<'a, 'n> {
     pub worker: usize,
     pub conn: usize,
     pub gen: u64,
@@ -68,9 +69,11 @@ pub(crate) struct Route<'a> {
     /// (`--forward`): keys other servers own are passed to them.
     pub fwd: &'a mut Vec<Job>,
     pub forwarding: bool,
+    /// The other workers of this worker's thread, whose stores it may use directly (`near`).
+    pub near: &'a mut Near<'n>,
 }
 
-impl Route<'_> {
+impl<'n> Route<'_, 'n> {
     fn dest(&self, at: Loc) -> Dest {
         let (s, w) = self.tables.route(at.cachelet);
         if s != self.server {
@@ -80,6 +83,21 @@ impl Route<'_> {
         } else {
             Dest::Worker(w as usize)
         }
+    }
+
+    /// May a request for cachelet `c` of worker `to` run on `to`'s store directly now?
+    fn may_near(&self, to: usize, c: u32) -> bool {
+        self.near.may(to, c, self.tables, &self.outbox[to])
+    }
+
+    /// Worker `to`, sharing this worker's thread, to run a request for cachelet `c` on its
+    /// store now, if it may (`near`); counted as forwarded at both ends.
+    fn near(&mut self, to: usize, c: u32) -> Option<&mut NearWorker<'n>> {
+        let w = self.near.get(to, c, self.tables, &self.outbox[to])?;
+        self.counters.forwarded_out += 1;
+        self.counters.forwarded_direct += 1;
+        w.counters.forwarded_in += 1;
+        Some(w)
     }
 
     /// Reserve an output slot and append a request for worker `to` to this
@@ -247,6 +265,24 @@ pub(crate) fn handle(
                         }
                         // A piece of a long line on a routed connection.
                         d if rt.routed => redirect(shared, rt, output, d, Some(key)),
+                        // Another worker's, on this worker's thread: read it there now.
+                        d @ Dest::Worker(to) if rt.may_near(to, at.cachelet) => {
+                            send(rt, output, run.take());
+                            let Some(w) = rt.near(to, at.cachelet) else {
+                                // (The run just sent went to the same worker.)
+                                run = Some((d, at.cachelet, key, key, at.hash));
+                                continue;
+                            };
+                            let detail = shared.detail();
+                            let mut ctx =
+                                Ctx { store: &mut *w.store, layout, settings, counters: &mut *w.counters, now, detail };
+                            exec::text_get_one(&mut ctx, key, at, *cas, *touch, output.buf());
+                            if output.unsent() > MAX_PENDING_OUTPUT {
+                                let at = key.as_ptr() as usize + key.len() - raw.as_ptr() as usize;
+                                let rest = LineState::Keys { cas: *cas, touch: *touch, any: true };
+                                return Action::Pause { at, rest };
+                            }
+                        }
                         Dest::Server(..) if !rt.forwarding => {
                             send(rt, output, run.take());
                             rt.counters.foreign_keys += 1
@@ -440,12 +476,19 @@ fn route_keyed(
             exec(&mut ctx, output.buf())
         }
         d if rt.routed => redirect(shared, rt, output, d, None),
-        Dest::Worker(owner) => match travel {
-            Travel::Raw(proto) => {
-                rt.forward(output, owner, at.cachelet, FwdKind::Raw(proto, at.hash), |d| d.extend_from_slice(raw))
+        Dest::Worker(owner) => {
+            if let Some(w) = rt.near(owner, at.cachelet) {
+                let (layout, settings, detail) = (&shared.layout, &shared.settings, shared.detail());
+                let mut ctx = Ctx { store: &mut *w.store, layout, settings, counters: &mut *w.counters, now, detail };
+                return exec(&mut ctx, output.buf());
             }
-            Travel::Store(kind, f) => rt.forward(output, owner, at.cachelet, kind, |d| f.encode(d)),
-        },
+            match travel {
+                Travel::Raw(proto) => {
+                    rt.forward(output, owner, at.cachelet, FwdKind::Raw(proto, at.hash), |d| d.extend_from_slice(raw))
+                }
+                Travel::Store(kind, f) => rt.forward(output, owner, at.cachelet, kind, |d| f.encode(d)),
+            }
+        }
         Dest::Server(..) if rt.forwarding => rt.forward_server(output, at.hash, remote, raw.to_vec()),
         Dest::Server(..) => {
             rt.counters.foreign_keys += 1;

@@ -41,6 +41,7 @@ mod fold;
 mod forward;
 mod moves;
 mod msg;
+mod near;
 mod output;
 mod peerload;
 mod readbuf;

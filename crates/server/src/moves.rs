@@ -107,6 +107,12 @@ impl Tables {
         self.parked.contains_key(&c)
     }
 
+    /// Nothing of this worker's for `c` is in flight or parked: a request for it may run
+    /// wherever `c` is now without overtaking one sent before (`near`).
+    pub fn quiet(&self, c: u32) -> bool {
+        self.inflight[c as usize] == 0 && (self.parked.is_empty() || !self.parked.contains_key(&c))
+    }
+
     /// Queue a new request for `c` behind the ones waiting (`is_parked`).
     pub fn park(&mut self, c: u32, p: Parked) {
         self.parked.entry(c).or_default().1.push_back(p);

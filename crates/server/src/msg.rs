@@ -368,6 +368,11 @@ impl Outbox {
         self.queue.is_empty()
     }
 
+    /// Holds nothing but replies (nothing the receiver must run before a later request).
+    pub fn only_replies(&self) -> bool {
+        self.queue.iter().all(|e| matches!(e, Envelope::Replies(_)))
+    }
+
     pub fn push(&mut self, env: Envelope) {
         self.queue.push(env);
     }

@@ -19,6 +19,9 @@ pub struct Counters {
     pub forwarded_out: u64,
     /// Requests this worker executed for another worker.
     pub forwarded_in: u64,
+    /// Of `forwarded_out`, those executed directly on the owner's store, which shares this
+    /// worker's thread (`near`).
+    pub forwarded_direct: u64,
     pub total_connections: u64,
     pub rejected_connections: u64,
     /// Redirects sent to routed clients.
@@ -132,6 +135,7 @@ impl Counters {
             conn_yields,
             forwarded_out,
             forwarded_in,
+            forwarded_direct,
             total_connections,
             rejected_connections,
             redirects,
@@ -440,6 +444,7 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
                 sink.stat(name, &0);
             }
             sink.stat("cross_worker_requests", &c.forwarded_out);
+            sink.stat("cross_worker_direct", &c.forwarded_direct);
             sink.stat("redirects", &c.redirects);
             sink.stat("foreign_keys", &c.foreign_keys);
             if let Some(f) = &p.forward {
@@ -602,6 +607,7 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
                 sink.stat(&format!("worker:{n}:curr_connections"), &w.curr_connections);
                 sink.stat(&format!("worker:{n}:forwarded_out"), &w.counters.forwarded_out);
                 sink.stat(&format!("worker:{n}:forwarded_in"), &w.counters.forwarded_in);
+                sink.stat(&format!("worker:{n}:forwarded_direct"), &w.counters.forwarded_direct);
                 sink.stat(&format!("worker:{n}:inflight_stalls"), &w.counters.inflight_stalls);
                 sink.stat(&format!("worker:{n}:capacity_stalls"), &w.counters.capacity_stalls);
             }

@@ -44,6 +44,7 @@ use crate::moves::{self, Parked, Tables};
 use crate::msg::{
     Envelope, FwdKind, FwdReq, HandOff, Mailbox, Outbox, Peers, ReplyTo, ReqBatch, StoreFields, NO_CACHELET,
 };
+use crate::near::{Near, NearWorker};
 use crate::output::{Gather, Output, Slot, StatsFormat, MAX_PENDING_OUTPUT};
 use crate::readbuf::ReadBuf;
 use crate::replica::{Replicas, ShadowTable};
@@ -413,6 +414,21 @@ impl Worker {
         })
     }
 
+    /// This worker, lent for a round to another worker of its thread (`near`); `None` if its
+    /// requests must come by message (emulated capacity, or writes that wait for copies).
+    fn lend(&mut self) -> Option<NearWorker<'_>> {
+        if self.capacity.limited() || (self.shared.settings.hot.sync && !self.replicas.hot.is_empty()) {
+            return None;
+        }
+        Some(NearWorker {
+            id: self.id,
+            store: &mut self.store,
+            counters: &mut self.counters,
+            tables: &self.tables,
+            inbox: &self.inbox,
+        })
+    }
+
     /// How long the worker may block, at most `limit`: out of emulated capacity with work
     /// waiting, it sleeps until the bucket has credit again, no longer (and never spins).
     fn sleep_limit(&self, limit: Duration) -> Duration {
@@ -427,7 +443,13 @@ impl Worker {
     /// caller knows there are no socket events), handle the events, the connections left
     /// ready, the inbox, write the connections that got replies, send the peers their
     /// batches. Returns whether there was anything to do, `None` once the server stops.
-    fn round(&mut self, events: &mut Events, poll: Option<Duration>, last_sweep: &mut u64) -> Option<bool> {
+    fn round(
+        &mut self,
+        events: &mut Events,
+        poll: Option<Duration>,
+        last_sweep: &mut u64,
+        near: &mut Near,
+    ) -> Option<bool> {
         match poll {
             Some(timeout) => {
                 let polled = self.poll.poll(events, Some(timeout));
@@ -465,12 +487,12 @@ impl Worker {
                         }
                     }
                     if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
-                        self.on_readable(ci);
+                        self.on_readable(ci, near);
                     }
                 }
             }
         }
-        self.run_ready();
+        self.run_ready(near);
         self.drain_inbox();
         if self.store.watch().has_dirty() {
             let (shared, store, hot) = (&self.shared, &mut self.store, &mut self.replicas.hot);

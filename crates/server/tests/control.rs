@@ -110,6 +110,9 @@ fn epoch_snapshots_count_every_request_at_its_cachelets_owner() {
 fn the_tick_measures_busy_time_and_queueing_of_forwarded_work() {
     let mut s = settings(2);
     s.epoch_ms = 20;
+    // A thread each: workers on one thread run each other's requests directly, with no
+    // batch to queue (`near`).
+    s.worker_threads = 2;
     let cpw = s.cachelets_per_worker;
     let vn = s.vn_count;
     let srv = start(s);

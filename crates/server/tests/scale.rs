@@ -187,7 +187,8 @@ fn pipelines_over_every_worker_come_back_complete_and_in_order() {
 #[test]
 fn pipelines_over_workers_sharing_threads_come_back_complete_and_in_order() {
     // The same with the 4 workers on 2 threads (what `-t 4` does by itself
-    // on a 2-CPU machine): hops within a thread and across threads.
+    // on a 2-CPU machine): hops within a thread (run on the owner's store
+    // directly, `near`) and across threads (messages).
     pipelines_over_every_worker(mbal_server::config::Settings { worker_threads: 2, ..settings(4) }, false);
 }
 
@@ -195,7 +196,8 @@ fn pipelines_over_workers_sharing_threads_come_back_complete_and_in_order() {
 fn pipelines_over_workers_moving_between_threads_come_back_complete_and_in_order() {
     // The same while the number of threads in use changes all the time (`mbal threads`, what
     // the thread policy does when it folds or spreads the workers): workers leave one
-    // thread and join another between their rounds, mid-pipeline.
+    // thread and join another between their rounds, mid-pipeline, and a hop between two
+    // workers turns from a message into a direct call and back.
     pipelines_over_every_worker(mbal_server::config::Settings { worker_threads: 4, ..settings(4) }, true);
 }
 

@@ -355,6 +355,8 @@ enum Cmd {
     Store { verb: &'static str, key: String, flags: u32, exptime: i64, value: String, noreply: bool, good_cas: bool },
     Gets(Vec<String>),
     Delete(String),
+    Incr(String),
+    FlushAll,
 }
 
 impl Cmd {
@@ -371,6 +373,8 @@ impl Cmd {
             }
             Cmd::Gets(keys) => format!("gets {}\r\n", keys.join(" ")),
             Cmd::Delete(key) => format!("delete {key}\r\n"),
+            Cmd::Incr(key) => format!("incr {key} 7\r\n"),
+            Cmd::FlushAll => "flush_all\r\n".to_string(),
         }
     }
 }
@@ -378,34 +382,55 @@ impl Cmd {
 #[test]
 fn storage_commands_answer_alike_on_one_and_on_four_workers() {
     // With four workers three keys in four belong to a worker the connection does not
-    // live on: their storage commands travel pre-parsed (flags, exptime, cas unique, the
-    // value) and must come out as they do where nothing travels.
+    // live on. On four threads their storage commands travel pre-parsed (flags, exptime,
+    // cas unique, the value) and must come out as they do where nothing travels; with the
+    // four workers on one thread they run on the owner's store directly (`near`), and must
+    // keep the pipeline's order (a flush_all included) all the same.
+    for (threads, direct) in [(4, false), (1, true)] {
+        let mut s = settings(4);
+        s.worker_threads = threads;
+        answer_alike(s, direct);
+    }
+}
+
+fn answer_alike(four: mbal_server::config::Settings, direct: bool) {
     use rand::{rngs::StdRng, Rng, SeedableRng};
     let mut rng = StdRng::seed_from_u64(0x5eed);
-    let (one, four) = (start(settings(1)), start(settings(4)));
+    let (one, four) = (start(settings(1)), start(four));
     let mut a = Side { c: Conn::open(one.main_addr), cas: Default::default() };
     let mut b = Side { c: Conn::open(four.main_addr), cas: Default::default() };
     let key = |rng: &mut StdRng| format!("key:{}", rng.gen_range(0..40));
     for round in 0..300 {
         let cmds: Vec<Cmd> = (0..rng.gen_range(1..10))
-            .map(|_| match rng.gen_range(0..10) {
-                0..=5 => Cmd::Store {
+            .map(|_| match rng.gen_range(0..60) {
+                0..=35 => Cmd::Store {
                     verb: ["set", "set", "add", "replace", "append", "prepend", "cas", "cas"][rng.gen_range(0..8)],
                     key: key(&mut rng),
                     flags: [0, 1, u32::MAX, rng.gen()][rng.gen_range(0..4)],
                     exptime: [0, 0, 1000, -1][rng.gen_range(0..4)],
-                    value: (0..rng.gen_range(0..40)).map(|_| rng.gen_range(b'a'..=b'z') as char).collect(),
+                    value: match rng.gen_range(0..4) {
+                        0 => rng.gen_range(0..100u32).to_string(),
+                        _ => (0..rng.gen_range(0..40)).map(|_| rng.gen_range(b'a'..=b'z') as char).collect(),
+                    },
                     noreply: rng.gen_range(0..5) == 0,
                     good_cas: rng.gen_range(0..3) != 0,
                 },
-                6..=8 => Cmd::Gets((0..rng.gen_range(1..5)).map(|_| key(&mut rng)).collect()),
-                _ => Cmd::Delete(key(&mut rng)),
+                36..=53 => Cmd::Gets((0..rng.gen_range(1..5)).map(|_| key(&mut rng)).collect()),
+                54..=56 => Cmd::Delete(key(&mut rng)),
+                57..=58 => Cmd::Incr(key(&mut rng)),
+                _ => Cmd::FlushAll,
             })
             .collect();
         let (ra, rb) = (a.batch(&cmds), b.batch(&cmds));
-        assert_eq!(ra, rb, "round {round}: one worker vs four");
+        assert_eq!(ra, rb, "round {round}: one worker vs four (direct: {direct})");
     }
     assert!(stat(&mut b.c, "cross_worker_requests") > 1000, "most commands went to another worker");
+    let direct_hops = stat(&mut b.c, "cross_worker_direct");
+    if direct {
+        assert!(direct_hops > 1000, "on one thread most went directly: {direct_hops}");
+    } else {
+        assert_eq!(direct_hops, 0, "on a thread each, every one was a message");
+    }
     one.shutdown();
     four.shutdown();
 }

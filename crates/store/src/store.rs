@@ -374,6 +374,11 @@ impl WorkerStore {
     }
 
     /// Phase 1's sampler and watched keys ([`KeyWatch`]).
+    /// Were watched (replicated) keys written since the copies were last sent?
+    pub fn has_dirty(&self) -> bool {
+        self.watch.has_dirty()
+    }
+
     pub fn watch(&mut self) -> &mut KeyWatch {
         &mut self.watch
     }

@@ -169,7 +169,7 @@ impl Worker {
     }
 
     /// Read everything available, then process.
-    pub(super) fn on_readable(&mut self, ci: usize) {
+    pub(super) fn on_readable(&mut self, ci: usize, near: &mut Near) {
         let Some(conn) = self.conns.get_mut(ci) else { return };
         if conn.output.unsent() > MAX_PENDING_OUTPUT {
             // Back-pressure: do not read more until the client drains
@@ -228,7 +228,7 @@ impl Worker {
             }
         }
         conn.last_active = self.now;
-        self.process(ci);
+        self.process(ci, near);
         if eof {
             // Flush what we have, then close.
             self.flush(ci);
@@ -253,13 +253,13 @@ impl Worker {
         }
     }
 
-    pub(super) fn run_ready(&mut self) {
+    pub(super) fn run_ready(&mut self, near: &mut Near) {
         let n = self.ready.len();
         for _ in 0..n {
             let Some(ci) = self.ready.pop_front() else { break };
             if let Some(c) = self.conns.get_mut(ci) {
                 c.queued = false;
-                self.on_readable(ci);
+                self.on_readable(ci, near);
             }
         }
     }
@@ -269,7 +269,13 @@ impl Worker {
     /// gets and stores, `prefetch_keys`; a prefetch is a hint, so a key that turns out to be
     /// elsewhere costs nothing but the hash). `process` executes what was parsed here instead
     /// of parsing it again.
-    fn look_ahead<'r>(&self, proto: Option<Protocol>, buf: &'r [u8], mut line: LineState) -> Vec<Ahead<'r>> {
+    fn look_ahead<'r>(
+        &self,
+        proto: Option<Protocol>,
+        buf: &'r [u8],
+        mut line: LineState,
+        near: &Near,
+    ) -> Vec<Ahead<'r>> {
         let Some(proto @ Protocol::Text) = proto else { return Vec::new() };
         // One request (a client that does not pipeline: one line, or a store's line and
         // data) has nothing to overlap its miss with.
@@ -283,7 +289,7 @@ impl Worker {
             let before = line;
             let parsed = mbal_proto::parse_stream(&mut line, proto, &buf[at..], &self.limits);
             let Parsed::Req { req, consumed } = &parsed else { break };
-            prefetch_keys(&self.store, &self.shared.layout, req);
+            prefetch_keys(&self.store, near, &self.shared.layout, req);
             let next = at + consumed;
             ahead.push(Ahead { at, before, after: line, parsed });
             at = next;
@@ -292,13 +298,13 @@ impl Worker {
     }
 
     /// Parse and execute up to `reqs_per_event` requests from the buffer.
-    pub(super) fn process(&mut self, ci: usize) {
+    pub(super) fn process(&mut self, ci: usize, near: &mut Near) {
         // The read buffer leaves the connection while its requests run, so that what was
         // parsed ahead (which borrows it) can be executed while the connection changes; it
         // goes back before anything else can look at it.
         let rbuf = std::mem::take(&mut self.conns[ci].rbuf);
         let conn = &self.conns[ci];
-        let ahead = if conn.skip == 0 { self.look_ahead(conn.proto, &rbuf, conn.line) } else { Vec::new() };
+        let ahead = if conn.skip == 0 { self.look_ahead(conn.proto, &rbuf, conn.line, near) } else { Vec::new() };
         let mut next = 0;
         let reqs_per_event = self.shared.settings.reqs_per_event;
         let mut done = 0usize;
@@ -391,6 +397,7 @@ impl Worker {
                 auth,
                 fwd: &mut self.fwd,
                 forwarding: self.shared.forward.is_some(),
+                near: &mut *near,
             };
             let fresh = matches!(line, LineState::Start);
             // What was parsed ahead at this position in this state, else parse now. (By

@@ -28,6 +28,7 @@
 //! capacity) run as on its own thread.
 
 use super::Worker;
+use crate::near::Near;
 use crate::Shared;
 use crossbeam_channel::{Receiver, Sender};
 use mio::Events;
@@ -291,7 +292,7 @@ fn host(shared: &Shared, handoff: &Handoff, t: usize, initial: Vec<Worker>) -> i
     loop {
         if let [h] = &mut hosted[..] {
             // One worker: block in its own poll, as a thread of its own would.
-            if h.w.round(&mut events, Some(timeout), &mut h.sweep).is_none() {
+            if h.w.round(&mut events, Some(timeout), &mut h.sweep, &mut Near::default()).is_none() {
                 return Ok(());
             }
         } else {
@@ -344,12 +345,19 @@ fn host(shared: &Shared, handoff: &Handoff, t: usize, initial: Vec<Worker>) -> i
             let mut inner = 0;
             loop {
                 let mut worked = false;
-                for h in hosted.iter_mut() {
+                for i in 0..hosted.len() {
+                    let (before, rest) = hosted.split_at_mut(i);
+                    let Some((h, after)) = rest.split_first_mut() else { break };
                     let poll = std::mem::take(&mut h.ready);
-                    if !all && !poll && h.w.ready.is_empty() && h.w.inbox.is_empty() {
+                    // (A worker whose store another one wrote a replicated key to directly
+                    // copies it in a round of its own.)
+                    let idle = h.w.ready.is_empty() && h.w.inbox.is_empty() && !h.w.store.has_dirty();
+                    if !all && !poll && idle {
                         continue;
                     }
-                    match h.w.round(&mut events, poll.then_some(Duration::ZERO), &mut h.sweep) {
+                    // The others are idle while this one runs: it may use their stores.
+                    let mut near = Near::new(before.iter_mut().chain(after).filter_map(|o| o.w.lend()).collect());
+                    match h.w.round(&mut events, poll.then_some(Duration::ZERO), &mut h.sweep, &mut near) {
                         None => return Ok(()),
                         Some(did) => worked |= did,
                     }
@@ -363,7 +371,8 @@ fn host(shared: &Shared, handoff: &Handoff, t: usize, initial: Vec<Worker>) -> i
                 // replies) is taken in passes of its own, with no system call, before the
                 // sockets are looked at again; a few at most, so that sockets wait no longer
                 // than a few rounds.
-                let pending = hosted.iter().any(|h| !h.w.ready.is_empty() || !h.w.inbox.is_empty());
+                let pending =
+                    hosted.iter().any(|h| !h.w.ready.is_empty() || !h.w.inbox.is_empty() || h.w.store.has_dirty());
                 if pending && inner < MESSAGE_PASSES {
                     inner += 1;
                     continue;

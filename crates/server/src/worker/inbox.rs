@@ -419,18 +419,19 @@ pub(super) fn exec_ctx<'a>(
 }
 
 /// Prefetch the index lines of a text get's or store's keys that live in this worker's store.
-pub(super) fn prefetch_keys(store: &WorkerStore, layout: &KeySpace, req: &Request) {
-    match req {
-        Request::Text(TextCmd::Get { keys, .. }) => {
-            for key in keys.iter() {
-                let at = locate(layout, key);
-                store.prefetch(at.cachelet, at.hash);
-            }
-        }
-        Request::Text(TextCmd::Store { key, .. }) => {
-            let at = locate(layout, key);
+pub(super) fn prefetch_keys(store: &WorkerStore, near: &Near, layout: &KeySpace, req: &Request) {
+    let fetch = |key: &[u8]| {
+        let at = locate(layout, key);
+        if store.owns(at.cachelet) {
             store.prefetch(at.cachelet, at.hash);
+        } else {
+            // Another worker's on this thread is read there directly (`near`).
+            near.prefetch(at.cachelet, at.hash);
         }
+    };
+    match req {
+        Request::Text(TextCmd::Get { keys, .. }) => keys.iter().for_each(fetch),
+        Request::Text(TextCmd::Store { key, .. }) => fetch(key),
         _ => {}
     }
 }

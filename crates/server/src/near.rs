@@ -1,0 +1,87 @@
+//! Workers on one thread: a request for a key another worker on the same host thread owns is
+//! executed on that worker's store at once, by the worker that read it, instead of travelling
+//! there and back as two messages.
+//!
+//! Why it is safe: a host thread (`worker/group.rs`) runs its workers' rounds one after the
+//! other, so while one of them runs, the others are idle on the same thread and nothing else
+//! touches their stores (a worker's store is only ever used by the thread that hosts it; a
+//! worker changes thread only whole, between rounds). The host lends the running worker
+//! `&mut` borrows of the others' stores and counters for one round (`Near`); the borrow checker
+//! holds the rest.
+//!
+//! Why it keeps a connection's order: a request goes the direct way only when nothing this
+//! worker sent the owner is still unprocessed, so everything the connection sent it before
+//! (forwarded requests, a `flush_all`'s order) has already run there:
+//! * this worker has no forwarded request for the cachelet in flight and none parked
+//!   (`Tables`: the move protocol's per-cachelet FIFO is empty);
+//! * nothing for the owner waits in this worker's outbox except replies, and the owner's inbox
+//!   is empty (it has taken in everything sent to it);
+//! * the owner owns the cachelet at the version this worker routes by (`Tables::executes`), so
+//!   a cachelet on its way out or in goes by message and the move protocol decides.
+//!
+//! Not taken when the workers have an emulated capacity (`--worker-capacity`: each worker
+//! must pay for its own requests, by message) or when a write must wait for hot-key copies
+//! (`--replica-writes sync` with replicated keys at the owner). A direct request counts as
+//! forwarded at both ends (`forwarded_out`, `forwarded_in`, `cross_worker_requests`) and in
+//! `cross_worker_direct`.
+
+use crate::moves::Tables;
+use crate::msg::{Envelope, Outbox};
+use crate::stats::Counters;
+use crossbeam_channel::Receiver;
+use mbal_store::WorkerStore;
+
+/// Another worker of this host thread, lent for one round.
+pub(crate) struct NearWorker<'a> {
+    pub id: usize,
+    pub store: &'a mut WorkerStore,
+    pub counters: &'a mut Counters,
+    pub tables: &'a Tables,
+    pub inbox: &'a Receiver<Envelope>,
+}
+
+/// The other workers of this host thread that may be used directly this round.
+#[derive(Default)]
+pub(crate) struct Near<'a> {
+    workers: Vec<NearWorker<'a>>,
+}
+
+impl<'a> Near<'a> {
+    pub fn new(workers: Vec<NearWorker<'a>>) -> Near<'a> {
+        Near { workers }
+    }
+
+    /// Worker `to`, if it is on this thread and may execute a request for cachelet `c` now
+    /// for a worker with tables `mine` and outbox `outbox` for `to` (see the module's rules).
+    fn find(&self, to: usize, c: u32, mine: &Tables, outbox: &Outbox) -> Option<usize> {
+        if self.workers.is_empty() || !mine.quiet(c) || !outbox.only_replies() {
+            return None;
+        }
+        let stamp = mine.stamp(c);
+        let i = self.workers.iter().position(|w| w.id == to)?;
+        let w = &self.workers[i];
+        (w.tables.executes(c, stamp) && w.inbox.is_empty()).then_some(i)
+    }
+
+    /// Start loading the index line of a key of cachelet `c` if a worker here owns it (a
+    /// hint: the request may still go by message).
+    pub fn prefetch(&self, c: u32, hash: u64) {
+        for w in &self.workers {
+            if w.store.owns(c) {
+                w.store.prefetch(c, hash);
+                return;
+            }
+        }
+    }
+
+    /// Could worker `to` execute a request for `c` directly now?
+    pub fn may(&self, to: usize, c: u32, mine: &Tables, outbox: &Outbox) -> bool {
+        self.find(to, c, mine, outbox).is_some()
+    }
+
+    /// Worker `to`, to execute a request for `c` directly, if it may now.
+    pub fn get(&mut self, to: usize, c: u32, mine: &Tables, outbox: &Outbox) -> Option<&mut NearWorker<'a>> {
+        let i = self.find(to, c, mine, outbox)?;
+        Some(&mut self.workers[i])
+    }
+}

@@ -85,19 +85,20 @@ impl<'n> Route<'_, 'n> {
         }
     }
 
-    /// May a request for cachelet `c` of worker `to` run on `to`'s store directly now?
-    fn may_near(&self, to: usize, c: u32) -> bool {
-        self.near.may(to, c, self.tables, &self.outbox[to])
+    /// Where worker `to`, sharing this worker's thread, is in `near`, if a request for
+    /// cachelet `c` may run on its store now (`near`).
+    fn near_index(&self, to: usize, c: u32) -> Option<usize> {
+        self.near.find(to, c, self.tables, &self.outbox[to])
     }
 
-    /// Worker `to`, sharing this worker's thread, to run a request for cachelet `c` on its
-    /// store now, if it may (`near`); counted as forwarded at both ends.
-    fn near(&mut self, to: usize, c: u32) -> Option<&mut NearWorker<'n>> {
-        let w = self.near.get(to, c, self.tables, &self.outbox[to])?;
+    /// The worker `near_index` found, to run a request on its store; counted as forwarded at
+    /// both ends.
+    fn near_at(&mut self, i: usize) -> &mut NearWorker<'n> {
         self.counters.forwarded_out += 1;
         self.counters.forwarded_direct += 1;
+        let w = self.near.at(i);
         w.counters.forwarded_in += 1;
-        Some(w)
+        w
     }
 
     /// Reserve an output slot and append a request for worker `to` to this
@@ -266,13 +267,11 @@ pub(crate) fn handle(
                         // A piece of a long line on a routed connection.
                         d if rt.routed => redirect(shared, rt, output, d, Some(key)),
                         // Another worker's, on this worker's thread: read it there now.
-                        d @ Dest::Worker(to) if rt.may_near(to, at.cachelet) => {
+                        Dest::Worker(to) if let Some(i) = rt.near_index(to, at.cachelet) => {
+                            // (The keys of a run sent now to the same worker are read after
+                            // this one: a get's reads are not ordered among themselves.)
                             send(rt, output, run.take());
-                            let Some(w) = rt.near(to, at.cachelet) else {
-                                // (The run just sent went to the same worker.)
-                                run = Some((d, at.cachelet, key, key, at.hash));
-                                continue;
-                            };
+                            let w = rt.near_at(i);
                             let detail = shared.detail();
                             let mut ctx =
                                 Ctx { store: &mut *w.store, layout, settings, counters: &mut *w.counters, now, detail };
@@ -477,7 +476,8 @@ fn route_keyed(
         }
         d if rt.routed => redirect(shared, rt, output, d, None),
         Dest::Worker(owner) => {
-            if let Some(w) = rt.near(owner, at.cachelet) {
+            if let Some(i) = rt.near_index(owner, at.cachelet) {
+                let w = rt.near_at(i);
                 let (layout, settings, detail) = (&shared.layout, &shared.settings, shared.detail());
                 let mut ctx = Ctx { store: &mut *w.store, layout, settings, counters: &mut *w.counters, now, detail };
                 return exec(&mut ctx, output.buf());

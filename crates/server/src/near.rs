@@ -51,16 +51,22 @@ impl<'a> Near<'a> {
         Near { workers }
     }
 
-    /// Worker `to`, if it is on this thread and may execute a request for cachelet `c` now
-    /// for a worker with tables `mine` and outbox `outbox` for `to` (see the module's rules).
-    fn find(&self, to: usize, c: u32, mine: &Tables, outbox: &Outbox) -> Option<usize> {
-        if self.workers.is_empty() || !mine.quiet(c) || !outbox.only_replies() {
+    /// Worker `to`'s place here, if it is on this thread and may execute a request for
+    /// cachelet `c` now for a worker with tables `mine` and outbox `outbox` for `to` (see the
+    /// module's rules).
+    pub fn find(&self, to: usize, c: u32, mine: &Tables, outbox: &Outbox) -> Option<usize> {
+        if self.workers.is_empty() {
             return None;
         }
-        let stamp = mine.stamp(c);
         let i = self.workers.iter().position(|w| w.id == to)?;
         let w = &self.workers[i];
-        (w.tables.executes(c, stamp) && w.inbox.is_empty()).then_some(i)
+        let ok = w.tables.executes(c, mine.stamp(c)) && mine.quiet(c) && outbox.only_replies() && w.inbox.is_empty();
+        ok.then_some(i)
+    }
+
+    /// The worker `find` found at `i`.
+    pub fn at(&mut self, i: usize) -> &mut NearWorker<'a> {
+        &mut self.workers[i]
     }
 
     /// Start loading the index line of a key of cachelet `c` if a worker here owns it (a
@@ -72,16 +78,5 @@ impl<'a> Near<'a> {
                 return;
             }
         }
-    }
-
-    /// Could worker `to` execute a request for `c` directly now?
-    pub fn may(&self, to: usize, c: u32, mine: &Tables, outbox: &Outbox) -> bool {
-        self.find(to, c, mine, outbox).is_some()
-    }
-
-    /// Worker `to`, to execute a request for `c` directly, if it may now.
-    pub fn get(&mut self, to: usize, c: u32, mine: &Tables, outbox: &Outbox) -> Option<&mut NearWorker<'a>> {
-        let i = self.find(to, c, mine, outbox)?;
-        Some(&mut self.workers[i])
     }
 }

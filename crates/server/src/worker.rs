@@ -425,7 +425,7 @@ impl Worker {
             store: &mut self.store,
             counters: &mut self.counters,
             tables: &self.tables,
-            inbox: &self.inbox,
+            inbox_empty: self.inbox.is_empty(),
         })
     }
 

@@ -276,6 +276,7 @@ pub(crate) fn handle(
                             let mut ctx =
                                 Ctx { store: &mut *w.store, layout, settings, counters: &mut *w.counters, now, detail };
                             exec::text_get_one(&mut ctx, key, at, *cas, *touch, output.buf());
+                            after_near(shared, w, now);
                             if output.unsent() > MAX_PENDING_OUTPUT {
                                 let at = key.as_ptr() as usize + key.len() - raw.as_ptr() as usize;
                                 let rest = LineState::Keys { cas: *cas, touch: *touch, any: true };
@@ -480,7 +481,8 @@ fn route_keyed(
                 let w = rt.near_at(i);
                 let (layout, settings, detail) = (&shared.layout, &shared.settings, shared.detail());
                 let mut ctx = Ctx { store: &mut *w.store, layout, settings, counters: &mut *w.counters, now, detail };
-                return exec(&mut ctx, output.buf());
+                exec(&mut ctx, output.buf());
+                return after_near(shared, w, now);
             }
             match travel {
                 Travel::Raw(proto) => {
@@ -494,6 +496,14 @@ fn route_keyed(
             rt.counters.foreign_keys += 1;
             foreign(output.buf())
         }
+    }
+}
+
+/// After a request ran directly on a neighbour's store (`near`): a write to one of its hot
+/// keys goes to the replicator now, as the owner's own writes do, before the reply can leave.
+fn after_near(shared: &Shared, w: &mut NearWorker, now: u32) {
+    if w.store.has_dirty() {
+        crate::worker::copy_writes(shared, w.id, w.store, w.hot, now, None);
     }
 }
 

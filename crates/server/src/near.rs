@@ -21,12 +21,16 @@
 //!
 //! Not taken when the workers have an emulated capacity (`--worker-capacity`: each worker
 //! must pay for its own requests, by message) or when a write must wait for hot-key copies
-//! (`--replica-writes sync` with replicated keys at the owner). A direct request counts as
-//! forwarded at both ends (`forwarded_out`, `forwarded_in`, `cross_worker_requests`) and in
-//! `cross_worker_direct`.
+//! (`--replica-writes sync` with replicated keys at the owner). In async mode a direct write to
+//! a replicated key is handed to the replicator right after it runs, before its reply can
+//! leave, as the owner does with its own writes (`dispatch::after_near`). A direct request
+//! counts as forwarded at both ends (`forwarded_out`, `forwarded_in`, `cross_worker_requests`)
+//! and in `cross_worker_direct` (a direct multi-get once per key; a message once per run of
+//! keys). The time it takes is the reader's busy time, not the owner's.
 
 use crate::moves::Tables;
 use crate::msg::Outbox;
+use crate::replica::HotTable;
 use crate::stats::Counters;
 use mbal_store::WorkerStore;
 
@@ -35,6 +39,10 @@ pub(crate) struct NearWorker<'a> {
     pub id: usize,
     pub store: &'a mut WorkerStore,
     pub counters: &'a mut Counters,
+    /// Its hot keys (Phase 1): a direct write to one is copied at once, before its reply
+    /// leaves, as the owner does for its own writes (`copy_writes`), so that the owner grants
+    /// no new lease before the copy is on its way.
+    pub hot: &'a mut HotTable,
     pub tables: &'a Tables,
     /// Its inbox was empty when it was lent: it had taken in everything this worker sent it.
     /// (Nothing this worker does in its round reaches that inbox before the round ends, but

@@ -33,7 +33,7 @@ mod hot;
 mod inbox;
 
 pub(crate) use group::{run_host, Handoff, Threads};
-pub(crate) use hot::flush_hot;
+pub(crate) use hot::{copy_writes, flush_hot};
 
 use crate::capacity::Capacity;
 use crate::config::{Binding, Settings};
@@ -424,6 +424,7 @@ impl Worker {
             id: self.id,
             store: &mut self.store,
             counters: &mut self.counters,
+            hot: &mut self.replicas.hot,
             tables: &self.tables,
             inbox_empty: self.inbox.is_empty(),
         })
@@ -493,6 +494,8 @@ impl Worker {
             }
         }
         self.run_ready(near);
+        // After the connections: what `drain_inbox` sends at once (a released cachelet's
+        // `Adopt`) must not reach a neighbour whose inbox this round's `near` saw empty.
         self.drain_inbox();
         if self.store.watch().has_dirty() {
             let (shared, store, hot) = (&self.shared, &mut self.store, &mut self.replicas.hot);

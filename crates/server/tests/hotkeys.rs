@@ -56,6 +56,17 @@ impl Cluster {
             .expect("a key on every server")
     }
 
+    /// A key whose home is worker `w` of server `s`.
+    fn key_on_worker(&self, s: u16, w: u16, prefix: &str) -> (String, u16) {
+        (0..100_000)
+            .map(|i| format!("{prefix}{i}"))
+            .find_map(|k| {
+                let c = self.map.keyspace().cachelet_of_hash(key_hash(k.as_bytes()));
+                (self.map.owner(c) == (s, w)).then_some((k, w))
+            })
+            .expect("a key on every worker")
+    }
+
     fn copies(&self, key: &str, home: (u16, u16), n: u32) -> Vec<(u16, u16)> {
         let servers = self.spec.servers.len() as u16;
         (1..=n).map(|i| replica_location(key_hash(key.as_bytes()), i, home, servers, WORKERS).unwrap()).collect()
@@ -145,9 +156,25 @@ fn a_pinned_key_is_copied_hinted_and_read_from_its_shadows() {
 
 #[test]
 fn async_writes_reach_every_copy_before_a_new_lease() {
-    let cl = cluster(3, |_| {});
-    let (key, w) = cl.key_on(0, "aw");
+    async_writes_reach_copies(cluster(3, |_| {}), false);
+}
+
+#[test]
+fn async_writes_run_on_a_neighbours_store_reach_every_copy_before_a_new_lease() {
+    // Both workers of each server on one thread: the plain connection's writes to the other
+    // worker's hot key run on that worker's store directly (`near`), and must be on their way
+    // to the copies before the home grants a lease again.
+    async_writes_reach_copies(cluster(3, |s| s.worker_threads = 1), true);
+}
+
+fn async_writes_reach_copies(cl: Cluster, direct: bool) {
     let mut plain = Conn::open(cl.addr(0));
+    // A key of server 0 whose home is not the plain connection's worker: its writes hop.
+    let (probe, _) = cl.key_on_worker(0, 0, "probe");
+    let hops = stat(&mut plain, "cross_worker_requests");
+    assert_eq!(plain.set(&probe, b"p"), "STORED\r\n");
+    let plain_worker = if stat(&mut plain, "cross_worker_requests") > hops { 1 } else { 0 };
+    let (key, w) = cl.key_on_worker(0, 1 - plain_worker, "aw");
     assert_eq!(plain.set(&key, b"v0"), "STORED\r\n");
     assert_eq!(plain.cmd(&format!("mbal debug hot {key} 2\r\n")), "OK\r\n");
     let copies = cl.copies(&key, (0, w), 2);
@@ -176,6 +203,8 @@ fn async_writes_reach_every_copy_before_a_new_lease() {
             assert!(Instant::now() < deadline, "copy outlived the delete: {v:?}");
         }
     }
+    let direct_hops = stat(&mut plain, "cross_worker_direct");
+    assert_eq!(direct_hops > 0, direct, "direct hops: {direct_hops}");
 }
 
 #[test]

@@ -349,10 +349,7 @@ fn host(shared: &Shared, handoff: &Handoff, t: usize, initial: Vec<Worker>) -> i
                     let (before, rest) = hosted.split_at_mut(i);
                     let Some((h, after)) = rest.split_first_mut() else { break };
                     let poll = std::mem::take(&mut h.ready);
-                    // (A worker whose store another one wrote a replicated key to directly
-                    // copies it in a round of its own.)
-                    let idle = h.w.ready.is_empty() && h.w.inbox.is_empty() && !h.w.store.has_dirty();
-                    if !all && !poll && idle {
+                    if !all && !poll && h.w.ready.is_empty() && h.w.inbox.is_empty() {
                         continue;
                     }
                     // The others are idle while this one runs: it may use their stores.
@@ -371,8 +368,7 @@ fn host(shared: &Shared, handoff: &Handoff, t: usize, initial: Vec<Worker>) -> i
                 // replies) is taken in passes of its own, with no system call, before the
                 // sockets are looked at again; a few at most, so that sockets wait no longer
                 // than a few rounds.
-                let pending =
-                    hosted.iter().any(|h| !h.w.ready.is_empty() || !h.w.inbox.is_empty() || h.w.store.has_dirty());
+                let pending = hosted.iter().any(|h| !h.w.ready.is_empty() || !h.w.inbox.is_empty());
                 if pending && inner < MESSAGE_PASSES {
                     inner += 1;
                     continue;

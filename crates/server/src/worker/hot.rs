@@ -137,7 +137,7 @@ pub(crate) fn flush_hot(shared: &Shared, me: usize, store: &mut WorkerStore, hot
 /// Copy the writes of watched keys made since the last call to their
 /// replicas. `hold`: in sync mode, the reply of the request that made the
 /// (single) write, sent by the replicator once every copy has it.
-pub(super) fn copy_writes(
+pub(crate) fn copy_writes(
     shared: &Shared,
     me: usize,
     store: &mut WorkerStore,

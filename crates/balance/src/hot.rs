@@ -6,10 +6,8 @@
 //! [`HotKeys::replication_failed`], [`HotKeys::write_propagating`]).
 //!
 //! * Hotspot triggering (SPORE §3.5): only a key whose worker is past its
-//!   load threshold starts being replicated, or one of a worker whose
-//!   unreplicated keys alone would put it past the target (the sum of their
-//!   f − f/n above (target − 1) × the mean; its hottest, until the rest is
-//!   within that).
+//!   load threshold starts being replicated, or one that alone would put
+//!   any worker past the target (f − f/n > (target − 1) × the mean).
 //! * Replica count (NetKV §IV-B): r = ceil(f/T) copies (home included), T
 //!   chosen each epoch as the largest threshold whose estimated max/avg
 //!   worker load meets `target_imbalance` ([`choose_threshold`]).
@@ -778,25 +776,21 @@ impl HotKeys {
         let cool_below = self.cfg.cool_fraction * if unreplicated <= target { f64::INFINITY } else { t };
         self.last_cool_below = cool_below;
 
-        // A worker's keys are a hotspot whether or not the worker is hot
-        // this epoch when, unreplicated, they alone would put it past the
-        // target once the rest is spread: the estimate's view of one
-        // worker, the sum of its COLD candidates' f − f/n above
-        // (target − 1) × the mean. Right after a shift a worker's load
-        // does not yet hold the reads of the copies of other servers' new
-        // keys that it is about to get: its own new keys of a few times
-        // the mean / n each waited an epoch for it to look hot, and its
-        // load in that epoch decided the reaction time. Hottest first,
-        // only until what stays is within the margin (one key that alone
-        // passes it is always taken).
+        // A key whose load alone, on one worker, puts that worker past the
+        // target once the rest is spread (the estimate's largest single
+        // copy, f − f/n, above (target − 1) × the mean) is a hotspot
+        // wherever it is, whether or not its worker is hot this epoch:
+        // right after a shift a worker's load does not yet hold the reads
+        // of the copies of other servers' new keys that it is about to
+        // get, and such a key waited an epoch for its worker to look hot.
         let nf = n.max(1) as f64;
         let busy = avg >= self.balance.min_load;
-        let margin = (target - 1.0).max(0.0) * avg;
+        let too_hot_alone = |f: f64| busy && f * (1.0 - 1.0 / nf) > (target - 1.0).max(0.0) * avg;
         let mut replicate = Vec::new();
         let mut retire = Vec::new();
         let lease = self.cfg.lease_epochs;
         let names: Vec<Vec<u8>> = self.keys.keys().cloned().collect();
-        let mut candidates: Vec<(f64, u16, Vec<u8>)> = Vec::new();
+        let mut heat: Vec<(f64, Vec<u8>)> = Vec::new();
         for k in &names {
             let e = self.keys.get_mut(k).expect("present");
             if let (KeyState::Hot, Some(&n)) = (e.state, home_reads.get(k)) {
@@ -809,8 +803,13 @@ impl HotKeys {
             let ok = replicable(e);
             let want = if ok { copies(f, t, max_copies) - 1 } else { 0 };
             match e.state {
-                KeyState::Cold if want > 0 && significant(e) && max_copies > 1 => {
-                    candidates.push((f, e.worker, k.clone()));
+                KeyState::Cold
+                    if want > 0
+                        && significant(e)
+                        && (hot_workers.contains(&e.worker) || too_hot_alone(f))
+                        && max_copies > 1 =>
+                {
+                    heat.push((f, k.clone()));
                 }
                 KeyState::Hot if e.pinned => {}
                 KeyState::Hot => {
@@ -845,22 +844,6 @@ impl HotKeys {
                     retire.push(Retire { key: k.clone(), worker, replicas });
                 }
                 _ => {}
-            }
-        }
-
-        // The keys to heat: every candidate of a hot worker; of another,
-        // its hottest while its candidates concentrate more than the margin.
-        candidates.sort_by(|a, b| b.0.total_cmp(&a.0).then_with(|| a.2.cmp(&b.2)));
-        let mut excess: BTreeMap<u16, f64> = BTreeMap::new();
-        for (f, w, _) in &candidates {
-            *excess.entry(*w).or_default() += f * (1.0 - 1.0 / nf);
-        }
-        let mut heat: Vec<(f64, Vec<u8>)> = Vec::new();
-        for (f, w, k) in candidates {
-            let left = excess.get_mut(&w).expect("summed");
-            if hot_workers.contains(&w) || (busy && *left > margin) {
-                *left -= f * (1.0 - 1.0 / nf);
-                heat.push((f, k));
             }
         }
 

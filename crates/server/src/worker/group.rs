@@ -378,6 +378,12 @@ fn host(shared: &Shared, handoff: &Handoff, t: usize, initial: Vec<Worker>) -> i
                 if outer.wait(&mut hosted, Duration::ZERO)? {
                     th.wakes[t].drain();
                 }
+                // A change of the threads in use, or a worker handed to this host: the outer
+                // loop sees to it first, even under a load that never lets the passes run dry
+                // (or a fold would wait for the load to let up before it could be undone).
+                if th.epoch.load(Ordering::Acquire) != seen || !inbound.is_empty() {
+                    break;
+                }
                 if !worked && !pending && !hosted.iter().any(|h| h.ready) {
                     break;
                 }

@@ -257,8 +257,9 @@ pub struct ServerArgs {
     /// own items for them) [default: 64]
     #[arg(long = "replica-memory")]
     pub replica_memory: Option<usize>,
-    /// Writes to a replicated key: async (answered at once, copies updated right after) or sync
-    /// (answered once every copy holds the write) [default: async]
+    /// Writes to a replicated key: async (answered at once, copies updated right after), sync
+    /// (answered once every copy holds the write), or sync:PREFIX[,PREFIX...] (sync for keys
+    /// with one of these prefixes, async for the rest) [default: async]
     #[arg(long = "replica-writes")]
     pub replica_writes: Option<String>,
     /// Milliseconds the replicator waits for a shadow server before giving up on it
@@ -732,10 +733,18 @@ impl ServerArgs {
             h.memory = v << 20;
         }
         if let Some(v) = &o.replica_writes {
-            h.sync = match v.as_str() {
-                "async" => false,
-                "sync" => true,
-                _ => bail!("--replica-writes must be async or sync (got {v:?})"),
+            (h.sync, h.sync_prefixes) = match v.as_str() {
+                "async" => (false, Vec::new()),
+                "sync" => (true, Vec::new()),
+                p if p.starts_with("sync:") => {
+                    let prefixes: Vec<Box<[u8]>> =
+                        p["sync:".len()..].split(',').filter(|p| !p.is_empty()).map(|p| p.as_bytes().into()).collect();
+                    if prefixes.is_empty() {
+                        bail!("--replica-writes sync: needs at least one key prefix (got {v:?})");
+                    }
+                    (false, prefixes)
+                }
+                _ => bail!("--replica-writes must be async, sync or sync:PREFIX[,PREFIX...] (got {v:?})"),
             };
         }
         if let Some(v) = o.replica_timeout_ms {

@@ -495,3 +495,19 @@ fn hot_sampling_flags() {
         assert!(parse(bad).is_err(), "{bad:?}");
     }
 }
+
+#[test]
+fn replica_writes_per_server_or_per_key_prefix() {
+    let h = parse(&["--replica-writes", "async"]).unwrap().hot;
+    assert!(!h.may_sync() && !h.sync_for(b"user:1"));
+    let h = parse(&["--replica-writes", "sync"]).unwrap().hot;
+    assert!(h.sync_for(b"user:1") && h.sync_for(b"x"));
+    let h = parse(&["--replica-writes", "sync:user:,acct:"]).unwrap().hot;
+    assert!(h.may_sync() && !h.sync);
+    assert!(h.sync_for(b"user:1") && h.sync_for(b"acct:9"));
+    assert!(!h.sync_for(b"session:1") && !h.sync_for(b"use"));
+    assert_eq!(h.writes_mode(), "sync:user:,acct:");
+    for bad in ["sync:", "sync:,", "maybe"] {
+        assert!(parse(&["--replica-writes", bad]).is_err(), "{bad}");
+    }
+}

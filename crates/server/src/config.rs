@@ -159,6 +159,9 @@ pub struct HotSettings {
     /// once every copy holds it (SE mode); default async (the reply does
     /// not wait; copies lag by the copy time, at most their time to live).
     pub sync: bool,
+    /// `--replica-writes sync:<prefix>,...`: SE mode for the keys that start with one of these
+    /// prefixes only, async for the rest.
+    pub sync_prefixes: Vec<Box<[u8]>>,
     /// `--replica-timeout-ms`: how long the replicator waits for a shadow.
     pub timeout_ms: u64,
     /// Set by `apply`: the epoch length, which leases are counted in.
@@ -172,6 +175,7 @@ impl Default for HotSettings {
             policy: mbal_balance::HotConfig::default(),
             memory: 64 << 20,
             sync: false,
+            sync_prefixes: Vec::new(),
             timeout_ms: 500,
             epoch_ms: 1000,
         }
@@ -179,6 +183,28 @@ impl Default for HotSettings {
 }
 
 impl HotSettings {
+    /// May a write wait for its copies (`--replica-writes sync`, or `sync:<prefixes>`)?
+    pub fn may_sync(&self) -> bool {
+        self.sync || !self.sync_prefixes.is_empty()
+    }
+
+    /// Is a write to `key` answered only once every copy holds it?
+    pub fn sync_for(&self, key: &[u8]) -> bool {
+        self.sync || self.sync_prefixes.iter().any(|p| key.starts_with(p))
+    }
+
+    /// `--replica-writes` as given: `async`, `sync` or `sync:<prefix>,...`.
+    pub fn writes_mode(&self) -> String {
+        if self.sync {
+            "sync".into()
+        } else if self.sync_prefixes.is_empty() {
+            "async".into()
+        } else {
+            let p: Vec<String> = self.sync_prefixes.iter().map(|p| String::from_utf8_lossy(p).into_owned()).collect();
+            format!("sync:{}", p.join(","))
+        }
+    }
+
     /// How long a client may read from copies after a hint: the policy's
     /// `lease_epochs` epochs.
     pub fn lease_ms(&self) -> u64 {

@@ -662,7 +662,7 @@ pub(crate) fn render_hotkeys(shared: &crate::worker::Shared, sink: &mut dyn Stat
     sink.stat("sample_rate", &format_args!("{rate:.5}"));
     sink.stat("sample_target", &h.policy.sample_target);
     sink.stat("target_imbalance", &h.policy.target_imbalance);
-    sink.stat("replica_writes", &if h.sync { "sync" } else { "async" });
+    sink.stat("replica_writes", &h.writes_mode());
     sink.stat("lease_ms", &h.lease_ms());
     sink.stat("copy_ttl_ms", &h.copy_ttl_ms());
     sink.stat("epoch", &st.epoch);

@@ -417,7 +417,7 @@ impl Worker {
     /// This worker, lent for a round to another worker of its thread (`near`); `None` if its
     /// requests must come by message (emulated capacity, or writes that wait for copies).
     fn lend(&mut self) -> Option<NearWorker<'_>> {
-        if self.capacity.limited() || (self.shared.settings.hot.sync && !self.replicas.hot.is_empty()) {
+        if self.capacity.limited() || (self.shared.settings.hot.may_sync() && !self.replicas.hot.is_empty()) {
             return None;
         }
         Some(NearWorker {

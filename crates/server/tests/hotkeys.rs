@@ -209,7 +209,16 @@ fn async_writes_reach_copies(cl: Cluster, direct: bool) {
 
 #[test]
 fn sync_writes_are_on_every_copy_when_answered() {
-    let cl = cluster(3, |s| s.hot.sync = true);
+    sync_writes_reach_copies(cluster(3, |s| s.hot.sync = true));
+}
+
+#[test]
+fn sync_writes_by_key_prefix_are_on_every_copy_when_answered() {
+    // `--replica-writes sync:sw`: SE mode for the keys starting with "sw" only.
+    sync_writes_reach_copies(cluster(3, |s| s.hot.sync_prefixes = vec![b"sw".as_slice().into()]));
+}
+
+fn sync_writes_reach_copies(cl: Cluster) {
     let (key, w) = cl.key_on(0, "sw");
     let mut plain = Conn::open(cl.addr(0));
     assert_eq!(plain.set(&key, b"v0"), "STORED\r\n");

@@ -460,7 +460,11 @@ impl Worker {
                         // A write to a replicated key: copy it; in sync mode
                         // its reply waits until every copy has it.
                         let mut hold = None;
-                        if self.shared.settings.hot.sync && output.buf().len() > reply_at {
+                        let hot = &self.shared.settings.hot;
+                        if hot.may_sync()
+                            && output.buf().len() > reply_at
+                            && self.store.watch().dirty_keys().any(|k| hot.sync_for(k))
+                        {
                             let bytes = output.buf().split_off(reply_at);
                             let seq = output.push(Slot::Wait);
                             *rt.inflight += 1;

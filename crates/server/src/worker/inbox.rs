@@ -247,11 +247,13 @@ impl Worker {
         self.counters.forwarded_in += 1;
         let mut ctx = exec_ctx(&mut self.store, &self.shared, &mut self.counters, self.now);
         let limits = &self.limits;
-        if self.shared.settings.hot.sync && !self.replicas.hot.is_empty() {
-            // A write to a replicated key answers once its copies have it.
+        let hot = &self.shared.settings.hot;
+        if hot.may_sync() && !self.replicas.hot.is_empty() {
+            // A write to a replicated key answers once its copies have it (SE mode, for the
+            // server or the key's prefix; otherwise its copy goes at the end of the round).
             let mut out = Vec::new();
             execute(&mut ctx, limits, req.kind, bytes, &mut out);
-            if self.store.watch().has_dirty() {
+            if self.store.watch().dirty_keys().any(|k| hot.sync_for(k)) {
                 let hold = Some((req.to, req.cachelet, out));
                 hot::copy_writes(&self.shared, self.id, &mut self.store, &mut self.replicas.hot, self.now, hold);
             } else {

@@ -147,6 +147,11 @@ impl KeyWatch {
         !self.dirty.is_empty()
     }
 
+    /// The keys of `take_dirty`, without taking them.
+    pub fn dirty_keys(&self) -> impl Iterator<Item = &[u8]> {
+        self.dirty.iter().map(|(_, k)| &k[..])
+    }
+
     /// The watched keys written since the last call, in write order (a key
     /// written twice appears twice).
     pub fn take_dirty(&mut self) -> Vec<(u64, Box<[u8]>)> {

@@ -31,6 +31,10 @@ const READ_CHUNK: usize = 16 * 1024;
 /// each of at most `SPARE_CAP` bytes.
 const SPARE_BUFS: usize = 256;
 const SPARE_CAP: usize = 4096;
+/// Replies of a read batch are held until the whole batch is answered, up to
+/// this many bytes (then what is complete is written: a long pipeline's first
+/// replies do not wait for all of it).
+const EARLY_FLUSH: usize = 32 << 10;
 const BACKOFF_MIN: Duration = Duration::from_millis(10);
 const BACKOFF_MAX: Duration = Duration::from_secs(1);
 /// The "worker" of a server's binary upstream: a plain connection to its
@@ -60,6 +64,9 @@ struct Slot {
     flush: bool,
     /// A binary request: (opcode, opaque), for an error response.
     bin: Option<(u8, u32)>,
+    /// The client read this request arrived in ([`Client::batch`]): a read
+    /// batch's replies are written together (see `flush_clients`).
+    batch: u64,
 }
 
 /// The values of a multi-get, put back in request order.
@@ -80,6 +87,12 @@ struct Client {
     swallow: usize,
     wbuf: Vec<u8>,
     wpos: usize,
+    /// `wbuf[..wend]` may be written: it ends at a read batch's last reply
+    /// (the rest waits for the other replies of its batch).
+    wend: usize,
+    /// The current read batch: bumped by every read of the socket (and by
+    /// every resumed parse of what is buffered).
+    batch: u64,
     slots: VecDeque<Slot>,
     /// Sequence number of `slots[0]`.
     base: u64,

@@ -28,8 +28,13 @@
 //!   wait for; its `MN` is not passed on.
 //! * **Order.** Each client connection has a queue of reply slots, one per
 //!   request in request order; a reply fills its slot, and the front slots
-//!   that are complete are written out. A request is never reordered with
-//!   respect to another of the same connection, whichever upstreams answer.
+//!   that are complete are written out, once per loop round, up to the end
+//!   of the last client read whose replies are all in (like the server's one
+//!   write per read batch: an upstream answering a read's requests in
+//!   pieces does not split the client's replies, and with them its next
+//!   requests; past 32 KiB waiting, what is complete goes anyway). A request
+//!   is never reordered with respect to another of the same connection,
+//!   whichever upstreams answer.
 //!   The request copies kept for resends and the slots' reply buffers are
 //!   reused (a per-thread spare list, at most 256 buffers of at most 4 KiB),
 //!   so a single-key request allocates nothing in the steady state.

@@ -620,6 +620,58 @@ fn a_stalled_upstream_times_out_with_server_error() {
     cl.stop();
 }
 
+/// The replies to one client read go out in one write once all are in (an
+/// upstream answering part of them does not split them), unless they pass
+/// the early-flush size: then what is complete goes out first.
+#[test]
+fn a_read_batch_is_answered_in_one_write() {
+    let _serial = serial();
+    // server 1 of the map never answers: its requests end with the timeout
+    let cl = Cluster::start(1);
+    let stall = TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut spec = cl.spec.clone();
+    spec.servers.push(ServerSpec { addr: stall.local_addr().unwrap(), worker_port_base: None });
+    let map = ClusterMap::from_spec(&spec);
+    let p = proxy(map.clone(), 1, 1000);
+    let on =
+        |s: u16, p: &str| (0..).map(|i| format!("{p}{i}")).find(|k| map.route(key_hash(k.as_bytes())).1 == s).unwrap();
+    let (k0, k1, big) = (on(0, "a"), on(1, "b"), on(0, "c"));
+    let mut c = Conn::open(p.addr);
+    assert_eq!(c.cmd(&format!("set {k0} 0 0 1\r\nx\r\n")), "STORED\r\n");
+    let mut first = vec![0u8; 1 << 16];
+    // one write, one read batch: server 0's reply waits for server 1's (an error, later)
+    c.send(format!("get {k0}\r\nget {k1}\r\nmn\r\n").as_bytes());
+    let n = c.r.read(&mut first).unwrap();
+    let got = String::from_utf8_lossy(&first[..n]).into_owned();
+    assert!(
+        got.starts_with(&format!("VALUE {k0} 0 1\r\nx\r\nEND\r\nSERVER_ERROR upstream")) && got.ends_with("MN\r\n"),
+        "one write with all three replies: {got:?}"
+    );
+    // past EARLY_FLUSH, the complete replies go out without waiting for the rest (a
+    // new proxy: this one refuses server 1 at once during its backoff)
+    let p = proxy(map.clone(), 1, 1000);
+    let mut c = Conn::open(p.addr);
+    let value = vec![b'v'; 20_000];
+    c.send(format!("set {big} 0 0 {}\r\n", value.len()).as_bytes());
+    c.send(&value);
+    assert_eq!(c.cmd("\r\n"), "STORED\r\n");
+    c.send(format!("get {big}\r\nget {big}\r\nget {k1}\r\n").as_bytes());
+    let mut early = Vec::new();
+    while early.windows(5).filter(|w| w == b"END\r\n").count() < 2 {
+        let n = c.r.read(&mut first).unwrap();
+        assert!(n > 0);
+        early.extend_from_slice(&first[..n]);
+        assert!(
+            !String::from_utf8_lossy(&early).contains("SERVER_ERROR"),
+            "the two values came before the timed-out request's error"
+        );
+    }
+    assert!(c.line().starts_with("SERVER_ERROR upstream"));
+    drop(stall);
+    drop(p);
+    cl.stop();
+}
+
 #[test]
 fn binary_and_connection_limit() {
     let _serial = serial();

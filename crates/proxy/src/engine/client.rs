@@ -62,6 +62,8 @@ impl Engine {
                 swallow: 0,
                 wbuf: Vec::new(),
                 wpos: 0,
+                wend: 0,
+                batch: 0,
                 slots: VecDeque::new(),
                 base: 0,
                 closing: false,
@@ -97,6 +99,9 @@ impl Engine {
 
     /// Read what the client sent and handle every complete request.
     pub(super) fn read_client(&mut self, ci: usize) {
+        if let Some(c) = self.clients.get_mut(ci) {
+            c.batch += 1;
+        }
         loop {
             let Some(c) = self.clients.get_mut(ci) else { return };
             if c.closing || c.paused || c.blocked {
@@ -230,7 +235,7 @@ impl Engine {
         let c = self.clients.get_mut(ci).unwrap();
         let seq = c.base + c.slots.len() as u64;
         let buf = self.bufs.pop().unwrap_or_default();
-        c.slots.push_back(Slot { parts, silent, buf, ..Slot::default() });
+        c.slots.push_back(Slot { parts, silent, buf, batch: c.batch, ..Slot::default() });
         (c.id, seq)
     }
 
@@ -488,6 +493,16 @@ impl Engine {
         }
     }
 
+    /// Write each client that has replies ready, once per round: the
+    /// complete replies at the front of its queue, up to the end of the last
+    /// read batch answered whole. An upstream answers a batch's requests in
+    /// pieces (a server replies per round of its own, memcached every `-R`
+    /// requests), and writing each piece as it comes would split the
+    /// client's batch: the client then sends its next requests in as many
+    /// pieces, and every piece costs a read and a write here from then on.
+    /// Like the server (one write per read batch answered), the replies of
+    /// one client read go out in one write; a backlog past `EARLY_FLUSH`
+    /// goes out anyway.
     pub(super) fn flush_clients(&mut self) {
         while let Some(ci) = self.dirty_clients.pop() {
             let Some(c) = self.clients.get_mut(ci) else { continue };
@@ -496,11 +511,17 @@ impl Engine {
                 let s = c.slots.pop_front().unwrap();
                 c.base += 1;
                 render(&s, &mut c.wbuf);
+                if c.slots.front().is_none_or(|next| next.batch != s.batch) {
+                    c.wend = c.wbuf.len(); // the batch is answered whole
+                }
                 recycle(&mut self.bufs, s.buf);
             }
+            if c.wbuf.len() - c.wpos > EARLY_FLUSH {
+                c.wend = c.wbuf.len();
+            }
             let mut broken = false;
-            while c.wpos < c.wbuf.len() {
-                match c.sock.write(&c.wbuf[c.wpos..]) {
+            while c.wpos < c.wend {
+                match c.sock.write(&c.wbuf[c.wpos..c.wend]) {
                     Ok(n) => {
                         c.wpos += n;
                         self.counters.bytes_written += n as u64;
@@ -516,6 +537,7 @@ impl Engine {
             if c.wpos == c.wbuf.len() {
                 c.wbuf.clear();
                 c.wpos = 0;
+                c.wend = 0;
             }
             // TLS records the socket did not take yet (plain: nothing).
             if !broken && c.sock.wants_write() {
@@ -532,6 +554,7 @@ impl Engine {
             }
             if unblock || (c.paused && c.slots.len() <= self.cfg.max_pending / 2 && c.wbuf.len() < 4 << 20) {
                 c.paused = false;
+                c.batch += 1;
                 // what is buffered first, then the socket
                 self.handle_input(ci);
                 self.resume.push(ci);
@@ -552,7 +575,7 @@ pub(super) fn slot_mut(clients: &mut Slab<Client>, ci: usize, cid: u64, seq: u64
 
 /// A reply that needs no upstream.
 pub(super) fn push_ready(c: &mut Client, reply: Vec<u8>) {
-    c.slots.push_back(Slot { buf: reply, ..Slot::default() });
+    c.slots.push_back(Slot { buf: reply, batch: c.batch, ..Slot::default() });
 }
 
 /// Write a complete slot's reply.

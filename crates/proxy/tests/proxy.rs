@@ -592,16 +592,21 @@ fn an_upstream_killed_mid_pipeline_gets_server_errors_then_recovers() {
     cl.stop();
 }
 
-#[test]
-fn a_stalled_upstream_times_out_with_server_error() {
-    let _serial = serial();
-    // server 1 of the map is a socket that accepts and never answers
+/// A one-server cluster, and a map of it plus a second server that is a socket which accepts
+/// and never answers (server 0 runs with a one-server map; the proxy's map has both).
+fn with_a_stalled_server() -> (Cluster, TcpListener, ClusterMap) {
     let cl = Cluster::start(1);
     let stall = TcpListener::bind("127.0.0.1:0").unwrap();
     let mut spec = cl.spec.clone();
     spec.servers.push(ServerSpec { addr: stall.local_addr().unwrap(), worker_port_base: None });
-    // server 0 runs with a one-server map; the proxy's map has both
     let map = ClusterMap::from_spec(&spec);
+    (cl, stall, map)
+}
+
+#[test]
+fn a_stalled_upstream_times_out_with_server_error() {
+    let _serial = serial();
+    let (cl, stall, map) = with_a_stalled_server();
     let p = proxy(map.clone(), 1, 300);
     let k0 = (0..).map(|i| format!("a{i}")).find(|k| map.route(key_hash(k.as_bytes())).1 == 0).unwrap();
     let k1 = (0..).map(|i| format!("b{i}")).find(|k| map.route(key_hash(k.as_bytes())).1 == 1).unwrap();
@@ -627,11 +632,7 @@ fn a_stalled_upstream_times_out_with_server_error() {
 fn a_read_batch_is_answered_in_one_write() {
     let _serial = serial();
     // server 1 of the map never answers: its requests end with the timeout
-    let cl = Cluster::start(1);
-    let stall = TcpListener::bind("127.0.0.1:0").unwrap();
-    let mut spec = cl.spec.clone();
-    spec.servers.push(ServerSpec { addr: stall.local_addr().unwrap(), worker_port_base: None });
-    let map = ClusterMap::from_spec(&spec);
+    let (cl, stall, map) = with_a_stalled_server();
     let p = proxy(map.clone(), 1, 1000);
     let on =
         |s: u16, p: &str| (0..).map(|i| format!("{p}{i}")).find(|k| map.route(key_hash(k.as_bytes())).1 == s).unwrap();

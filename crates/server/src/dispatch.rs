@@ -14,7 +14,7 @@ use crate::near::{Near, NearWorker};
 use crate::output::{Gather, Output, Slot, StatsFormat, MAX_PENDING_OUTPUT};
 use crate::replica::Replicas;
 use crate::stats::Counters;
-use crate::worker::Shared;
+use crate::worker::{exec_ctx, Shared};
 use mbal_cluster::KeySpace;
 use mbal_proto::binary::{opcode as op, status as st, write_response, BinReq};
 use mbal_proto::client::Expect;
@@ -193,7 +193,7 @@ pub(crate) fn handle(
     let settings = &shared.settings;
     macro_rules! ctx {
         () => {
-            Ctx { store: &mut *store, layout, settings, counters: &mut *rt.counters, now, detail: shared.detail() }
+            exec_ctx(&mut *store, shared, &mut *rt.counters, now)
         };
     }
     match req {
@@ -272,9 +272,7 @@ pub(crate) fn handle(
                             // this one: a get's reads are not ordered among themselves.)
                             send(rt, output, run.take());
                             let w = rt.near_at(i);
-                            let detail = shared.detail();
-                            let mut ctx =
-                                Ctx { store: &mut *w.store, layout, settings, counters: &mut *w.counters, now, detail };
+                            let mut ctx = exec_ctx(&mut *w.store, shared, &mut *w.counters, now);
                             exec::text_get_one(&mut ctx, key, at, *cas, *touch, output.buf());
                             after_near(shared, w, now);
                             if output.unsent() > MAX_PENDING_OUTPUT {
@@ -470,18 +468,12 @@ fn route_keyed(
     foreign: impl FnOnce(&mut Vec<u8>),
 ) {
     match rt.dest(at) {
-        Dest::Here => {
-            let (layout, settings, detail) = (&shared.layout, &shared.settings, shared.detail());
-            let mut ctx = Ctx { store, layout, settings, counters: &mut *rt.counters, now, detail };
-            exec(&mut ctx, output.buf())
-        }
+        Dest::Here => exec(&mut exec_ctx(store, shared, &mut *rt.counters, now), output.buf()),
         d if rt.routed => redirect(shared, rt, output, d, None),
         Dest::Worker(owner) => {
             if let Some(i) = rt.near_index(owner, at.cachelet) {
                 let w = rt.near_at(i);
-                let (layout, settings, detail) = (&shared.layout, &shared.settings, shared.detail());
-                let mut ctx = Ctx { store: &mut *w.store, layout, settings, counters: &mut *w.counters, now, detail };
-                exec(&mut ctx, output.buf());
+                exec(&mut exec_ctx(&mut *w.store, shared, &mut *w.counters, now), output.buf());
                 return after_near(shared, w, now);
             }
             match travel {

@@ -66,9 +66,6 @@ impl<'a> Near<'a> {
     /// cachelet `c` now for a worker with tables `mine` and outbox `outbox` for `to` (see the
     /// module's rules).
     pub fn find(&self, to: usize, c: u32, mine: &Tables, outbox: &Outbox) -> Option<usize> {
-        if self.workers.is_empty() {
-            return None;
-        }
         let i = self.workers.iter().position(|w| w.id == to)?;
         let w = &self.workers[i];
         let ok = w.tables.executes(c, mine.stamp(c)) && mine.quiet(c) && outbox.only_replies() && w.inbox_empty;

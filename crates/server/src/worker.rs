@@ -34,6 +34,7 @@ mod inbox;
 
 pub(crate) use group::{run_host, Handoff, Threads};
 pub(crate) use hot::{copy_writes, flush_hot};
+pub(crate) use inbox::exec_ctx;
 
 use crate::capacity::Capacity;
 use crate::config::{Binding, Settings};

@@ -828,13 +828,9 @@ fn displacement_spares_a_hot_key_with_one_quiet_epoch_at_a_time() {
     }
 }
 
-/// The homes count a HOT key's reads exactly and report them each epoch:
-/// a key whose readers left gives its slot to a waiting, much hotter key
-/// at the end of the first epoch after the shift (by default), though its
-/// copies' counts, which come an epoch late, still say it is hot; a key
-/// still read keeps its slot, epoch after epoch, without sampling noise.
-#[test]
-fn exact_home_reads_free_a_shifted_keys_slot_in_the_first_epoch() {
+/// Two slots (REPL_high 2), every access sampled, and keys a (900/s) and b (800/s)
+/// replicated after epoch 1.
+fn a_and_b_replicated() -> HotKeys {
     let cfg =
         HotConfig { sample_rate: 1.0, sample_target: 0.0, decay: 0.0, repl_high: Some(2), ..HotConfig::default() };
     let mut h = HotKeys::new(cfg, Config::default());
@@ -842,6 +838,17 @@ fn exact_home_reads_free_a_shifted_keys_slot_in_the_first_epoch() {
     h.on_epoch(&snapshot(1, &[3000.0, 900.0]), &VIEW);
     h.replicas_ready(b"a");
     h.replicas_ready(b"b");
+    h
+}
+
+/// The homes count a HOT key's reads exactly and report them each epoch:
+/// a key whose readers left gives its slot to a waiting, much hotter key
+/// at the end of the first epoch after the shift (by default), though its
+/// copies' counts, which come an epoch late, still say it is hot; a key
+/// still read keeps its slot, epoch after epoch, without sampling noise.
+#[test]
+fn exact_home_reads_free_a_shifted_keys_slot_in_the_first_epoch() {
+    let mut h = a_and_b_replicated();
     let (ga, gb) = (f64::from(h.hint(b"a")), f64::from(h.hint(b"b")));
     assert!(ga >= 1.0 && gb >= 1.0);
     let (home_a, home_b) = ((900.0 / (ga + 1.0)).round(), (800.0 / (gb + 1.0)).round());
@@ -869,13 +876,7 @@ fn exact_home_reads_free_a_shifted_keys_slot_in_the_first_epoch() {
     assert!(d.replicate.iter().any(|r| r.key == b"c"), "{d:?}");
     // The same shift judged by the samples only (no exact counts): b's
     // copies' late count keeps it for another epoch.
-    let cfg =
-        HotConfig { sample_rate: 1.0, sample_target: 0.0, decay: 0.0, repl_high: Some(2), ..HotConfig::default() };
-    let mut h = HotKeys::new(cfg, Config::default());
-    feed(&mut h, 1, &[(b"a", 900.0, 0.0), (b"b", 800.0, 0.0)]);
-    h.on_epoch(&snapshot(1, &[3000.0, 900.0]), &VIEW);
-    h.replicas_ready(b"a");
-    h.replicas_ready(b"b");
+    let mut h = a_and_b_replicated();
     feed(&mut h, 2, &[(b"a", home_a, 0.0), (b"c", 2000.0, 0.0)]);
     h.copy_reads(b"a", (900.0 - home_a) as u64);
     h.copy_reads(b"b", (800.0 - home_b) as u64);

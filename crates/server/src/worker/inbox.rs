@@ -410,7 +410,7 @@ impl Worker {
 
 /// What `exec` needs, from a worker's parts (borrowed apart so the caller can
 /// still use its outbox).
-pub(super) fn exec_ctx<'a>(
+pub(crate) fn exec_ctx<'a>(
     store: &'a mut WorkerStore,
     shared: &'a Shared,
     counters: &'a mut Counters,

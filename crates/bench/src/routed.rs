@@ -12,7 +12,11 @@
 //!
 //! Routing is an [`mbal_cluster::Router`], the one the routing client uses: every op is routed
 //! by `key_hash(key)` → cachelet → owning (server, worker), from the map plus the owners learned
-//! from redirects. A multiget is split per owning worker ([`Router::split`]: one
+//! from redirects, and sent to the first worker of the owner's thread (the hello is
+//! `mbal hello <epoch> <worker> threads`, whose answer gives the server's thread count;
+//! docs/protocol.md): where workers share threads, only those connections are busy. A redirect
+//! that shows the count stale ([`mbal_cluster::Learned::threads_stale`]) sends `mbal hello`
+//! again on the owner's connection, and until its answer that server is routed per worker. A multiget is split per owning worker ([`Router::split`]: one
 //! `get k1 k2 ..` per worker; the op's keys are regrouped by owner so each part is a contiguous
 //! range of the op's key list) and counts as one op.
 //!
@@ -182,6 +186,8 @@ struct Part {
     hops: u8,
     /// A single-key get to a hot key's copy (not its home).
     copy: bool,
+    /// `mbal hello` again, to learn the server's thread count (no op behind it).
+    hello: bool,
 }
 
 impl Pending for Part {
@@ -240,6 +246,8 @@ struct State {
     split: Split,
     regroup: Vec<(u32, u64)>,
     resend: Vec<Part>,
+    /// Targets to send `mbal hello` again (a redirect showed their server's threads changed).
+    hellos: Vec<usize>,
 }
 
 impl RoutedDriver {
@@ -276,13 +284,17 @@ impl RoutedDriver {
         }
         let addrs = targets.iter().map(|&(_, a)| a).collect();
         let mut conns = Conns::new("worker", addrs, targets.len())?;
+        let mut router = Router::new(map.clone());
         for (ti, &((s, w), addr)) in targets.iter().enumerate() {
             let mut std = connect_std(addr, tls)?;
             std.sock().set_read_timeout(Some(IO_TIMEOUT))?;
-            let hello = format!("mbal hello {} {w}\r\n", map.epoch());
+            let hello = format!("mbal hello {} {w} threads\r\n", map.epoch());
             let reply = call(&mut std, hello.as_bytes()).with_context(|| format!("mbal hello to {addr}"))?;
-            if !matches!(reply, Reply::Hello { server, worker, .. } if (server, worker) == (s, w)) {
-                bail!("{addr} (s{s}/w{w} in the map) answered `mbal hello` with {reply:?}");
+            match reply {
+                Reply::Hello { server, worker, threads, .. } if (server, worker) == (s, w) => {
+                    router.set_threads(s, threads)
+                }
+                _ => bail!("{addr} (s{s}/w{w} in the map) answered `mbal hello` with {reply:?}"),
             }
             std.sock().set_read_timeout(None)?;
             conns.add(std, ti)?;
@@ -291,7 +303,7 @@ impl RoutedDriver {
         let r = State {
             targets,
             server_base,
-            router: Router::new(map.clone()),
+            router,
             leases: slot_leases(slots),
             now: Instant::now(),
             replica_reads: 0,
@@ -307,6 +319,7 @@ impl RoutedDriver {
             split: Split::new(),
             regroup: Vec::new(),
             resend: Vec::new(),
+            hellos: Vec::new(),
         };
         Ok(RoutedDriver { conns, r })
     }
@@ -344,10 +357,11 @@ impl State {
         target_of(&self.server_base, &self.targets, owner)
     }
 
-    /// The target a key hash is sent to now.
+    /// The target a key hash is sent to now: its owner's thread's connection (the owner's own
+    /// unless its server's threads are known).
     fn route(&self, hash: u64) -> usize {
         let (_, owner) = self.router.route_hash(hash);
-        self.target_of(owner).expect("the router's owners are workers of the map")
+        self.target_of(self.router.conn_of(owner)).expect("the router's owners are workers of the map")
     }
 
     /// Write request `part` of its op to target `t`.
@@ -382,6 +396,13 @@ impl State {
             self.ops[token].errors += 1;
             return false;
         };
+        if learned.threads_stale.is_some() {
+            // The server's threads changed: its keys go to their owners' own connections
+            // until `mbal hello` on the one redirected to tells the new count.
+            if let Some(t) = self.target_of(to).filter(|t| !self.hellos.contains(t)) {
+                self.hellos.push(t);
+            }
+        }
         let hops = part.hops + 1;
         if learned.cachelet.is_some() {
             self.resend.push(Part { hops, ..part });
@@ -414,10 +435,16 @@ impl State {
     fn on_reply(&mut self, from: usize, part: Part, reply: Frame<'_>, out: &mut Vec<Completion>) {
         let token = part.token;
         let finished = match reply {
+            Frame::Hello { server, threads, .. } if part.hello => {
+                self.router.set_threads(server, threads);
+                return;
+            }
+            _ if part.hello => return, // an older server's answer: stay per worker
             Frame::Hint(h) => {
-                // only a home grants leases; a hint on a copy's reply is ignored
+                // only a home grants leases; a hint on a copy's reply is ignored (the home is
+                // the key's owner as routed: the reply may come from a worker of its thread)
                 if !part.copy {
-                    let home = self.targets[from].0;
+                    let home = self.router.route_hash(key_hash(h.key)).1;
                     let slot = self.ops[token as usize].slot as usize;
                     self.leases[slot].record(
                         self.router.map(),
@@ -528,12 +555,12 @@ impl State {
             let g = self.split.groups()[gi];
             let t = self.target_of(g.owner).expect("the router's owners are workers of the map");
             let len = g.len() as u32;
-            self.send_part(conns, t, Part { token, expect, start, len, hops: 0, copy: false });
+            self.send_part(conns, t, Part { token, expect, start, len, hops: 0, copy: false, hello: false });
             start += len;
         }
         for ci in 0..self.at_copy.len() {
             let t = self.at_copy[ci].2;
-            self.send_part(conns, t, Part { token, expect, start, len: 1, hops: 0, copy: true });
+            self.send_part(conns, t, Part { token, expect, start, len: 1, hops: 0, copy: true, hello: false });
             start += 1;
         }
         self.hashes = hashes;
@@ -558,6 +585,13 @@ impl Driver for RoutedDriver {
         let r = &mut self.r;
         r.now = Instant::now();
         self.conns.poll(timeout, |ci, part, reply| r.on_reply(ci, part, reply, out))?;
+        let hellos = !self.r.hellos.is_empty();
+        while let Some(t) = self.r.hellos.pop() {
+            let hello = Part { token: 0, expect: Expect::Line, start: 0, len: 0, hops: 0, copy: false, hello: true };
+            let epoch = self.r.router.map().epoch();
+            let w = self.r.targets[t].0 .1;
+            let _ = write!(self.conns.request(t, hello), "mbal hello {epoch} {w} threads\r\n");
+        }
         if !self.r.resend.is_empty() {
             let mut resend = std::mem::take(&mut self.r.resend);
             for part in resend.drain(..) {
@@ -566,6 +600,8 @@ impl Driver for RoutedDriver {
                 self.r.send_part(&mut self.conns, t, part);
             }
             self.r.resend = resend;
+            self.conns.flush()?;
+        } else if hellos {
             self.conns.flush()?;
         }
         Ok(())

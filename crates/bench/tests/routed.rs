@@ -12,8 +12,10 @@ use mbal_cluster::{ClusterMap, ClusterSpec, ServerInfo, ServerSpec};
 use mbal_server::config::Settings;
 use mbal_server::ServerHandle;
 
+/// `threads` workers, each on a thread of its own (no thread policy: a routed bench then
+/// sends each worker its own keys, which these tests count).
 fn settings(threads: usize) -> Settings {
-    Settings { port: 0, threads, memory_limit: 32 << 20, ..Settings::default() }
+    Settings { port: 0, threads, worker_threads: threads, memory_limit: 32 << 20, ..Settings::default() }
 }
 
 fn start(s: Settings) -> ServerHandle {
@@ -122,6 +124,25 @@ fn routed_single_server_never_crosses_workers() {
     let plain = run(BenchArgs { routed: false, load: false, ..routed_args(srv.main_addr) }).unwrap();
     assert_eq!(plain.totals.errors, 0);
     assert!(admin.stat("cross_worker_requests") > 0);
+    srv.shutdown();
+}
+
+#[test]
+fn routed_sends_the_keys_of_workers_sharing_a_thread_to_its_first_worker() {
+    // 4 workers on one thread: one busy connection, no redirect, every key served
+    let srv = start(Settings { worker_threads: 1, ..settings(4) });
+    let mut admin = Conn::open(srv.main_addr);
+    let r = run(routed_args(srv.main_addr)).unwrap();
+    assert_eq!((r.totals.errors, r.totals.unfinished, r.totals.redirects), (0, 0, 0), "{:?}", r.totals);
+    assert_eq!(r.totals.hits, r.totals.get_keys);
+    let sent: Vec<u64> = r.balance.targets.iter().map(|t| t.requests).collect();
+    assert!(sent[0] > 0 && sent[1..].iter().all(|&n| n == 0), "{sent:?}");
+    let mg =
+        run(BenchArgs { multiget: 10, load: false, workload: WorkloadKind::A, ..routed_args(srv.main_addr) }).unwrap();
+    assert_eq!((mg.totals.errors, mg.totals.unfinished, mg.totals.redirects), (0, 0, 0));
+    assert_eq!(mg.totals.hits, mg.totals.get_keys);
+    assert_eq!(mg.totals.requests, mg.totals.ops, "a multi-get is one request to the thread");
+    assert!(admin.stat("cross_worker_direct") > 0, "the neighbours' keys ran on their stores");
     srv.shutdown();
 }
 

@@ -14,12 +14,22 @@
 //!   (`map.worker_addr(s, w)`), so the server never forwards it between
 //!   threads.
 //! * **Connections.** Per (server, worker) up to `conns_per_worker` pooled
-//!   connections, opened lazily. Each opens with `mbal hello <epoch>`; the
-//!   reply `MBAL <server> <worker> <epoch>` must name the worker the map says
-//!   lives at that address (a plain memcached answers `ERROR`:
-//!   [`Error::NotMbal`]). From then on the connection is *routed*: the server
-//!   answers a request for a cachelet it does not own with
-//!   `RD <epoch> <server> <worker>` instead of serving it. A connection that
+//!   connections, opened lazily. Each opens with `mbal hello <epoch> <worker>
+//!   threads`; the reply `MBAL <server> <worker> <epoch> <threads>` must name
+//!   the worker the map says lives at that address (a plain memcached answers
+//!   `ERROR`: [`Error::NotMbal`]). From then on the connection is *routed*:
+//!   the server answers a request for a cachelet that neither its worker nor a
+//!   worker on the same thread owns with `RD <epoch> <server> <worker>`
+//!   instead of serving it.
+//! * **By thread.** `<threads>` says how many threads run the server's
+//!   workers (worker `w` on thread `w % threads`); a key owned by worker `o` is
+//!   sent to worker `o % threads`, the first of its owner's thread
+//!   ([`Router::conn_of`]), which serves it on the owner's store. So the client
+//!   keeps one busy connection per server thread, not per worker, and each
+//!   carries a deeper pipeline. Before the first hello to a server, and after a
+//!   redirect showed its thread count stale (the server spread its workers over
+//!   more threads), that server's keys go to their owners' own connections; the
+//!   client then asks again with `mbal hello` ([`Client::server_threads`]). A connection that
 //!   sees an I/O error, a timeout or a malformed reply is dropped; the next
 //!   call reconnects.
 //! * **Redirects.** On `RD` the router records an override for the key's
@@ -270,6 +280,9 @@ pub struct Client {
     leases: Leases,
     cfg: Config,
     pools: HashMap<Owner, Pool>,
+    /// Workers named by redirects that showed their server's thread count stale (see
+    /// `refresh_threads`).
+    stale_threads: Vec<Owner>,
     replica_reads: u64,
     replica_fallbacks: u64,
 }
@@ -291,6 +304,7 @@ impl Client {
             leases: Leases::new(lease_seed(), cfg.max_leases),
             cfg,
             pools: HashMap::new(),
+            stale_threads: Vec::new(),
             replica_reads: 0,
             replica_fallbacks: 0,
         }
@@ -345,14 +359,28 @@ impl Client {
         self.replica_fallbacks
     }
 
+    /// How many threads run server `s`'s workers, as its last `mbal hello` said (0: not
+    /// known yet, or a redirect showed it stale: its keys go to their owners' own connections).
+    pub fn server_threads(&self, s: u16) -> u16 {
+        self.router.threads(s)
+    }
+
+    /// The workers this client holds a pooled connection to, sorted.
+    pub fn connected(&self) -> Vec<Owner> {
+        let mut v: Vec<Owner> =
+            self.pools.iter().filter(|(_, p)| p.slots.iter().any(Option::is_some)).map(|(&o, _)| o).collect();
+        v.sort_unstable();
+        v
+    }
+
     /// The hot-key leases held.
     pub fn leases(&self) -> &Leases {
         &self.leases
     }
 
-    /// Record the hints read on a connection to `from` (a home: hints from
-    /// a copy are dropped).
-    fn record_hints(&mut self, conn: &mut Conn, from: Owner, at_home: bool) {
+    /// Record the hints read on a connection to a key's home or to a worker of its thread
+    /// (hints from a copy are dropped). The key's home is its owner as routed.
+    fn record_hints(&mut self, conn: &mut Conn, at_home: bool) {
         let hints = conn.take_hints();
         if !at_home {
             return;
@@ -360,7 +388,8 @@ impl Client {
         let now = Instant::now();
         for h in hints {
             let hash = key_hash(&h.key);
-            self.leases.record(self.router.map(), hash, from, h.replicas, h.lease_ms, now);
+            let (_, home) = self.router.route_hash(hash);
+            self.leases.record(self.router.map(), hash, home, h.replicas, h.lease_ms, now);
         }
     }
 
@@ -426,9 +455,19 @@ impl Client {
         let peer = Peer::Worker { server: s, worker: w };
         let mut c = Conn::open(addr, peer, self.cfg.connect_timeout, self.cfg.io_timeout, self.cfg.tls.as_ref())?;
         c.login(self.cfg.login.as_ref())?;
-        let hello = format!("mbal hello {} {w}\r\n", self.router.map().epoch());
+        self.hello(c, s, w)
+    }
+
+    /// `mbal hello` on a connection to (s, w): it becomes routed (or stays so), and the
+    /// server's thread count is learned ([`Router::set_threads`]).
+    fn hello(&mut self, mut c: Conn, s: u16, w: u16) -> Result<Conn> {
+        let (addr, peer) = (c.addr, c.peer);
+        let hello = format!("mbal hello {} {w} threads\r\n", self.router.map().epoch());
         match c.call(hello.as_bytes(), Expect::Line)? {
-            Reply::Hello { server, worker, .. } if (server, worker) == (s, w) => Ok(c),
+            Reply::Hello { server, worker, threads, .. } if (server, worker) == (s, w) => {
+                self.router.set_threads(s, threads);
+                Ok(c)
+            }
             Reply::Hello { server, worker, .. } => Err(Error::Protocol {
                 addr,
                 peer,
@@ -481,6 +520,11 @@ impl Client {
                 peer: Peer::Worker { server: s, worker: w },
                 detail: e.to_string(),
             })?;
+            if learned.threads_stale.is_some() && !self.stale_threads.contains(&r.rd.to) {
+                // Asked again once the request is done (`refresh_threads`); until then the
+                // server's keys go to their owners' own connections.
+                self.stale_threads.push(r.rd.to);
+            }
             if let Some((s, w)) = learned.fetch_map_from {
                 let mut c = self.take_conn(s, w)?;
                 let map = fetch_map(&mut c)?;
@@ -495,6 +539,17 @@ impl Client {
         Ok(())
     }
 
+    /// Ask the servers whose thread count a redirect showed stale for it again (`mbal hello`
+    /// on a connection to the worker that redirected to; a failure leaves the server routed
+    /// per worker).
+    fn refresh_threads(&mut self) {
+        while let Some((s, w)) = self.stale_threads.pop() {
+            if let Ok(c) = self.take_conn(s, w).and_then(|c| self.hello(c, s, w)) {
+                self.put_conn(c);
+            }
+        }
+    }
+
     /// Send a one-key request to the key's owner, following redirects.
     /// Returns the reply and who sent it. `Reply::Error` becomes
     /// [`Error::Server`].
@@ -507,11 +562,14 @@ impl Client {
         }
         let mut followed = 0;
         loop {
-            let (_, s, w) = self.route_hash(hash);
+            // The owner's thread's connection (the owner's own unless its server's threads
+            // are known).
+            let (_, owner) = self.router.route_hash(hash);
+            let (s, w) = self.router.conn_of(owner);
             let mut conn = self.take_conn(s, w)?;
             let reply = conn.call(req, expect)?; // on error `conn` is dropped
             let (addr, peer) = (conn.addr, conn.peer);
-            self.record_hints(&mut conn, (s, w), true);
+            self.record_hints(&mut conn, true);
             self.put_conn(conn);
             match reply {
                 Reply::Redirect { epoch, server, worker } => {
@@ -523,7 +581,10 @@ impl Client {
                     self.learn(vec![Seen { from: (s, w), rd, hashes: vec![hash] }])?;
                 }
                 Reply::Error(line) => return Err(Error::Server { addr, peer, line }),
-                r => return Ok((r, addr, peer)),
+                r => {
+                    self.refresh_threads();
+                    return Ok((r, addr, peer));
+                }
             }
         }
     }
@@ -662,7 +723,8 @@ impl Client {
         }
     }
 
-    /// Multi-get: one `get` per owning worker, pipelined across workers;
+    /// Multi-get: one `get` per owning worker (or per thread of a server's workers),
+    /// pipelined across workers;
     /// results in the order of `keys` (duplicates allowed).
     pub fn get_multi(&mut self, keys: &[&[u8]]) -> Result<Vec<Option<Value>>> {
         for k in keys {
@@ -674,6 +736,7 @@ impl Client {
             let end = (start + MULTI_WINDOW).min(keys.len());
             self.get_window(keys, &hashes, start..end, &mut out)?;
         }
+        self.refresh_threads();
         Ok(out)
     }
 
@@ -733,7 +796,7 @@ impl Client {
                 let mut healthy = true;
                 for b in batches {
                     let reply = conn.read_reply(Expect::Values);
-                    self.record_hints(&mut conn, (s, w), true);
+                    self.record_hints(&mut conn, true);
                     match reply {
                         Ok(Reply::Values(vs)) => {
                             if let Err(detail) = assign(keys, &b, vs, out) {
@@ -858,6 +921,7 @@ impl Client {
             let end = (start + MULTI_WINDOW).min(items.len());
             self.set_window(items, start..end, flags, exptime, &mut out)?;
         }
+        self.refresh_threads();
         Ok(out)
     }
 

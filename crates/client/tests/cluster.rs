@@ -34,6 +34,10 @@ impl Cluster {
             for id in 0..3 {
                 let mut s = Settings { memory_limit: 32 << 20, ..Settings::default() };
                 s.apply_cluster(spec.clone(), id).unwrap();
+                // A thread per worker, whatever the load: the redirects these tests count
+                // would not be sent between workers the thread policy had put on one thread
+                // (tests/threads.rs covers those).
+                s.worker_threads = WORKERS as usize;
                 match mbal_server::start(s) {
                     Ok(h) => servers.push(h),
                     Err(_) => break,

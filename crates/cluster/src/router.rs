@@ -27,6 +27,19 @@
 //!     map from the worker that redirected (`mbal map`) and give it to
 //!     [`Router::install_map`], which keeps only the overrides newer than it.
 //!
+//! **Workers that share a thread.** A server says in its `mbal hello` answer how many threads
+//! run its workers (`MBAL <server> <worker> <epoch> <threads>`): worker `w` shares a thread
+//! with every worker `v` where `v % threads == w % threads`, and a routed connection to any of
+//! them serves the others' keys too, with no hop between threads (docs/protocol.md). A caller
+//! that tells the router ([`Router::set_threads`]) gets requests grouped per thread: every
+//! key goes to the connection of the first worker of its owner's thread
+//! ([`Router::conn_of`]; [`Router::split`] groups by it), so a client holds as many busy
+//! connections per server as the server has threads, not workers, and each carries a deeper
+//! pipeline. A redirect from that first worker naming the owner the router already had says
+//! the threads changed since: the router forgets the count for that server (each key goes
+//! to its owner's own connection again) and says so ([`Learned::threads_stale`]), so the
+//! caller can ask again with `mbal hello`.
+//!
 //! Phase 1's leases (which copy of a hot key to read) are the
 //! [`Leases`](crate::Leases) next to it, with no clock either: the caller
 //! passes the time in. Phase 2's temporary owners need no lease on the
@@ -55,6 +68,11 @@ pub struct Learned {
     /// sent it has a newer map (fetch it with `mbal map` there and
     /// [`Router::install_map`] it, if the caller fetches maps).
     pub fetch_map_from: Option<Owner>,
+    /// The redirect named the owner the router already had, sent by the first worker of the
+    /// owner's thread as the router knew it: that server's threads changed. The router now
+    /// routes that server's keys per worker; the caller may refresh the count with
+    /// `mbal hello` ([`Router::set_threads`]).
+    pub threads_stale: Option<u16>,
 }
 
 /// A redirect to a worker that neither the map nor a newer map (by the
@@ -139,12 +157,14 @@ pub struct Router {
     /// Per cachelet: the owner a redirect taught, if any.
     overrides: Vec<Option<Override>>,
     redirects: u64,
+    /// Per server: how many threads run its workers (0: not known, route per worker).
+    threads: Vec<u16>,
 }
 
 impl Router {
     pub fn new(map: ClusterMap) -> Router {
         let n = map.cachelet_count() as usize;
-        Router { map, overrides: vec![None; n], redirects: 0 }
+        Router { map, overrides: vec![None; n], redirects: 0, threads: Vec::new() }
     }
 
     /// The map as last installed (without the overrides).
@@ -179,20 +199,47 @@ impl Router {
         (c, self.owner_of(c))
     }
 
+    /// Server `server` runs its workers on `threads` threads (its `mbal hello` answer; 0: not
+    /// known, route to each worker's own connection).
+    pub fn set_threads(&mut self, server: u16, threads: u16) {
+        let s = server as usize;
+        if self.threads.len() <= s {
+            self.threads.resize(s + 1, 0);
+        }
+        self.threads[s] = threads;
+    }
+
+    /// How many threads run `server`'s workers, as last told (0: not known).
+    pub fn threads(&self, server: u16) -> u16 {
+        self.threads.get(server as usize).copied().unwrap_or(0)
+    }
+
+    /// The worker whose connection takes requests for `owner`'s keys: the first worker of
+    /// the owner's thread, or the owner itself when its server's threads are not known.
+    #[inline]
+    pub fn conn_of(&self, (s, w): Owner) -> Owner {
+        match self.threads(s) {
+            0 => (s, w),
+            t => (s, w % t),
+        }
+    }
+
     /// The overrides in force: (cachelet, owner, epoch of the redirect).
     pub fn overrides(&self) -> impl Iterator<Item = (CacheletId, Owner, u64)> + '_ {
         self.overrides.iter().enumerate().filter_map(|(c, o)| o.map(|o| (c as CacheletId, o.owner, o.epoch)))
     }
 
-    /// Group the keys with these hashes by destination worker, and by
-    /// cachelet too when `per_cachelet`. Positions are indices into `hashes`;
-    /// within a group they keep list order.
+    /// Group the keys with these hashes by destination worker ([`Router::conn_of`] their
+    /// owner: the owner itself unless its server's threads are known), and by cachelet too
+    /// when `per_cachelet`. Positions are indices into `hashes`; within a group they keep list
+    /// order.
     pub fn split(&self, hashes: impl IntoIterator<Item = u64>, per_cachelet: bool, out: &mut Split) {
         out.sorted.clear();
         out.positions.clear();
         out.groups.clear();
         for (i, h) in hashes.into_iter().enumerate() {
-            let (c, (s, w)) = self.route_hash(h);
+            let (c, owner) = self.route_hash(h);
+            let (s, w) = self.conn_of(owner);
             let sub = if per_cachelet { c as u64 } else { 0 };
             out.sorted.push(((s as u64) << 48 | (w as u64) << 32 | sub, i as u32));
         }
@@ -230,7 +277,7 @@ impl Router {
         if !self.map.has_worker(rd.to) {
             // A newer map may have that worker: the caller fetches it.
             return if newer {
-                Ok(Learned { cachelet: None, fetch_map_from })
+                Ok(Learned { cachelet: None, fetch_map_from, threads_stale: None })
             } else {
                 Err(BadRedirect { from, to: rd.to })
             };
@@ -242,13 +289,20 @@ impl Router {
             match cachelet {
                 None => cachelet = Some(c),
                 Some(x) if x == c => {}
-                Some(_) => return Ok(Learned { cachelet: None, fetch_map_from }),
+                Some(_) => return Ok(Learned { cachelet: None, fetch_map_from, threads_stale: None }),
             }
         }
+        let mut threads_stale = None;
         if let Some(c) = cachelet {
+            // Sent to `from` for its thread-mate `rd.to`, which the router already took for
+            // the owner: they no longer share a thread.
+            if self.owner_of(c) == rd.to && rd.to != from && self.conn_of(rd.to) == from {
+                self.set_threads(rd.to.0, 0);
+                threads_stale = Some(rd.to.0);
+            }
             self.overrides[c as usize] = Some(Override { owner: rd.to, epoch: rd.epoch });
         }
-        Ok(Learned { cachelet, fetch_map_from })
+        Ok(Learned { cachelet, fetch_map_from, threads_stale })
     }
 
     /// Replace the map by a newer one (of the same key space). Overrides
@@ -311,7 +365,7 @@ mod tests {
         let (c, old) = r.route_hash(h);
         let to = (1 - old.0, old.1);
         let l = r.learn(old, Redirect { epoch: 1, to }, [h]).unwrap();
-        assert_eq!(l, Learned { cachelet: Some(c), fetch_map_from: None });
+        assert_eq!(l, Learned { cachelet: Some(c), fetch_map_from: None, threads_stale: None });
         assert_eq!(r.route_hash(h), (c, to));
         assert_eq!(r.route_hash(key_of(m.keyspace(), 3, 5)), (c, to), "every key of the cachelet follows");
         assert_eq!(r.route_hash(key_of(m.keyspace(), 2, 0)).1, m.owner(2), "other cachelets do not");
@@ -326,7 +380,7 @@ mod tests {
         let (a, b) = (key_of(m.keyspace(), 0, 0), key_of(m.keyspace(), 1, 0));
         // cachelet 0 moved at epoch 3 (the server says), cachelet 1 at epoch 5
         let l = r.learn((0, 0), Redirect { epoch: 3, to: (0, 1) }, [a]).unwrap();
-        assert_eq!(l, Learned { cachelet: Some(0), fetch_map_from: Some((0, 0)) });
+        assert_eq!(l, Learned { cachelet: Some(0), fetch_map_from: Some((0, 0)), threads_stale: None });
         r.learn((0, 1), Redirect { epoch: 5, to: (0, 0) }, [b]).unwrap();
         assert_eq!((r.owner_of(0), r.owner_of(1)), ((0, 1), (0, 0)));
         // the map of epoch 4 includes the first move only: the second override stays
@@ -360,7 +414,7 @@ mod tests {
         assert!(e.to_string().contains("server 0 worker 2"));
         // a newer epoch may know a new worker: nothing learned, fetch the map
         let l = r.learn((0, 0), Redirect { epoch: 2, to: (3, 0) }, [h]).unwrap();
-        assert_eq!(l, Learned { cachelet: None, fetch_map_from: Some((0, 0)) });
+        assert_eq!(l, Learned { cachelet: None, fetch_map_from: Some((0, 0)), threads_stale: None });
         assert_eq!(r.overrides().count(), 0);
         assert_eq!(r.redirects(), 0);
     }
@@ -407,6 +461,43 @@ mod tests {
         }
         r.split(std::iter::empty(), false, &mut sp);
         assert!(sp.groups().is_empty() && sp.all_positions().is_empty());
+    }
+
+    #[test]
+    fn with_a_thread_count_keys_go_to_the_first_worker_of_their_owners_thread() {
+        let m = map(2, 4);
+        let mut r = Router::new(m.clone());
+        let hashes: Vec<u64> = (0..400u32).map(|i| key_hash(format!("k{i}").as_bytes())).collect();
+        assert_eq!(r.threads(1), 0, "not known: per worker");
+        // server 1 runs its 4 workers on 2 threads: {0, 2} and {1, 3}
+        r.set_threads(1, 2);
+        let mut sp = Split::new();
+        r.split(hashes.iter().copied(), false, &mut sp);
+        // 4 workers of server 0, 2 threads of server 1
+        assert_eq!(
+            sp.groups().iter().map(|g| g.owner).collect::<Vec<_>>(),
+            [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1)]
+        );
+        for g in sp.groups() {
+            for &p in sp.positions(g) {
+                let (_, o) = r.route_hash(hashes[p as usize]);
+                assert_eq!(r.conn_of(o), g.owner);
+                assert_eq!(g.owner, if o.0 == 1 { (1, o.1 % 2) } else { o });
+            }
+        }
+        // a key of worker 3 went to worker 1, which says worker 3 is not on its thread any more
+        let c = (0..m.cachelet_count()).find(|&c| m.owner(c) == (1, 3)).unwrap();
+        let h = key_of(m.keyspace(), c, 0);
+        assert_eq!(r.conn_of(r.route_hash(h).1), (1, 1));
+        let l = r.learn((1, 1), Redirect { epoch: 1, to: (1, 3) }, [h]).unwrap();
+        assert_eq!(l, Learned { cachelet: Some(c), fetch_map_from: None, threads_stale: Some(1) });
+        assert_eq!(r.threads(1), 0);
+        assert_eq!(r.conn_of(r.route_hash(h).1), (1, 3), "per worker again");
+        // a redirect to a new owner is a move, not a change of threads
+        r.set_threads(1, 2);
+        let l = r.learn((1, 1), Redirect { epoch: 2, to: (1, 2) }, [h]).unwrap();
+        assert_eq!(l.threads_stale, None);
+        assert_eq!((r.threads(1), r.route_hash(h).1, r.conn_of((1, 2))), (2, (1, 2), (1, 0)));
     }
 
     /// The one way every caller handles a multi-get that the server

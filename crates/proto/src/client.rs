@@ -137,11 +137,13 @@ pub enum Frame<'a> {
         server: u16,
         worker: u16,
     },
-    /// `MBAL <server> <worker> <epoch>`: reply to `mbal hello`.
+    /// `MBAL <server> <worker> <epoch> [<threads>]`: reply to `mbal hello` (`threads` 0 when
+    /// absent: route to each worker's own connection).
     Hello {
         server: u16,
         worker: u16,
         epoch: u64,
+        threads: u16,
     },
     /// `MAP <epoch> <bytes>` + JSON: reply to `mbal map`.
     Map {
@@ -431,7 +433,15 @@ impl Decoder {
                     else {
                         return bad("bad MBAL line", line);
                     };
-                    only(Frame::Hello { server, worker, epoch }, &mut w)?
+                    // The thread count came later: 0 (route per worker) when a server leaves it out.
+                    let threads = match w.next() {
+                        None => 0,
+                        Some(t) => match num(Some(t)) {
+                            Some(t) => t,
+                            None => return bad("bad MBAL line", line),
+                        },
+                    };
+                    only(Frame::Hello { server, worker, epoch, threads }, &mut w)?
                 }
                 b"MOVED" => {
                     let Some(epoch) = num(w.next()) else { return bad("bad MOVED line", line) };
@@ -505,6 +515,7 @@ pub enum Reply {
         server: u16,
         worker: u16,
         epoch: u64,
+        threads: u16,
     },
     Map {
         epoch: u64,
@@ -643,7 +654,7 @@ impl ReplyReader {
                 Frame::Ok => Reply::Ok,
                 Frame::Number(n) => Reply::Number(n),
                 Frame::Redirect { epoch, server, worker } => Reply::Redirect { epoch, server, worker },
-                Frame::Hello { server, worker, epoch } => Reply::Hello { server, worker, epoch },
+                Frame::Hello { server, worker, epoch, threads } => Reply::Hello { server, worker, epoch, threads },
                 Frame::Map { epoch, json } => Reply::Map { epoch, json: json.to_vec() },
                 Frame::Moved { epoch } => Reply::Moved { epoch },
                 Frame::Meta { line, data, .. } => Reply::Meta { line: s(line), data: data.map(<[u8]>::to_vec) },

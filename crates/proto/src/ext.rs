@@ -2,9 +2,15 @@
 //! here by the server and parsed by [`crate::client`], so the wire format
 //! of each lives in one crate.
 
-/// `MBAL <server> <worker> <epoch>`: the answer to `mbal hello`.
-pub fn write_hello(out: &mut Vec<u8>, server: u16, worker: u16, epoch: u64) {
-    line(out, b"MBAL", &[server as u64, worker as u64, epoch]);
+/// `MBAL <server> <worker> <epoch> [<threads>]`: the answer to `mbal hello`; `threads` to a
+/// client that routes by thread (`mbal hello <epoch> <worker> threads`): worker `w` serves
+/// such a client's requests for the keys of every worker `v` with `v % threads == w % threads`
+/// (they share a thread; docs/protocol.md).
+pub fn write_hello(out: &mut Vec<u8>, server: u16, worker: u16, epoch: u64, threads: Option<u16>) {
+    match threads {
+        None => line(out, b"MBAL", &[server as u64, worker as u64, epoch]),
+        Some(t) => line(out, b"MBAL", &[server as u64, worker as u64, epoch, t as u64]),
+    }
 }
 
 /// `RD <epoch> <server> <worker>`: a routed request's cachelet is served
@@ -85,19 +91,23 @@ mod tests {
     #[test]
     fn every_extension_reply_round_trips_through_the_client_codec() {
         let mut out = Vec::new();
-        write_hello(&mut out, 3, 1, 42);
+        write_hello(&mut out, 3, 1, 42, Some(2));
         write_redirect(&mut out, 43, 2, 0);
         write_moved(&mut out, 44);
         write_map(&mut out, 45, b"{\"m\":1}");
         write_load(&mut out, 7, b"{\"seq\":7}");
-        assert_eq!(&out[..14], b"MBAL 3 1 42\r\nR");
+        assert_eq!(&out[..16], b"MBAL 3 1 42 2\r\nR");
         let mut r = ReplyReader::new();
         r.feed(&out);
-        assert_eq!(r.next(Expect::Line).unwrap(), Some(Reply::Hello { server: 3, worker: 1, epoch: 42 }));
+        assert_eq!(r.next(Expect::Line).unwrap(), Some(Reply::Hello { server: 3, worker: 1, epoch: 42, threads: 2 }));
         assert_eq!(r.next(Expect::Line).unwrap(), Some(Reply::Redirect { epoch: 43, server: 2, worker: 0 }));
         assert_eq!(r.next(Expect::Line).unwrap(), Some(Reply::Moved { epoch: 44 }));
         assert_eq!(r.next(Expect::Line).unwrap(), Some(Reply::Map { epoch: 45, json: b"{\"m\":1}".to_vec() }));
         assert_eq!(r.next(Expect::Line).unwrap(), Some(Reply::Load { seq: 7, json: b"{\"seq\":7}".to_vec() }));
         assert_eq!(r.next(Expect::Line).unwrap(), None);
+        // A hello without the thread count (an older server): route per worker.
+        r.feed(b"MBAL 3 1 42\r\nMBAL 3 1 42 x\r\n");
+        assert_eq!(r.next(Expect::Line).unwrap(), Some(Reply::Hello { server: 3, worker: 1, epoch: 42, threads: 0 }));
+        assert!(r.next(Expect::Line).is_err(), "a thread count that is not a number");
     }
 }

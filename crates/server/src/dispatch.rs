@@ -29,14 +29,17 @@ pub(crate) enum Action {
     None,
     Close,
     Shutdown,
-    /// The connection opted in to routing hints (`mbal hello`).
-    Routed,
+    /// The connection opted in to routing hints (`mbal hello`), and to being served the keys
+    /// of its worker's thread-mates (`threads`).
+    Routed {
+        by_thread: bool,
+    },
     /// `mbal replicator`: a peer's replicator; exempt from the emulated
     /// capacity (`--worker-capacity` models client load, not copy upkeep).
     Exempt,
-    /// `mbal hello <epoch> <worker>`: serve this connection on that worker
-    /// from now on (it opts in to routing there).
-    HandOff(usize),
+    /// `mbal hello <epoch> <worker> [threads]`: serve this connection on that worker
+    /// from now on (it opts in to routing there, by thread with `threads`).
+    HandOff(usize, bool),
     /// A get stopped after the key that ends `at` bytes into its request,
     /// its output being full: parse the rest of the line from there, in
     /// state `rest`, once the client has read.
@@ -55,6 +58,8 @@ pub(crate) struct Route<'a, 'n> {
     pub server: u16,
     /// The connection opted in to redirects.
     pub routed: bool,
+    /// ... and to being served the keys of the workers on its worker's thread.
+    pub by_thread: bool,
     pub outbox: &'a mut [Outbox],
     pub counters: &'a mut Counters,
     /// Requests this worker forwarded and has no reply for yet.
@@ -82,6 +87,18 @@ impl<'n> Route<'_, 'n> {
             Dest::Here
         } else {
             Dest::Worker(w as usize)
+        }
+    }
+
+    /// Does this routed connection take a request for `d` rather than redirect it? Its own
+    /// keys, and when the server routes by thread, the keys of the workers on its thread
+    /// (docs/protocol.md, `mbal hello`): those run on the owner's store here (`near`), or go to
+    /// it as a message when they may not now.
+    fn takes(&self, shared: &Shared, d: Dest) -> bool {
+        match d {
+            Dest::Here => true,
+            Dest::Worker(w) => self.by_thread && self.near.hosts(w) && shared.routes_by_thread(),
+            Dest::Server(..) => false,
         }
     }
 
@@ -201,9 +218,10 @@ pub(crate) fn handle(
             TextCmd::Get { keys, cas, touch, line } => {
                 if rt.routed && *line == Line::Whole {
                     // A routed client sends a get only to the owner of its
-                    // keys; if its map is stale, redirect the whole request.
-                    // (A long line comes in pieces and is redirected per key.)
-                    if let Some(d) = keys.iter().map(|k| rt.dest(locate(layout, k))).find(|d| *d != Dest::Here) {
+                    // keys (or to a worker of the owner's thread); if its map is stale,
+                    // redirect the whole request. (A long line comes in pieces and is
+                    // redirected per key.)
+                    if let Some(d) = keys.iter().map(|k| rt.dest(locate(layout, k))).find(|&d| !rt.takes(shared, d)) {
                         // Or it reads a hot key's copy here, under a lease.
                         if !rt.replicas.shadow.is_empty() && keys.len() == 1 && !*cas && touch.is_none() {
                             if let Some(key) = keys.iter().next() {
@@ -265,13 +283,17 @@ pub(crate) fn handle(
                             }
                         }
                         // A piece of a long line on a routed connection.
-                        d if rt.routed => redirect(shared, rt, output, d, Some(key)),
+                        d if rt.routed && !rt.takes(shared, d) => redirect(shared, rt, output, d, Some(key)),
                         // Another worker's, on this worker's thread: read it there now.
                         Dest::Worker(to) if let Some(i) = rt.near_index(to, at.cachelet) => {
                             // (The keys of a run sent now to the same worker are read after
                             // this one: a get's reads are not ordered among themselves.)
                             send(rt, output, run.take());
+                            let routed = rt.routed;
                             let w = rt.near_at(i);
+                            if routed && !w.hot.is_empty() {
+                                near_hint(shared, w, output.buf(), key, at);
+                            }
                             let mut ctx = exec_ctx(&mut *w.store, shared, &mut *w.counters, now);
                             exec::text_get_one(&mut ctx, key, at, *cas, *touch, output.buf());
                             after_near(shared, w, now);
@@ -313,8 +335,9 @@ pub(crate) fn handle(
                     _ => false,
                 };
                 let remote = Kind::Line { expect: Expect::Line, quiet: noreply, silent: noreply };
-                route_keyed(shared, rt, store, now, output, at, Travel::text(cmd, at), raw, exec, remote, |out| {
-                    foreign_text(cmd, out)
+                let travel = Travel::text(cmd, at);
+                route_keyed(shared, rt, store, now, output, at, travel, raw, None, exec, remote, |o| {
+                    foreign_text(cmd, o)
                 });
                 Action::None
             }
@@ -413,12 +436,12 @@ pub(crate) fn handle(
                 }
             };
             let at = locate(layout, key);
-            if rt.routed && cmd.kind == MetaKind::Get && !rt.replicas.hot.is_empty() && rt.dest(at) == Dest::Here {
-                hot_hint(shared, rt, output.buf(), key, at);
-            }
+            // A routed read may carry a hot-key hint from the key's home (here or on this thread).
+            let hint = (rt.routed && cmd.kind == MetaKind::Get).then_some(key);
             let exec = |ctx: &mut Ctx, out: &mut Vec<u8>| exec::meta_keyed(ctx, cmd, key, at, out);
             let remote = Kind::Line { expect: Expect::Meta, quiet: cmd.flags.has(b'q'), silent: false };
-            route_keyed(shared, rt, store, now, output, at, Travel::Raw(Protocol::Text), raw, exec, remote, |out| {
+            let travel = Travel::Raw(Protocol::Text);
+            route_keyed(shared, rt, store, now, output, at, travel, raw, hint, exec, remote, |out| {
                 foreign_meta(cmd, out)
             });
             Action::None
@@ -453,6 +476,8 @@ impl<'r> Travel<'r> {
 /// Route one single-key request: execute it here, redirect a routed client,
 /// pass it to the owning worker, or answer for a key another server holds.
 /// (Binary connections never opt in to routing, so they never redirect.)
+/// `hint`: the key of a routed read, which carries a hot-key hint when it runs at the key's
+/// home (here or on a neighbour's store).
 #[allow(clippy::too_many_arguments)]
 fn route_keyed(
     shared: &Shared,
@@ -463,16 +488,25 @@ fn route_keyed(
     at: Loc,
     travel: Travel,
     raw: &[u8],
+    hint: Option<&[u8]>,
     exec: impl FnOnce(&mut Ctx, &mut Vec<u8>),
     remote: Kind,
     foreign: impl FnOnce(&mut Vec<u8>),
 ) {
     match rt.dest(at) {
-        Dest::Here => exec(&mut exec_ctx(store, shared, &mut *rt.counters, now), output.buf()),
-        d if rt.routed => redirect(shared, rt, output, d, None),
+        Dest::Here => {
+            if let Some(key) = hint.filter(|_| !rt.replicas.hot.is_empty()) {
+                hot_hint(shared, rt, output.buf(), key, at);
+            }
+            exec(&mut exec_ctx(store, shared, &mut *rt.counters, now), output.buf())
+        }
+        d if rt.routed && !rt.takes(shared, d) => redirect(shared, rt, output, d, None),
         Dest::Worker(owner) => {
             if let Some(i) = rt.near_index(owner, at.cachelet) {
                 let w = rt.near_at(i);
+                if let Some(key) = hint.filter(|_| !w.hot.is_empty()) {
+                    near_hint(shared, w, output.buf(), key, at);
+                }
                 exec(&mut exec_ctx(&mut *w.store, shared, &mut *w.counters, now), output.buf());
                 return after_near(shared, w, now);
             }
@@ -532,6 +566,14 @@ fn hot_hint(shared: &Shared, rt: &mut Route, out: &mut Vec<u8>, key: &[u8], at: 
     }
 }
 
+/// [`hot_hint`] for a key of a neighbour on this thread (`near`), from its hot table.
+fn near_hint(shared: &Shared, w: &mut NearWorker, out: &mut Vec<u8>, key: &[u8], at: Loc) {
+    if let Some(h) = w.hot.hint(at.hash, key, shared.clock_ns()) {
+        w.counters.hot_hints += 1;
+        mbal_proto::ext::write_hot_hint(out, key, h.replicas, h.lease_ms);
+    }
+}
+
 /// A routed `get` of one key another server owns: answer it from this
 /// worker's copy if it holds a live one (the client has a lease).
 fn replica_read(shared: &Shared, rt: &mut Route, out: &mut Vec<u8>, key: &[u8]) -> bool {
@@ -587,9 +629,12 @@ fn shadow_cmd(shared: &Shared, rt: &mut Route, out: &mut Vec<u8>, args: &str, da
     }
 }
 
-/// The answer to `mbal hello`: `MBAL <server> <worker> <epoch>`.
-pub(crate) fn hello(shared: &Shared, server: u16, worker: usize, out: &mut Vec<u8>) {
-    mbal_proto::ext::write_hello(out, server, worker as u16, shared.epoch.load(Ordering::Relaxed));
+/// The answer to `mbal hello`: `MBAL <server> <worker> <epoch>`, and `<threads>` to a client
+/// that routes by thread.
+pub(crate) fn hello(shared: &Shared, server: u16, worker: usize, by_thread: bool, out: &mut Vec<u8>) {
+    let epoch = shared.epoch.load(Ordering::Relaxed);
+    let threads = by_thread.then(|| shared.routing_threads());
+    mbal_proto::ext::write_hello(out, server, worker as u16, epoch, threads);
 }
 
 /// `RD <epoch> <server> <worker>`: tell a routed client who owns the key;
@@ -656,7 +701,8 @@ fn admin(shared: &Shared, rt: &mut Route, output: &mut Output, args: &[u8], data
             crate::auth::peer(&shared.settings, rt.counters, rt.auth, answer, output);
             Action::None
         }
-        (Some("hello"), Some(epoch), w, None) if epoch.parse::<u64>().is_ok() => {
+        (Some("hello"), Some(epoch), w, by) if epoch.parse::<u64>().is_ok() && matches!(by, None | Some("threads")) => {
+            let by_thread = by.is_some();
             let to = match w.map(str::parse::<usize>) {
                 None => rt.worker,
                 Some(Ok(w)) if w < shared.settings.threads => w,
@@ -673,10 +719,10 @@ fn admin(shared: &Shared, rt: &mut Route, output: &mut Output, args: &[u8], data
                     );
                     return Action::None;
                 }
-                return Action::HandOff(to);
+                return Action::HandOff(to, by_thread);
             }
-            hello(shared, rt.server, rt.worker, output.buf());
-            Action::Routed
+            hello(shared, rt.server, rt.worker, by_thread, output.buf());
+            Action::Routed { by_thread }
         }
         (Some("map"), None, ..) => {
             rt.ask_controller(shared, output, |reply| CtlMsg::Map { reply });
@@ -839,9 +885,8 @@ pub(crate) fn handle_bin(
             let at = locate(layout, req.key);
             let exec = |ctx: &mut Ctx, out: &mut Vec<u8>| exec::bin_keyed(ctx, req, at, out);
             let remote = Kind::Bin { quiet: mbal_proto::binary::is_quiet(h.opcode) };
-            route_keyed(shared, rt, store, now, output, at, Travel::Raw(Protocol::Binary), raw, exec, remote, |out| {
-                foreign_bin(req, out)
-            });
+            let travel = Travel::Raw(Protocol::Binary);
+            route_keyed(shared, rt, store, now, output, at, travel, raw, None, exec, remote, |o| foreign_bin(req, o));
             Action::None
         }
     }

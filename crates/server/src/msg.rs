@@ -261,6 +261,8 @@ pub(crate) struct HandOff {
     /// past its admin commands (see `Conn::fresh`).
     pub exempt: bool,
     pub fresh: bool,
+    /// Asked to be served its worker's thread-mates' keys too (`mbal hello ... threads`).
+    pub by_thread: bool,
 }
 
 /// A lease reads of a hot key may be told: γ and until when (server

@@ -72,6 +72,11 @@ impl<'a> Near<'a> {
         ok.then_some(i)
     }
 
+    /// Is worker `to` on this thread (lent this round)?
+    pub fn hosts(&self, to: usize) -> bool {
+        self.workers.iter().any(|w| w.id == to)
+    }
+
     /// The worker `find` found at `i`.
     pub fn at(&mut self, i: usize) -> &mut NearWorker<'a> {
         &mut self.workers[i]

@@ -141,6 +141,20 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// Do routed connections serve the keys of every worker of their thread (`near`)? Not
+    /// when each worker must pay for its own requests (`--worker-capacity`) or a write may
+    /// wait for hot-key copies (`--replica-writes sync`): there a worker's requests go to it.
+    pub fn routes_by_thread(&self) -> bool {
+        self.settings.worker_capacity == 0 && !self.settings.hot.may_sync()
+    }
+
+    /// The thread count a routed client routes by (`MBAL ... <threads>`, docs/protocol.md):
+    /// the threads in use, or one per worker when routed connections serve their own keys only.
+    pub fn routing_threads(&self) -> u16 {
+        let n = if self.routes_by_thread() { self.threads.active() } else { self.settings.threads };
+        n.clamp(1, u16::MAX as usize) as u16
+    }
+
     /// The prefix delimiter while `stats detail` is on.
     pub fn detail(&self) -> Option<u8> {
         self.detail.load(Ordering::Relaxed).then_some(self.settings.prefix_delimiter)
@@ -256,6 +270,9 @@ struct Conn {
     dirty: bool,
     /// Opted in with `mbal hello`: gets redirects instead of forwarding.
     routed: bool,
+    /// Opted in with `mbal hello <epoch> <worker> threads`: also served the keys of the
+    /// workers on its worker's thread (`dispatch::Route::takes`).
+    by_thread: bool,
     /// A cluster peer's replicator (`mbal replicator`): not held back by the
     /// emulated capacity, which models client load.
     exempt: bool,

@@ -4,6 +4,7 @@
 mod common;
 use common::*;
 use mbal_cluster::{key_hash, ClusterMap, ClusterSpec, ServerSpec};
+use mbal_server::config::Settings;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -57,6 +58,46 @@ fn routed_connection_gets_redirects_plain_does_not() {
     let st = stats(&mut plain, "");
     assert!(stat(&mut plain, "redirects") >= 3, "{st:?}");
     assert_eq!(r.cmd("mbal bogus\r\n").split(' ').next(), Some("CLIENT_ERROR"));
+    srv.shutdown();
+}
+
+#[test]
+fn a_connection_routed_by_thread_is_served_its_thread_mates_keys() {
+    // 4 workers on 2 threads (fixed): {0, 2} and {1, 3}
+    let srv = start(Settings { worker_threads: 2, ..settings(4) });
+    let mut plain = Conn::open(srv.main_addr);
+    let map = fetch_map(&mut plain);
+    let k: Vec<String> = (0..4).map(|w| key_on(&map, 0, w, &format!("w{w}-"))).collect();
+    let mut r = Conn::open(srv.worker_addrs[0]);
+    assert_eq!(r.cmd("mbal hello 1 0 threads\r\n"), "MBAL 0 0 1 2\r\n");
+    assert_eq!(r.set(&k[0], b"zero"), "STORED\r\n");
+    assert_eq!(r.set(&k[2], b"two"), "STORED\r\n", "worker 2 shares worker 0's thread");
+    assert_eq!(r.set(&k[1], b"one"), "RD 1 0 1\r\n", "worker 1 does not");
+    assert_eq!(r.cmd(&format!("mg {} v\r\n", k[2])), "VA 3\r\n");
+    assert_eq!(r.line(), "two\r\n");
+    assert_eq!(
+        r.cmd(&format!("get {} {}\r\n", k[0], k[3])),
+        "RD 1 0 3\r\n",
+        "a multi-get with a key of the other thread"
+    );
+    r.send(format!("get {} {}\r\n", k[2], k[0]).as_bytes());
+    assert_eq!(r.line(), format!("VALUE {} 0 3\r\n", k[2]));
+    assert_eq!(r.line(), "two\r\n");
+    assert_eq!(r.line(), format!("VALUE {} 0 4\r\n", k[0]));
+    assert_eq!(r.line(), "zero\r\n");
+    assert_eq!(r.line(), "END\r\n");
+    // without `threads`, a routed connection is served its own worker's keys only
+    let mut own = Conn::open(srv.worker_addrs[0]);
+    assert_eq!(own.cmd("mbal hello 1\r\n"), "MBAL 0 0 1\r\n");
+    assert_eq!(own.set(&k[2], b"2"), "RD 1 0 2\r\n");
+    assert_eq!(stat(&mut plain, "redirects"), 3);
+    srv.shutdown();
+
+    // With an emulated capacity each worker pays for its own requests: one "thread" per worker.
+    let srv = start(Settings { worker_threads: 2, worker_capacity: 1_000_000, ..settings(4) });
+    let mut r = Conn::open(srv.worker_addrs[0]);
+    assert_eq!(r.cmd("mbal hello 1 0 threads\r\n"), "MBAL 0 0 1 4\r\n");
+    assert_eq!(r.set(&k[2], b"two"), "RD 1 0 2\r\n");
     srv.shutdown();
 }
 

@@ -41,7 +41,7 @@ fn v(key: &str, flags: u32, data: &[u8], cas: Option<u64>) -> OwnedValue {
 #[test]
 fn every_reply_kind() {
     let stream = b"STORED\r\nNOT_STORED\r\nEXISTS\r\nNOT_FOUND\r\nDELETED\r\nTOUCHED\r\nOK\r\n42\r\n\
-18446744073709551615\r\nRD 7 2 1\r\nMBAL 1 3 9\r\nMOVED 12\r\nMAP 5 7\r\n{\"a\":1}\r\nERROR\r\n\
+18446744073709551615\r\nRD 7 2 1\r\nMBAL 1 3 9 4\r\nMOVED 12\r\nMAP 5 7\r\n{\"a\":1}\r\nERROR\r\n\
 CLIENT_ERROR bad command line format\r\nSERVER_ERROR out of memory\r\nEND\r\n\
 VALUE k 5 3\r\nabc\r\nVALUE k2 0 0 99\r\n\r\nEND\r\nSTAT pid 12\r\nSTAT version 1.6 x\r\nEND\r\nEND\r\n\
 VALUE k 0 2\r\nhi\r\nVALUE j 0 1\r\nx\r\nEND\r\n";
@@ -56,7 +56,7 @@ VALUE k 0 2\r\nhi\r\nVALUE j 0 1\r\nx\r\nEND\r\n";
         Reply::Number(42),
         Reply::Number(u64::MAX),
         Reply::Redirect { epoch: 7, server: 2, worker: 1 },
-        Reply::Hello { server: 1, worker: 3, epoch: 9 },
+        Reply::Hello { server: 1, worker: 3, epoch: 9, threads: 4 },
         Reply::Moved { epoch: 12 },
         Reply::Map { epoch: 5, json: b"{\"a\":1}".to_vec() },
         Reply::Error("ERROR".into()),

@@ -127,6 +127,7 @@ impl Worker {
             read_blocked: false,
             dirty: false,
             routed: false,
+            by_thread: false,
             exempt: false,
             fresh: true,
             throttled: false,
@@ -141,7 +142,7 @@ impl Worker {
 
     /// Give connection `ci` to worker `to`, with its input from `pos` on
     /// (`mbal hello <epoch> <to>`; its output is empty, `dispatch` checked).
-    pub(super) fn hand_off(&mut self, ci: usize, pos: usize, to: usize) {
+    pub(super) fn hand_off(&mut self, ci: usize, pos: usize, to: usize, by_thread: bool) {
         let Some(mut c) = self.conns.try_remove(ci) else { return };
         let _ = self.poll.registry().deregister(c.sock.sock_mut());
         self.shared.worker_conns[self.id].fetch_sub(1, Ordering::Relaxed);
@@ -156,6 +157,7 @@ impl Worker {
             auth: c.auth,
             exempt: c.exempt,
             fresh: c.fresh,
+            by_thread,
         };
         self.outbox[to].push(Envelope::HandOff(Box::new(h)));
     }
@@ -379,7 +381,7 @@ impl Worker {
                 }
                 continue;
             }
-            let Conn { output, gen, routed, line, auth, exempt, fresh: only_admin, .. } = conn;
+            let Conn { output, gen, routed, by_thread, line, auth, exempt, fresh: only_admin, .. } = conn;
             let exempt = *exempt || *only_admin;
             let buf = &rbuf[pos..];
             let mut rt = Route {
@@ -389,6 +391,7 @@ impl Worker {
                 tables: &mut self.tables,
                 server: self.shared.server_id,
                 routed: *routed,
+                by_thread: *by_thread,
                 outbox: &mut self.outbox,
                 counters: &mut self.counters,
                 inflight: &mut self.inflight,
@@ -489,10 +492,10 @@ impl Worker {
                             pos -= consumed - at;
                             *line = rest;
                         }
-                        Action::Routed => conn.routed = true,
+                        Action::Routed { by_thread } => (conn.routed, conn.by_thread) = (true, by_thread),
                         Action::Exempt => conn.exempt = true,
-                        Action::HandOff(to) => {
-                            hand_off = Some(to);
+                        Action::HandOff(to, by_thread) => {
+                            hand_off = Some((to, by_thread));
                             break;
                         }
                         Action::Close => conn.closing = true,
@@ -511,8 +514,8 @@ impl Worker {
         }
         self.finish_self_stats();
         self.requests += done as u64;
-        if let Some(to) = hand_off {
-            self.hand_off(ci, pos, to);
+        if let Some((to, by_thread)) = hand_off {
+            self.hand_off(ci, pos, to, by_thread);
             return;
         }
         let Some(conn) = self.conns.get_mut(ci) else { return };

@@ -58,18 +58,18 @@ impl Worker {
                 }
             }
             Envelope::HandOff(h) => {
-                let HandOff { sock, peer, listen_addr, id, unread, auth, exempt, fresh } = *h;
+                let HandOff { sock, peer, listen_addr, id, unread, auth, exempt, fresh, by_thread } = *h;
                 if let Some(ci) = self.register(sock.map_sock(TcpStream::from_std), peer, listen_addr) {
                     // Counted once, by the worker that accepted it.
                     self.counters.total_connections -= 1;
                     let c = &mut self.conns[ci];
                     c.id = id;
                     c.rbuf = ReadBuf::from_vec(unread);
-                    c.routed = true;
+                    (c.routed, c.by_thread) = (true, by_thread);
                     c.auth = auth;
                     (c.exempt, c.fresh) = (exempt, fresh);
                     c.proto = Some(Protocol::Text);
-                    dispatch::hello(&self.shared, self.shared.server_id, self.id, c.output.buf());
+                    dispatch::hello(&self.shared, self.shared.server_id, self.id, by_thread, c.output.buf());
                 }
             }
             Envelope::Release { cachelet, to, token } => {

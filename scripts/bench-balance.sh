@@ -232,6 +232,12 @@ if [ "$MODE" = balance ] || [ "$MODE" = hotkeys ] || [ "$MODE" = all ]; then
       done
       KNOB=$KNOB SHIFT_AT=$([ "$wl" = shift ] && echo $((SECS / 2)) || echo "") \
         python3 scripts/lib/balance_report.py "$OUT" "$topo" "$wl" "$RUNS" "$MODES" "$SETTLED_AT" "$P99_TARGET_US" | tee "$OUT/$topo.$wl.report.md"
+      # Each second of every run beside the machine (raw: machine.jsonl; every second: machine.md).
+      if [ -n "$MON_PID" ]; then
+        python3 scripts/lib/machine_report.py "$OUT" "$P99_TARGET_US" --all >"$OUT/machine.md" || true
+        echo "machine (every second in $OUT/machine.md):"
+        tail -n 3 "$OUT/machine.md"
+      fi
     done
   done
 fi

@@ -236,7 +236,7 @@ if [ "$MODE" = balance ] || [ "$MODE" = hotkeys ] || [ "$MODE" = all ]; then
       if [ -n "$MON_PID" ]; then
         python3 scripts/lib/machine_report.py "$OUT" "$P99_TARGET_US" --all >"$OUT/machine.md" || true
         echo "machine (every second in $OUT/machine.md):"
-        tail -n 3 "$OUT/machine.md"
+        tail -n 11 "$OUT/machine.md"
       fi
     done
   done

@@ -172,6 +172,13 @@ def main():
             print(f"{name:<24} {phase:<10} {s['ops']:>6} {s.get('late_ops', 0):>6} {s['p99_us'] / 1000:>8.1f} "
                   f"{m['busy']:>6.0f} {m['softirq']:>6.0f} {m['psi_ms']:>7.0f} {m['wait_ms']:>8.0f} "
                   f"{m['bench_pct']:>7.0f} {m['server_pct']:>5.0f} {m['copies']:>6} {m['alarms']:>6} {m['others_pct']:>8.1f}  {m['top']}")
+    # by mode (the runs' names carry it: 8x2.zipf.on.1, ...), then all together
+    modes = sorted({r[0].split(".")[2] for r in rows if r[0].count(".") >= 3})
+    for mode in modes + [None]:
+        summary(rows if mode is None else [r for r in rows if r[0].split(".")[2] == mode], bad_us, mode or "all")
+
+
+def summary(rows, bad_us, label):
     bad = [r for r in rows if r[2]["p99_us"] > bad_us]
     good = [r for r in rows if r[2]["p99_us"] <= bad_us]
 
@@ -179,7 +186,7 @@ def main():
         return statistics.median([r[3][key] for r in rs]) if rs else float("nan")
 
     print()
-    print(f"seconds: {len(rows)}; bad (p99 > {bad_us / 1000:.0f} ms): {len(bad)}; "
+    print(f"{label}: seconds: {len(rows)}; bad (p99 > {bad_us / 1000:.0f} ms): {len(bad)}; "
           f"of those with others > {OTHERS_BUSY:.0f}% of a core: "
           f"{sum(1 for r in bad if r[3]['others_pct'] > OTHERS_BUSY)}; "
           f"good seconds with others > {OTHERS_BUSY:.0f}%: {sum(1 for r in good if r[3]['others_pct'] > OTHERS_BUSY)}")

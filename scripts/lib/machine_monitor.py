@@ -15,7 +15,8 @@ same by `mbal` subcommand ("bench", "server", ...; "other" for the run's scripts
 "mine_wait_ms" / "wait_by_ms": the run-queue wait (schedstat) of all the `mbal` processes'
 threads since the last such line, in total and by subcommand.
 
-Stops on SIGINT/SIGTERM. Costs about 1-2% of one core at the defaults.
+Stops on SIGINT/SIGTERM, or when every --mine pid is gone. Costs about 1% of one core at the
+defaults.
 """
 import json
 import os
@@ -120,6 +121,9 @@ def main():
     nxt = time.monotonic()
     with open(out, "w") as f:
         while not stop:
+            # the run that started it is gone (killed without its EXIT trap): stop too
+            if mine_roots and not any(os.path.exists(f"/proc/{p}") for p in mine_roots):
+                break
             nxt += interval
             d = nxt - time.monotonic()
             if d > 0:

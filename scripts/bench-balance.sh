@@ -101,6 +101,14 @@ fi
 CONNS=${CONNS:-8}
 PIPELINE=${PIPELINE:-64}
 mkdir -p "$OUT"
+# MONITOR=1 (default): record the machine alongside (scripts/lib/machine_monitor.py: CPU, CPU
+# pressure and every other process's CPU, timestamped) in $OUT/machine.jsonl, so that a bad
+# second of a run can be told apart from a busy machine (docs/benchmarks.md §15, round 6).
+MON_PID=""
+if [ "${MONITOR:-1}" = 1 ]; then
+  python3 scripts/lib/machine_monitor.py "$OUT/machine.jsonl" --mine $$ &
+  MON_PID=$!
+fi
 # BIN: an mbal binary to use as is (default: build the release binary and use it).
 if [ -z "${BIN:-}" ]; then
   cargo build --release --bin mbal >/dev/null 2>&1 || cargo build --release --bin mbal
@@ -110,7 +118,8 @@ PID=""
 PROXY_PID=""
 stop_proxy() { [ -n "$PROXY_PID" ] && kill -INT "$PROXY_PID" 2>/dev/null && wait "$PROXY_PID" 2>/dev/null; PROXY_PID=""; return 0; }
 cleanup() { stop_proxy; [ -n "$PID" ] && kill -INT "$PID" 2>/dev/null && wait "$PID" 2>/dev/null; PID=""; return 0; }
-trap cleanup EXIT
+stop_monitor() { [ -n "$MON_PID" ] && kill -INT "$MON_PID" 2>/dev/null && wait "$MON_PID" 2>/dev/null; MON_PID=""; return 0; }
+trap 'cleanup; stop_monitor' EXIT
 
 # Start `mbal cluster up` for SERVERS x WORKERS with the capacity; sets PID and FIRST (the
 # first server's address). Waits (up to WAIT_UP s) for it to say it is up.
@@ -223,6 +232,12 @@ if [ "$MODE" = balance ] || [ "$MODE" = hotkeys ] || [ "$MODE" = all ]; then
       done
       KNOB=$KNOB SHIFT_AT=$([ "$wl" = shift ] && echo $((SECS / 2)) || echo "") \
         python3 scripts/lib/balance_report.py "$OUT" "$topo" "$wl" "$RUNS" "$MODES" "$SETTLED_AT" "$P99_TARGET_US" | tee "$OUT/$topo.$wl.report.md"
+      # Each second of every run beside the machine (raw: machine.jsonl; every second: machine.md).
+      if [ -n "$MON_PID" ]; then
+        python3 scripts/lib/machine_report.py "$OUT" "$P99_TARGET_US" --all >"$OUT/machine.md" || true
+        echo "machine (every second in $OUT/machine.md):"
+        tail -n 11 "$OUT/machine.md"
+      fi
     done
   done
 fi

@@ -144,8 +144,8 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 1)]
     pub threads: usize,
     /// Open loop: total target ops/s (latency measured from the intended send time). The
-    /// client busy-polls for the last millisecond before each send, so it uses its whole core.
-    /// Without it: closed loop.
+    /// client sleeps until an op is due (to the microsecond, a timer) and sends what is due
+    /// within 50 µs in one batch. Without it: closed loop.
     #[arg(long)]
     pub rate: Option<f64>,
     /// Open-loop rate sweep FROM:TO:STEP (ops/s): one run of --duration at each rate in turn

@@ -12,10 +12,12 @@
 use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use mio::net::TcpStream;
+use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token};
 
 use mbal_proto::client::{Decoder, Expect, Frame};
@@ -65,6 +67,8 @@ struct Conn<P> {
 pub(crate) struct Conns<P> {
     poll: Poll,
     events: Events,
+    /// Wakes `poll` at a timeout finer than epoll's millisecond (registered as [`TIMER`]).
+    timer: Timer,
     conns: Vec<Conn<P>>,
     /// What a target is called in error messages ("server", "worker").
     label: &'static str,
@@ -114,12 +118,63 @@ pub(crate) fn connect_std(addr: SocketAddr, tls: Option<&ClientTls>) -> Result<B
     Ok(s)
 }
 
+/// The poll token of the timer (connections are numbered from 0).
+const TIMER: Token = Token(usize::MAX);
+
+/// A one-shot `timerfd`: `epoll_wait` takes its timeout in whole milliseconds (mio rounds up),
+/// so a wait of 300 µs would last 1 ms; armed for the wait, the timer ends it to the
+/// microsecond. It is what lets the open-loop client sleep until its next send instead of
+/// busy-polling for it (which took a whole core from the servers sharing the machine:
+/// docs/benchmarks.md §15, round 6).
+struct Timer {
+    fd: OwnedFd,
+}
+
+impl Timer {
+    fn new() -> io::Result<Timer> {
+        // SAFETY: plain syscall; the descriptor it returns is owned from here on.
+        let fd = unsafe { libc::timerfd_create(libc::CLOCK_MONOTONIC, libc::TFD_NONBLOCK | libc::TFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` is a new descriptor nothing else owns.
+        Ok(Timer { fd: unsafe { OwnedFd::from_raw_fd(fd) } })
+    }
+
+    /// Fire once, `after` from now (at least 1 ns: a zero value would disarm it). Arming resets
+    /// any expiry not yet read, so an old one cannot end the next wait early.
+    fn arm(&self, after: Duration) -> io::Result<()> {
+        let after = after.max(Duration::from_nanos(1));
+        let spec = libc::itimerspec {
+            it_interval: libc::timespec { tv_sec: 0, tv_nsec: 0 },
+            it_value: libc::timespec { tv_sec: after.as_secs() as libc::time_t, tv_nsec: after.subsec_nanos() as _ },
+        };
+        // SAFETY: valid descriptor and pointers for the call's duration.
+        let r = unsafe { libc::timerfd_settime(self.fd.as_raw_fd(), 0, &spec, std::ptr::null_mut()) };
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Read the expiry count so the next expiry raises a new (edge-triggered) event.
+    fn clear(&self) {
+        let mut buf = [0u8; 8];
+        // SAFETY: an 8-byte buffer for a non-blocking read of the counter; EAGAIN is fine.
+        unsafe { libc::read(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+    }
+}
+
 impl<P: Pending> Conns<P> {
     /// An empty set over targets at `addrs` (called `label` in errors), with room for `capacity`
     /// connections.
     pub(crate) fn new(label: &'static str, addrs: Vec<SocketAddr>, capacity: usize) -> Result<Conns<P>> {
+        let poll = Poll::new()?;
+        let timer = Timer::new()?;
+        poll.registry().register(&mut SourceFd(&timer.fd.as_raw_fd()), TIMER, Interest::READABLE)?;
         Ok(Conns {
-            poll: Poll::new()?,
+            poll,
+            timer,
             events: Events::with_capacity(1024),
             conns: Vec::with_capacity(capacity),
             label,
@@ -175,15 +230,33 @@ impl<P: Pending> Conns<P> {
     /// get, a status line, an error or a redirect — anything else is a protocol error). A hot-key
     /// hint (`Frame::Hint`, routed connections) is passed the same way before the reply it
     /// precedes, with `p` the request it belongs to, which stays queued for its reply.
+    ///
+    /// The wait ends at `timeout` to the microsecond (a timer), not at epoll's next millisecond.
+    /// A whole number of milliseconds (the closed loop's 100 ms) needs no timer: one system call
+    /// fewer per wait where the generator's own ceiling is measured.
     pub(crate) fn poll(&mut self, timeout: Duration, mut on_reply: impl FnMut(usize, P, Frame<'_>)) -> Result<()> {
-        match self.poll.poll(&mut self.events, Some(timeout)) {
+        let epoll_timeout = if timeout.subsec_nanos().is_multiple_of(1_000_000) {
+            timeout
+        } else {
+            self.timer.arm(timeout)?;
+            // the timer ends the wait; epoll's own timeout (rounded up to the millisecond) only
+            // bounds it should the timer be lost
+            timeout + Duration::from_millis(1)
+        };
+        match self.poll.poll(&mut self.events, Some(epoll_timeout)) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::Interrupted => return Ok(()),
             Err(e) => return Err(e.into()),
         }
         let mut ready = std::mem::take(&mut self.ready);
         ready.clear();
-        ready.extend(self.events.iter().map(|e| (e.token().0, e.is_readable() || e.is_read_closed(), e.is_writable())));
+        for e in self.events.iter() {
+            if e.token() == TIMER {
+                self.timer.clear();
+            } else {
+                ready.push((e.token().0, e.is_readable() || e.is_read_closed(), e.is_writable()));
+            }
+        }
         for &(ci, r, w) in &ready {
             let c = &self.conns[ci];
             if w && (c.wpos < c.wbuf.len() || c.stream.wants_write()) {

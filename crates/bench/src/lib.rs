@@ -357,13 +357,17 @@ impl DriverFactory for PlainFactory {
     }
 }
 
+/// The clock now, in Unix milliseconds.
+fn unix_ms() -> u64 {
+    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
 /// Like [`run`] (without `--plot-only` and `--null-server` handling, and without resolving or
 /// checking `--server`: that is the factory's business) with drivers from `factory`.
 pub fn run_with(args: BenchArgs, factory: &dyn DriverFactory) -> Result<BenchReport> {
     validate(&args)?;
     let show = !args.quiet;
-    let started_unix_ms =
-        SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+    let started_unix_ms = unix_ms();
     let phases = match &args.phases {
         Some(p) => workload::parse_phases(p)?,
         None => vec![Phase { workload: args.workload, secs: args.duration.unwrap_or(10.0), hot_set: 0 }],
@@ -419,6 +423,7 @@ pub fn run_with(args: BenchArgs, factory: &dyn DriverFactory) -> Result<BenchRep
         settings: args.clone(),
         phases: phases.clone(),
         started_unix_ms,
+        run_started_unix_ms: 0,
         load,
         totals: Totals::default(),
         latency: BTreeMap::new(),
@@ -476,6 +481,7 @@ pub fn run_with(args: BenchArgs, factory: &dyn DriverFactory) -> Result<BenchRep
             }
         };
         let run_start = Instant::now();
+        report.run_started_unix_ms = unix_ms();
         let mut sweep =
             args.rate_sweep.as_ref().map(|_| Sweep { p99_target_us: args.p99_target_us, ..Sweep::default() });
         let mut timeline = Vec::new();
@@ -513,6 +519,7 @@ pub fn run_with(args: BenchArgs, factory: &dyn DriverFactory) -> Result<BenchRep
             let meets = ok && args.p99_target_us.is_some_and(|target| all.p99_us <= target);
             sw.steps.push(SweepStep {
                 offered_ops_per_sec: rate.unwrap_or(0.0),
+                from_s: from,
                 ops_per_sec: t.ops_per_sec,
                 p50_us: all.p50_us,
                 p99_us: all.p99_us,
@@ -674,6 +681,7 @@ fn fill_report(report: &mut BenchReport, o: &PhaseOutcome, phases: &[Phase], rat
                 keys: s.keys,
                 hits: s.hits,
                 errors: s.errors,
+                late_ops: s.late,
                 ops_per_sec: s.ops as f64 / span,
                 keys_per_sec: s.keys as f64 / span,
                 p50_us: l.p50_us,

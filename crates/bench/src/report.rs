@@ -67,6 +67,9 @@ pub struct SecondStats {
     pub keys: u64,
     pub hits: u64,
     pub errors: u64,
+    /// Open loop: ops sent in this second more than 1 ms after their intended time (the client
+    /// fell behind; their latency counts from the intended time).
+    pub late_ops: u64,
     pub ops_per_sec: f64,
     pub keys_per_sec: f64,
     pub p50_us: f64,
@@ -96,6 +99,9 @@ pub struct Settled {
 #[serde(default)]
 pub struct SweepStep {
     pub offered_ops_per_sec: f64,
+    /// When this rate's run began, seconds on the run's time axis (its seconds in `timeline`
+    /// are numbered from the whole second below it).
+    pub from_s: f64,
     pub ops_per_sec: f64,
     pub p50_us: f64,
     pub p99_us: f64,
@@ -161,6 +167,11 @@ pub struct BenchReport {
     pub settings: BenchArgs,
     pub phases: Vec<Phase>,
     pub started_unix_ms: u64,
+    /// When the measured run began (after the load phase and the wait for the servers' load
+    /// history): t = 0 of `timeline` and of `server_load`, in Unix milliseconds, to line the
+    /// run up with other records of the machine (`scripts/lib/machine_monitor.py`).
+    #[serde(default)]
+    pub run_started_unix_ms: u64,
     pub load: Option<Totals>,
     pub totals: Totals,
     /// Keyed by op type: "get", "set", "all".

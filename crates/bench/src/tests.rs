@@ -114,6 +114,26 @@ fn open_loop_is_bounded_by_max_ops() {
 }
 
 #[test]
+fn open_loop_client_sleeps_between_sends() {
+    // 2,000 ops/s for a second: the ops are 500 µs apart, so a client that sleeps until each
+    // is due (a timer, not a busy-poll) uses a small part of its core; one that busy-polls uses
+    // all the CPU it gets. CPU time, not a wall-clock speed: a loaded machine only lowers it.
+    let s = StubServer::start().unwrap();
+    let a = BenchArgs { rate: Some(2_000.0), duration: Some(1.0), max_ops: Some(4_000), ..args_for(&[&s]) };
+    let r = run(a).unwrap();
+    assert!(r.totals.ops >= 1_900 && r.totals.ops <= 2_100, "{:?}", r.totals);
+    assert!(
+        r.client.cpu_secs < 0.5 * r.totals.elapsed_s,
+        "the client used {:.2} s of CPU in {:.2} s",
+        r.client.cpu_secs,
+        r.totals.elapsed_s
+    );
+    // every second of the run lines up with the clock: t = 0 is when the run began
+    assert!(r.run_started_unix_ms >= r.started_unix_ms);
+    assert_eq!(r.timeline.iter().map(|s| s.late_ops).sum::<u64>(), r.totals.late_ops);
+}
+
+#[test]
 fn phases_are_recorded() {
     let s = StubServer::start().unwrap();
     let a = BenchArgs { phases: Some("a:30,c:30".into()), max_ops: Some(100), ..args_for(&[&s]) };

@@ -234,7 +234,7 @@ impl Outer {
     /// whether the host's own eventfd was signalled.
     fn wait(&self, hosted: &mut [Hosted], timeout: Duration) -> io::Result<bool> {
         let mut evs = [libc::epoll_event { events: 0, u64: 0 }; 64];
-        let ms = timeout.as_millis().min(i32::MAX as u128) as libc::c_int;
+        let ms = epoll_ms(timeout);
         // SAFETY: `evs` is a valid buffer of `evs.len()` events for the kernel to fill.
         let n = unsafe { libc::epoll_wait(self.0, evs.as_mut_ptr(), evs.len() as libc::c_int, ms) };
         if n < 0 {
@@ -251,6 +251,16 @@ impl Outer {
         }
         Ok(host)
     }
+}
+
+/// `epoll_wait`'s timeout for `timeout`: whole milliseconds, rounded **up** (as mio does for a
+/// worker alone on its thread). Rounded down, a worker out of emulated capacity with a
+/// sub-millisecond wait for its next token (250 µs at 4,000 requests/s) had its host poll with
+/// a zero timeout in a loop until the credit came back: the host spun, and with several
+/// servers' hosts doing it on a small machine the servers' CPU tripled at the load where
+/// workers first run out of credit (docs/benchmarks.md §15, round 6).
+fn epoll_ms(timeout: Duration) -> libc::c_int {
+    timeout.as_nanos().div_ceil(1_000_000).min(i32::MAX as u128) as libc::c_int
 }
 
 /// A worker on this host, the last time it ran its housekeeping, and whether its epoll
@@ -401,5 +411,22 @@ fn host(shared: &Shared, handoff: &Handoff, t: usize, initial: Vec<Worker>) -> i
         if !idle || !inbound.is_empty() || th.epoch.load(Ordering::Acquire) != seen {
             timeout = Duration::ZERO;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_wait_shorter_than_a_millisecond_blocks_instead_of_spinning() {
+        assert_eq!(epoll_ms(Duration::ZERO), 0);
+        // a token's wait at 4,000 requests/s, and one nanosecond: poll for 1 ms, not 0
+        assert_eq!(epoll_ms(Duration::from_micros(250)), 1);
+        assert_eq!(epoll_ms(Duration::from_nanos(1)), 1);
+        assert_eq!(epoll_ms(Duration::from_millis(1)), 1);
+        assert_eq!(epoll_ms(Duration::from_micros(1_500)), 2);
+        assert_eq!(epoll_ms(Duration::from_millis(100)), 100);
+        assert_eq!(epoll_ms(Duration::from_secs(u64::MAX)), i32::MAX);
     }
 }

@@ -38,13 +38,16 @@ impl Pending for (u32, Expect) {
 }
 
 /// The replies the bench's requests allow: a get (read with [`Expect::Hits`]) ends with `END`,
-/// a set with a status line; either may be an error or a redirect.
+/// a set with a status line, a routed driver's `mbal hello` with `MBAL ...`; any may be an
+/// error or a redirect.
 #[inline]
 fn fits(expect: Expect, f: &Frame<'_>) -> bool {
     match f {
         Frame::Error(_) | Frame::Redirect { .. } => true,
         Frame::End { .. } => expect == Expect::Hits,
-        Frame::Stored | Frame::NotStored | Frame::Exists | Frame::NotFound => expect == Expect::Line,
+        Frame::Stored | Frame::NotStored | Frame::Exists | Frame::NotFound | Frame::Hello { .. } => {
+            expect == Expect::Line
+        }
         _ => false,
     }
 }

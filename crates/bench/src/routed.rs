@@ -15,10 +15,12 @@
 //! from redirects, and sent to the first worker of the owner's thread (the hello is
 //! `mbal hello <epoch> <worker> threads`, whose answer gives the server's thread count;
 //! docs/protocol.md): where workers share threads, only those connections are busy. A redirect
-//! that shows the count stale ([`mbal_cluster::Learned::threads_stale`]) sends `mbal hello`
-//! again on the owner's connection, and until its answer that server is routed per worker. A multiget is split per owning worker ([`Router::split`]: one
-//! `get k1 k2 ..` per worker; the op's keys are regrouped by owner so each part is a contiguous
-//! range of the op's key list) and counts as one op.
+//! to another worker of the same server sends `mbal hello ... threads` again on the connection
+//! that redirected (the server serves no thread-mate's keys there until then), and one that
+//! shows the count stale ([`mbal_cluster::Learned::threads_stale`]) routes that server per
+//! worker until the answer. A multiget is split per destination worker ([`Router::split`]:
+//! one `get k1 k2 ..` per owner, or per owner's thread; the op's keys are regrouped so each
+//! part is a contiguous range of the op's key list) and counts as one op.
 //!
 //! A reply `RD <epoch> <server> <worker>` replaces the whole reply of a request; what it teaches
 //! is the router's rule ([`Router::learn`]), the same as the client's:
@@ -289,7 +291,12 @@ impl RoutedDriver {
             let mut std = connect_std(addr, tls)?;
             std.sock().set_read_timeout(Some(IO_TIMEOUT))?;
             let hello = format!("mbal hello {} {w} threads\r\n", map.epoch());
-            let reply = call(&mut std, hello.as_bytes()).with_context(|| format!("mbal hello to {addr}"))?;
+            let mut reply = call(&mut std, hello.as_bytes()).with_context(|| format!("mbal hello to {addr}"))?;
+            if matches!(&reply, Reply::Error(l) if l.starts_with("CLIENT_ERROR")) {
+                // An older mbal does not know `threads`: routed per worker, as it serves.
+                let hello = format!("mbal hello {} {w}\r\n", map.epoch());
+                reply = call(&mut std, hello.as_bytes()).with_context(|| format!("mbal hello to {addr}"))?;
+            }
             match reply {
                 Reply::Hello { server, worker, threads, .. } if (server, worker) == (s, w) => {
                     router.set_threads(s, threads)
@@ -396,12 +403,13 @@ impl State {
             self.ops[token].errors += 1;
             return false;
         };
-        if learned.threads_stale.is_some() {
-            // The server's threads changed: its keys go to their owners' own connections
-            // until `mbal hello` on the one redirected to tells the new count.
-            if let Some(t) = self.target_of(to).filter(|t| !self.hellos.contains(t)) {
-                self.hellos.push(t);
-            }
+        // A redirect to another worker of the same server ends the sender's serving of its
+        // thread-mates' keys (docs/protocol.md): `mbal hello ... threads` there again, which
+        // also gives the thread count anew (until then a stale count, `threads_stale`, routes
+        // that server per worker).
+        let sender = self.targets[from].0;
+        if to.0 == sender.0 && to != sender && !self.hellos.contains(&from) {
+            self.hellos.push(from);
         }
         let hops = part.hops + 1;
         if learned.cachelet.is_some() {
@@ -439,7 +447,7 @@ impl State {
                 self.router.set_threads(server, threads);
                 return;
             }
-            _ if part.hello => return, // an older server's answer: stay per worker
+            _ if part.hello => return, // not an answer to learn from: stay as routed
             Frame::Hint(h) => {
                 // only a home grants leases; a hint on a copy's reply is ignored (the home is
                 // the key's owner as routed: the reply may come from a worker of its thread)

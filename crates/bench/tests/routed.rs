@@ -146,6 +146,35 @@ fn routed_sends_the_keys_of_workers_sharing_a_thread_to_its_first_worker() {
     srv.shutdown();
 }
 
+#[test]
+fn routed_keeps_going_while_the_servers_threads_fold_and_spread() {
+    // 4 workers on 2 threads; the bench meets them folded (one thread), then an operator
+    // spreads and folds them under it: redirects to owners that left the thread, `mbal hello`
+    // again, every op answered.
+    let srv = start(Settings { worker_threads: 2, ..settings(4) });
+    let mut admin = Conn::open(srv.main_addr);
+    assert!(admin.cmd("mbal threads 1\r\n").starts_with("THREADS 1 2"));
+    let addr = srv.main_addr;
+    let bench = std::thread::spawn(move || {
+        run(BenchArgs { max_ops: Some(60_000), multiget: 4, workload: WorkloadKind::A, ..routed_args(addr) })
+    });
+    // A change every 5 ms (pacing, not waiting for anything), for as long as the run lasts.
+    let mut changes = 0;
+    while !bench.is_finished() && changes < 4_000 {
+        let n = 2 - changes % 2;
+        assert!(admin.cmd(&format!("mbal threads {n}\r\n")).starts_with(&format!("THREADS {n} 2")));
+        changes += 1;
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let r = bench.join().unwrap().unwrap();
+    let t = &r.totals;
+    assert_eq!((t.errors, t.unfinished, t.ops), (0, 0, 60_000), "{t:?}");
+    assert_eq!(t.hits, t.get_keys, "{t:?}");
+    assert!(changes >= 2, "{changes}");
+    eprintln!("{changes} changes of the threads, {} redirects", t.redirects);
+    srv.shutdown();
+}
+
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }

@@ -280,8 +280,7 @@ pub struct Client {
     leases: Leases,
     cfg: Config,
     pools: HashMap<Owner, Pool>,
-    /// Workers named by redirects that showed their server's thread count stale (see
-    /// `refresh_threads`).
+    /// Workers that redirected to another worker of their server (see `refresh_threads`).
     stale_threads: Vec<Owner>,
     replica_reads: u64,
     replica_fallbacks: u64,
@@ -462,8 +461,13 @@ impl Client {
     /// server's thread count is learned ([`Router::set_threads`]).
     fn hello(&mut self, mut c: Conn, s: u16, w: u16) -> Result<Conn> {
         let (addr, peer) = (c.addr, c.peer);
-        let hello = format!("mbal hello {} {w} threads\r\n", self.router.map().epoch());
-        match c.call(hello.as_bytes(), Expect::Line)? {
+        let epoch = self.router.map().epoch();
+        let mut reply = c.call(format!("mbal hello {epoch} {w} threads\r\n").as_bytes(), Expect::Line)?;
+        if matches!(&reply, Reply::Error(l) if l.starts_with("CLIENT_ERROR")) {
+            // An older mbal does not know `threads`: routed per worker, as it serves.
+            reply = c.call(format!("mbal hello {epoch} {w}\r\n").as_bytes(), Expect::Line)?;
+        }
+        match reply {
             Reply::Hello { server, worker, threads, .. } if (server, worker) == (s, w) => {
                 self.router.set_threads(s, threads);
                 Ok(c)
@@ -520,10 +524,12 @@ impl Client {
                 peer: Peer::Worker { server: s, worker: w },
                 detail: e.to_string(),
             })?;
-            if learned.threads_stale.is_some() && !self.stale_threads.contains(&r.rd.to) {
-                // Asked again once the request is done (`refresh_threads`); until then the
-                // server's keys go to their owners' own connections.
-                self.stale_threads.push(r.rd.to);
+            // A redirect to another worker of the same server ends the sender's serving of its
+            // thread-mates' keys (docs/protocol.md): say hello there again once the request is
+            // done (`refresh_threads`), which also gives the thread count anew. Until then a
+            // stale count (`threads_stale`) routes that server per worker.
+            if r.rd.to.0 == s && r.rd.to != r.from && !self.stale_threads.contains(&r.from) {
+                self.stale_threads.push(r.from);
             }
             if let Some((s, w)) = learned.fetch_map_from {
                 let mut c = self.take_conn(s, w)?;
@@ -539,9 +545,8 @@ impl Client {
         Ok(())
     }
 
-    /// Ask the servers whose thread count a redirect showed stale for it again (`mbal hello`
-    /// on a connection to the worker that redirected to; a failure leaves the server routed
-    /// per worker).
+    /// Say `mbal hello ... threads` again to the workers that redirected to a thread-mate
+    /// (a failure leaves that server routed as it was, or per worker if its count was stale).
     fn refresh_threads(&mut self) {
         while let Some((s, w)) = self.stale_threads.pop() {
             if let Ok(c) = self.take_conn(s, w).and_then(|c| self.hello(c, s, w)) {

@@ -175,6 +175,30 @@ fn redirect_ping_pong_gives_up_after_max_redirects() {
 }
 
 #[test]
+fn an_older_mbal_without_threads_is_routed_per_worker() {
+    // An mbal from before `mbal hello <epoch> <worker> threads` refuses the word.
+    let old = |w: u16| {
+        move |l: &str| -> Option<String> {
+            Some(if l.starts_with("mbal hello") && l.ends_with("threads") {
+                "CLIENT_ERROR unknown mbal command\r\n".into()
+            } else if l.starts_with("mbal hello") {
+                format!("MBAL 0 {w} 1\r\n")
+            } else {
+                "STORED\r\n".into()
+            })
+        }
+    };
+    let (a0, _) = fake(4, old(0));
+    let (a1, _) = fake(4, old(1));
+    let mut c = Client::from_map(one_server_map(a0, vec![a0, a1]), quick());
+    for i in 0..20 {
+        assert!(c.set(format!("k{i}").as_bytes(), b"v", 0, 0).unwrap());
+    }
+    assert_eq!(c.server_threads(0), 0, "per worker");
+    assert_eq!(c.connected(), vec![(0, 0), (0, 1)]);
+}
+
+#[test]
 fn plain_memcached_is_not_mbal() {
     let (a, _) = fake(4, |_| Some("ERROR\r\n".into()));
     assert!(matches!(Client::connect(a, quick()), Err(Error::NotMbal { addr }) if addr == a));

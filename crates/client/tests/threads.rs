@@ -212,6 +212,17 @@ fn clients_keep_reading_their_writes_while_the_threads_change() {
                         assert_eq!(c.get(k.as_bytes()).unwrap().unwrap().data, v.as_bytes(), "{k} after its set");
                         last.insert(k, v);
                     }
+                    // two writes of one key in one pipeline: the later one stays
+                    let (first, second) = (format!("{t}-{round}-a"), format!("{t}-{round}-b"));
+                    let items: Vec<(&[u8], &[u8])> = keys
+                        .iter()
+                        .map(|k| (k.as_bytes(), first.as_bytes()))
+                        .chain(keys.iter().map(|k| (k.as_bytes(), second.as_bytes())))
+                        .collect();
+                    assert!(c.set_multi(&items, 0, 0).unwrap().iter().all(|&b| b));
+                    for k in &keys {
+                        last.insert(k, second.clone());
+                    }
                     let ask: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
                     for (k, v) in keys.iter().zip(c.get_multi(&ask).unwrap()) {
                         assert_eq!(v.unwrap().data, last[k.as_str()].as_bytes(), "{k} in a multi-get");

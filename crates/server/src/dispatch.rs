@@ -58,8 +58,9 @@ pub(crate) struct Route<'a, 'n> {
     pub server: u16,
     /// The connection opted in to redirects.
     pub routed: bool,
-    /// ... and to being served the keys of the workers on its worker's thread.
-    pub by_thread: bool,
+    /// ... and to being served the keys of the workers on its worker's thread (cleared by a
+    /// redirect to another worker, see `redirect`).
+    pub by_thread: &'a mut bool,
     pub outbox: &'a mut [Outbox],
     pub counters: &'a mut Counters,
     /// Requests this worker forwarded and has no reply for yet.
@@ -97,7 +98,7 @@ impl<'n> Route<'_, 'n> {
     fn takes(&self, shared: &Shared, d: Dest) -> bool {
         match d {
             Dest::Here => true,
-            Dest::Worker(w) => self.by_thread && self.near.hosts(w) && shared.routes_by_thread(),
+            Dest::Worker(w) => *self.by_thread && self.near.hosts(w) && shared.routes_by_thread(),
             Dest::Server(..) => false,
         }
     }
@@ -642,7 +643,14 @@ pub(crate) fn hello(shared: &Shared, server: u16, worker: usize, by_thread: bool
 fn redirect(shared: &Shared, rt: &mut Route, output: &mut Output, d: Dest, key: Option<&[u8]>) {
     let (s, w) = match d {
         Dest::Here => unreachable!("no redirect to ourselves"),
-        Dest::Worker(w) => (rt.server, w as u16),
+        Dest::Worker(w) => {
+            // A connection routed by thread is served no thread-mate's keys after this until
+            // it says `mbal hello ... threads` again: a later request of its pipeline for the
+            // same key must not run here before the client resends this one to the owner (the
+            // threads may change back in between).
+            *rt.by_thread = false;
+            (rt.server, w as u16)
+        }
         Dest::Server(s, w) => (s, w),
     };
     rt.counters.redirects += 1;

@@ -391,7 +391,7 @@ impl Worker {
                 tables: &mut self.tables,
                 server: self.shared.server_id,
                 routed: *routed,
-                by_thread: *by_thread,
+                by_thread,
                 outbox: &mut self.outbox,
                 counters: &mut self.counters,
                 inflight: &mut self.inflight,

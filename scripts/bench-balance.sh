@@ -97,7 +97,7 @@ if [ "$MODE" = hotkeys ]; then
   OUT=${OUT_HOT:-results/hotkeys}
   CONNS=${CONNS:-64}
   PIPELINE=${PIPELINE:-8}
-elif [ "$MODE" = balance ]; then
+elif [ "$MODE" = balance ] || [ "$MODE" = all ]; then
   # Phase 2 alone: Phase 1 is on by default in a cluster of two or more servers, which would
   # balance in both modes (docs/benchmarks.md §10 isolates Phase 2; `both` runs them together).
   SERVER_ARGS="--hot-keys off ${SERVER_ARGS}"

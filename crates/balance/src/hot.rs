@@ -95,7 +95,8 @@ pub enum KeyTransition {
     Cool,
     /// COLD_PENDING → HOT: hot again while its replicas still exist.
     Reheat,
-    /// COLD_PENDING → COLD: leases over, replicas deleted.
+    /// COLD_PENDING → COLD: leases over (or, to make room under REPL_high
+    /// for a hotter key, at once), replicas deleted.
     Retire,
 }
 
@@ -160,14 +161,18 @@ pub struct HotConfig {
     /// `total % servers` servers get one more), so that the cluster as a
     /// whole stays within floor(2·n·ln n).
     pub repl_high: Option<usize>,
-    /// When REPL_high is reached (default on), a key at least twice as hot
-    /// as the coolest displaceable HOT key of this server (see
-    /// `displace_quiet`) displaces it: the coolest cools at
-    /// once (no new leases, retired after the leases it gave) and the new
-    /// key is replicated in the same epoch. REPL_high then bounds the keys
-    /// granted leases (HOT_PENDING, HOT); the keys retiring come on top
-    /// for `lease_epochs` + 1 epochs. See docs/benchmarks.md §15 for what
-    /// it does to the copies made and the reaction time.
+    /// When REPL_high is reached (default on), a waiting key makes room:
+    /// first a key already retiring (COLD_PENDING) is retired at once,
+    /// then a key at least twice as hot as the coolest displaceable HOT
+    /// key of this server (see `displace_quiet`) displaces it, retired at
+    /// once too; the new key is replicated in the same epoch. Retired at
+    /// once: its copies are deleted now, not after the leases it gave (a
+    /// client still holding one is redirected home by the copy's worker,
+    /// docs/protocol.md), so REPL_high bounds the keys with copies (HOT,
+    /// HOT_PENDING, COLD_PENDING) at every epoch and alarm. Off: a new key
+    /// waits until an old one has cooled and retired after its leases.
+    /// See docs/benchmarks.md §15 for what it does to the copies made and
+    /// the reaction time.
     pub displace: bool,
     /// With `displace`: a HOT key may be displaced only after this many
     /// consecutive epochs (default 1) in which its rate as measured (not
@@ -354,8 +359,8 @@ struct Entry {
     /// Replicated by an operator ([`HotKeys::pin`]): never cools or drops.
     pinned: bool,
     /// It retires once its leases end and is not re-heated before: its
-    /// copies were lost ([`HotKeys::copies_lost`]), their replication failed
-    /// or timed out, or it was displaced by a hotter key.
+    /// copies were lost ([`HotKeys::copies_lost`]), or their replication
+    /// failed or timed out.
     broken: bool,
     /// This epoch's rate as measured (requests/s over all copies), before
     /// the smoothing of `reads`/`writes`; 0 when not seen. Displacement

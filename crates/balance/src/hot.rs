@@ -28,6 +28,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
 mod alarm;
+pub use alarm::AlarmDecision;
 mod estimate;
 pub use estimate::{choose_threshold, copies, estimate_max_over_avg, expected_max_normal, sample_rate_for};
 
@@ -94,7 +95,8 @@ pub enum KeyTransition {
     Cool,
     /// COLD_PENDING → HOT: hot again while its replicas still exist.
     Reheat,
-    /// COLD_PENDING → COLD: leases over, replicas deleted.
+    /// COLD_PENDING → COLD: leases over (or, to make room under REPL_high
+    /// for a hotter key, at once), replicas deleted.
     Retire,
 }
 
@@ -159,14 +161,18 @@ pub struct HotConfig {
     /// `total % servers` servers get one more), so that the cluster as a
     /// whole stays within floor(2·n·ln n).
     pub repl_high: Option<usize>,
-    /// When REPL_high is reached (default on), a key at least twice as hot
-    /// as the coolest displaceable HOT key of this server (see
-    /// `displace_quiet`) displaces it: the coolest cools at
-    /// once (no new leases, retired after the leases it gave) and the new
-    /// key is replicated in the same epoch. REPL_high then bounds the keys
-    /// granted leases (HOT_PENDING, HOT); the keys retiring come on top
-    /// for `lease_epochs` + 1 epochs. See docs/benchmarks.md §15 for what
-    /// it does to the copies made and the reaction time.
+    /// When REPL_high is reached (default on), a waiting key makes room:
+    /// first a key already retiring (COLD_PENDING) is retired at once,
+    /// then a key at least twice as hot as the coolest displaceable HOT
+    /// key of this server (see `displace_quiet`) displaces it, retired at
+    /// once too; the new key is replicated in the same epoch. Retired at
+    /// once: its copies are deleted now, not after the leases it gave (a
+    /// client still holding one is redirected home by the copy's worker,
+    /// docs/protocol.md), so REPL_high bounds the keys with copies (HOT,
+    /// HOT_PENDING, COLD_PENDING) at every epoch and alarm. Off: a new key
+    /// waits until an old one has cooled and retired after its leases.
+    /// See docs/benchmarks.md §15 for what it does to the copies made and
+    /// the reaction time.
     pub displace: bool,
     /// With `displace`: a HOT key may be displaced only after this many
     /// consecutive epochs (default 1) in which its rate as measured (not
@@ -353,8 +359,8 @@ struct Entry {
     /// Replicated by an operator ([`HotKeys::pin`]): never cools or drops.
     pinned: bool,
     /// It retires once its leases end and is not re-heated before: its
-    /// copies were lost ([`HotKeys::copies_lost`]), their replication failed
-    /// or timed out, or it was displaced by a hotter key.
+    /// copies were lost ([`HotKeys::copies_lost`]), or their replication
+    /// failed or timed out.
     broken: bool,
     /// This epoch's rate as measured (requests/s over all copies), before
     /// the smoothing of `reads`/`writes`; 0 when not seen. Displacement
@@ -657,14 +663,60 @@ impl HotKeys {
         self.apply(key, KeyEvent::Tracked, log);
     }
 
-    /// Keys counted against REPL_high: those with copies, or with
-    /// `displace` those granted leases (HOT_PENDING, HOT) only.
-    fn slots_taken(&self) -> usize {
-        if self.cfg.displace {
-            self.keys.values().filter(|e| matches!(e.state, KeyState::Hot | KeyState::HotPending)).count()
-        } else {
-            self.replicated()
+    /// Retire `key` now (HOT → COLD_PENDING → COLD, or COLD_PENDING →
+    /// COLD): its copies are deleted at once instead of after the leases
+    /// it gave, to make room under REPL_high for a hotter key. A client
+    /// still holding a lease on one of them is answered `RD` there and
+    /// reads at home (docs/protocol.md): no error, one redirect.
+    fn retire_now(&mut self, key: &[u8], log: &mut Vec<(Vec<u8>, KeyTransition)>) -> Option<Retire> {
+        if self.state(key) == KeyState::Hot {
+            self.apply(key, KeyEvent::Cooled, log);
         }
+        if !self.apply(key, KeyEvent::LeasesEnded, log) {
+            return None;
+        }
+        let e = self.keys.get_mut(key).expect("present");
+        let r = Retire { key: key.to_vec(), worker: e.worker, replicas: e.replicas };
+        (e.replicas, e.broken, e.quiet) = (0, false, 0);
+        Some(r)
+    }
+
+    /// With `displace`, make room under REPL_high for keys waiting at
+    /// `heat` (hottest first) beyond `room`: retire at once the keys
+    /// already retiring (COLD_PENDING, coolest first), then the coolest
+    /// HOT keys in `coolest` (rate, key; coolest first), each for a waiting
+    /// key at least twice as hot (and than `floor`). Returns the room made.
+    fn make_room(
+        &mut self,
+        heat: &[(f64, Vec<u8>)],
+        room: usize,
+        coolest: &[(f64, Vec<u8>)],
+        floor: f64,
+        log: &mut Vec<(Vec<u8>, KeyTransition)>,
+        retire: &mut Vec<Retire>,
+    ) -> usize {
+        let mut need = heat.len().saturating_sub(room);
+        let mut freed = 0;
+        let mut pending: Vec<(f64, Vec<u8>)> = self
+            .keys
+            .iter()
+            .filter(|(_, e)| e.state == KeyState::ColdPending && e.replicas > 0)
+            .map(|(k, e)| (e.reads + e.writes, k.clone()))
+            .collect();
+        pending.sort_by(|a, b| a.0.total_cmp(&b.0).then_with(|| a.1.cmp(&b.1)));
+        for (_, k) in pending.into_iter().take(need) {
+            retire.extend(self.retire_now(&k, log));
+            freed += 1;
+        }
+        need -= freed;
+        for ((f, _), (g, k)) in heat.iter().skip(room + freed).take(need).zip(coolest) {
+            if *f < 2.0 * g.max(floor) {
+                break;
+            }
+            retire.extend(self.retire_now(k, log));
+            freed += 1;
+        }
+        freed
     }
 
     fn repl_high(&self, view: &ClusterView) -> usize {
@@ -859,16 +911,15 @@ impl HotKeys {
             });
         }
         if self.cfg.displace && heat.len() > room {
-            // Displacement: the coolest HOT keys (not pinned) cool at once,
-            // each for a waiting key at least twice as hot, which is
-            // replicated now: the displaced keys' copies live on (no new
-            // leases) until their leases end, so the keys with copies may
-            // exceed REPL_high by the keys retiring, for lease_epochs + 1
-            // epochs; the keys granted leases stay within it.
-            // Judged by their rate as measured this epoch (the home's exact
-            // reads × (γ+1) when reported, else its samples and its copies'
-            // last counts), and only once it has been at most
-            // cool_fraction × T (or under the noise floor) for
+            // Displacement: the keys already retiring (COLD_PENDING), then
+            // the coolest HOT keys (not pinned), each for a waiting key at
+            // least twice as hot, are retired at once (their copies
+            // deleted now, not after their leases: REPL_high bounds the
+            // keys with copies), and the waiting keys replicated now.
+            // A HOT key is judged by its rate as measured this epoch (the
+            // home's exact reads × (γ+1) when reported, else its samples
+            // and its copies' last counts), and only once it has been at
+            // most cool_fraction × T (or under the noise floor) for
             // `displace_quiet` epochs running: a key whose readers left (a
             // shifted hot set) frees its slot at the end of the first epoch
             // after, where cooling takes its smoothed rate's fall plus
@@ -881,19 +932,7 @@ impl HotKeys {
                 .map(|(k, e)| (e.recent.min(e.reads + e.writes), k.clone()))
                 .collect();
             coolest.sort_by(|a, b| a.0.total_cmp(&b.0).then_with(|| a.1.cmp(&b.1)));
-            // Keys already retiring (cooled or displaced) make room too.
-            let leased = self.keys.values().filter(|e| matches!(e.state, KeyState::Hot | KeyState::HotPending)).count();
-            room = cap.saturating_sub(leased);
-            let mut freed = 0;
-            for ((f, _), (g, k)) in heat.iter().skip(room).zip(&coolest) {
-                if *f < 2.0 * g {
-                    break;
-                }
-                self.apply(k, KeyEvent::Cooled, &mut log);
-                self.keys.get_mut(k).expect("present").broken = true;
-                freed += 1;
-            }
-            room += freed;
+            room += self.make_room(&heat, room, &coolest, 0.0, &mut log, &mut retire);
         }
         for (f, k) in heat.into_iter().take(room) {
             let want = copies(f, t, max_copies) - 1;

@@ -460,10 +460,7 @@ impl Controller {
                 peers.send_one(w, Envelope::Hot(HotCmd::SampleRate(r)), now);
             }
         }
-        for r in &d.retire {
-            self.hot_meta.remove(&r.key);
-            peers.send_one(r.worker as usize, Envelope::Hot(HotCmd::Retire { key: r.key.as_slice().into() }), now);
-        }
+        self.retire_copies(&d.retire);
         // Renew every copy that exists (a key being made renews once made).
         if let (Some(jobs), Some(hot)) = (&self.shared.replicator, &self.hot) {
             let ttl_ms = self.shared.settings.hot.copy_ttl_ms();
@@ -535,6 +532,16 @@ impl Controller {
         Some(d)
     }
 
+    /// Ask home workers to delete retired keys' copies.
+    fn retire_copies(&mut self, retire: &[mbal_balance::Retire]) {
+        let now = self.now_ns();
+        let peers = self.shared.peers();
+        for r in retire {
+            self.hot_meta.remove(&r.key);
+            peers.send_one(r.worker as usize, Envelope::Hot(HotCmd::Retire { key: r.key.as_slice().into() }), now);
+        }
+    }
+
     /// Ask home workers to make (or widen) copies.
     fn start_copies(&mut self, replicate: &[mbal_balance::Replicate]) {
         let now = self.now_ns();
@@ -563,7 +570,8 @@ impl Controller {
         home_secs: f64,
     ) {
         let Some(hot) = &mut self.hot else { return };
-        let replicate = hot.on_alarm(worker, keys, secs, home, home_secs);
+        let d = hot.on_alarm(worker, keys, secs, home, home_secs);
+        let replicate = d.replicate;
         self.hot_status.alarms += 1;
         tracing::debug!(
             server = self.shared.server_id,
@@ -571,9 +579,11 @@ impl Controller {
             samples = keys.len(),
             secs = format!("{secs:.2}"),
             replicate = ?replicate.iter().map(|r| (String::from_utf8_lossy(&r.key).into_owned(), r.replicas)).collect::<Vec<_>>(),
+            retire = d.retire.len(),
             "hot alarm"
         );
-        if !replicate.is_empty() {
+        self.retire_copies(&d.retire);
+        if !replicate.is_empty() || !d.retire.is_empty() {
             self.start_copies(&replicate);
             // A key the alarm displaced grants no more leases from now on.
             self.send_grants(None);

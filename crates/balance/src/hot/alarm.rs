@@ -3,6 +3,20 @@
 
 use super::*;
 
+/// What an alarm decided: keys to replicate now, and the copies to delete
+/// now of the keys that made room for them under REPL_high.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct AlarmDecision {
+    pub replicate: Vec<Replicate>,
+    pub retire: Vec<Retire>,
+}
+
+impl AlarmDecision {
+    pub fn is_empty(&self) -> bool {
+        self.replicate.is_empty() && self.retire.is_empty()
+    }
+}
+
 impl HotKeys {
     /// The hotspot trigger between epochs: the load (requests/s) above
     /// which a worker should raise an alarm ([`HotKeys::on_alarm`]) at
@@ -40,11 +54,12 @@ impl HotKeys {
         secs: f64,
         home: &[(Box<[u8]>, u64)],
         home_secs: f64,
-    ) -> Vec<Replicate> {
-        let Some((view, avg, min_rate)) = self.last else { return Vec::new() };
+    ) -> AlarmDecision {
+        let none = AlarmDecision::default();
+        let Some((view, avg, min_rate)) = self.last else { return none };
         let max_copies = view.max_copies();
         if secs <= 0.0 || max_copies <= 1 || avg < self.balance.min_load {
-            return Vec::new();
+            return none;
         }
         let mut counts: BTreeMap<&[u8], (f64, f64)> = BTreeMap::new();
         for (k, write) in samples {
@@ -64,7 +79,7 @@ impl HotKeys {
             .map(|(k, (r, w))| (k, (r * scale, w * scale)))
             .collect();
         if seen.is_empty() {
-            return Vec::new();
+            return none;
         }
         // T as the epoch computes it, with these keys' window rates.
         let mut rates: Vec<(f64, bool)> = self
@@ -86,11 +101,13 @@ impl HotKeys {
             .map(|(k, &(r, w))| (r + w, k.to_vec()))
             .collect();
         heat.sort_by(|a, b| b.0.total_cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
-        let mut room = self.repl_high(&view).saturating_sub(self.slots_taken());
+        let mut room = self.repl_high(&view).saturating_sub(self.replicated());
         let mut log = Vec::new();
+        let mut retire = Vec::new();
         if self.cfg.displace && heat.len() > room && home_secs > 0.0 {
             // Displacement within the epoch, judged by the home's exact
-            // reads so far: only this worker's keys are known here.
+            // reads so far: only this worker's HOT keys are known here
+            // (the keys already retiring, any worker's, go first).
             let quiet_below = self.last_cool_below.max(min_rate);
             let home: BTreeMap<&[u8], u64> = home.iter().map(|(k, n)| (&k[..], *n)).collect();
             let mut coolest: Vec<(f64, Vec<u8>)> = self
@@ -103,16 +120,7 @@ impl HotKeys {
                 })
                 .collect();
             coolest.sort_by(|a, b| a.0.total_cmp(&b.0).then_with(|| a.1.cmp(&b.1)));
-            let mut freed = 0;
-            for ((f, _), (g, k)) in heat.iter().skip(room).zip(&coolest) {
-                if *f < 2.0 * g.max(min_rate) {
-                    break;
-                }
-                self.apply(k, KeyEvent::Cooled, &mut log);
-                self.keys.get_mut(k).expect("present").broken = true;
-                freed += 1;
-            }
-            room += freed;
+            room += self.make_room(&heat, room, &coolest, min_rate, &mut log, &mut retire);
         }
         let mut out = Vec::new();
         for (f, k) in heat.into_iter().take(room) {
@@ -125,6 +133,6 @@ impl HotKeys {
             self.apply(&k, KeyEvent::Heated, &mut log);
             out.push(Replicate { key: k, worker, replicas: want, lease_epochs: self.cfg.lease_epochs });
         }
-        out
+        AlarmDecision { replicate: out, retire }
     }
 }

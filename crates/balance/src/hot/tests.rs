@@ -442,7 +442,7 @@ fn displacement_cools_the_coolest_hot_key_for_a_much_hotter_one() {
             let leased =
                 [b"a", b"b", b"c"].iter().filter(|k| matches!(h.state(&k[..]), S::Hot | S::HotPending)).count();
             assert!(leased <= 2, "the keys granted leases stay within the cap: {d:?}");
-            assert!(d.replicated <= 3, "{d:?}");
+            assert!(d.replicated <= 2, "the keys with copies stay within the cap too: {d:?}");
             if h.state(b"c") == S::HotPending {
                 h.replicas_ready(b"c");
             }
@@ -456,8 +456,8 @@ fn displacement_cools_the_coolest_hot_key_for_a_much_hotter_one() {
             // b's measured rate is quiet for displace_quiet (2) epochs: it
             // gives way to c then, while its smoothed rate is still high.
             assert_eq!(states[0], (S::Hot, S::Cold), "not after one quiet epoch: {states:?}");
-            assert_eq!(states[1], (S::ColdPending, S::Hot), "b gives way to c: {states:?}");
-            assert_eq!(states.last().unwrap(), &(S::Cold, S::Hot), "b retired after its leases: {states:?}");
+            assert_eq!(states[1], (S::Cold, S::Hot), "b gives way to c, its copies deleted at once: {states:?}");
+            assert_eq!(states.last().unwrap(), &(S::Invalid, S::Hot), "b, retired and unread, is evicted: {states:?}");
         } else {
             assert!(states.iter().all(|s| s.1 == S::Cold), "{states:?}");
         }
@@ -659,7 +659,7 @@ fn an_alarm_replicates_a_new_hot_key_within_the_epoch() {
     for j in 0..50 {
         sampled(&mut s, format!("noise{j}").as_bytes(), 1, false);
     }
-    let r = h.on_alarm(0, &s, 0.25, &[], 0.0);
+    let r = h.on_alarm(0, &s, 0.25, &[], 0.0).replicate;
     assert_eq!(r.len(), 1, "{r:?}");
     assert_eq!((r[0].key.as_slice(), r[0].worker), (&b"new"[..], 0));
     assert!(r[0].replicas >= 1);
@@ -692,7 +692,8 @@ fn an_alarm_leaves_replicated_and_write_heavy_keys_alone_and_keeps_repl_high() {
     sampled(&mut s, b"counter", 100, false);
     sampled(&mut s, b"counter", 100, true);
     let r = h.on_alarm(0, &s, 0.25, &[], 0.0);
-    let keys: Vec<&[u8]> = r.iter().map(|x| &x.key[..]).collect();
+    assert!(r.retire.is_empty(), "{r:?}");
+    let keys: Vec<&[u8]> = r.replicate.iter().map(|x| &x.key[..]).collect();
     assert_eq!(keys, [&b"a"[..]], "one slot left under REPL_high 2, hottest first: {r:?}");
     assert_eq!(h.hint(b"hot"), g, "the HOT key keeps its copies and leases");
     assert_eq!(h.state(b"b"), S::Invalid);
@@ -729,9 +730,11 @@ fn an_alarm_displaces_a_key_whose_readers_left() {
     // Without the home's counts nothing can be displaced: REPL_high is full.
     assert!(h.on_alarm(0, &s, 0.25, &[], 0.0).is_empty());
     let r = h.on_alarm(0, &s, 0.25, &home, 0.25);
-    let keys: Vec<&[u8]> = r.iter().map(|x| &x.key[..]).collect();
+    let keys: Vec<&[u8]> = r.replicate.iter().map(|x| &x.key[..]).collect();
     assert_eq!(keys, [&b"new"[..]], "{r:?}");
-    assert_eq!(h.state(b"b"), S::ColdPending, "b gave way");
+    assert_eq!(h.state(b"b"), S::Cold, "b gave way, its copies deleted at once");
+    assert_eq!(r.retire, [Retire { key: b"b".to_vec(), worker: 0, replicas: gb }], "{r:?}");
+    assert_eq!(h.replicated(), 3, "REPL_high holds for the keys with copies");
     assert_eq!((h.state(b"a"), h.hint(b"a")), (S::Hot, ga), "a, still read, keeps its slot");
     assert_eq!(h.state(b"c"), S::Hot, "another worker's key is not judged");
     assert!(gb >= 1);
@@ -870,7 +873,9 @@ fn exact_home_reads_free_a_shifted_keys_slot_in_the_first_epoch() {
     h.copy_reads(b"a", (900.0 - home_a) as u64);
     h.copy_reads(b"b", (800.0 - home_b) as u64);
     let d = h.on_epoch(&snapshot(4, &[3000.0, 900.0]), &VIEW);
-    assert_eq!(h.state(b"b"), S::ColdPending, "b gives way at once: {d:?}");
+    assert_eq!(h.state(b"b"), S::Cold, "b gives way at once, its copies deleted now: {d:?}");
+    assert!(d.retire.iter().any(|r| r.key == b"b"), "{d:?}");
+    assert_eq!(d.replicated, 2, "{d:?}");
     assert_eq!(h.state(b"c"), S::HotPending, "c is replicated in the same epoch: {d:?}");
     assert_eq!(h.state(b"a"), S::Hot, "a, still read, stays: {d:?}");
     assert!(d.replicate.iter().any(|r| r.key == b"c"), "{d:?}");
@@ -920,4 +925,117 @@ fn a_hot_keys_rate_is_measured_from_its_copies_reads_when_they_report() {
         h.on_epoch(&snapshot(5, &[1800.0, 200.0]), &VIEW);
         assert!((rate(&h).unwrap() - 700.0).abs() < 1.0, "{:?}", rate(&h));
     }
+}
+
+/// With REPL_high full, a key already retiring (COLD_PENDING: here its
+/// copies were lost) gives its slot to a waiting key at once, its copies
+/// deleted now rather than after its leases: the keys with copies stay
+/// within REPL_high. Without displacement the waiting key waits for the
+/// retirement after the leases.
+#[test]
+fn a_retiring_key_makes_room_at_once_and_the_keys_with_copies_stay_within_the_cap() {
+    for displace in [true, false] {
+        let cfg = HotConfig {
+            sample_rate: 1.0,
+            sample_target: 0.0,
+            decay: 0.0,
+            repl_high: Some(2),
+            displace,
+            ..HotConfig::default()
+        };
+        let mut h = HotKeys::new(cfg, Config::default());
+        feed(&mut h, 1, &[(b"a", 900.0, 0.0), (b"b", 800.0, 0.0)]);
+        h.on_epoch(&snapshot(1, &[3000.0, 900.0]), &VIEW);
+        h.replicas_ready(b"a");
+        h.replicas_ready(b"b");
+        let (ga, gb) = (f64::from(h.hint(b"a")), f64::from(h.hint(b"b")));
+        assert_eq!(h.copies_lost(b"b"), Some(T::Cool));
+        assert_eq!(h.state(b"b"), S::ColdPending);
+        let mut c_at = None;
+        for e in 2..8 {
+            feed(&mut h, e, &[(b"a", 900.0 / (ga + 1.0), 0.0), (b"b", 800.0 / (gb + 1.0), 0.0), (b"c", 2000.0, 0.0)]);
+            let d = h.on_epoch(&snapshot(e, &[3000.0, 900.0]), &VIEW);
+            assert!(d.replicated <= 2, "epoch {e}: {d:?}");
+            assert_eq!(d.replicated, h.replicated());
+            if d.replicate.iter().any(|r| r.key == b"c") {
+                assert!(d.retire.iter().any(|r| r.key == b"b"), "b's copies go in the same epoch: {d:?}");
+                c_at.get_or_insert(e);
+                h.replicas_ready(b"c");
+            }
+        }
+        assert_eq!(h.state(b"a"), S::Hot);
+        assert_eq!(h.state(b"c"), S::Hot);
+        let lease = u64::from(HotConfig::default().lease_epochs);
+        assert_eq!(c_at, Some(if displace { 2 } else { 2 + lease }), "displace {displace}");
+    }
+}
+
+/// A hot set that shifts every few epochs, with alarms between the
+/// epochs: after every epoch and every alarm the keys with copies (HOT,
+/// HOT_PENDING, COLD_PENDING) are within REPL_high, and every key the
+/// policy retired at once is COLD with no copies.
+#[test]
+fn the_keys_with_copies_never_pass_repl_high_while_the_hot_set_shifts() {
+    let cap = 3;
+    let cfg =
+        HotConfig { sample_rate: 1.0, sample_target: 0.0, decay: 0.0, repl_high: Some(cap), ..HotConfig::default() };
+    let mut h = HotKeys::new(cfg, Config::default());
+    let mut displaced = 0;
+    for e in 1..40u64 {
+        // Sets of 4 keys (one more than the cap), the set changing every 4 epochs.
+        let set = e / 4;
+        let keys: Vec<Vec<u8>> = (0..4).map(|i| format!("k{set}-{i}").into_bytes()).collect();
+        let rates = [2400.0, 1800.0, 1500.0, 1200.0];
+        let mut hot: Vec<(&[u8], f64, f64)> = Vec::new();
+        for (k, f) in keys.iter().zip(rates) {
+            // The home sees 1/(γ+1) of a HOT key's reads, and counts them exactly.
+            let g = f64::from(h.hint(k));
+            hot.push((k, (f / (g + 1.0)).round(), 0.0));
+            if h.state(k) == S::Hot {
+                h.home_reads(k, (f / (g + 1.0)).round() as u64);
+            }
+        }
+        let left: Vec<Vec<u8>> =
+            h.keys.iter().filter(|(k, e)| e.state == S::Hot && !keys.contains(k)).map(|(k, _)| k.clone()).collect();
+        for k in left {
+            // The old set's readers left: their homes serve none of their reads.
+            h.home_reads(&k, 0);
+        }
+        // An alarm a quarter into the epoch, with the new set's samples.
+        let mut s = Vec::new();
+        for (k, f) in keys.iter().zip(rates) {
+            if h.state(k) != S::Hot {
+                sampled(&mut s, k, (f / 4.0) as usize, false);
+            }
+        }
+        let home: Vec<(Box<[u8]>, u64)> = h
+            .keys
+            .iter()
+            .filter(|(_, e)| e.state == S::Hot)
+            .map(|(k, e)| {
+                let f = keys.iter().zip(rates).find(|(x, _)| *x == k).map_or(0.0, |(_, f)| f);
+                (k.as_slice().into(), (f / f64::from(e.replicas + 1) / 4.0) as u64)
+            })
+            .collect();
+        let a = h.on_alarm(0, &s, 0.25, &home, 0.25);
+        assert!(h.replicated() <= cap, "after the alarm of epoch {e}: {a:?}");
+        for r in &a.replicate {
+            h.replicas_ready(&r.key);
+        }
+        for r in &a.retire {
+            assert_eq!(h.state(&r.key), S::Cold, "{r:?}");
+            displaced += 1;
+        }
+        feed(&mut h, e, &hot);
+        let d = h.on_epoch(&snapshot(e, &[6000.0, 900.0]), &VIEW);
+        assert!(d.replicated <= cap, "epoch {e}: {d:?}");
+        for r in &d.replicate {
+            h.replicas_ready(&r.key);
+        }
+        for r in &d.retire {
+            assert_eq!(h.state(&r.key), S::Cold, "{r:?}");
+            displaced += 1;
+        }
+    }
+    assert!(displaced >= 10, "the shifts retired old keys: {displaced}");
 }

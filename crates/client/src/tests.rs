@@ -3,6 +3,7 @@
 //! loops, non-mbal servers, mismatched hello, timeouts, reconnects).
 
 use super::*;
+use crate::multi::assign;
 use mbal_cluster::{ServerInfo, ServerSpec};
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpListener;

@@ -30,7 +30,9 @@ use std::collections::BTreeMap;
 mod alarm;
 pub use alarm::AlarmDecision;
 mod estimate;
+mod slots;
 pub use estimate::{choose_threshold, copies, estimate_max_over_avg, expected_max_normal, sample_rate_for};
+pub use slots::SlotLedger;
 
 /// A tracked key's state (SPORE Fig. 5).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -159,7 +161,8 @@ pub struct HotConfig {
     /// once. `None`: this server's share of floor(2·n·ln n) for the
     /// cluster's n workers, split evenly over the servers (the first
     /// `total % servers` servers get one more), so that the cluster as a
-    /// whole stays within floor(2·n·ln n).
+    /// whole stays within floor(2·n·ln n), with slots lent between
+    /// servers on top ([`SlotLedger`], [`HotKeys::set_repl_high`]).
     pub repl_high: Option<usize>,
     /// When REPL_high is reached (default on), a waiting key makes room:
     /// first a key already retiring (COLD_PENDING) is retired at once,
@@ -340,6 +343,13 @@ pub struct ReplicaDecision {
     pub escalate: Option<HotEscalation>,
     /// Keys with replicas (HOT_PENDING, HOT, COLD_PENDING) after this.
     pub replicated: usize,
+    /// REPL_high for this server at this epoch (its share, less the slots
+    /// it lent, plus those it holds).
+    #[serde(default)]
+    pub cap: usize,
+    /// Keys that wanted copies and found no slot under it.
+    #[serde(default)]
+    pub waiting: usize,
     /// State changes this epoch, in key order.
     pub transitions: Vec<(Vec<u8>, KeyTransition)>,
 }
@@ -397,6 +407,11 @@ pub struct HotKeys {
     /// Reads each replicated key got at its home this epoch, counted
     /// exactly ([`HotKeys::home_reads`]).
     home_reads: BTreeMap<Vec<u8>, u64>,
+    /// REPL_high as the caller sets it from the slots lent and held
+    /// ([`HotKeys::set_repl_high`]); `None`: the even share.
+    cap: Option<usize>,
+    /// Keys that wanted copies at the last epoch or alarm and found no slot.
+    waiting: usize,
 }
 
 /// REPL_high for the whole cluster: floor(2·n·ln n) for its n workers
@@ -432,7 +447,23 @@ impl HotKeys {
             copy_reads: BTreeMap::new(),
             home_reads: BTreeMap::new(),
             last_cool_below: f64::INFINITY,
+            cap: None,
+            waiting: 0,
         }
+    }
+
+    /// REPL_high for this server from now on, when slots are lent between
+    /// servers ([`SlotLedger::cap`]); `None`: its even share. An explicit
+    /// [`HotConfig::repl_high`] wins. When the cap falls below the keys
+    /// with copies, the next epoch retires the coolest at once.
+    pub fn set_repl_high(&mut self, cap: Option<usize>) {
+        self.cap = cap;
+    }
+
+    /// Keys that wanted copies at the last epoch (or an alarm since) and
+    /// found no slot under REPL_high.
+    pub fn waiting(&self) -> usize {
+        self.waiting
     }
 
     /// The reads `key`'s copies served since they were last renewed, as the shadows count
@@ -720,7 +751,28 @@ impl HotKeys {
     }
 
     fn repl_high(&self, view: &ClusterView) -> usize {
-        self.cfg.repl_high.unwrap_or_else(|| repl_high_share(view))
+        self.cfg.repl_high.or(self.cap).unwrap_or_else(|| repl_high_share(view))
+    }
+
+    /// Retire at once, coolest first (keys already retiring, then HOT keys
+    /// not pinned), the keys with copies beyond `cap`: a lent slot given
+    /// back.
+    fn trim(&mut self, cap: usize, log: &mut Vec<(Vec<u8>, KeyTransition)>, retire: &mut Vec<Retire>) {
+        let over = self.replicated().saturating_sub(cap);
+        if over == 0 {
+            return;
+        }
+        let mut keys: Vec<(bool, f64, Vec<u8>)> = self
+            .keys
+            .iter()
+            .filter(|(_, e)| e.replicas > 0 && !e.pinned)
+            .filter(|(_, e)| matches!(e.state, KeyState::ColdPending | KeyState::Hot))
+            .map(|(k, e)| (e.state == KeyState::Hot, e.reads + e.writes, k.clone()))
+            .collect();
+        keys.sort_by(|a, b| a.0.cmp(&b.0).then(a.1.total_cmp(&b.1)).then_with(|| a.2.cmp(&b.2)));
+        for (_, _, k) in keys.into_iter().take(over) {
+            retire.extend(self.retire_now(&k, log));
+        }
     }
 
     /// One epoch.
@@ -899,8 +951,10 @@ impl HotKeys {
             }
         }
 
-        // COLD → HOT_PENDING, hottest first, up to REPL_high.
+        // COLD → HOT_PENDING, hottest first, up to REPL_high (first giving
+        // back the slots of a loan that ended).
         let cap = self.repl_high(view);
+        self.trim(cap, &mut log, &mut retire);
         heat.sort_by(|a, b| b.0.total_cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
         let mut escalate = None;
         let mut room = cap.saturating_sub(self.replicated());
@@ -934,6 +988,7 @@ impl HotKeys {
             coolest.sort_by(|a, b| a.0.total_cmp(&b.0).then_with(|| a.1.cmp(&b.1)));
             room += self.make_room(&heat, room, &coolest, 0.0, &mut log, &mut retire);
         }
+        self.waiting = heat.len().saturating_sub(room);
         for (f, k) in heat.into_iter().take(room) {
             let want = copies(f, t, max_copies) - 1;
             let e = self.keys.get_mut(&k).expect("present");
@@ -990,6 +1045,8 @@ impl HotKeys {
             hints,
             escalate,
             replicated: self.replicated(),
+            cap,
+            waiting: self.waiting,
             transitions: log,
         }
     }

@@ -33,10 +33,11 @@
 use crate::msg::{Envelope, Grant, HotCmd, ReplyBatch, ReplyTo, NO_CACHELET};
 use crate::replicate::{Done, Job, Op};
 use crate::worker::Shared;
-use crossbeam_channel::{Receiver, RecvTimeoutError};
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use mbal_balance::hot::repl_high_share;
 use mbal_balance::{
     Access, Balancer, ClusterView, Decision, EpochSnapshot, HotKeyStat, HotKeys, KeyState, Move, ReplicaDecision,
-    WorkerSample,
+    SlotLedger, WorkerSample,
 };
 use mbal_cluster::ClusterMap;
 use mbal_proto::ext;
@@ -77,6 +78,16 @@ pub(crate) enum CtlMsg {
     /// `mbal debug hot <key> <replicas>` / `cool <key>` (replicas 0):
     /// pin a key homed here as replicated, or unpin it.
     Pin { key: Box<[u8]>, replicas: u32, reply: ReplyTo },
+    /// `mbal slots <borrower> <slots> <lease ms>`: another server asks for
+    /// REPL_high slots (`SlotLedger::lend`); answer `SLOTS <granted>`.
+    Lend { borrower: u16, slots: usize, lease_ms: u64, reply: ReplyTo },
+    /// A lender answered an ask sent at `asked_at` (`crate::slots`): hold
+    /// `slots` from it for `lease_ns` from then (0 slots: give back what
+    /// was held from it).
+    SlotsGranted { lender: u16, slots: usize, asked_at: u64, lease_ns: u64 },
+    /// `mbal debug slots <keys>`: ask for slots as if `demand` keys had or
+    /// wanted copies, at once and at every epoch until 0.
+    DebugSlots { demand: usize, reply: ReplyTo },
     /// Look at the shutdown flag.
     Wake,
 }
@@ -127,6 +138,12 @@ pub(crate) struct HotStatus {
     pub copies_failed: u64,
     /// Hotspot alarms heard from this server's workers between epochs.
     pub alarms: u64,
+    /// REPL_high for this server now, the keys waiting for a slot at the
+    /// last epoch, and the slots lent to and held from other servers.
+    pub repl_high: usize,
+    pub waiting: usize,
+    pub slots_lent: usize,
+    pub slots_held: usize,
     /// The fraction of requests sampled now (`HotKeys::sample_rate`; 0
     /// before the first epoch).
     pub sample_rate: f64,
@@ -147,6 +164,19 @@ struct HotMeta {
 
 /// Keys shown by `stats hotkeys` and in `mbal load`.
 const HOT_TOP: usize = 16;
+
+/// REPL_high slots lent between servers (`SlotLedger`): a grant lasts this
+/// many epochs, and a borrower renews what it still needs every epoch.
+const SLOT_LEASE_EPOCHS: u64 = 3;
+/// A borrower counts a grant only while it lasts past its next epoch and a
+/// half (its next check, late by up to half an epoch), so it gives back
+/// what it no longer holds before the grant ends at the lender.
+const SLOT_HORIZON_HALF_EPOCHS: u64 = 3;
+/// Slots a lender keeps free beyond its own needs.
+const SLOT_MARGIN: usize = 1;
+/// An alarm that leaves keys waiting asks for slots at once, but at most
+/// this often (ms).
+const SLOT_ASK_EVERY_MS: u64 = 250;
 
 /// The balancer's figures for `stats balancer` (published once per epoch).
 #[derive(Clone, Debug, Default)]
@@ -194,10 +224,22 @@ pub(crate) struct Controller {
     hot: Option<HotKeys>,
     hot_meta: BTreeMap<Vec<u8>, HotMeta>,
     hot_status: HotStatus,
+    /// REPL_high slots lent and held (Phase 1 with the default REPL_high),
+    /// and the thread that asks other servers for them.
+    ledger: Option<SlotLedger>,
+    slot_asks: Option<Sender<crate::slots::Ask>>,
+    last_ask_ns: Option<u64>,
+    /// `mbal debug slots`: the demand asked for at least.
+    debug_demand: usize,
 }
 
 impl Controller {
-    pub(crate) fn new(shared: Arc<Shared>, inbox: Receiver<CtlMsg>, map: ClusterMap) -> Controller {
+    pub(crate) fn new(
+        shared: Arc<Shared>,
+        inbox: Receiver<CtlMsg>,
+        map: ClusterMap,
+        slot_asks: Option<Sender<crate::slots::Ask>>,
+    ) -> Controller {
         let epoch_len = Duration::from_millis(shared.settings.epoch_ms.max(1));
         let balancer = shared.settings.balancer.then(|| {
             let me = shared.server_id;
@@ -219,7 +261,15 @@ impl Controller {
             .replicator
             .is_some()
             .then(|| HotKeys::new(shared.settings.hot.policy.clone(), hot_balance_config(&shared.settings)));
+        // Slots are lent only under the default REPL_high (the cluster's
+        // floor(2·n·ln n)); an explicit --hot-repl-high is per server.
+        let ledger = (hot.is_some() && shared.settings.hot.policy.repl_high.is_none() && slot_asks.is_some())
+            .then(|| SlotLedger::new(repl_high_share(&view_of(&shared, &map, None))));
         Controller {
+            ledger,
+            slot_asks,
+            last_ask_ns: None,
+            debug_demand: 0,
             balancer,
             status,
             hot,
@@ -304,6 +354,24 @@ impl Controller {
                 None => self.load_waiters.push((after, reply)),
             },
             CtlMsg::Pin { key, replicas, reply } => self.pin(key, replicas, reply),
+            CtlMsg::Lend { borrower, slots, lease_ms, reply } => {
+                let granted = self.lend(borrower, slots, lease_ms);
+                self.answer(reply, format!("SLOTS {granted}\r\n").as_bytes());
+            }
+            CtlMsg::SlotsGranted { lender, slots, asked_at, lease_ns } => {
+                self.slots_granted(lender, slots, asked_at, lease_ns)
+            }
+            CtlMsg::DebugSlots { demand, reply } => {
+                self.debug_demand = demand;
+                if self.ledger.is_none() {
+                    return self.answer(
+                        reply,
+                        b"CLIENT_ERROR no slots are lent here (Phase 1 off or --hot-repl-high set)\r\n",
+                    );
+                }
+                self.ask_slots(demand, self.now_ns());
+                self.answer(reply, b"OK\r\n");
+            }
             CtlMsg::Wake => {}
         }
     }
@@ -438,15 +506,17 @@ impl Controller {
         // the last three epochs (else this server's mean stands for it).
         let own = crate::peerload::mean_load(snap, &hot_balance_config(&self.shared.settings));
         let since = Instant::now().checked_sub(self.epoch_len * 3).unwrap_or_else(Instant::now);
-        let view = ClusterView {
-            server: self.shared.server_id,
-            servers: self.map.servers().len() as u16,
-            workers: self.shared.settings.threads as u16,
-            avg_load: self.shared.peer_loads.cluster_mean(usize::from(self.shared.server_id), own, since),
-        };
+        let avg = self.shared.peer_loads.cluster_mean(usize::from(self.shared.server_id), own, since);
+        let view = view_of(&self.shared, &self.map, avg);
         let now = self.now_ns();
+        if let Some(l) = &mut self.ledger {
+            l.set_base(repl_high_share(&view));
+        }
+        self.set_cap(now);
         let d = self.hot.as_mut()?.on_epoch(snap, &view);
         self.start_copies(&d.replicate);
+        // Slots beyond this server's share for the keys it holds and those waiting.
+        self.ask_slots((d.replicated + d.waiting).max(self.debug_demand), now);
         let peers = self.shared.peers();
         // The alarm limit for the next epoch, to every worker.
         let limit = self.hot.as_ref().and_then(HotKeys::alarm_limit);
@@ -480,6 +550,7 @@ impl Controller {
         st.estimated_max_over_avg = d.estimated_max_over_avg;
         st.unreplicated_max_over_avg = d.unreplicated_max_over_avg;
         st.replicated = d.replicated;
+        st.waiting = d.waiting;
         st.escalate = d.escalate.as_ref().map(|e| format!("{:?}", e.why));
         st.top = self.hot.as_ref().map(|h| h.top(HOT_TOP)).unwrap_or_default();
         if !d.replicate.is_empty() || !d.retire.is_empty() {
@@ -524,6 +595,8 @@ impl Controller {
                 t = format!("{:.0}", d.threshold),
                 est = format!("{:.2}", d.estimated_max_over_avg),
                 replicated = d.replicated,
+                cap = d.cap,
+                waiting = d.waiting,
                 keys = keys.join(" "),
                 "hot epoch"
             );
@@ -583,6 +656,15 @@ impl Controller {
             "hot alarm"
         );
         self.retire_copies(&d.retire);
+        if d.waiting > 0 {
+            // Keys wait for a slot now: ask for more without waiting for the epoch.
+            let now = self.now_ns();
+            let recent = self.last_ask_ns.is_some_and(|t| now.saturating_sub(t) < SLOT_ASK_EVERY_MS * 1_000_000);
+            let demand = self.hot.as_ref().map_or(0, |h| h.replicated()) + d.waiting;
+            if !recent {
+                self.ask_slots(demand, now);
+            }
+        }
         if !replicate.is_empty() || !d.retire.is_empty() {
             self.start_copies(&replicate);
             // A key the alarm displaced grants no more leases from now on.
@@ -701,6 +783,69 @@ impl Controller {
         }
     }
 
+    // ---- REPL_high slots lent between servers (`SlotLedger`) -------------
+
+    fn slot_lease_ns(&self) -> u64 {
+        self.epoch_len.as_nanos() as u64 * SLOT_LEASE_EPOCHS
+    }
+
+    /// Tell the policy its REPL_high from the slots lent and held: held
+    /// grants count while they last past the next check.
+    fn set_cap(&mut self, now: u64) {
+        let (Some(l), Some(h)) = (&self.ledger, &mut self.hot) else { return };
+        let until = now + self.epoch_len.as_nanos() as u64 * SLOT_HORIZON_HALF_EPOCHS / 2;
+        let cap = l.cap(now, until);
+        h.set_repl_high(Some(cap));
+        let st = &mut self.hot_status;
+        (st.repl_high, st.slots_lent, st.slots_held) = (cap, l.lent(now), l.held(until));
+    }
+
+    /// Ask the servers with slots to spare for what `demand` (keys with
+    /// copies and keys waiting) needs beyond this server's share, renewing
+    /// what it holds first.
+    fn ask_slots(&mut self, demand: usize, now: u64) {
+        let lease_ms = (self.slot_lease_ns() / 1_000_000).max(1);
+        let (Some(l), Some(tx)) = (&mut self.ledger, &self.slot_asks) else { return };
+        let need = demand.saturating_sub(l.base());
+        let since = Instant::now().checked_sub(self.epoch_len * 3).unwrap_or_else(Instant::now);
+        let spare = self.shared.peer_loads.spare(usize::from(self.shared.server_id), since, SLOT_MARGIN);
+        let asks = l.asks(need, &spare, now);
+        for &(lender, slots) in &asks {
+            let _ = tx.send(crate::slots::Ask { lender, slots, lease_ms });
+        }
+        if !asks.is_empty() {
+            self.last_ask_ns = Some(now);
+            tracing::debug!(server = self.shared.server_id, demand, need, ?asks, "slots asked");
+        }
+    }
+
+    /// Another server asks for slots: grant what this one can spare.
+    fn lend(&mut self, borrower: u16, slots: usize, lease_ms: u64) -> usize {
+        let now = self.now_ns();
+        let (Some(l), Some(h)) = (&mut self.ledger, &self.hot) else { return 0 };
+        if borrower == self.shared.server_id {
+            return 0;
+        }
+        let lease_ns = lease_ms.min(60_000).saturating_mul(1_000_000);
+        let demand = (h.replicated() + h.waiting()).max(self.debug_demand);
+        let granted = l.lend(borrower, slots, lease_ns, now, demand, SLOT_MARGIN);
+        self.set_cap(now);
+        self.publish_hot();
+        granted
+    }
+
+    fn slots_granted(&mut self, lender: u16, slots: usize, asked_at: u64, lease_ns: u64) {
+        let Some(l) = &mut self.ledger else { return };
+        if lease_ns == 0 {
+            l.drop_held(lender);
+        } else {
+            l.granted(lender, slots, asked_at, lease_ns);
+        }
+        tracing::debug!(server = self.shared.server_id, lender, slots, "slots granted");
+        self.set_cap(self.now_ns());
+        self.publish_hot();
+    }
+
     fn publish_hot(&mut self) {
         self.hot_status.top = self.hot_top();
         *self.shared.hotkeys.lock().unwrap_or_else(|p| p.into_inner()) = Some(self.hot_status.clone());
@@ -789,6 +934,17 @@ impl Controller {
             let (c, to, reply) = self.queued.remove(i).expect("just found");
             self.request_move(c, to, reply);
         }
+    }
+}
+
+/// What Phase 1 knows of the cluster: this server, the servers and
+/// workers of the map, and the cluster's mean load when heard.
+fn view_of(shared: &Shared, map: &ClusterMap, avg_load: Option<f64>) -> ClusterView {
+    ClusterView {
+        server: shared.server_id,
+        servers: map.servers().len() as u16,
+        workers: shared.settings.threads as u16,
+        avg_load,
     }
 }
 

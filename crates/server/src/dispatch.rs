@@ -736,6 +736,17 @@ fn admin(shared: &Shared, rt: &mut Route, output: &mut Output, args: &[u8], data
             rt.ask_controller(shared, output, |reply| CtlMsg::Map { reply });
             Action::None
         }
+        (Some("slots"), Some(from), Some(n), Some(lease)) => {
+            // Another server asks for REPL_high slots (Phase 1, docs/protocol.md).
+            let (Ok(borrower), Ok(slots), Ok(lease_ms)) =
+                (from.parse::<u16>(), n.parse::<usize>(), lease.parse::<u64>())
+            else {
+                output.buf().extend_from_slice(b"CLIENT_ERROR usage: mbal slots <server> <slots> <lease ms>\r\n");
+                return Action::None;
+            };
+            rt.ask_controller(shared, output, |reply| CtlMsg::Lend { borrower, slots, lease_ms, reply });
+            Action::None
+        }
         (Some("load"), after, None, None) => {
             let Ok(after) = after.map_or(Ok(0), str::parse::<u64>) else {
                 output.buf().extend_from_slice(b"CLIENT_ERROR usage: mbal load [<after epoch>]\r\n");
@@ -797,6 +808,17 @@ fn admin(shared: &Shared, rt: &mut Route, output: &mut Output, args: &[u8], data
             };
             let key: Box<[u8]> = key.as_bytes().into();
             rt.ask_controller(shared, output, |reply| CtlMsg::Pin { key, replicas, reply });
+            Action::None
+        }
+        (Some("debug"), Some("slots"), Some(n), None) if shared.settings.debug_commands => {
+            // Ask for REPL_high slots as if `n` keys had or wanted copies
+            // (0: back to the policy's own count): lending made
+            // deterministic for tests.
+            let Ok(demand) = n.parse::<usize>() else {
+                output.buf().extend_from_slice(b"CLIENT_ERROR usage: mbal debug slots <keys>\r\n");
+                return Action::None;
+            };
+            rt.ask_controller(shared, output, |reply| CtlMsg::DebugSlots { demand, reply });
             Action::None
         }
         (Some("debug"), Some("stall"), Some(w), Some(ms)) if shared.settings.debug_commands => {

@@ -47,6 +47,7 @@ mod peerload;
 mod readbuf;
 mod replica;
 mod replicate;
+mod slots;
 pub mod stats;
 #[doc(hidden)]
 pub mod testing;
@@ -302,18 +303,21 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
         threads.push(t);
         policy_stop = Some(stop);
     }
+    let mut slot_asks = None;
     if replicating {
         let servers = map.servers().iter().map(|s| s.main).collect();
         let r = replicate::Replicator::new(shared.clone(), rep_rx, servers);
         threads.push(std::thread::Builder::new().name("mbal-replicate".into()).spawn(move || r.run())?);
         let servers = map.servers().iter().map(|s| s.main).collect();
         peerload::spawn(shared.clone(), servers, control::hot_balance_config(&shared.settings))?;
+        let servers = map.servers().iter().map(|s| s.main).collect();
+        slot_asks = Some(slots::spawn(shared.clone(), servers)?);
     }
     if let Some(parts) = forward_parts {
         let f = forward::Forwarder::new(shared.clone(), parts, map.clone());
         threads.push(std::thread::Builder::new().name("mbal-forward".into()).spawn(move || f.run())?);
     }
-    let controller = control::Controller::new(shared.clone(), control_rx, map);
+    let controller = control::Controller::new(shared.clone(), control_rx, map, slot_asks);
     threads.push(std::thread::Builder::new().name("mbal-control".into()).spawn(move || controller.run())?);
     let acceptor = Acceptor::new(main, shared.clone())?;
     let acceptor_waker = acceptor.waker.clone();

@@ -7,11 +7,17 @@
 //! compares its workers with its own mean only, and a server whose workers
 //! are all above the cluster's mean never sees a hotspot.
 //!
+//! With Phase 1's slots lent between servers (`crate::slots`), the same
+//! records tell a borrower which peers have REPL_high slots to spare: each
+//! carries its server's `hot` decision (keys with copies, its cap, keys
+//! waiting).
+//!
 //! Off the data path: a peer's epoch record is a few KB once per epoch.
 
 use crate::worker::Shared;
 use mbal_balance::{worker_loads, Config, EpochSnapshot};
 use mbal_tls::BlockingStream;
+use serde::Deserialize;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
@@ -26,17 +32,58 @@ use std::time::{Duration, Instant};
 #[derive(Debug, Default)]
 pub(crate) struct PeerLoads {
     slots: Vec<Mutex<Option<(f64, Instant)>>>,
+    /// Each server's last Phase 1 figures (REPL_high slots), when it sent them.
+    hot: Vec<Mutex<Option<(PeerHot, Instant)>>>,
+}
+
+/// What a peer's epoch record says of its REPL_high slots (the fields of
+/// its `hot` decision, `mbal_balance::ReplicaDecision`).
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq)]
+pub(crate) struct PeerHot {
+    pub replicated: usize,
+    #[serde(default)]
+    pub cap: usize,
+    #[serde(default)]
+    pub waiting: usize,
 }
 
 impl PeerLoads {
     pub fn new(servers: usize) -> PeerLoads {
-        PeerLoads { slots: (0..servers).map(|_| Mutex::new(None)).collect() }
+        PeerLoads {
+            slots: (0..servers).map(|_| Mutex::new(None)).collect(),
+            hot: (0..servers).map(|_| Mutex::new(None)).collect(),
+        }
     }
 
     pub fn set(&self, server: usize, mean: f64, at: Instant) {
         if let Some(s) = self.slots.get(server) {
             *s.lock().unwrap_or_else(|p| p.into_inner()) = Some((mean, at));
         }
+    }
+
+    pub fn set_hot(&self, server: usize, hot: PeerHot, at: Instant) {
+        if let Some(s) = self.hot.get(server) {
+            *s.lock().unwrap_or_else(|p| p.into_inner()) = Some((hot, at));
+        }
+    }
+
+    /// The slots each other server heard since `since` reported free beyond
+    /// its keys with copies, its keys waiting and `margin`: whom a borrower
+    /// asks first (the lender decides what it grants).
+    pub fn spare(&self, me: usize, since: Instant, margin: usize) -> Vec<(u16, usize)> {
+        let mut out = Vec::new();
+        for (i, s) in self.hot.iter().enumerate() {
+            if i == me {
+                continue;
+            }
+            if let Some((h, at)) = *s.lock().unwrap_or_else(|p| p.into_inner()) {
+                let free = h.cap.saturating_sub(h.replicated + h.waiting + margin);
+                if at >= since && free > 0 {
+                    out.push((i as u16, free));
+                }
+            }
+        }
+        out
     }
 
     /// The cluster's mean load per worker: this server's (`own`) and every
@@ -94,12 +141,26 @@ fn poll(shared: Arc<Shared>, id: usize, addr: SocketAddr, cfg: Config) {
             }
             write!(r.get_mut(), "mbal load {after}\r\n")?;
             r.get_mut().flush()?;
-            let (seq, snap) = read_load(&mut r)?;
+            let (seq, rec) = read_load(&mut r)?;
             after = after.max(seq);
-            shared.peer_loads.set(id, mean_load(&snap, &cfg), Instant::now());
+            let now = Instant::now();
+            shared.peer_loads.set(id, mean_load(&rec.snapshot, &cfg), now);
+            if let Some(h) = rec.hot {
+                shared.peer_loads.set_hot(id, h, now);
+            }
         });
         if let Err(e) = r {
             tracing::debug!(server = id, "peer load: {e}");
+            // The peer may have restarted: it numbers its epochs from 1
+            // again (so ask from the first), and the REPL_high slots it lent
+            // before no longer count as lent there, so give them back now.
+            after = 0;
+            shared.tell_controller(crate::control::CtlMsg::SlotsGranted {
+                lender: id as u16,
+                slots: 0,
+                asked_at: shared.clock_ns(),
+                lease_ns: 0,
+            });
         }
         // Retry after an epoch (checking for shutdown meanwhile).
         let until = Instant::now() + epoch;
@@ -116,8 +177,17 @@ fn connect(shared: &Shared, addr: SocketAddr, timeout: Duration) -> std::io::Res
     Ok(BufReader::new(s))
 }
 
+/// A peer's epoch record (`mbal load`): its snapshot and Phase 1's figures.
+#[derive(Deserialize)]
+struct PeerRecord {
+    #[serde(flatten)]
+    snapshot: EpochSnapshot,
+    #[serde(default)]
+    hot: Option<PeerHot>,
+}
+
 /// `LOAD <seq> <len>\r\n<json>\r\n`.
-fn read_load(r: &mut BufReader<BlockingStream>) -> std::io::Result<(u64, EpochSnapshot)> {
+fn read_load(r: &mut BufReader<BlockingStream>) -> std::io::Result<(u64, PeerRecord)> {
     let mut line = String::new();
     if r.read_line(&mut line)? == 0 {
         return Err(std::io::Error::other("closed"));
@@ -152,5 +222,29 @@ mod tests {
         assert_eq!(p.cluster_mean(0, 500.0, t0 + Duration::from_millis(500)), Some(650.0), "server 2 is stale");
         p.set(0, 1e9, t0 + Duration::from_secs(1));
         assert_eq!(p.cluster_mean(0, 500.0, t0 + Duration::from_millis(500)), Some(650.0), "its own slot is not read");
+    }
+
+    #[test]
+    fn spare_slots_are_what_peers_heard_lately_left_free() {
+        let p = PeerLoads::new(4);
+        let t0 = Instant::now();
+        let later = t0 + Duration::from_secs(1);
+        p.set_hot(1, PeerHot { replicated: 3, cap: 11, waiting: 1 }, later);
+        p.set_hot(2, PeerHot { replicated: 11, cap: 11, waiting: 4 }, later);
+        p.set_hot(3, PeerHot { replicated: 0, cap: 11, waiting: 0 }, t0);
+        p.set_hot(0, PeerHot { replicated: 0, cap: 11, waiting: 0 }, later);
+        assert_eq!(p.spare(0, t0 + Duration::from_millis(500), 1), vec![(1, 6)], "2 is full, 3 stale, 0 is me");
+    }
+
+    #[test]
+    fn a_record_carries_phase_1s_slots_or_none() {
+        let rec: PeerRecord = serde_json::from_str(
+            r#"{"seq":3,"end_ns":1,"workers":[],"balancer":null,"hot":{"replicated":4,"cap":9,"waiting":2,"epoch":3},"hotkeys":[]}"#,
+        )
+        .unwrap();
+        assert_eq!(rec.snapshot.seq, 3);
+        assert_eq!(rec.hot, Some(PeerHot { replicated: 4, cap: 9, waiting: 2 }));
+        let old: PeerRecord = serde_json::from_str(r#"{"seq":3,"end_ns":1,"workers":[],"hot":null}"#).unwrap();
+        assert_eq!(old.hot, None);
     }
 }

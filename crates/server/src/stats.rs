@@ -670,6 +670,10 @@ pub(crate) fn render_hotkeys(shared: &crate::worker::Shared, sink: &mut dyn Stat
     sink.stat("estimated_max_over_avg", &format_args!("{:.3}", st.estimated_max_over_avg));
     sink.stat("unreplicated_max_over_avg", &format_args!("{:.3}", st.unreplicated_max_over_avg));
     sink.stat("replicated", &st.replicated);
+    sink.stat("repl_high", &st.repl_high);
+    sink.stat("waiting", &st.waiting);
+    sink.stat("slots_lent", &st.slots_lent);
+    sink.stat("slots_held", &st.slots_held);
     sink.stat("copies_made", &st.copies_made);
     sink.stat("copies_failed", &st.copies_failed);
     sink.stat("alarms", &st.alarms);

@@ -385,3 +385,64 @@ fn copies_travel_between_members_that_share_the_cluster_secret() {
     assert_eq!(plain.cmd(&format!("mbal debug hot {key} 1\r\n")), "OK\r\n");
     assert_eq!(routed_get(&mut shadow, &key), (None, Some("v".into())));
 }
+
+/// REPL_high shared across the cluster: a server that needs more slots
+/// than its share borrows them from one that has slots to spare, renews
+/// them while it needs them and gives them back when it does not; the
+/// lender's own cap falls by what it lent until the lease ends.
+#[test]
+fn a_server_borrows_repl_high_slots_from_one_with_slots_to_spare() {
+    // 2 servers x 2 workers: floor(2·4·ln 4) = 11 slots, 6 and 5.
+    let cl = cluster(2, |_| {});
+    let mut a = Conn::open(cl.addr(0));
+    let mut b = Conn::open(cl.addr(1));
+    let await_stat = |c: &mut Conn, name: &str, want: u64| {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let v = stat_of(c, "hotkeys", name);
+            if v == want {
+                return;
+            }
+            assert!(Instant::now() < deadline, "{name} stuck at {v}, want {want}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    await_stat(&mut a, "repl_high", 6);
+    await_stat(&mut b, "repl_high", 5);
+    // Server 0 wants 9 (asked at once and at every epoch; it asks once it
+    // has heard server 1's epochs, which carry its slots): 3 beyond its share, which server 1 can spare (5 less a margin of 1).
+    assert_eq!(a.cmd("mbal debug slots 9\r\n"), "OK\r\n");
+    await_stat(&mut a, "slots_held", 3);
+    await_stat(&mut a, "repl_high", 9);
+    await_stat(&mut b, "slots_lent", 3);
+    await_stat(&mut b, "repl_high", 2);
+    // Held across many leases (100 ms epochs, 300 ms leases): renewed every epoch.
+    await_epochs(&mut a, 10);
+    assert_eq!(stat_of(&mut a, "hotkeys", "slots_held"), 3, "renewed while needed");
+    assert_eq!(stat_of(&mut b, "hotkeys", "slots_lent"), 3);
+    // Server 1 asked directly for more than it can give: what is left.
+    let mut peer = Conn::open(cl.addr(1));
+    assert_eq!(peer.cmd("mbal slots 0 10 300\r\n"), "SLOTS 4\r\n", "5 less the margin; a new ask replaces the old");
+    assert!(peer.cmd("mbal slots x 1 300\r\n").starts_with("CLIENT_ERROR usage"));
+    // No longer needed: given back at the borrower, then counted free again at the lender.
+    assert_eq!(a.cmd("mbal debug slots 0\r\n"), "OK\r\n");
+    await_stat(&mut a, "slots_held", 0);
+    await_stat(&mut a, "repl_high", 6);
+    await_stat(&mut b, "slots_lent", 0);
+    await_stat(&mut b, "repl_high", 5);
+}
+
+/// Wait for `n` more of the server's epochs to end (`mbal load <after>`
+/// answers when the epoch after `after` has ended).
+fn await_epochs(c: &mut Conn, n: usize) {
+    let mut after = stat_of(c, "hotkeys", "epoch");
+    for _ in 0..n {
+        c.send(format!("mbal load {after}\r\n").as_bytes());
+        let head = c.line();
+        let t: Vec<&str> = head.split_whitespace().collect();
+        assert_eq!(t[0], "LOAD", "{head:?}");
+        after = t[1].parse().unwrap();
+        let len: usize = t[2].parse().unwrap();
+        c.exact(len + 2);
+    }
+}

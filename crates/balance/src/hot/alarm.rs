@@ -9,6 +9,8 @@ use super::*;
 pub struct AlarmDecision {
     pub replicate: Vec<Replicate>,
     pub retire: Vec<Retire>,
+    /// Keys that wanted copies and found no slot under REPL_high.
+    pub waiting: usize,
 }
 
 impl AlarmDecision {
@@ -123,6 +125,8 @@ impl HotKeys {
             room += self.make_room(&heat, room, &coolest, min_rate, &mut log, &mut retire);
         }
         let mut out = Vec::new();
+        let waiting = heat.len().saturating_sub(room);
+        self.waiting = self.waiting.max(waiting);
         for (f, k) in heat.into_iter().take(room) {
             let (reads, writes) = seen[&k[..]];
             self.track(&k, worker, reads, writes, &mut log);
@@ -133,6 +137,6 @@ impl HotKeys {
             self.apply(&k, KeyEvent::Heated, &mut log);
             out.push(Replicate { key: k, worker, replicas: want, lease_epochs: self.cfg.lease_epochs });
         }
-        AlarmDecision { replicate: out, retire }
+        AlarmDecision { replicate: out, retire, waiting }
     }
 }

@@ -292,6 +292,51 @@ fn repl_high_caps_and_escalates() {
     assert_eq!(d.escalate.map(|e| e.why), Some(HotEscalateWhy::ReplHigh { wanted: 3, cap: 2 }));
 }
 
+/// With slots lent between servers the caller sets REPL_high: keys that
+/// found no slot are reported waiting (what a borrower asks for), a larger
+/// cap lets them in, and when a loan ends the coolest keys beyond the cap
+/// are retired at once.
+#[test]
+fn a_lent_cap_lets_waiting_keys_in_and_an_ended_loan_retires_the_coolest() {
+    let cfg = HotConfig { sample_rate: 1.0, sample_target: 0.0, decay: 0.0, ..HotConfig::default() };
+    let mut h = HotKeys::new(cfg, Config::default());
+    h.set_repl_high(Some(2));
+    let rates: [(&[u8], f64, f64); 4] =
+        [(b"a", 900.0, 0.0), (b"b", 800.0, 0.0), (b"c", 700.0, 0.0), (b"d", 650.0, 0.0)];
+    feed(&mut h, 1, &rates);
+    let d = h.on_epoch(&snapshot(1, &[3000.0, 900.0]), &VIEW);
+    assert_eq!((d.replicated, d.cap, d.waiting), (2, 2, 2));
+    assert_eq!(h.waiting(), 2);
+    for r in &d.replicate {
+        h.replicas_ready(&r.key);
+    }
+    // Two slots lent to this server: c and d get copies.
+    h.set_repl_high(Some(4));
+    feed(&mut h, 2, &rates);
+    let d = h.on_epoch(&snapshot(2, &[3000.0, 900.0]), &VIEW);
+    let keys: Vec<&[u8]> = d.replicate.iter().map(|r| &r.key[..]).collect();
+    assert!(keys.contains(&&b"c"[..]) && keys.contains(&&b"d"[..]), "{keys:?}");
+    assert_eq!((d.replicated, d.waiting), (4, 0));
+    for r in &d.replicate {
+        h.replicas_ready(&r.key);
+    }
+    // The loan ended: back to 2, the two coolest retired at once.
+    h.set_repl_high(Some(2));
+    feed(&mut h, 3, &rates);
+    let d = h.on_epoch(&snapshot(3, &[3000.0, 900.0]), &VIEW);
+    let mut gone: Vec<&[u8]> = d.retire.iter().map(|r| &r.key[..]).collect();
+    gone.sort();
+    assert_eq!(gone, [&b"c"[..], b"d"]);
+    assert_eq!(d.replicated, 2);
+    assert_eq!((h.state(b"c"), h.state(b"d")), (S::Cold, S::Cold));
+    assert_eq!((h.state(b"a"), h.state(b"b")), (S::Hot, S::Hot));
+    // An explicit REPL_high wins over the lent cap.
+    let cfg = HotConfig { repl_high: Some(3), ..HotConfig::default() };
+    let mut h = HotKeys::new(cfg, Config::default());
+    h.set_repl_high(Some(9));
+    assert_eq!(h.repl_high(&VIEW), 3);
+}
+
 #[test]
 fn default_repl_high_is_the_share_of_2_n_ln_n() {
     let h = HotKeys::new(HotConfig::default(), Config::default());

@@ -1,0 +1,283 @@
+//! REPL_high shared across the cluster: slots lent between servers.
+//!
+//! REPL_high bounds the keys with copies in the whole cluster at
+//! floor(2·n·ln n) (MBal §3.2). Each server starts with an even share (its
+//! *base*, [`super::repl_high_share`]), but a shifted hot set does not fall
+//! evenly on the servers: some have more keys waiting for a slot than their
+//! share while others leave theirs unused (docs/benchmarks.md §15, round 7).
+//! So a server with keys waiting borrows slots from one with slots to
+//! spare, for a short *lease* it renews while it needs them.
+//!
+//! The total stays within the cluster's REPL_high at every instant, however
+//! late peers hear of each other, because every slot in use is counted
+//! once:
+//! * a lender counts a slot as lent from the moment it grants it until the
+//!   grant's lease ends on its own clock ([`SlotLedger::lend`]); of several
+//!   grants to one borrower that have not ended, the largest;
+//! * a borrower counts a grant only from when it is answered until its
+//!   lease ends measured from when it *asked* (earlier than the grant), less
+//!   a margin (the time to its next check), by which it has given back
+//!   what it no longer holds: [`super::HotKeys`] retires its coolest keys
+//!   at once when its cap falls below its keys with copies.
+//!
+//! A server's cap is its base, less what it has lent, plus what it holds.
+//! A server never lends while it holds a loan, and keeps `margin` slots of
+//! its own free for keys of its own that may come. Pure bookkeeping: the
+//! caller passes the clock (nanoseconds on its own monotonic clock) and
+//! carries the asks and answers (`mbal slots`, docs/protocol.md).
+
+use std::collections::BTreeMap;
+
+/// One server's loans of REPL_high slots, given and held.
+#[derive(Clone, Debug, Default)]
+pub struct SlotLedger {
+    base: usize,
+    /// Grants to each borrower not yet ended: (slots, end), oldest first.
+    lent: BTreeMap<u16, Vec<(usize, u64)>>,
+    /// Grants held from each lender: (slots, end as the borrower counts it).
+    held: BTreeMap<u16, (usize, u64)>,
+}
+
+impl SlotLedger {
+    pub fn new(base: usize) -> SlotLedger {
+        SlotLedger { base, ..SlotLedger::default() }
+    }
+
+    /// This server's share when nothing is lent (the cluster's size may
+    /// change it).
+    pub fn set_base(&mut self, base: usize) {
+        self.base = base;
+    }
+
+    pub fn base(&self) -> usize {
+        self.base
+    }
+
+    fn forget(&mut self, now: u64) {
+        for g in self.lent.values_mut() {
+            g.retain(|&(_, end)| end > now);
+        }
+        self.lent.retain(|_, g| !g.is_empty());
+        self.held.retain(|_, &mut (n, end)| n > 0 && end > now);
+    }
+
+    /// Slots lent and not yet ended at `now`: per borrower the largest
+    /// grant still running (it may be using any of them).
+    pub fn lent(&self, now: u64) -> usize {
+        self.lent_except(None, now)
+    }
+
+    fn lent_except(&self, skip: Option<u16>, now: u64) -> usize {
+        self.lent
+            .iter()
+            .filter(|(b, _)| Some(**b) != skip)
+            .map(|(_, g)| g.iter().filter(|(_, end)| *end > now).map(|(n, _)| *n).max().unwrap_or(0))
+            .sum()
+    }
+
+    /// Slots held from other servers that may still be used at `at` (the
+    /// caller passes its next check, so a grant ending before then is not
+    /// counted now).
+    pub fn held(&self, at: u64) -> usize {
+        self.held.values().filter(|(_, end)| *end > at).map(|(n, _)| *n).sum()
+    }
+
+    /// The grants held at `at`: (lender, slots).
+    pub fn holdings(&self, at: u64) -> Vec<(u16, usize)> {
+        self.held.iter().filter(|(_, (n, end))| *n > 0 && *end > at).map(|(l, (n, _))| (*l, *n)).collect()
+    }
+
+    /// REPL_high for this server from `now` until `until` (its next check):
+    /// its base, less what it has lent, plus what it holds until then.
+    pub fn cap(&self, now: u64, until: u64) -> usize {
+        (self.base + self.held(until)).saturating_sub(self.lent(now))
+    }
+
+    /// A borrower asks for `asked` slots (replacing what it holds from this
+    /// server) for `lease_ns`. `demand` is what this server needs now (its
+    /// keys with copies and keys waiting for a slot); it keeps `margin`
+    /// slots beyond that free, lends nothing while it holds a loan itself,
+    /// and grants at most what is left once its other grants are counted.
+    /// Returns the slots granted, counted as lent until `now + lease_ns`.
+    pub fn lend(
+        &mut self,
+        borrower: u16,
+        asked: usize,
+        lease_ns: u64,
+        now: u64,
+        demand: usize,
+        margin: usize,
+    ) -> usize {
+        self.forget(now);
+        let spare = if self.held(now) > 0 {
+            0
+        } else {
+            self.base.saturating_sub(demand + margin + self.lent_except(Some(borrower), now))
+        };
+        let give = asked.min(spare);
+        if give > 0 || self.lent.contains_key(&borrower) {
+            self.lent.entry(borrower).or_default().push((give, now.saturating_add(lease_ns)));
+        }
+        give
+    }
+
+    /// A lender answered: `slots` granted for `lease_ns` to an ask sent at
+    /// `asked_at`. Held (replacing what was held from it) until
+    /// `asked_at + lease_ns`, the earliest the grant can end at the lender.
+    pub fn granted(&mut self, lender: u16, slots: usize, asked_at: u64, lease_ns: u64) {
+        self.held.insert(lender, (slots, asked_at.saturating_add(lease_ns)));
+    }
+
+    /// Drop what is held from `lender` (it restarted, or cannot be reached
+    /// to renew).
+    pub fn drop_held(&mut self, lender: u16) {
+        self.held.remove(&lender);
+    }
+
+    /// What to ask for at `now` to cover `need` slots beyond the base,
+    /// the grant to use until `until`: first the lenders already held
+    /// (renewed, up to what is needed), then the others by `spare`
+    /// (server, slots it reported free), most first, never asking one for
+    /// more than it has. Returns (lender, slots) asks; a held lender asked
+    /// for 0 gives its grant back early.
+    pub fn asks(&mut self, need: usize, spare: &[(u16, usize)], now: u64) -> Vec<(u16, usize)> {
+        self.forget(now);
+        let mut left = need;
+        let mut out = Vec::new();
+        let mut held: Vec<(u16, usize)> = self.held.iter().map(|(l, (n, _))| (*l, *n)).collect();
+        held.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        for (l, n) in held {
+            let keep = n.min(left);
+            left -= keep;
+            // Held but no longer needed: let it end (no ask); still needed: renew.
+            if keep > 0 {
+                out.push((l, keep));
+            }
+        }
+        let mut others: Vec<(u16, usize)> =
+            spare.iter().filter(|(s, n)| *n > 0 && !self.held.contains_key(s)).copied().collect();
+        others.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        for (s, n) in others {
+            if left == 0 {
+                break;
+            }
+            let ask = n.min(left);
+            left -= ask;
+            out.push((s, ask));
+        }
+        // A renewal that could grow: ask a held lender for the rest too
+        // (its own spare may have grown).
+        if left > 0 {
+            if let Some(first) = out.iter_mut().find(|(l, _)| self.held.contains_key(l)) {
+                first.1 += left;
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: u64 = 1_000_000_000;
+
+    #[test]
+    fn a_lender_grants_what_it_can_spare_and_counts_it_until_the_lease_ends() {
+        let mut l = SlotLedger::new(11);
+        // 3 keys with copies and 1 waiting, a margin of 1: 6 to spare.
+        assert_eq!(l.lend(7, 10, 2 * S, 0, 4, 1), 6);
+        assert_eq!(l.cap(0, S), 5);
+        assert_eq!(l.lend(0, 3, 2 * S, S / 2, 4, 1), 0, "all lent to 7");
+        // 7 renews for less: the larger grant still counts until it ends.
+        assert_eq!(l.lend(7, 2, 2 * S, S, 4, 1), 2);
+        assert_eq!(l.lent(S), 6);
+        assert_eq!(l.lent(2 * S), 2, "the first grant ended");
+        assert_eq!(l.lent(3 * S), 0);
+        assert_eq!(l.cap(3 * S, 4 * S), 11);
+    }
+
+    #[test]
+    fn a_borrower_counts_a_grant_from_when_it_asked_and_stops_before_it_ends() {
+        let mut b = SlotLedger::new(11);
+        b.granted(3, 5, 10 * S, 2 * S + S / 2);
+        assert_eq!(b.cap(10 * S, 11 * S), 16);
+        // At the next check, one epoch later, the grant would end before the one after.
+        assert_eq!(b.cap(11 * S, 12 * S + S / 2), 11);
+        // A server holding a loan lends nothing.
+        assert_eq!(b.lend(4, 2, 2 * S, 10 * S, 0, 1), 0);
+    }
+
+    #[test]
+    fn asks_renew_what_is_held_first_then_take_the_most_spare() {
+        let mut b = SlotLedger::new(11);
+        b.granted(2, 3, 0, 10 * S);
+        assert_eq!(b.asks(7, &[(1, 2), (5, 6), (2, 8)], S), vec![(2, 3), (5, 4)]);
+        assert_eq!(b.asks(2, &[(1, 2), (5, 6)], S), vec![(2, 2)], "need fell: renew less");
+        assert_eq!(b.asks(0, &[(1, 2)], S), vec![], "not needed: let it end");
+        assert_eq!(b.asks(9, &[(1, 2)], S), vec![(2, 7), (1, 2)], "short: ask the held lender for the rest");
+    }
+
+    /// Servers lending to each other with every ask late by up to an epoch
+    /// and every answer by up to one and a half, asks and grants crossing: at every instant the slots in use
+    /// (each server's keys with copies, never above its cap) add up to at
+    /// most the sum of the bases.
+    #[test]
+    fn the_slots_in_use_never_pass_the_total_however_late_the_answers() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let servers = 5usize;
+        let base = 6usize;
+        let epoch = S;
+        let lease = 2 * S + S / 2;
+        let mut led: Vec<SlotLedger> = (0..servers).map(|_| SlotLedger::new(base)).collect();
+        let mut used = vec![0usize; servers];
+        let mut demand = vec![0usize; servers];
+        // In flight: (deliver at, lender, borrower, asked, asked at) asks and
+        // (deliver at, borrower, lender, slots, asked at) answers.
+        let mut asks: Vec<(u64, usize, usize, usize, u64)> = Vec::new();
+        let mut answers: Vec<(u64, usize, usize, usize, u64)> = Vec::new();
+        let mut now = 0u64;
+        let mut borrowing = 0usize;
+        let mut checks: Vec<u64> = (0..servers).map(|_| rng.gen_range(0..epoch)).collect();
+        while now < 1000 * S {
+            now += S / 20;
+            // Deliver what is due.
+            let (due, rest): (Vec<_>, Vec<_>) = asks.drain(..).partition(|a| a.0 <= now);
+            asks = rest;
+            for (_, lender, borrower, n, at) in due {
+                let d = used[lender].max(demand[lender]);
+                let g = led[lender].lend(borrower as u16, n, lease, now, d, 1);
+                answers.push((now + rng.gen_range(0..epoch + epoch / 2), borrower, lender, g, at));
+            }
+            let (due, rest): (Vec<_>, Vec<_>) = answers.drain(..).partition(|a| a.0 <= now);
+            answers = rest;
+            for (_, borrower, lender, g, at) in due {
+                led[borrower].granted(lender as u16, g, at, lease);
+            }
+            // Each server's check, once per epoch at its own phase.
+            for s in 0..servers {
+                if now < checks[s] {
+                    continue;
+                }
+                checks[s] += epoch;
+                if rng.gen_bool(0.5) {
+                    demand[s] = rng.gen_range(0..2 * base);
+                }
+                let cap = led[s].cap(now, now + epoch);
+                used[s] = demand[s].min(cap);
+                let need = demand[s].saturating_sub(led[s].base());
+                let spare: Vec<(u16, usize)> =
+                    (0..servers).filter(|o| *o != s).map(|o| (o as u16, base.saturating_sub(used[o] + 1))).collect();
+                for (l, n) in led[s].asks(need, &spare, now) {
+                    asks.push((now + rng.gen_range(0..epoch), l as usize, s, n, now));
+                }
+            }
+            // What is in use now: each server's keys as of its last check.
+            let total: usize = used.iter().sum();
+            assert!(total <= servers * base, "{total} slots in use at {now}: {used:?}");
+            borrowing += used.iter().filter(|u| **u > base).count();
+        }
+        assert!(borrowing > 1000, "servers did use borrowed slots: {borrowing}");
+    }
+}

@@ -350,6 +350,10 @@ pub struct ReplicaDecision {
     /// Keys that wanted copies and found no slot under it.
     #[serde(default)]
     pub waiting: usize,
+    /// The slots this server would lend another now (set by the caller
+    /// that lends them, `SlotLedger::spare`; 0 here).
+    #[serde(default)]
+    pub spare: usize,
     /// State changes this epoch, in key order.
     pub transitions: Vec<(Vec<u8>, KeyTransition)>,
 }
@@ -754,25 +758,49 @@ impl HotKeys {
         self.cfg.repl_high.or(self.cap).unwrap_or_else(|| repl_high_share(view))
     }
 
-    /// Retire at once, coolest first (keys already retiring, then HOT keys
-    /// not pinned), the keys with copies beyond `cap`: a lent slot given
-    /// back.
+    /// Retire at once the keys with copies beyond `cap` (a lent slot given
+    /// back): keys already retiring first, then the coolest of the HOT keys
+    /// and of the keys whose copies are being made or written (HOT_PENDING:
+    /// their copies are deleted like the others'; a copy the replicator
+    /// finishes after that lives unrenewed until its time to live and
+    /// grants no lease). Pinned keys (an operator's override, made whatever
+    /// REPL_high) are neither counted nor retired.
     fn trim(&mut self, cap: usize, log: &mut Vec<(Vec<u8>, KeyTransition)>, retire: &mut Vec<Retire>) {
-        let over = self.replicated().saturating_sub(cap);
+        let over = self.counted().saturating_sub(cap);
         if over == 0 {
             return;
         }
-        let mut keys: Vec<(bool, f64, Vec<u8>)> = self
+        let order = |s: KeyState| u8::from(s != KeyState::ColdPending);
+        let mut keys: Vec<(u8, f64, Vec<u8>)> = self
             .keys
             .iter()
             .filter(|(_, e)| e.replicas > 0 && !e.pinned)
-            .filter(|(_, e)| matches!(e.state, KeyState::ColdPending | KeyState::Hot))
-            .map(|(k, e)| (e.state == KeyState::Hot, e.reads + e.writes, k.clone()))
+            .filter(|(_, e)| matches!(e.state, KeyState::ColdPending | KeyState::Hot | KeyState::HotPending))
+            .map(|(k, e)| (order(e.state), e.reads + e.writes, k.clone()))
             .collect();
         keys.sort_by(|a, b| a.0.cmp(&b.0).then(a.1.total_cmp(&b.1)).then_with(|| a.2.cmp(&b.2)));
         for (_, _, k) in keys.into_iter().take(over) {
+            if self.state(&k) == KeyState::HotPending {
+                self.apply(&k, KeyEvent::Failed, log);
+            }
             retire.extend(self.retire_now(&k, log));
         }
+    }
+
+    /// Between epochs: retire at once, coolest first, the keys with copies
+    /// beyond the REPL_high last set ([`HotKeys::set_repl_high`]), as the
+    /// next epoch would (a borrower calls it at every tick, so it has given
+    /// a lent slot back before the lender counts it free again).
+    pub fn enforce_cap(&mut self) -> Vec<Retire> {
+        let Some(cap) = self.cfg.repl_high.or(self.cap) else { return Vec::new() };
+        let (mut log, mut retire) = (Vec::new(), Vec::new());
+        self.trim(cap, &mut log, &mut retire);
+        retire
+    }
+
+    /// Keys with copies that REPL_high counts: all but pinned ones.
+    fn counted(&self) -> usize {
+        self.keys.values().filter(|e| e.replicas > 0 && !e.pinned).count()
     }
 
     /// One epoch.
@@ -1047,6 +1075,7 @@ impl HotKeys {
             replicated: self.replicated(),
             cap,
             waiting: self.waiting,
+            spare: 0,
             transitions: log,
         }
     }

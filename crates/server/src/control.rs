@@ -82,8 +82,8 @@ pub(crate) enum CtlMsg {
     /// REPL_high slots (`SlotLedger::lend`); answer `SLOTS <granted>`.
     Lend { borrower: u16, slots: usize, lease_ms: u64, reply: ReplyTo },
     /// A lender answered an ask sent at `asked_at` (`crate::slots`): hold
-    /// `slots` from it for `lease_ns` from then (0 slots: give back what
-    /// was held from it).
+    /// `slots` from it for `lease_ns` from then, in place of what was held
+    /// from it.
     SlotsGranted { lender: u16, slots: usize, asked_at: u64, lease_ns: u64 },
     /// `mbal debug slots <keys>`: ask for slots as if `demand` keys had or
     /// wanted copies, at once and at every epoch until 0.
@@ -172,6 +172,11 @@ const SLOT_LEASE_EPOCHS: u64 = 3;
 /// half (its next check, late by up to half an epoch), so it gives back
 /// what it no longer holds before the grant ends at the lender.
 const SLOT_HORIZON_HALF_EPOCHS: u64 = 3;
+/// The lease of a grant: `SLOT_LEASE_EPOCHS` epochs, at most a minute.
+fn slot_lease_ms(epoch: Duration) -> u64 {
+    (epoch.as_millis() as u64 * SLOT_LEASE_EPOCHS).clamp(1, 60_000)
+}
+
 /// Slots a lender keeps free beyond its own needs.
 const SLOT_MARGIN: usize = 1;
 /// An alarm that leaves keys waiting asks for slots at once, but at most
@@ -263,8 +268,13 @@ impl Controller {
             .then(|| HotKeys::new(shared.settings.hot.policy.clone(), hot_balance_config(&shared.settings)));
         // Slots are lent only under the default REPL_high (the cluster's
         // floor(2·n·ln n)); an explicit --hot-repl-high is per server.
-        let ledger = (hot.is_some() && shared.settings.hot.policy.repl_high.is_none() && slot_asks.is_some())
-            .then(|| SlotLedger::new(repl_high_share(&view_of(&shared, &map, None))));
+        // A server that starts counts its share as lent for a lease: its
+        // borrowers may hold slots it lent before a restart.
+        let lease_ns = slot_lease_ms(epoch_len) * 1_000_000;
+        let ledger =
+            (hot.is_some() && shared.settings.hot.policy.repl_high.is_none() && slot_asks.is_some()).then(|| {
+                SlotLedger::starting(repl_high_share(&view_of(&shared, &map, None)), shared.clock_ns() + lease_ns)
+            });
         Controller {
             ledger,
             slot_asks,
@@ -304,6 +314,9 @@ impl Controller {
             }
             if Instant::now() >= self.next_tick {
                 self.next_tick += self.epoch_len;
+                // Every tick, whether or not the sample round closes: give
+                // back lent slots no longer held, and renew those still needed.
+                self.slot_tick();
                 // A tick that finds the last round still open (a worker
                 // stalled) skips: the next epoch is simply longer.
                 if self.gathering.is_none() {
@@ -355,8 +368,8 @@ impl Controller {
             },
             CtlMsg::Pin { key, replicas, reply } => self.pin(key, replicas, reply),
             CtlMsg::Lend { borrower, slots, lease_ms, reply } => {
-                let granted = self.lend(borrower, slots, lease_ms);
-                self.answer(reply, format!("SLOTS {granted}\r\n").as_bytes());
+                let (granted, lease_ms) = self.lend(borrower, slots, lease_ms);
+                self.answer(reply, format!("SLOTS {granted} {lease_ms}\r\n").as_bytes());
             }
             CtlMsg::SlotsGranted { lender, slots, asked_at, lease_ns } => {
                 self.slots_granted(lender, slots, asked_at, lease_ns)
@@ -513,10 +526,15 @@ impl Controller {
             l.set_base(repl_high_share(&view));
         }
         self.set_cap(now);
-        let d = self.hot.as_mut()?.on_epoch(snap, &view);
+        let mut d = self.hot.as_mut()?.on_epoch(snap, &view);
         self.start_copies(&d.replicate);
-        // Slots beyond this server's share for the keys it holds and those waiting.
-        self.ask_slots((d.replicated + d.waiting).max(self.debug_demand), now);
+        // Keys waiting for a slot: ask for more at once (the tick renews).
+        let demand = (d.replicated + d.waiting).max(self.debug_demand);
+        if d.waiting > 0 {
+            self.ask_slots(demand, now);
+        }
+        // What this server would lend, for the others' asks (`mbal load`).
+        d.spare = self.ledger.as_ref().map_or(0, |l| l.spare(now, demand, SLOT_MARGIN));
         let peers = self.shared.peers();
         // The alarm limit for the next epoch, to every worker.
         let limit = self.hot.as_ref().and_then(HotKeys::alarm_limit);
@@ -663,6 +681,7 @@ impl Controller {
             let demand = self.hot.as_ref().map_or(0, |h| h.replicated()) + d.waiting;
             if !recent {
                 self.ask_slots(demand, now);
+                self.last_ask_ns = Some(now);
             }
         }
         if !replicate.is_empty() || !d.retire.is_empty() {
@@ -785,12 +804,31 @@ impl Controller {
 
     // ---- REPL_high slots lent between servers (`SlotLedger`) -------------
 
-    fn slot_lease_ns(&self) -> u64 {
-        self.epoch_len.as_nanos() as u64 * SLOT_LEASE_EPOCHS
+    /// The controller's tick: give back what is no longer held (the policy
+    /// retires its coolest keys beyond the cap at once) and renew what is
+    /// still needed. At every tick, not only when an epoch's samples are
+    /// in, so that a stalled worker cannot delay either past a lease.
+    fn slot_tick(&mut self) {
+        if self.ledger.is_none() {
+            return;
+        }
+        let now = self.now_ns();
+        self.set_cap(now);
+        let Some(hot) = &mut self.hot else { return };
+        let retire = hot.enforce_cap();
+        let demand = (hot.replicated() + hot.waiting()).max(self.debug_demand);
+        if !retire.is_empty() {
+            tracing::debug!(server = self.shared.server_id, retired = retire.len(), "slots given back");
+            self.retire_copies(&retire);
+            self.send_grants(None);
+            self.publish_hot();
+        }
+        self.ask_slots(demand, now);
     }
 
     /// Tell the policy its REPL_high from the slots lent and held: held
-    /// grants count while they last past the next check.
+    /// grants count while they last past the next tick, late by up to half
+    /// an epoch.
     fn set_cap(&mut self, now: u64) {
         let (Some(l), Some(h)) = (&self.ledger, &mut self.hot) else { return };
         let until = now + self.epoch_len.as_nanos() as u64 * SLOT_HORIZON_HALF_EPOCHS / 2;
@@ -804,43 +842,41 @@ impl Controller {
     /// copies and keys waiting) needs beyond this server's share, renewing
     /// what it holds first.
     fn ask_slots(&mut self, demand: usize, now: u64) {
-        let lease_ms = (self.slot_lease_ns() / 1_000_000).max(1);
+        let lease_ms = slot_lease_ms(self.epoch_len);
         let (Some(l), Some(tx)) = (&mut self.ledger, &self.slot_asks) else { return };
         let need = demand.saturating_sub(l.base());
         let since = Instant::now().checked_sub(self.epoch_len * 3).unwrap_or_else(Instant::now);
-        let spare = self.shared.peer_loads.spare(usize::from(self.shared.server_id), since, SLOT_MARGIN);
+        let spare = self.shared.peer_loads.spare(usize::from(self.shared.server_id), since);
         let asks = l.asks(need, &spare, now);
         for &(lender, slots) in &asks {
             let _ = tx.send(crate::slots::Ask { lender, slots, lease_ms });
         }
         if !asks.is_empty() {
-            self.last_ask_ns = Some(now);
-            tracing::debug!(server = self.shared.server_id, demand, need, ?asks, "slots asked");
+            tracing::trace!(server = self.shared.server_id, demand, need, ?asks, "slots asked");
         }
     }
 
-    /// Another server asks for slots: grant what this one can spare.
-    fn lend(&mut self, borrower: u16, slots: usize, lease_ms: u64) -> usize {
+    /// Another server asks for slots: grant what this one can spare, for
+    /// the lease asked but at most this server's own (both sides count the
+    /// lease the answer names).
+    fn lend(&mut self, borrower: u16, slots: usize, lease_ms: u64) -> (usize, u64) {
         let now = self.now_ns();
-        let (Some(l), Some(h)) = (&mut self.ledger, &self.hot) else { return 0 };
-        if borrower == self.shared.server_id {
-            return 0;
+        let lease_ms = lease_ms.min(slot_lease_ms(self.epoch_len));
+        let servers = self.map.servers().len();
+        let (Some(l), Some(h)) = (&mut self.ledger, &self.hot) else { return (0, lease_ms) };
+        if borrower == self.shared.server_id || usize::from(borrower) >= servers {
+            return (0, lease_ms);
         }
-        let lease_ns = lease_ms.min(60_000).saturating_mul(1_000_000);
         let demand = (h.replicated() + h.waiting()).max(self.debug_demand);
-        let granted = l.lend(borrower, slots, lease_ns, now, demand, SLOT_MARGIN);
+        let granted = l.lend(borrower, slots, lease_ms.saturating_mul(1_000_000), now, demand, SLOT_MARGIN);
         self.set_cap(now);
         self.publish_hot();
-        granted
+        (granted, lease_ms)
     }
 
     fn slots_granted(&mut self, lender: u16, slots: usize, asked_at: u64, lease_ns: u64) {
         let Some(l) = &mut self.ledger else { return };
-        if lease_ns == 0 {
-            l.drop_held(lender);
-        } else {
-            l.granted(lender, slots, asked_at, lease_ns);
-        }
+        l.granted(lender, slots, asked_at, lease_ns);
         tracing::debug!(server = self.shared.server_id, lender, slots, "slots granted");
         self.set_cap(self.now_ns());
         self.publish_hot();

@@ -37,14 +37,12 @@ pub(crate) struct PeerLoads {
 }
 
 /// What a peer's epoch record says of its REPL_high slots (the fields of
-/// its `hot` decision, `mbal_balance::ReplicaDecision`).
+/// its `hot` decision, `mbal_balance::ReplicaDecision`): what it would
+/// lend (0 while it holds a loan itself or lends none).
 #[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq)]
 pub(crate) struct PeerHot {
-    pub replicated: usize,
     #[serde(default)]
-    pub cap: usize,
-    #[serde(default)]
-    pub waiting: usize,
+    pub spare: usize,
 }
 
 impl PeerLoads {
@@ -67,19 +65,17 @@ impl PeerLoads {
         }
     }
 
-    /// The slots each other server heard since `since` reported free beyond
-    /// its keys with copies, its keys waiting and `margin`: whom a borrower
-    /// asks first (the lender decides what it grants).
-    pub fn spare(&self, me: usize, since: Instant, margin: usize) -> Vec<(u16, usize)> {
+    /// The slots each other server heard since `since` said it would lend:
+    /// whom a borrower asks (the lender decides what it grants).
+    pub fn spare(&self, me: usize, since: Instant) -> Vec<(u16, usize)> {
         let mut out = Vec::new();
         for (i, s) in self.hot.iter().enumerate() {
             if i == me {
                 continue;
             }
             if let Some((h, at)) = *s.lock().unwrap_or_else(|p| p.into_inner()) {
-                let free = h.cap.saturating_sub(h.replicated + h.waiting + margin);
-                if at >= since && free > 0 {
-                    out.push((i as u16, free));
+                if at >= since && h.spare > 0 {
+                    out.push((i as u16, h.spare));
                 }
             }
         }
@@ -152,15 +148,8 @@ fn poll(shared: Arc<Shared>, id: usize, addr: SocketAddr, cfg: Config) {
         if let Err(e) = r {
             tracing::debug!(server = id, "peer load: {e}");
             // The peer may have restarted: it numbers its epochs from 1
-            // again (so ask from the first), and the REPL_high slots it lent
-            // before no longer count as lent there, so give them back now.
+            // again, so ask from the first.
             after = 0;
-            shared.tell_controller(crate::control::CtlMsg::SlotsGranted {
-                lender: id as u16,
-                slots: 0,
-                asked_at: shared.clock_ns(),
-                lease_ns: 0,
-            });
         }
         // Retry after an epoch (checking for shutdown meanwhile).
         let until = Instant::now() + epoch;
@@ -229,21 +218,21 @@ mod tests {
         let p = PeerLoads::new(4);
         let t0 = Instant::now();
         let later = t0 + Duration::from_secs(1);
-        p.set_hot(1, PeerHot { replicated: 3, cap: 11, waiting: 1 }, later);
-        p.set_hot(2, PeerHot { replicated: 11, cap: 11, waiting: 4 }, later);
-        p.set_hot(3, PeerHot { replicated: 0, cap: 11, waiting: 0 }, t0);
-        p.set_hot(0, PeerHot { replicated: 0, cap: 11, waiting: 0 }, later);
-        assert_eq!(p.spare(0, t0 + Duration::from_millis(500), 1), vec![(1, 6)], "2 is full, 3 stale, 0 is me");
+        p.set_hot(1, PeerHot { spare: 6 }, later);
+        p.set_hot(2, PeerHot { spare: 0 }, later);
+        p.set_hot(3, PeerHot { spare: 9 }, t0);
+        p.set_hot(0, PeerHot { spare: 9 }, later);
+        assert_eq!(p.spare(0, t0 + Duration::from_millis(500)), vec![(1, 6)], "2 lends none, 3 is stale, 0 is me");
     }
 
     #[test]
     fn a_record_carries_phase_1s_slots_or_none() {
         let rec: PeerRecord = serde_json::from_str(
-            r#"{"seq":3,"end_ns":1,"workers":[],"balancer":null,"hot":{"replicated":4,"cap":9,"waiting":2,"epoch":3},"hotkeys":[]}"#,
+            r#"{"seq":3,"end_ns":1,"workers":[],"balancer":null,"hot":{"replicated":4,"cap":9,"spare":2,"epoch":3},"hotkeys":[]}"#,
         )
         .unwrap();
         assert_eq!(rec.snapshot.seq, 3);
-        assert_eq!(rec.hot, Some(PeerHot { replicated: 4, cap: 9, waiting: 2 }));
+        assert_eq!(rec.hot, Some(PeerHot { spare: 2 }));
         let old: PeerRecord = serde_json::from_str(r#"{"seq":3,"end_ns":1,"workers":[],"hot":null}"#).unwrap();
         assert_eq!(old.hot, None);
     }

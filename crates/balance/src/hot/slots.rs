@@ -43,6 +43,15 @@ impl SlotLedger {
         SlotLedger { base, ..SlotLedger::default() }
     }
 
+    /// A server that starts counts its whole base as lent until `until`
+    /// (a lease from its start): had it lent slots before a restart, its
+    /// borrowers may hold them that long, and it does not know.
+    pub fn starting(base: usize, until: u64) -> SlotLedger {
+        let mut l = SlotLedger::new(base);
+        l.lent.insert(u16::MAX, vec![(base, until)]);
+        l
+    }
+
     /// This server's share when nothing is lent (the cluster's size may
     /// change it).
     pub fn set_base(&mut self, base: usize) {
@@ -93,6 +102,15 @@ impl SlotLedger {
         (self.base + self.held(until)).saturating_sub(self.lent(now))
     }
 
+    /// What [`SlotLedger::lend`] would grant a new borrower now: what this
+    /// server reports to the others as its slots to spare.
+    pub fn spare(&self, now: u64, demand: usize, margin: usize) -> usize {
+        if self.held(now) > 0 {
+            return 0;
+        }
+        self.base.saturating_sub(demand + margin + self.lent(now))
+    }
+
     /// A borrower asks for `asked` slots (replacing what it holds from this
     /// server) for `lease_ns`. `demand` is what this server needs now (its
     /// keys with copies and keys waiting for a slot); it keeps `margin`
@@ -109,7 +127,7 @@ impl SlotLedger {
         margin: usize,
     ) -> usize {
         self.forget(now);
-        let spare = if self.held(now) > 0 {
+        let spare = if self.held(now) > 0 || borrower == u16::MAX {
             0
         } else {
             self.base.saturating_sub(demand + margin + self.lent_except(Some(borrower), now))
@@ -128,18 +146,13 @@ impl SlotLedger {
         self.held.insert(lender, (slots, asked_at.saturating_add(lease_ns)));
     }
 
-    /// Drop what is held from `lender` (it restarted, or cannot be reached
-    /// to renew).
-    pub fn drop_held(&mut self, lender: u16) {
-        self.held.remove(&lender);
-    }
-
-    /// What to ask for at `now` to cover `need` slots beyond the base,
-    /// the grant to use until `until`: first the lenders already held
-    /// (renewed, up to what is needed), then the others by `spare`
-    /// (server, slots it reported free), most first, never asking one for
-    /// more than it has. Returns (lender, slots) asks; a held lender asked
-    /// for 0 gives its grant back early.
+    /// What to ask for at `now` to cover `need` slots beyond the base:
+    /// first the lenders already held (renewed, up to what is needed;
+    /// one no longer needed is not asked, and its grant ends), then the
+    /// others by `spare` (server, slots it reported it would lend), most
+    /// first, never asking one for more than it reported; what is still
+    /// short is asked of a held lender too (its spare may have grown).
+    /// Returns (lender, slots) asks.
     pub fn asks(&mut self, need: usize, spare: &[(u16, usize)], now: u64) -> Vec<(u16, usize)> {
         self.forget(now);
         let mut left = need;
@@ -165,8 +178,6 @@ impl SlotLedger {
             left -= ask;
             out.push((s, ask));
         }
-        // A renewal that could grow: ask a held lender for the rest too
-        // (its own spare may have grown).
         if left > 0 {
             if let Some(first) = out.iter_mut().find(|(l, _)| self.held.contains_key(l)) {
                 first.1 += left;
@@ -209,6 +220,17 @@ mod tests {
     }
 
     #[test]
+    fn a_server_that_starts_lends_nothing_and_holds_no_slot_of_its_own_for_a_lease() {
+        let mut l = SlotLedger::starting(11, 3 * S);
+        assert_eq!(l.cap(0, S), 0);
+        assert_eq!(l.spare(S, 0, 1), 0);
+        assert_eq!(l.lend(2, 4, 3 * S, S, 0, 1), 0);
+        assert_eq!(l.cap(3 * S, 4 * S), 11);
+        assert_eq!(l.spare(3 * S, 2, 1), 8);
+        assert_eq!(l.lend(2, 4, 3 * S, 3 * S, 2, 1), 4);
+    }
+
+    #[test]
     fn asks_renew_what_is_held_first_then_take_the_most_spare() {
         let mut b = SlotLedger::new(11);
         b.granted(2, 3, 0, 10 * S);
@@ -229,7 +251,10 @@ mod tests {
         let servers = 5usize;
         let base = 6usize;
         let epoch = S;
-        let lease = 2 * S + S / 2;
+        // The controller's lease (3 epochs) and horizon (its next tick,
+        // up to an epoch and a half away).
+        let lease = 3 * S;
+        let horizon = S + S / 2;
         let mut led: Vec<SlotLedger> = (0..servers).map(|_| SlotLedger::new(base)).collect();
         let mut used = vec![0usize; servers];
         let mut demand = vec![0usize; servers];
@@ -254,21 +279,27 @@ mod tests {
             answers = rest;
             for (_, borrower, lender, g, at) in due {
                 led[borrower].granted(lender as u16, g, at, lease);
+                // An alarm may use a raised cap at once (until the next check).
+                let cap = led[borrower].cap(now, now + horizon);
+                used[borrower] = used[borrower].max(demand[borrower].min(cap));
             }
-            // Each server's check, once per epoch at its own phase.
+            // Each server's check (its controller's tick), about once per
+            // epoch at its own phase, late or early by up to 0.4 of an epoch.
             for s in 0..servers {
                 if now < checks[s] {
                     continue;
                 }
-                checks[s] += epoch;
+                checks[s] = now + rng.gen_range(epoch * 6 / 10..=epoch * 14 / 10);
                 if rng.gen_bool(0.5) {
                     demand[s] = rng.gen_range(0..2 * base);
                 }
-                let cap = led[s].cap(now, now + epoch);
+                let cap = led[s].cap(now, now + horizon);
                 used[s] = demand[s].min(cap);
                 let need = demand[s].saturating_sub(led[s].base());
-                let spare: Vec<(u16, usize)> =
-                    (0..servers).filter(|o| *o != s).map(|o| (o as u16, base.saturating_sub(used[o] + 1))).collect();
+                let spare: Vec<(u16, usize)> = (0..servers)
+                    .filter(|o| *o != s)
+                    .map(|o| (o as u16, led[o].spare(now, used[o].max(demand[o]), 1)))
+                    .collect();
                 for (l, n) in led[s].asks(need, &spare, now) {
                     asks.push((now + rng.gen_range(0..epoch), l as usize, s, n, now));
                 }

@@ -337,6 +337,30 @@ fn a_lent_cap_lets_waiting_keys_in_and_an_ended_loan_retires_the_coolest() {
     assert_eq!(h.repl_high(&VIEW), 3);
 }
 
+/// Between epochs (a borrower's tick), a cap that fell is enforced at
+/// once, keys whose copies are still being made included; pinned keys are
+/// an operator's and stay.
+#[test]
+fn enforce_cap_retires_keys_being_copied_too_but_not_pinned_ones() {
+    let mut h = policy();
+    h.set_repl_high(Some(3));
+    feed(&mut h, 1, &[(b"a", 900.0, 0.0), (b"b", 800.0, 0.0), (b"c", 700.0, 0.0)]);
+    let d = h.on_epoch(&snapshot(1, &[3000.0, 900.0]), &VIEW);
+    assert_eq!(d.replicated, 3);
+    assert!(h.pin(b"p", 0, 2).is_some());
+    assert_eq!((h.state(b"a"), h.state(b"c")), (S::HotPending, S::HotPending), "copies not made yet");
+    h.replicas_ready(b"a");
+    h.set_repl_high(Some(1));
+    let gone = h.enforce_cap();
+    let mut keys: Vec<&[u8]> = gone.iter().map(|r| &r.key[..]).collect();
+    keys.sort();
+    assert_eq!(keys, [&b"b"[..], b"c"], "keys retiring first, then the coolest, copies made or not");
+    assert_eq!((h.state(b"b"), h.state(b"c")), (S::Cold, S::Cold));
+    assert_eq!(h.state(b"a"), S::Hot);
+    assert_eq!(h.state(b"p"), S::HotPending, "pinned");
+    assert!(h.enforce_cap().is_empty(), "within the cap now");
+}
+
 #[test]
 fn default_repl_high_is_the_share_of_2_n_ln_n() {
     let h = HotKeys::new(HotConfig::default(), Config::default());

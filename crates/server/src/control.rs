@@ -85,6 +85,12 @@ pub(crate) enum CtlMsg {
     /// `slots` from it for `lease_ns` from then, in place of what was held
     /// from it.
     SlotsGranted { lender: u16, slots: usize, asked_at: u64, lease_ns: u64 },
+    /// `mbal slots held <lender>`: how many of `lender`'s slots this server
+    /// holds; answer `HELD <n>`.
+    Held { lender: u16, reply: ReplyTo },
+    /// A starting server's question to `peer` answered (`None`: could not
+    /// be asked; asked again at the next tick).
+    PeerHolds { peer: u16, held: Option<usize> },
     /// `mbal debug slots <keys>`: ask for slots as if `demand` keys had or
     /// wanted copies, at once and at every epoch until 0.
     DebugSlots { demand: usize, reply: ReplyTo },
@@ -236,6 +242,11 @@ pub(crate) struct Controller {
     last_ask_ns: Option<u64>,
     /// `mbal debug slots`: the demand asked for at least.
     debug_demand: usize,
+    /// Since it started, until every other server has said how many of
+    /// its slots it still holds: what each said (`None`: not yet).
+    starting: Option<Vec<Option<usize>>>,
+    /// When the lease from this server's start ends (then it stops asking).
+    start_until: u64,
 }
 
 impl Controller {
@@ -275,11 +286,19 @@ impl Controller {
             (hot.is_some() && shared.settings.hot.policy.repl_high.is_none() && slot_asks.is_some()).then(|| {
                 SlotLedger::starting(repl_high_share(&view_of(&shared, &map, None)), shared.clock_ns() + lease_ns)
             });
+        // Until the others say how many they still hold (a fresh cluster: none).
+        let starting = ledger.as_ref().map(|_| {
+            let mut v = vec![None; map.servers().len()];
+            v[usize::from(shared.server_id)] = Some(0);
+            v
+        });
         Controller {
             ledger,
             slot_asks,
             last_ask_ns: None,
             debug_demand: 0,
+            starting,
+            start_until: shared.clock_ns() + lease_ns,
             balancer,
             status,
             hot,
@@ -304,6 +323,7 @@ impl Controller {
     pub(crate) fn run(mut self) {
         // Round 0 is the baseline the first epoch is measured from.
         self.start_round();
+        self.ask_held();
         self.next_tick = Instant::now() + self.epoch_len;
         while !self.shared.shutdown.load(Ordering::Relaxed) {
             let wait = self.next_tick.saturating_duration_since(Instant::now());
@@ -371,6 +391,11 @@ impl Controller {
                 let (granted, lease_ms) = self.lend(borrower, slots, lease_ms);
                 self.answer(reply, format!("SLOTS {granted} {lease_ms}\r\n").as_bytes());
             }
+            CtlMsg::Held { lender, reply } => {
+                let n = self.ledger.as_ref().map_or(0, |l| l.held_from(lender, self.now_ns()));
+                self.answer(reply, format!("HELD {n}\r\n").as_bytes());
+            }
+            CtlMsg::PeerHolds { peer, held } => self.peer_holds(peer, held),
             CtlMsg::SlotsGranted { lender, slots, asked_at, lease_ns } => {
                 self.slots_granted(lender, slots, asked_at, lease_ns)
             }
@@ -812,6 +837,7 @@ impl Controller {
         if self.ledger.is_none() {
             return;
         }
+        self.ask_held();
         let now = self.now_ns();
         self.set_cap(now);
         let Some(hot) = &mut self.hot else { return };
@@ -824,6 +850,19 @@ impl Controller {
             self.publish_hot();
         }
         self.ask_slots(demand, now);
+    }
+
+    /// A server that started asks the others how many of its slots they
+    /// still hold (until all have said, or its first lease has passed).
+    fn ask_held(&mut self) {
+        if self.now_ns() >= self.start_until {
+            self.starting = None;
+        }
+        if let (Some(pending), Some(tx)) = (&self.starting, &self.slot_asks) {
+            for (peer, _) in pending.iter().enumerate().filter(|(_, h)| h.is_none()) {
+                let _ = tx.send(crate::slots::Ask::Held { peer: peer as u16 });
+            }
+        }
     }
 
     /// Tell the policy its REPL_high from the slots lent and held: held
@@ -849,7 +888,7 @@ impl Controller {
         let spare = self.shared.peer_loads.spare(usize::from(self.shared.server_id), since);
         let asks = l.asks(need, &spare, now);
         for &(lender, slots) in &asks {
-            let _ = tx.send(crate::slots::Ask { lender, slots, lease_ms });
+            let _ = tx.send(crate::slots::Ask::Lend { lender, slots, lease_ms });
         }
         if !asks.is_empty() {
             tracing::trace!(server = self.shared.server_id, demand, need, ?asks, "slots asked");
@@ -872,6 +911,25 @@ impl Controller {
         self.set_cap(now);
         self.publish_hot();
         (granted, lease_ms)
+    }
+
+    /// A starting server heard from `peer` how many of its slots it holds:
+    /// once every other server has said, only those count as lent.
+    fn peer_holds(&mut self, peer: u16, held: Option<usize>) {
+        let Some(pending) = &mut self.starting else { return };
+        if let Some(slot) = pending.get_mut(usize::from(peer)) {
+            *slot = slot.or(held);
+        }
+        if pending.iter().all(Option::is_some) {
+            let held: usize = pending.iter().flatten().sum();
+            self.starting = None;
+            if let Some(l) = &mut self.ledger {
+                l.started(held);
+            }
+            tracing::debug!(server = self.shared.server_id, held, "slots: every server said what it holds");
+            self.set_cap(self.now_ns());
+            self.publish_hot();
+        }
     }
 
     fn slots_granted(&mut self, lender: u16, slots: usize, asked_at: u64, lease_ns: u64) {

@@ -736,6 +736,16 @@ fn admin(shared: &Shared, rt: &mut Route, output: &mut Output, args: &[u8], data
             rt.ask_controller(shared, output, |reply| CtlMsg::Map { reply });
             Action::None
         }
+        (Some("slots"), Some("held"), Some(from), None) => {
+            // A server that started asks what this one still holds of the
+            // slots it lent before (docs/protocol.md).
+            let Ok(lender) = from.parse::<u16>() else {
+                output.buf().extend_from_slice(b"CLIENT_ERROR usage: mbal slots held <server>\r\n");
+                return Action::None;
+            };
+            rt.ask_controller(shared, output, |reply| CtlMsg::Held { lender, reply });
+            Action::None
+        }
         (Some("slots"), Some(from), Some(n), Some(lease)) => {
             // Another server asks for REPL_high slots (Phase 1, docs/protocol.md).
             let (Ok(borrower), Ok(slots), Ok(lease_ms)) =

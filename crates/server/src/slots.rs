@@ -23,11 +23,21 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Ask `lender` for `slots` (replacing what is held from it) for `lease_ms`.
-pub(crate) struct Ask {
-    pub lender: u16,
-    pub slots: usize,
-    pub lease_ms: u64,
+pub(crate) enum Ask {
+    /// Ask `lender` for `slots` (replacing what is held from it) for `lease_ms`.
+    Lend { lender: u16, slots: usize, lease_ms: u64 },
+    /// Ask `peer` how many of this server's slots it holds (a server that
+    /// started: `SlotLedger::started`).
+    Held { peer: u16 },
+}
+
+impl Ask {
+    fn peer(&self) -> u16 {
+        match *self {
+            Ask::Lend { lender, .. } => lender,
+            Ask::Held { peer } => peer,
+        }
+    }
 }
 
 /// Start the thread; the controller sends it asks.
@@ -47,39 +57,49 @@ fn run(shared: Arc<Shared>, servers: Vec<SocketAddr>, rx: Receiver<Ask>) {
             Err(RecvTimeoutError::Timeout) => continue,
             Err(RecvTimeoutError::Disconnected) => return,
         };
-        let mut asks: BTreeMap<u16, Ask> = BTreeMap::new();
+        let mut asks: BTreeMap<(bool, u16), Ask> = BTreeMap::new();
         for a in std::iter::once(first).chain(rx.try_iter()) {
-            asks.insert(a.lender, a);
+            asks.insert((matches!(a, Ask::Lend { .. }), a.peer()), a);
         }
         for ask in asks.into_values() {
-            let Some(&addr) = servers.get(usize::from(ask.lender)) else { continue };
+            let peer = ask.peer();
+            let Some(&addr) = servers.get(usize::from(peer)) else { continue };
             let asked_at = shared.clock_ns();
-            match ask_one(&shared, &mut conns, ask.lender, addr, &ask, timeout) {
-                Ok((slots, lease_ms)) => shared.tell_controller(CtlMsg::SlotsGranted {
-                    lender: ask.lender,
-                    slots,
-                    asked_at,
-                    lease_ns: lease_ms.saturating_mul(1_000_000),
-                }),
-                Err(e) => {
-                    tracing::debug!(lender = ask.lender, "mbal slots: {e}");
-                    conns.remove(&ask.lender);
+            let line = match ask {
+                Ask::Lend { slots, lease_ms, .. } => format!("mbal slots {} {slots} {lease_ms}\r\n", shared.server_id),
+                Ask::Held { .. } => format!("mbal slots held {}\r\n", shared.server_id),
+            };
+            let answer = ask_one(&shared, &mut conns, peer, addr, &line, timeout);
+            match (ask, answer.as_deref().map(parse_answer)) {
+                (Ask::Lend { .. }, Ok(Some(Answer::Slots(slots, lease_ms)))) => {
+                    let lease_ns = lease_ms.saturating_mul(1_000_000);
+                    shared.tell_controller(CtlMsg::SlotsGranted { lender: peer, slots, asked_at, lease_ns })
+                }
+                (Ask::Held { .. }, Ok(Some(Answer::Held(n)))) => {
+                    shared.tell_controller(CtlMsg::PeerHolds { peer, held: Some(n) })
+                }
+                (ask, answer) => {
+                    tracing::debug!(peer, "mbal slots: {answer:?}");
+                    conns.remove(&peer);
+                    if matches!(ask, Ask::Held { .. }) {
+                        shared.tell_controller(CtlMsg::PeerHolds { peer, held: None });
+                    }
                 }
             }
         }
     }
 }
 
-/// One ask and its answer: (slots granted, lease ms).
+/// Send one line to `peer` and read its answer line.
 fn ask_one(
     shared: &Shared,
     conns: &mut HashMap<u16, BufReader<BlockingStream>>,
-    lender: u16,
+    peer: u16,
     addr: SocketAddr,
-    ask: &Ask,
+    line: &str,
     timeout: Duration,
-) -> std::io::Result<(usize, u64)> {
-    let r = match conns.entry(lender) {
+) -> std::io::Result<String> {
+    let r = match conns.entry(peer) {
         std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
         std::collections::hash_map::Entry::Vacant(e) => {
             // A control command: TLS and the membership proof as the cluster has them.
@@ -87,19 +107,27 @@ fn ask_one(
             e.insert(BufReader::new(s))
         }
     };
-    write!(r.get_mut(), "mbal slots {} {} {}\r\n", shared.server_id, ask.slots, ask.lease_ms)?;
+    r.get_mut().write_all(line.as_bytes())?;
     r.get_mut().flush()?;
-    let mut line = String::new();
-    if r.read_line(&mut line)? == 0 {
+    let mut answer = String::new();
+    if r.read_line(&mut answer)? == 0 {
         return Err(std::io::Error::other("closed"));
     }
-    parse_answer(&line).ok_or_else(|| std::io::Error::other(format!("unexpected answer {:?}", line.trim_end())))
+    Ok(answer)
 }
 
-/// `SLOTS <granted> <lease ms>`.
-fn parse_answer(line: &str) -> Option<(usize, u64)> {
+#[derive(Debug, PartialEq)]
+enum Answer {
+    /// `SLOTS <granted> <lease ms>`.
+    Slots(usize, u64),
+    /// `HELD <n>`.
+    Held(usize),
+}
+
+fn parse_answer(line: &str) -> Option<Answer> {
     match line.split_whitespace().collect::<Vec<_>>()[..] {
-        ["SLOTS", n, ms] => Some((n.parse().ok()?, ms.parse().ok()?)),
+        ["SLOTS", n, ms] => Some(Answer::Slots(n.parse().ok()?, ms.parse().ok()?)),
+        ["HELD", n] => Some(Answer::Held(n.parse().ok()?)),
         _ => None,
     }
 }
@@ -108,7 +136,9 @@ fn parse_answer(line: &str) -> Option<(usize, u64)> {
 mod tests {
     #[test]
     fn an_answer_names_the_slots_and_the_lease() {
-        assert_eq!(super::parse_answer("SLOTS 3 3000\r\n"), Some((3, 3000)));
+        use super::Answer;
+        assert_eq!(super::parse_answer("SLOTS 3 3000\r\n"), Some(Answer::Slots(3, 3000)));
+        assert_eq!(super::parse_answer("HELD 2\r\n"), Some(Answer::Held(2)));
         assert_eq!(super::parse_answer("SLOTS 3\r\n"), None);
         assert_eq!(super::parse_answer("CLIENT_ERROR control command refused\r\n"), None);
     }

@@ -416,6 +416,9 @@ fn a_server_borrows_repl_high_slots_from_one_with_slots_to_spare() {
     await_stat(&mut a, "repl_high", 9);
     await_stat(&mut b, "slots_lent", 3);
     await_stat(&mut b, "repl_high", 2);
+    // What a server that restarts asks the others: how many of its slots they hold.
+    assert_eq!(a.cmd("mbal slots held 1\r\n"), "HELD 3\r\n");
+    assert_eq!(b.cmd("mbal slots held 0\r\n"), "HELD 0\r\n");
     // Still held after many leases (100 ms epochs, 300 ms leases): renewed every tick.
     await_epochs(&mut a, 10);
     await_stat(&mut a, "slots_held", 3);

@@ -102,6 +102,22 @@ impl SlotLedger {
         (self.base + self.held(until)).saturating_sub(self.lent(now))
     }
 
+    /// A server that started has heard from every other server how many
+    /// of its slots they still hold (`held`, in all): it counts only those
+    /// as lent, until the lease from its start ends.
+    pub fn started(&mut self, held: usize) {
+        if let Some(g) = self.lent.get_mut(&u16::MAX) {
+            for (n, _) in g.iter_mut() {
+                *n = (*n).min(held);
+            }
+        }
+    }
+
+    /// The slots held from `lender` that have not ended at `now`.
+    pub fn held_from(&self, lender: u16, now: u64) -> usize {
+        self.held.get(&lender).filter(|(_, end)| *end > now).map_or(0, |(n, _)| *n)
+    }
+
     /// What [`SlotLedger::lend`] would grant a new borrower now: what this
     /// server reports to the others as its slots to spare.
     pub fn spare(&self, now: u64, demand: usize, margin: usize) -> usize {
@@ -228,6 +244,14 @@ mod tests {
         assert_eq!(l.cap(3 * S, 4 * S), 11);
         assert_eq!(l.spare(3 * S, 2, 1), 8);
         assert_eq!(l.lend(2, 4, 3 * S, 3 * S, 2, 1), 4);
+        // Told that the others hold 2 of its slots, it counts only those.
+        let mut l = SlotLedger::starting(11, 3 * S);
+        l.started(2);
+        assert_eq!(l.cap(S, 2 * S), 9);
+        assert_eq!(l.cap(3 * S, 4 * S), 11);
+        let mut b = SlotLedger::new(11);
+        b.granted(4, 3, 0, 3 * S);
+        assert_eq!((b.held_from(4, S), b.held_from(4, 3 * S), b.held_from(5, S)), (3, 0, 0));
     }
 
     #[test]

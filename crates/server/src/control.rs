@@ -79,7 +79,7 @@ pub(crate) enum CtlMsg {
     /// pin a key homed here as replicated, or unpin it.
     Pin { key: Box<[u8]>, replicas: u32, reply: ReplyTo },
     /// `mbal slots <borrower> <slots> <lease ms>`: another server asks for
-    /// REPL_high slots (`SlotLedger::lend`); answer `SLOTS <granted>`.
+    /// REPL_high slots (`SlotLedger::lend`); answer `SLOTS <granted> <lease ms>`.
     Lend { borrower: u16, slots: usize, lease_ms: u64, reply: ReplyTo },
     /// A lender answered an ask sent at `asked_at` (`crate::slots`): hold
     /// `slots` from it for `lease_ns` from then, in place of what was held
@@ -173,11 +173,11 @@ const HOT_TOP: usize = 16;
 
 /// REPL_high slots lent between servers (`SlotLedger`): a grant lasts this
 /// many epochs, and a borrower renews what it still needs every epoch.
-const SLOT_LEASE_EPOCHS: u64 = 3;
-/// A borrower counts a grant only while it lasts past its next epoch and a
-/// half (its next check, late by up to half an epoch), so it gives back
-/// what it no longer holds before the grant ends at the lender.
-const SLOT_HORIZON_HALF_EPOCHS: u64 = 3;
+const SLOT_LEASE_EPOCHS: u64 = 4;
+/// A borrower counts a grant only while it lasts past two more epochs (its
+/// next tick, late by up to an epoch), so it gives back what it no longer
+/// holds before the grant ends at the lender.
+const SLOT_HORIZON_EPOCHS: u64 = 2;
 /// The lease of a grant: `SLOT_LEASE_EPOCHS` epochs, at most a minute.
 fn slot_lease_ms(epoch: Duration) -> u64 {
     (epoch.as_millis() as u64 * SLOT_LEASE_EPOCHS).clamp(1, 60_000)
@@ -392,7 +392,10 @@ impl Controller {
                 self.answer(reply, format!("SLOTS {granted} {lease_ms}\r\n").as_bytes());
             }
             CtlMsg::Held { lender, reply } => {
-                let n = self.ledger.as_ref().map_or(0, |l| l.held_from(lender, self.now_ns()));
+                // Keys beyond the cap are retired before every change of it
+                // (`apply_cap`), so what is told is all that is in use.
+                let now = self.now_ns();
+                let n = self.ledger.as_mut().map_or(0, |l| l.tell_held(lender, now));
                 self.answer(reply, format!("HELD {n}\r\n").as_bytes());
             }
             CtlMsg::PeerHolds { peer, held } => self.peer_holds(peer, held),
@@ -839,16 +842,9 @@ impl Controller {
         }
         self.ask_held();
         let now = self.now_ns();
-        self.set_cap(now);
-        let Some(hot) = &mut self.hot else { return };
-        let retire = hot.enforce_cap();
+        self.apply_cap(now);
+        let Some(hot) = &self.hot else { return };
         let demand = (hot.replicated() + hot.waiting()).max(self.debug_demand);
-        if !retire.is_empty() {
-            tracing::debug!(server = self.shared.server_id, retired = retire.len(), "slots given back");
-            self.retire_copies(&retire);
-            self.send_grants(None);
-            self.publish_hot();
-        }
         self.ask_slots(demand, now);
     }
 
@@ -870,7 +866,7 @@ impl Controller {
     /// an epoch.
     fn set_cap(&mut self, now: u64) {
         let (Some(l), Some(h)) = (&self.ledger, &mut self.hot) else { return };
-        let until = now + self.epoch_len.as_nanos() as u64 * SLOT_HORIZON_HALF_EPOCHS / 2;
+        let until = now + self.epoch_len.as_nanos() as u64 * SLOT_HORIZON_EPOCHS;
         let cap = l.cap(now, until);
         h.set_repl_high(Some(cap));
         let st = &mut self.hot_status;
@@ -908,8 +904,7 @@ impl Controller {
         }
         let demand = (h.replicated() + h.waiting()).max(self.debug_demand);
         let granted = l.lend(borrower, slots, lease_ms.saturating_mul(1_000_000), now, demand, SLOT_MARGIN);
-        self.set_cap(now);
-        self.publish_hot();
+        self.apply_cap(now);
         (granted, lease_ms)
     }
 
@@ -921,12 +916,12 @@ impl Controller {
             *slot = slot.or(held);
         }
         if pending.iter().all(Option::is_some) {
-            let held: usize = pending.iter().flatten().sum();
+            let held: Vec<(u16, usize)> = pending.iter().enumerate().map(|(p, n)| (p as u16, n.unwrap_or(0))).collect();
             self.starting = None;
             if let Some(l) = &mut self.ledger {
-                l.started(held);
+                l.started(&held);
             }
-            tracing::debug!(server = self.shared.server_id, held, "slots: every server said what it holds");
+            tracing::debug!(server = self.shared.server_id, ?held, "slots: every server said what it holds");
             self.set_cap(self.now_ns());
             self.publish_hot();
         }
@@ -936,7 +931,20 @@ impl Controller {
         let Some(l) = &mut self.ledger else { return };
         l.granted(lender, slots, asked_at, lease_ns);
         tracing::debug!(server = self.shared.server_id, lender, slots, "slots granted");
-        self.set_cap(self.now_ns());
+        // A smaller grant lowers the cap: what is beyond it goes at once, so
+        // the keys with copies are within the cap between any two messages.
+        self.apply_cap(self.now_ns());
+    }
+
+    /// Set the policy's cap and retire at once what is beyond it.
+    fn apply_cap(&mut self, now: u64) {
+        self.set_cap(now);
+        let retire = self.hot.as_mut().map(HotKeys::enforce_cap).unwrap_or_default();
+        if !retire.is_empty() {
+            tracing::debug!(server = self.shared.server_id, retired = retire.len(), "slots given back");
+            self.retire_copies(&retire);
+            self.send_grants(None);
+        }
         self.publish_hot();
     }
 

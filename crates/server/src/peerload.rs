@@ -9,8 +9,7 @@
 //!
 //! With Phase 1's slots lent between servers (`crate::slots`), the same
 //! records tell a borrower which peers have REPL_high slots to spare: each
-//! carries its server's `hot` decision (keys with copies, its cap, keys
-//! waiting).
+//! carries its server's `hot` decision, whose `spare` is what it would lend.
 //!
 //! Off the data path: a peer's epoch record is a few KB once per epoch.
 

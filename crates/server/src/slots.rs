@@ -10,7 +10,8 @@
 //! while another was answering collapse to the newest. A lender that
 //! cannot be reached or answers amiss changes nothing: what was held from
 //! it is still held until its lease ends (a restarted lender counts its
-//! whole share as lent for a lease, `SlotLedger::starting`).
+//! whole share as lent until every other server has told it what it still
+//! holds, `mbal slots held`, also asked from here).
 
 use crate::control::CtlMsg;
 use crate::worker::Shared;
@@ -57,9 +58,11 @@ fn run(shared: Arc<Shared>, servers: Vec<SocketAddr>, rx: Receiver<Ask>) {
             Err(RecvTimeoutError::Timeout) => continue,
             Err(RecvTimeoutError::Disconnected) => return,
         };
+        // Renewals first: a question to a server that is not up yet must
+        // not delay them.
         let mut asks: BTreeMap<(bool, u16), Ask> = BTreeMap::new();
         for a in std::iter::once(first).chain(rx.try_iter()) {
-            asks.insert((matches!(a, Ask::Lend { .. }), a.peer()), a);
+            asks.insert((matches!(a, Ask::Held { .. }), a.peer()), a);
         }
         for ask in asks.into_values() {
             let peer = ask.peer();

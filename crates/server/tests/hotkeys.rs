@@ -419,14 +419,14 @@ fn a_server_borrows_repl_high_slots_from_one_with_slots_to_spare() {
     // What a server that restarts asks the others: how many of its slots they hold.
     assert_eq!(a.cmd("mbal slots held 1\r\n"), "HELD 3\r\n");
     assert_eq!(b.cmd("mbal slots held 0\r\n"), "HELD 0\r\n");
-    // Still held after many leases (100 ms epochs, 300 ms leases): renewed every tick.
+    // Still held after many leases (100 ms epochs, 400 ms leases): renewed every tick.
     await_epochs(&mut a, 10);
     await_stat(&mut a, "slots_held", 3);
     await_stat(&mut b, "slots_lent", 3);
     // Server 1 asked directly for more than it can give: what is left.
     let mut peer = Conn::open(cl.addr(1));
     assert_eq!(peer.cmd("mbal slots 0 10 300\r\n"), "SLOTS 4 300\r\n", "5 less the margin; a new ask replaces the old");
-    assert_eq!(peer.cmd("mbal slots 0 1 900000\r\n"), "SLOTS 1 300\r\n", "never longer than its own lease");
+    assert_eq!(peer.cmd("mbal slots 0 1 900000\r\n"), "SLOTS 1 400\r\n", "never longer than its own lease");
     assert_eq!(peer.cmd("mbal slots 9 1 300\r\n"), "SLOTS 0 300\r\n", "no such server");
     assert!(peer.cmd("mbal slots x 1 300\r\n").starts_with("CLIENT_ERROR usage"));
     // No longer needed: given back at the borrower, then counted free again at the lender.

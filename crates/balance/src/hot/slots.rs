@@ -36,6 +36,10 @@ pub struct SlotLedger {
     lent: BTreeMap<u16, Vec<(usize, u64)>>,
     /// Grants held from each lender: (slots, end as the borrower counts it).
     held: BTreeMap<u16, (usize, u64)>,
+    /// When this server last told each lender what it holds of its slots
+    /// ([`SlotLedger::tell_held`]): an answer to an ask sent before then
+    /// comes from before the lender's restart and is not taken.
+    told: BTreeMap<u16, u64>,
 }
 
 impl SlotLedger {
@@ -103,18 +107,23 @@ impl SlotLedger {
     }
 
     /// A server that started has heard from every other server how many
-    /// of its slots they still hold (`held`, in all): it counts only those
-    /// as lent, until the lease from its start ends.
-    pub fn started(&mut self, held: usize) {
-        if let Some(g) = self.lent.get_mut(&u16::MAX) {
-            for (n, _) in g.iter_mut() {
-                *n = (*n).min(held);
-            }
+    /// of its slots it still holds (`held`: server, slots): it counts those
+    /// as lent to each, until the lease from its start ends, in place of
+    /// its whole share (so each may renew what it holds).
+    pub fn started(&mut self, held: &[(u16, usize)]) {
+        let Some(g) = self.lent.remove(&u16::MAX) else { return };
+        let until = g.iter().map(|(_, end)| *end).max().unwrap_or(0);
+        for &(peer, n) in held.iter().filter(|(p, n)| *n > 0 && *p != u16::MAX) {
+            self.lent.entry(peer).or_default().push((n, until));
         }
     }
 
-    /// The slots held from `lender` that have not ended at `now`.
-    pub fn held_from(&self, lender: u16, now: u64) -> usize {
+    /// `lender` (which started) asks what this server holds of its slots:
+    /// the slots held from it not ended at `now`. From now on an answer to
+    /// an ask sent before is not taken (it may come from before the
+    /// restart, and the lender counts only what was told).
+    pub fn tell_held(&mut self, lender: u16, now: u64) -> usize {
+        self.told.insert(lender, now);
         self.held.get(&lender).filter(|(_, end)| *end > now).map_or(0, |(n, _)| *n)
     }
 
@@ -159,6 +168,9 @@ impl SlotLedger {
     /// `asked_at`. Held (replacing what was held from it) until
     /// `asked_at + lease_ns`, the earliest the grant can end at the lender.
     pub fn granted(&mut self, lender: u16, slots: usize, asked_at: u64, lease_ns: u64) {
+        if self.told.get(&lender).is_some_and(|t| asked_at < *t) {
+            return;
+        }
         self.held.insert(lender, (slots, asked_at.saturating_add(lease_ns)));
     }
 
@@ -244,14 +256,21 @@ mod tests {
         assert_eq!(l.cap(3 * S, 4 * S), 11);
         assert_eq!(l.spare(3 * S, 2, 1), 8);
         assert_eq!(l.lend(2, 4, 3 * S, 3 * S, 2, 1), 4);
-        // Told that the others hold 2 of its slots, it counts only those.
+        // Told that server 2 holds 2 of its slots, it counts only those,
+        // as lent to 2: 2 may renew them.
         let mut l = SlotLedger::starting(11, 3 * S);
-        l.started(2);
+        l.started(&[(2, 2), (4, 0)]);
         assert_eq!(l.cap(S, 2 * S), 9);
-        assert_eq!(l.cap(3 * S, 4 * S), 11);
+        assert_eq!(l.lend(2, 2, 3 * S, S, 0, 1), 2);
+        assert_eq!(l.lend(5, 9, 3 * S, S, 0, 1), 8, "11 less the margin and 2's");
         let mut b = SlotLedger::new(11);
         b.granted(4, 3, 0, 3 * S);
-        assert_eq!((b.held_from(4, S), b.held_from(4, 3 * S), b.held_from(5, S)), (3, 0, 0));
+        assert_eq!((b.tell_held(4, S), b.tell_held(5, S)), (3, 0));
+        // An answer to an ask sent before it told 4 is not taken (4 restarted since).
+        b.granted(4, 5, S / 2, 3 * S);
+        assert_eq!(b.holdings(S), vec![(4, 3)]);
+        b.granted(4, 1, 2 * S, 3 * S);
+        assert_eq!(b.holdings(2 * S), vec![(4, 1)]);
     }
 
     #[test]
@@ -265,30 +284,53 @@ mod tests {
     }
 
     /// Servers lending to each other with every ask late by up to an epoch
-    /// and every answer by up to one and a half, asks and grants crossing: at every instant the slots in use
-    /// (each server's keys with copies, never above its cap) add up to at
-    /// most the sum of the bases.
+    /// and every answer by up to one and a half, asks and grants crossing,
+    /// ticks late by up to 0.95 of an epoch, and servers restarting (with
+    /// nothing of their ledger, answers to their old asks still on the
+    /// way): at every instant the slots in use (each server's keys with
+    /// copies, never above its cap after any change of it) add up to at most
+    /// the sum of the bases. As the controller does: at each tick a server
+    /// takes its cap, retires what is beyond it and asks; a grant's answer
+    /// sets the cap at once (alarms may use a raised one, and a lowered one
+    /// is enforced at once); a server that starts asks every other what it
+    /// holds of its slots.
     #[test]
     fn the_slots_in_use_never_pass_the_total_however_late_the_answers() {
+        for seed in 0..8 {
+            lending_run(seed);
+        }
+    }
+
+    fn lending_run(seed: u64) {
         use rand::{Rng, SeedableRng};
-        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         let servers = 5usize;
         let base = 6usize;
         let epoch = S;
-        // The controller's lease (3 epochs) and horizon (its next tick,
-        // up to an epoch and a half away).
-        let lease = 3 * S;
-        let horizon = S + S / 2;
+        // The controller's lease (4 epochs) and horizon (its next tick,
+        // up to two epochs away).
+        let lease = 4 * S;
+        let horizon = 2 * S;
         let mut led: Vec<SlotLedger> = (0..servers).map(|_| SlotLedger::new(base)).collect();
         let mut used = vec![0usize; servers];
         let mut demand = vec![0usize; servers];
+        // A restarted server's question (who holds of its slots), answered
+        // by each other server: None until then. Its incarnation, so that
+        // answers to an earlier one are dropped.
+        let mut starting: Vec<Option<Vec<Option<usize>>>> = vec![None; servers];
+        let mut inc = vec![0u32; servers];
         // In flight: (deliver at, lender, borrower, asked, asked at) asks and
-        // (deliver at, borrower, lender, slots, asked at) answers.
+        // (deliver at, borrower, lender, slots, asked at) answers;
+        // (deliver at, asker, asked, asker's incarnation) held questions and
+        // (deliver at, asker, asked, held, asker's incarnation) their answers.
         let mut asks: Vec<(u64, usize, usize, usize, u64)> = Vec::new();
         let mut answers: Vec<(u64, usize, usize, usize, u64)> = Vec::new();
+        let mut questions: Vec<(u64, usize, usize, u32)> = Vec::new();
+        let mut told: Vec<(u64, usize, usize, usize, u32)> = Vec::new();
         let mut now = 0u64;
-        let mut borrowing = 0usize;
+        let (mut borrowing, mut restarts) = (0usize, 0usize);
         let mut checks: Vec<u64> = (0..servers).map(|_| rng.gen_range(0..epoch)).collect();
+        let fit = |l: &SlotLedger, now: u64, want: usize| want.min(l.cap(now, now + horizon));
         while now < 1000 * S {
             now += S / 20;
             // Deliver what is due.
@@ -301,24 +343,54 @@ mod tests {
             }
             let (due, rest): (Vec<_>, Vec<_>) = answers.drain(..).partition(|a| a.0 <= now);
             answers = rest;
-            for (_, borrower, lender, g, at) in due {
-                led[borrower].granted(lender as u16, g, at, lease);
-                // An alarm may use a raised cap at once (until the next check).
-                let cap = led[borrower].cap(now, now + horizon);
-                used[borrower] = used[borrower].max(demand[borrower].min(cap));
+            for (_, b, lender, g, at) in due {
+                led[b].granted(lender as u16, g, at, lease);
+                used[b] = fit(&led[b], now, used[b].max(demand[b]));
             }
-            // Each server's check (its controller's tick), about once per
-            // epoch at its own phase, late or early by up to 0.4 of an epoch.
+            let (due, rest): (Vec<_>, Vec<_>) = questions.drain(..).partition(|q| q.0 <= now);
+            questions = rest;
+            for (_, asker, asked, i) in due {
+                let n = led[asked].tell_held(asker as u16, now);
+                told.push((now + rng.gen_range(0..epoch), asker, asked, n, i));
+            }
+            let (due, rest): (Vec<_>, Vec<_>) = told.drain(..).partition(|t| t.0 <= now);
+            told = rest;
+            for (_, asker, asked, n, i) in due {
+                let Some(pending) = starting[asker].as_mut().filter(|_| inc[asker] == i) else { continue };
+                pending[asked] = pending[asked].or(Some(n));
+                if pending.iter().all(Option::is_some) {
+                    let held: Vec<(u16, usize)> =
+                        pending.iter().enumerate().map(|(p, n)| (p as u16, n.unwrap_or(0))).collect();
+                    led[asker].started(&held);
+                    starting[asker] = None;
+                }
+            }
+            // Each server's tick, about once per epoch at its own phase,
+            // late by up to 0.95 of an epoch.
             for s in 0..servers {
                 if now < checks[s] {
                     continue;
                 }
-                checks[s] = now + rng.gen_range(epoch * 6 / 10..=epoch * 14 / 10);
+                checks[s] = now + rng.gen_range(epoch * 6 / 10..=epoch * 195 / 100);
+                if rng.gen_bool(0.02) {
+                    // A restart: nothing kept.
+                    restarts += 1;
+                    inc[s] += 1;
+                    led[s] = SlotLedger::starting(base, now + lease);
+                    (used[s], demand[s]) = (0, 0);
+                    let mut pending = vec![None; servers];
+                    pending[s] = Some(0);
+                    starting[s] = Some(pending);
+                }
                 if rng.gen_bool(0.5) {
                     demand[s] = rng.gen_range(0..2 * base);
                 }
-                let cap = led[s].cap(now, now + horizon);
-                used[s] = demand[s].min(cap);
+                used[s] = fit(&led[s], now, demand[s]);
+                if let Some(pending) = &starting[s] {
+                    for (o, _) in pending.iter().enumerate().filter(|(_, h)| h.is_none()) {
+                        questions.push((now + rng.gen_range(0..epoch), s, o, inc[s]));
+                    }
+                }
                 let need = demand[s].saturating_sub(led[s].base());
                 let spare: Vec<(u16, usize)> = (0..servers)
                     .filter(|o| *o != s)
@@ -328,11 +400,12 @@ mod tests {
                     asks.push((now + rng.gen_range(0..epoch), l as usize, s, n, now));
                 }
             }
-            // What is in use now: each server's keys as of its last check.
+            // What is in use now.
             let total: usize = used.iter().sum();
-            assert!(total <= servers * base, "{total} slots in use at {now}: {used:?}");
+            assert!(total <= servers * base, "seed {seed}: {total} slots in use at {now}: {used:?}");
             borrowing += used.iter().filter(|u| **u > base).count();
         }
         assert!(borrowing > 1000, "servers did use borrowed slots: {borrowing}");
+        assert!(restarts >= 20, "servers restarted: {restarts}");
     }
 }

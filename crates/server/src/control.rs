@@ -30,6 +30,9 @@
 //! message, and they answer by message, so nothing here needs a lock but the
 //! published snapshot's (read by stats rendering, written once per epoch).
 
+mod slots;
+use slots::{slot_lease_ms, SLOT_ASK_EVERY_MS, SLOT_MARGIN};
+
 use crate::msg::{Envelope, Grant, HotCmd, ReplyBatch, ReplyTo, NO_CACHELET};
 use crate::replicate::{Done, Job, Op};
 use crate::worker::Shared;
@@ -170,24 +173,6 @@ struct HotMeta {
 
 /// Keys shown by `stats hotkeys` and in `mbal load`.
 const HOT_TOP: usize = 16;
-
-/// REPL_high slots lent between servers (`SlotLedger`): a grant lasts this
-/// many epochs, and a borrower renews what it still needs every epoch.
-const SLOT_LEASE_EPOCHS: u64 = 4;
-/// A borrower counts a grant only while it lasts past two more epochs (its
-/// next tick, late by up to an epoch), so it gives back what it no longer
-/// holds before the grant ends at the lender.
-const SLOT_HORIZON_EPOCHS: u64 = 2;
-/// The lease of a grant: `SLOT_LEASE_EPOCHS` epochs, at most a minute.
-fn slot_lease_ms(epoch: Duration) -> u64 {
-    (epoch.as_millis() as u64 * SLOT_LEASE_EPOCHS).clamp(1, 60_000)
-}
-
-/// Slots a lender keeps free beyond its own needs.
-const SLOT_MARGIN: usize = 1;
-/// An alarm that leaves keys waiting asks for slots at once, but at most
-/// this often (ms).
-const SLOT_ASK_EVERY_MS: u64 = 250;
 
 /// The balancer's figures for `stats balancer` (published once per epoch).
 #[derive(Clone, Debug, Default)]
@@ -828,124 +813,6 @@ impl Controller {
         for r in waiters {
             self.answer(r, answer);
         }
-    }
-
-    // ---- REPL_high slots lent between servers (`SlotLedger`) -------------
-
-    /// The controller's tick: give back what is no longer held (the policy
-    /// retires its coolest keys beyond the cap at once) and renew what is
-    /// still needed. At every tick, not only when an epoch's samples are
-    /// in, so that a stalled worker cannot delay either past a lease.
-    fn slot_tick(&mut self) {
-        if self.ledger.is_none() {
-            return;
-        }
-        self.ask_held();
-        let now = self.now_ns();
-        self.apply_cap(now);
-        let Some(hot) = &self.hot else { return };
-        let demand = (hot.replicated() + hot.waiting()).max(self.debug_demand);
-        self.ask_slots(demand, now);
-    }
-
-    /// A server that started asks the others how many of its slots they
-    /// still hold (until all have said, or its first lease has passed).
-    fn ask_held(&mut self) {
-        if self.now_ns() >= self.start_until {
-            self.starting = None;
-        }
-        if let (Some(pending), Some(tx)) = (&self.starting, &self.slot_asks) {
-            for (peer, _) in pending.iter().enumerate().filter(|(_, h)| h.is_none()) {
-                let _ = tx.send(crate::slots::Ask::Held { peer: peer as u16 });
-            }
-        }
-    }
-
-    /// Tell the policy its REPL_high from the slots lent and held: held
-    /// grants count while they last past the next tick, late by up to half
-    /// an epoch.
-    fn set_cap(&mut self, now: u64) {
-        let (Some(l), Some(h)) = (&self.ledger, &mut self.hot) else { return };
-        let until = now + self.epoch_len.as_nanos() as u64 * SLOT_HORIZON_EPOCHS;
-        let cap = l.cap(now, until);
-        h.set_repl_high(Some(cap));
-        let st = &mut self.hot_status;
-        (st.repl_high, st.slots_lent, st.slots_held) = (cap, l.lent(now), l.held(until));
-    }
-
-    /// Ask the servers with slots to spare for what `demand` (keys with
-    /// copies and keys waiting) needs beyond this server's share, renewing
-    /// what it holds first.
-    fn ask_slots(&mut self, demand: usize, now: u64) {
-        let lease_ms = slot_lease_ms(self.epoch_len);
-        let (Some(l), Some(tx)) = (&mut self.ledger, &self.slot_asks) else { return };
-        let need = demand.saturating_sub(l.base());
-        let since = Instant::now().checked_sub(self.epoch_len * 3).unwrap_or_else(Instant::now);
-        let spare = self.shared.peer_loads.spare(usize::from(self.shared.server_id), since);
-        let asks = l.asks(need, &spare, now);
-        for &(lender, slots) in &asks {
-            let _ = tx.send(crate::slots::Ask::Lend { lender, slots, lease_ms });
-        }
-        if !asks.is_empty() {
-            tracing::trace!(server = self.shared.server_id, demand, need, ?asks, "slots asked");
-        }
-    }
-
-    /// Another server asks for slots: grant what this one can spare, for
-    /// the lease asked but at most this server's own (both sides count the
-    /// lease the answer names).
-    fn lend(&mut self, borrower: u16, slots: usize, lease_ms: u64) -> (usize, u64) {
-        let now = self.now_ns();
-        let lease_ms = lease_ms.min(slot_lease_ms(self.epoch_len));
-        let servers = self.map.servers().len();
-        let (Some(l), Some(h)) = (&mut self.ledger, &self.hot) else { return (0, lease_ms) };
-        if borrower == self.shared.server_id || usize::from(borrower) >= servers {
-            return (0, lease_ms);
-        }
-        let demand = (h.replicated() + h.waiting()).max(self.debug_demand);
-        let granted = l.lend(borrower, slots, lease_ms.saturating_mul(1_000_000), now, demand, SLOT_MARGIN);
-        self.apply_cap(now);
-        (granted, lease_ms)
-    }
-
-    /// A starting server heard from `peer` how many of its slots it holds:
-    /// once every other server has said, only those count as lent.
-    fn peer_holds(&mut self, peer: u16, held: Option<usize>) {
-        let Some(pending) = &mut self.starting else { return };
-        if let Some(slot) = pending.get_mut(usize::from(peer)) {
-            *slot = slot.or(held);
-        }
-        if pending.iter().all(Option::is_some) {
-            let held: Vec<(u16, usize)> = pending.iter().enumerate().map(|(p, n)| (p as u16, n.unwrap_or(0))).collect();
-            self.starting = None;
-            if let Some(l) = &mut self.ledger {
-                l.started(&held);
-            }
-            tracing::debug!(server = self.shared.server_id, ?held, "slots: every server said what it holds");
-            self.set_cap(self.now_ns());
-            self.publish_hot();
-        }
-    }
-
-    fn slots_granted(&mut self, lender: u16, slots: usize, asked_at: u64, lease_ns: u64) {
-        let Some(l) = &mut self.ledger else { return };
-        l.granted(lender, slots, asked_at, lease_ns);
-        tracing::debug!(server = self.shared.server_id, lender, slots, "slots granted");
-        // A smaller grant lowers the cap: what is beyond it goes at once, so
-        // the keys with copies are within the cap between any two messages.
-        self.apply_cap(self.now_ns());
-    }
-
-    /// Set the policy's cap and retire at once what is beyond it.
-    fn apply_cap(&mut self, now: u64) {
-        self.set_cap(now);
-        let retire = self.hot.as_mut().map(HotKeys::enforce_cap).unwrap_or_default();
-        if !retire.is_empty() {
-            tracing::debug!(server = self.shared.server_id, retired = retire.len(), "slots given back");
-            self.retire_copies(&retire);
-            self.send_grants(None);
-        }
-        self.publish_hot();
     }
 
     fn publish_hot(&mut self) {

@@ -97,4 +97,13 @@ impl Conn {
     pub fn unexpected(&self, req: &str, r: &Reply) -> Error {
         Error::Protocol { addr: self.addr, peer: self.peer, detail: format!("unexpected reply {r:?} to {req}") }
     }
+
+    /// The error of a reply that ends the use of this connection: a reply
+    /// `req` cannot have, or the error reading it.
+    pub fn failure(&self, req: &str, res: Result<Reply>) -> Error {
+        match res {
+            Ok(r) => self.unexpected(req, &r),
+            Err(e) => e,
+        }
+    }
 }

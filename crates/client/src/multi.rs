@@ -97,13 +97,9 @@ impl Client {
                         Ok(Reply::Error(line)) => {
                             first_err.get_or_insert(Error::Server { addr: conn.addr, peer: conn.peer, line });
                         }
-                        Ok(r) => {
-                            first_err.get_or_insert(conn.unexpected("get", &r));
-                            healthy = false;
-                            break;
-                        }
-                        Err(e) => {
-                            first_err.get_or_insert(e);
+                        other => {
+                            // The connection is in an unknown state: not reused.
+                            first_err.get_or_insert(conn.failure("get", other));
                             healthy = false;
                             break;
                         }
@@ -263,13 +259,9 @@ impl Client {
                         Ok(Reply::Error(line)) => {
                             first_err.get_or_insert(Error::Server { addr: conn.addr, peer: conn.peer, line });
                         }
-                        Ok(r) => {
-                            first_err.get_or_insert(conn.unexpected("set", &r));
-                            healthy = false;
-                            break;
-                        }
-                        Err(e) => {
-                            first_err.get_or_insert(e);
+                        other => {
+                            // The connection is in an unknown state: not reused.
+                            first_err.get_or_insert(conn.failure("set", other));
                             healthy = false;
                             break;
                         }

@@ -33,7 +33,7 @@ mod cap;
 mod estimate;
 mod slots;
 pub use estimate::{choose_threshold, copies, estimate_max_over_avg, expected_max_normal, sample_rate_for};
-pub use slots::SlotLedger;
+pub use slots::{cedable, entitlements, SlotHeat, SlotLedger, CLAIM_FACTOR};
 
 /// A tracked key's state (SPORE Fig. 5).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -355,6 +355,10 @@ pub struct ReplicaDecision {
     /// that lends them, `SlotLedger::spare`; 0 here).
     #[serde(default)]
     pub spare: usize,
+    /// The rates of this server's keys with copies and keys waiting, by
+    /// which the servers lend slots ([`HotKeys::slot_heat`]).
+    #[serde(default)]
+    pub heat: SlotHeat,
     /// State changes this epoch, in key order.
     pub transitions: Vec<(Vec<u8>, KeyTransition)>,
 }
@@ -417,7 +421,23 @@ pub struct HotKeys {
     cap: Option<usize>,
     /// Keys that wanted copies at the last epoch or alarm and found no slot.
     waiting: usize,
+    /// Their rates, hottest first (as many as `waiting`).
+    waiting_heat: Vec<f64>,
+    /// Each of this server's workers' multiplier of T (at most 1): lowered
+    /// each epoch the worker is hot, raised back each epoch it is under
+    /// the mean ([`HotKeys::press`]).
+    press: BTreeMap<u16, f64>,
 }
+
+/// A hot worker's T falls by this factor each epoch it stays hot, and
+/// rises back by it each epoch it is under the mean load.
+pub const PRESS_STEP: f64 = 0.7;
+/// Its T is never below this fraction of the server's...
+pub const PRESS_FLOOR: f64 = 0.05;
+/// ...nor, once lowered, below this fraction of the mean load per worker:
+/// a key carrying less is not worth a copy (a worker hot with many such
+/// keys is a hot partition, Phase 2's to move).
+pub const PRESS_MIN_SHARE: f64 = 0.01;
 
 /// REPL_high for the whole cluster: floor(2·n·ln n) for its n workers
 /// (MBal §3.2).
@@ -454,6 +474,8 @@ impl HotKeys {
             last_cool_below: f64::INFINITY,
             cap: None,
             waiting: 0,
+            waiting_heat: Vec::new(),
+            press: BTreeMap::new(),
         }
     }
 
@@ -685,6 +707,46 @@ impl HotKeys {
         self.apply(key, KeyEvent::Tracked, log);
     }
 
+    /// Feedback on the measured load, worker by worker. T comes from an
+    /// estimate that takes the keys below it as spread evenly; they are
+    /// not (each key lives on one worker), so a worker can stay above the
+    /// target with every key over T replicated. Each epoch a worker is hot
+    /// (past `limit`) its T is multiplied by [`PRESS_STEP`] (down to
+    /// [`PRESS_FLOOR`]): its replicated keys grow more copies (its own
+    /// share of their reads falls) and more of its keys qualify. Each
+    /// epoch it is at or under the mean `avg` the multiplier rises back by as
+    /// much, up to 1 (one at or under the mean needs no help; between the
+    /// mean and the limit the multiplier holds, so a worker just under
+    /// the limit is not pushed back over it by its keys cooling).
+    fn press(&mut self, snap: &EpochSnapshot, loads: &[f64], avg: f64, limit: f64) {
+        let busy = avg >= self.balance.min_load;
+        for (w, &l) in snap.workers.iter().zip(loads) {
+            let m = self.press.entry(w.worker).or_insert(1.0);
+            if busy && l > limit {
+                *m = (*m * PRESS_STEP).max(PRESS_FLOOR);
+            } else if l <= avg || !busy {
+                *m = (*m / PRESS_STEP).min(1.0);
+            }
+        }
+    }
+
+    /// `worker`'s multiplier of T ([`HotKeys::press`]; 1 for a worker of
+    /// another server or never hot).
+    pub fn press_of(&self, worker: u16) -> f64 {
+        self.press.get(&worker).copied().unwrap_or(1.0)
+    }
+
+    /// T for `worker`'s keys: the server's `t` times its multiplier, but
+    /// never below [`PRESS_MIN_SHARE`] of the mean load `avg` once lowered.
+    fn t_of(&self, worker: u16, t: f64, avg: f64) -> f64 {
+        let m = self.press_of(worker);
+        if m >= 1.0 || !t.is_finite() {
+            t
+        } else {
+            (t * m).max(PRESS_MIN_SHARE * avg).min(t)
+        }
+    }
+
     /// One epoch.
     pub fn on_epoch(&mut self, snap: &EpochSnapshot, view: &ClusterView) -> ReplicaDecision {
         self.now += 1;
@@ -704,6 +766,7 @@ impl HotKeys {
             .filter(|(_, &l)| avg >= self.balance.min_load && l > limit)
             .map(|(w, _)| w.worker)
             .collect();
+        self.press(snap, &loads, avg, limit);
 
         // Rates: samples ÷ sampling rate ÷ epoch length; a HOT key's home
         // sees 1/(γ+1) of its reads.
@@ -815,7 +878,8 @@ impl HotKeys {
             let e = &self.keys[k];
             let f = e.reads + e.writes;
             let ok = replicable(e);
-            let want = if ok { copies(f, t, max_copies) - 1 } else { 0 };
+            let tw = self.t_of(e.worker, t, avg);
+            let want = if ok { copies(f, tw, max_copies) - 1 } else { 0 };
             match e.state {
                 KeyState::Cold
                     if want > 0
@@ -827,7 +891,7 @@ impl HotKeys {
                 }
                 KeyState::Hot if e.pinned => {}
                 KeyState::Hot => {
-                    let cool = !ok || f <= cool_below;
+                    let cool = !ok || f <= cool_below * if tw < t { tw / t } else { 1.0 };
                     if cool {
                         let e = self.keys.get_mut(k).expect("present");
                         e.cool += 1;
@@ -899,8 +963,10 @@ impl HotKeys {
             room += self.make_room(&heat, room, &coolest, 0.0, &mut log, &mut retire);
         }
         self.waiting = heat.len().saturating_sub(room);
+        self.waiting_heat = heat.iter().skip(room).map(|(f, _)| *f).collect();
         for (f, k) in heat.into_iter().take(room) {
-            let want = copies(f, t, max_copies) - 1;
+            let tw = self.t_of(self.keys[&k].worker, t, avg);
+            let want = copies(f, tw, max_copies) - 1;
             let e = self.keys.get_mut(&k).expect("present");
             e.replicas = want;
             let worker = e.worker;
@@ -958,6 +1024,7 @@ impl HotKeys {
             cap,
             waiting: self.waiting,
             spare: 0,
+            heat: self.slot_heat(),
             transitions: log,
         }
     }

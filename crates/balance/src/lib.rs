@@ -28,7 +28,7 @@ pub mod tracker;
 pub use config::{Config, Planner};
 pub use hot::{
     replica_location, sample_rate_for, AlarmDecision, ClusterView, HotConfig, HotEscalateWhy, HotEscalation,
-    HotKeyStat, HotKeys, KeyState, KeyTransition, ReplicaDecision, Replicate, Retire, SlotLedger,
+    HotKeyStat, HotKeys, KeyState, KeyTransition, ReplicaDecision, Replicate, Retire, SlotHeat, SlotLedger,
 };
 pub use measure::{load_of, worker_loads, Imbalance};
 pub use plan::{Method, Objective, Plan, Problem};

@@ -547,7 +547,8 @@ impl Controller {
             self.ask_slots(demand, now);
         }
         // What this server would lend, for the others' asks (`mbal load`).
-        d.spare = self.ledger.as_ref().map_or(0, |l| l.spare(now, demand, SLOT_MARGIN));
+        let claim = self.claim(demand);
+        d.spare = self.ledger.as_ref().map_or(0, |l| l.spare(now, claim, SLOT_MARGIN));
         let peers = self.shared.peers();
         // The alarm limit for the next epoch, to every worker.
         let limit = self.hot.as_ref().and_then(HotKeys::alarm_limit);
@@ -617,6 +618,9 @@ impl Controller {
                     )
                 })
                 .collect();
+            let press: Vec<String> = (0..self.shared.settings.threads as u16)
+                .map(|w| format!("{:.2}", self.hot.as_ref().map_or(1.0, |h| h.press_of(w))))
+                .collect();
             tracing::debug!(
                 server = self.shared.server_id,
                 epoch = snap.seq,
@@ -624,6 +628,7 @@ impl Controller {
                 loads = loads.join(","),
                 hot_workers = ?d.hot_workers,
                 t = format!("{:.0}", d.threshold),
+                press = press.join(","),
                 est = format!("{:.2}", d.estimated_max_over_avg),
                 replicated = d.replicated,
                 cap = d.cap,

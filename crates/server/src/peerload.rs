@@ -14,7 +14,7 @@
 //! Off the data path: a peer's epoch record is a few KB once per epoch.
 
 use crate::worker::Shared;
-use mbal_balance::{worker_loads, Config, EpochSnapshot};
+use mbal_balance::{worker_loads, Config, EpochSnapshot, SlotHeat};
 use mbal_tls::BlockingStream;
 use serde::Deserialize;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -38,10 +38,14 @@ pub(crate) struct PeerLoads {
 /// What a peer's epoch record says of its REPL_high slots (the fields of
 /// its `hot` decision, `mbal_balance::ReplicaDecision`): what it would
 /// lend (0 while it holds a loan itself or lends none).
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
 pub(crate) struct PeerHot {
     #[serde(default)]
     pub spare: usize,
+    /// The rates of its keys with copies and keys waiting, by which the
+    /// servers lend (`mbal_balance::entitlements`).
+    #[serde(default)]
+    pub heat: SlotHeat,
 }
 
 impl PeerLoads {
@@ -64,6 +68,17 @@ impl PeerLoads {
         }
     }
 
+    /// What each server heard since `since` said of its keys competing for
+    /// slots, by server id (`None`: `me`, or not heard lately).
+    pub fn heats(&self, me: usize, since: Instant) -> Vec<Option<SlotHeat>> {
+        let mut out = Vec::with_capacity(self.hot.len());
+        for (i, s) in self.hot.iter().enumerate() {
+            let g = s.lock().unwrap_or_else(|p| p.into_inner());
+            out.push(g.as_ref().filter(|(_, at)| i != me && *at >= since).map(|(h, _)| h.heat.clone()));
+        }
+        out
+    }
+
     /// The slots each other server heard since `since` said it would lend:
     /// whom a borrower asks (the lender decides what it grants).
     pub fn spare(&self, me: usize, since: Instant) -> Vec<(u16, usize)> {
@@ -72,8 +87,8 @@ impl PeerLoads {
             if i == me {
                 continue;
             }
-            if let Some((h, at)) = *s.lock().unwrap_or_else(|p| p.into_inner()) {
-                if at >= since && h.spare > 0 {
+            if let Some((h, at)) = &*s.lock().unwrap_or_else(|p| p.into_inner()) {
+                if *at >= since && h.spare > 0 {
                     out.push((i as u16, h.spare));
                 }
             }
@@ -217,21 +232,29 @@ mod tests {
         let p = PeerLoads::new(4);
         let t0 = Instant::now();
         let later = t0 + Duration::from_secs(1);
-        p.set_hot(1, PeerHot { spare: 6 }, later);
-        p.set_hot(2, PeerHot { spare: 0 }, later);
-        p.set_hot(3, PeerHot { spare: 9 }, t0);
-        p.set_hot(0, PeerHot { spare: 9 }, later);
-        assert_eq!(p.spare(0, t0 + Duration::from_millis(500)), vec![(1, 6)], "2 lends none, 3 is stale, 0 is me");
+        let heat = |r: f64| SlotHeat { held: vec![r], waiting: vec![] };
+        p.set_hot(1, PeerHot { spare: 6, heat: heat(1.0) }, later);
+        p.set_hot(2, PeerHot { spare: 0, heat: heat(2.0) }, later);
+        p.set_hot(3, PeerHot { spare: 9, heat: heat(3.0) }, t0);
+        p.set_hot(0, PeerHot { spare: 9, heat: heat(4.0) }, later);
+        let since = t0 + Duration::from_millis(500);
+        assert_eq!(p.spare(0, since), vec![(1, 6)], "2 lends none, 3 is stale, 0 is me");
+        assert_eq!(p.heats(0, since), vec![None, Some(heat(1.0)), Some(heat(2.0)), None], "0 is me, 3 is stale");
     }
 
     #[test]
     fn a_record_carries_phase_1s_slots_or_none() {
         let rec: PeerRecord = serde_json::from_str(
-            r#"{"seq":3,"end_ns":1,"workers":[],"balancer":null,"hot":{"replicated":4,"cap":9,"spare":2,"epoch":3},"hotkeys":[]}"#,
+            r#"{"seq":3,"end_ns":1,"workers":[],"balancer":null,"hot":{"replicated":4,"cap":9,"spare":2,"epoch":3,"heat":{"held":[9.0,5.5],"waiting":[20.0]}},"hotkeys":[]}"#,
         )
         .unwrap();
         assert_eq!(rec.snapshot.seq, 3);
-        assert_eq!(rec.hot, Some(PeerHot { spare: 2 }));
+        let heat = SlotHeat { held: vec![9.0, 5.5], waiting: vec![20.0] };
+        assert_eq!(rec.hot, Some(PeerHot { spare: 2, heat }));
+        let before: PeerRecord =
+            serde_json::from_str(r#"{"seq":3,"end_ns":1,"workers":[],"hot":{"replicated":4,"spare":2,"epoch":3}}"#)
+                .unwrap();
+        assert_eq!(before.hot, Some(PeerHot { spare: 2, heat: SlotHeat::default() }), "a record from before heat");
         let old: PeerRecord = serde_json::from_str(r#"{"seq":3,"end_ns":1,"workers":[],"hot":null}"#).unwrap();
         assert_eq!(old.hot, None);
     }

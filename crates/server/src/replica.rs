@@ -254,6 +254,9 @@ pub(crate) struct Replicas {
 
 /// How long a worker measures its load before it may raise an alarm.
 pub(crate) const ALARM_WINDOW_NS: u64 = 250_000_000;
+/// How far above the limit a window must be to raise an alarm, in standard
+/// deviations of a Poisson count at the limit.
+pub(crate) const ALARM_SIGMAS: f64 = 3.0;
 
 /// A worker's hotspot alarm (Phase 1's trigger within an epoch): over
 /// windows of at least [`ALARM_WINDOW_NS`], the requests it served against
@@ -292,7 +295,7 @@ impl Alarm {
         self.restart(now_ns, count, samples);
         let secs = ns as f64 * 1e-9;
         let expected = self.limit? * secs;
-        (served as f64 > expected + 3.0 * expected.sqrt()).then_some((from, secs))
+        (served as f64 > expected + ALARM_SIGMAS * expected.sqrt()).then_some((from, secs))
     }
 }
 

@@ -126,6 +126,9 @@ impl HotKeys {
         }
         let mut out = Vec::new();
         let waiting = heat.len().saturating_sub(room);
+        if waiting > self.waiting {
+            self.waiting_heat = heat.iter().skip(room).map(|(f, _)| *f).collect();
+        }
         self.waiting = self.waiting.max(waiting);
         for (f, k) in heat.into_iter().take(room) {
             let (reads, writes) = seen[&k[..]];

@@ -21,6 +21,27 @@ impl HotKeys {
         self.waiting
     }
 
+    /// What competes for REPL_high slots here ([`SlotHeat`]): the rate of
+    /// each key with copies that counts (a key already retiring at 0, a
+    /// HOT key quiet long enough to be displaced at its rate as measured,
+    /// as displacement judges it; pinned keys are not counted) and of each
+    /// key waiting for a slot, hottest first.
+    pub fn slot_heat(&self) -> SlotHeat {
+        let quiet = self.cfg.displace_quiet.max(1);
+        let mut held: Vec<f64> = self
+            .keys
+            .values()
+            .filter(|e| e.replicas > 0 && !e.pinned)
+            .map(|e| match e.state {
+                KeyState::ColdPending => 0.0,
+                KeyState::Hot if e.quiet >= quiet => e.recent.min(e.reads + e.writes),
+                _ => e.reads + e.writes,
+            })
+            .collect();
+        held.sort_by(|a, b| b.total_cmp(a));
+        SlotHeat { held, waiting: self.waiting_heat.clone() }
+    }
+
     /// Retire `key` now (HOT → COLD_PENDING → COLD, or COLD_PENDING →
     /// COLD): its copies are deleted at once instead of after the leases
     /// it gave, to make room under REPL_high for a hotter key. A client

@@ -26,6 +26,7 @@
 //! caller passes the clock (nanoseconds on its own monotonic clock) and
 //! carries the asks and answers (`mbal slots`, docs/protocol.md).
 
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
 /// One server's loans of REPL_high slots, given and held.
@@ -215,11 +216,105 @@ impl SlotLedger {
     }
 }
 
+/// What one server's epoch record says of the keys that compete for
+/// REPL_high slots: the rates (requests/s, hottest first) of its keys with
+/// copies and of its keys waiting for a slot ([`HotKeys::slot_heat`]).
+/// The servers lend by it ([`entitlements`]): when every slot is in use,
+/// a slot goes to the hotter key wherever it is, not to whoever asked
+/// first (docs/design-notes.md "REPL_high shared across the cluster").
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct SlotHeat {
+    #[serde(default)]
+    pub held: Vec<f64>,
+    #[serde(default)]
+    pub waiting: Vec<f64>,
+}
+
+/// A waiting key outranks a key with copies only when this many times as
+/// hot: the rule displacement follows within a server, here across
+/// servers, so two keys of about the same rate do not take a slot from
+/// each other in turn.
+pub const CLAIM_FACTOR: f64 = 2.0;
+
+/// How many of the cluster's `total` REPL_high slots each server's keys
+/// would hold if the slots went to the hottest keys wherever they are: the
+/// `total` best of every server's keys with copies (at their rate) and
+/// keys waiting (at their rate over [`CLAIM_FACTOR`]), ties to the key
+/// with copies, then to the lower server. A server not heard from lately
+/// (`None`) claims nothing. Pure; each server computes it from the epoch
+/// records it has, so two servers may briefly disagree: the ledger, not
+/// this, keeps the total within REPL_high.
+pub fn entitlements(heat: &[Option<&SlotHeat>], total: usize) -> Vec<usize> {
+    // (score, waiting?, server)
+    let mut keys: Vec<(f64, bool, usize)> = Vec::new();
+    for (s, h) in heat.iter().enumerate() {
+        let Some(h) = h else { continue };
+        keys.extend(h.held.iter().map(|&r| (r, false, s)));
+        keys.extend(h.waiting.iter().map(|&r| (r / CLAIM_FACTOR, true, s)));
+    }
+    keys.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+    let mut out = vec![0; heat.len()];
+    for (_, _, s) in keys.into_iter().take(total) {
+        out[s] += 1;
+    }
+    out
+}
+
+/// What each server could give up to hotter keys elsewhere, by
+/// [`entitlements`] (`entitled`): its keys with copies beyond what it is
+/// entitled to, when it holds no more than its share (`shares`; one
+/// holding more borrows, and lends nothing). 0 for a server not heard.
+pub fn cedable(heat: &[Option<&SlotHeat>], shares: &[usize], entitled: &[usize]) -> Vec<usize> {
+    heat.iter()
+        .enumerate()
+        .map(|(s, h)| {
+            let held = h.map_or(0, |h| h.held.len());
+            if held > shares.get(s).copied().unwrap_or(0) {
+                0
+            } else {
+                held.saturating_sub(entitled.get(s).copied().unwrap_or(0))
+            }
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     const S: u64 = 1_000_000_000;
+
+    #[test]
+    fn the_slots_go_to_the_hottest_keys_wherever_they_are() {
+        let a = SlotHeat { held: vec![900.0, 500.0, 40.0, 30.0], waiting: vec![] };
+        let b = SlotHeat { held: vec![800.0], waiting: vec![600.0, 100.0, 70.0] };
+        // 5 slots: 900, 800, 500 held; b's 600 waiting scores 300, ahead of
+        // a's 40 held; b's 100 waiting (50) is ahead of a's 40 too.
+        assert_eq!(entitlements(&[Some(&a), Some(&b)], 5), vec![2, 3]);
+        // A waiting key must be twice as hot as a key with copies: b's 70
+        // (35) is behind a's 40, so with 6 slots a keeps its 40.
+        assert_eq!(entitlements(&[Some(&a), Some(&b)], 6), vec![3, 3]);
+        // Enough slots for all: each is entitled to all it has and wants.
+        assert_eq!(entitlements(&[Some(&a), Some(&b)], 88), vec![4, 4]);
+        // A server not heard lately claims nothing.
+        assert_eq!(entitlements(&[Some(&a), None], 3), vec![3, 0]);
+        assert_eq!(entitlements(&[], 3), Vec::<usize>::new());
+        // Ties: the key with copies, then the lower server.
+        let c = SlotHeat { held: vec![], waiting: vec![200.0] };
+        let d = SlotHeat { held: vec![100.0], waiting: vec![] };
+        assert_eq!(entitlements(&[Some(&c), Some(&d)], 1), vec![0, 1]);
+        assert_eq!(entitlements(&[Some(&d), Some(&d)], 1), vec![1, 0]);
+        // What each could give up, of 5 slots: a its 4 keys with copies
+        // less the 2 it is entitled to; b its 1, within its 3; e holds 3,
+        // more than its share of 2 (it borrows, and lends nothing); an
+        // unheard server nothing.
+        let e = SlotHeat { held: vec![10.0, 9.0, 8.0], waiting: vec![] };
+        let heat = [Some(&a), Some(&b), Some(&e), None];
+        let entitled = entitlements(&heat, 5);
+        assert_eq!(entitled, vec![2, 3, 0, 0]);
+        assert_eq!(cedable(&heat, &[5, 2, 2, 5], &entitled), vec![2, 0, 0, 0]);
+        assert_eq!(cedable(&heat, &[5, 2, 3, 5], &entitled), vec![2, 0, 3, 0], "within its share: all 3");
+    }
 
     #[test]
     fn a_lender_grants_what_it_can_spare_and_counts_it_until_the_lease_ends() {

@@ -4,6 +4,8 @@
 //! renews, asks, lending, and a starting server's question to the others.
 
 use super::*;
+use mbal_balance::hot::{cedable, entitlements, repl_high_total};
+use mbal_balance::SlotHeat;
 
 /// REPL_high slots lent between servers (`SlotLedger`): a grant lasts this
 /// many epochs, and a borrower renews what it still needs every epoch.
@@ -65,15 +67,66 @@ impl Controller {
         (st.repl_high, st.slots_lent, st.slots_held) = (cap, l.lent(now), l.held(until));
     }
 
+    /// Lending by heat: how many slots the hottest keys of the whole
+    /// cluster entitle this server to (its keys now, the others' from their
+    /// epoch records heard lately: `mbal_balance::entitlements`), and each
+    /// other server's keys with copies within its share beyond what it is
+    /// entitled to (slots it would give up to hotter keys here when asked).
+    /// `None` with Phase 1 off.
+    fn claims(&self) -> Option<(usize, Vec<(u16, usize)>)> {
+        let hot = self.hot.as_ref()?;
+        let me = usize::from(self.shared.server_id);
+        let since = Instant::now().checked_sub(self.epoch_len * 3).unwrap_or_else(Instant::now);
+        let mut heats = self.shared.peer_loads.heats(me, since);
+        if let Some(h) = heats.get_mut(me) {
+            *h = Some(hot.slot_heat());
+        }
+        let view = view_of(&self.shared, &self.map, None);
+        let refs: Vec<Option<&SlotHeat>> = heats.iter().map(Option::as_ref).collect();
+        let entitled = entitlements(&refs, repl_high_total(view.n()));
+        let shares: Vec<usize> =
+            (0..heats.len()).map(|s| repl_high_share(&ClusterView { server: s as u16, ..view })).collect();
+        let over = cedable(&refs, &shares, &entitled)
+            .into_iter()
+            .enumerate()
+            .filter(|&(s, n)| s != me && n > 0)
+            .map(|(s, n)| (s as u16, n))
+            .collect();
+        Some((entitled.get(me).copied().unwrap_or(0), over))
+    }
+
+    /// What this server claims of `demand` (keys with copies and keys
+    /// waiting): no more than its keys' heat entitles it to, so that when
+    /// every slot is in use a borrower whose keys are cooler than others'
+    /// lets its loans end, and a lender lends to hotter keys than its own.
+    /// A demand made for tests (`mbal debug slots`) is taken whole.
+    pub(super) fn claim(&self, demand: usize) -> usize {
+        match self.claims() {
+            Some((entitled, _)) if self.debug_demand == 0 => demand.min(entitled),
+            _ => demand,
+        }
+    }
+
     /// Ask the servers with slots to spare for what `demand` (keys with
     /// copies and keys waiting) needs beyond this server's share, renewing
-    /// what it holds first.
+    /// what it holds first: those that said they would lend, and those
+    /// whose keys with copies are cooler than this server's waiting ones.
     pub(super) fn ask_slots(&mut self, demand: usize, now: u64) {
         let lease_ms = slot_lease_ms(self.epoch_len);
+        let (demand, over) = match self.claims() {
+            Some((entitled, over)) if self.debug_demand == 0 => (demand.min(entitled), over),
+            _ => (demand, Vec::new()),
+        };
         let (Some(l), Some(tx)) = (&mut self.ledger, &self.slot_asks) else { return };
         let need = demand.saturating_sub(l.base());
         let since = Instant::now().checked_sub(self.epoch_len * 3).unwrap_or_else(Instant::now);
-        let spare = self.shared.peer_loads.spare(usize::from(self.shared.server_id), since);
+        let mut spare = self.shared.peer_loads.spare(usize::from(self.shared.server_id), since);
+        for (s, n) in over {
+            match spare.iter_mut().find(|(p, _)| *p == s) {
+                Some(e) => e.1 = e.1.max(n),
+                None => spare.push((s, n)),
+            }
+        }
         let asks = l.asks(need, &spare, now);
         for &(lender, slots) in &asks {
             let _ = tx.send(crate::slots::Ask::Lend { lender, slots, lease_ms });
@@ -90,11 +143,12 @@ impl Controller {
         let now = self.now_ns();
         let lease_ms = lease_ms.min(slot_lease_ms(self.epoch_len));
         let servers = self.map.servers().len();
-        let (Some(l), Some(h)) = (&mut self.ledger, &self.hot) else { return (0, lease_ms) };
+        let Some(h) = &self.hot else { return (0, lease_ms) };
+        let demand = self.claim((h.replicated() + h.waiting()).max(self.debug_demand));
+        let Some(l) = &mut self.ledger else { return (0, lease_ms) };
         if borrower == self.shared.server_id || usize::from(borrower) >= servers {
             return (0, lease_ms);
         }
-        let demand = (h.replicated() + h.waiting()).max(self.debug_demand);
         let granted = l.lend(borrower, slots, lease_ms.saturating_mul(1_000_000), now, demand, SLOT_MARGIN);
         self.apply_cap(now);
         (granted, lease_ms)

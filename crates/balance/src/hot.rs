@@ -392,6 +392,14 @@ struct Entry {
     /// Consecutive epochs its `recent` rate was at most `cool_fraction` × T
     /// (or under the noise floor).
     quiet: u32,
+    /// The lowest T it was replicated or grew at, since it last went COLD,
+    /// while its worker's T was pressed down ([`HotKeys::press`]), as a
+    /// share of the mean load per worker then; infinite when never. It
+    /// cools at `cool_fraction` × that share of the mean at the highest, so
+    /// a key its worker needed is not retired (its reads sent home again)
+    /// because the worker, relieved by it, relaxed; nor at once when the
+    /// server's own T needs no copies at all.
+    pressed_share: f64,
 }
 
 /// One server's Phase 1 policy.
@@ -422,7 +430,7 @@ pub struct HotKeys {
     /// Keys that wanted copies at the last epoch or alarm and found no slot.
     waiting: usize,
     /// Their rates, hottest first (as many as `waiting`).
-    waiting_heat: Vec<f64>,
+    waiting_heat: Vec<(f64, Vec<u8>)>,
     /// Each of this server's workers' multiplier of T (at most 1): lowered
     /// each epoch the worker is hot, raised back each epoch it is under
     /// the mean ([`HotKeys::press`]).
@@ -573,7 +581,9 @@ impl HotKeys {
         // while a write is copied, none may be read.
         match (next, t) {
             (KeyState::Hot, _) => entry.ready = entry.replicas,
-            (KeyState::Cold | KeyState::ColdPending, _) | (_, KeyTransition::PropagateWrite) => entry.ready = 0,
+            // Back to COLD, it starts over at its worker's T of the day.
+            (KeyState::Cold, _) => (entry.ready, entry.pressed_share) = (0, f64::INFINITY),
+            (KeyState::ColdPending, _) | (_, KeyTransition::PropagateWrite) => entry.ready = 0,
             _ => {}
         }
         log.push((key.to_vec(), t));
@@ -653,6 +663,7 @@ impl HotKeys {
             raw: 0.0,
             recent: 0.0,
             quiet: 0,
+            pressed_share: f64::INFINITY,
         });
         e.pinned = true;
         if e.state != KeyState::Cold {
@@ -702,6 +713,7 @@ impl HotKeys {
             raw: reads + writes,
             recent: reads + writes,
             quiet: 0,
+            pressed_share: f64::INFINITY,
         };
         self.keys.insert(key.to_vec(), e);
         self.apply(key, KeyEvent::Tracked, log);
@@ -744,6 +756,17 @@ impl HotKeys {
             t
         } else {
             (t * m).max(PRESS_MIN_SHARE * avg).min(t)
+        }
+    }
+
+    /// What a key of `worker` replicated (or grown) now at `tw` records as
+    /// its `pressed_share` (`was` until now) when the mean load is `avg`:
+    /// `tw` ÷ `avg` when the worker's T is pressed down, else what it had.
+    fn pressed_share(&self, worker: u16, tw: f64, avg: f64, was: f64) -> f64 {
+        if self.press_of(worker) < 1.0 && avg > 0.0 {
+            was.min(tw / avg)
+        } else {
+            was
         }
     }
 
@@ -873,12 +896,18 @@ impl HotKeys {
             if let (KeyState::Hot, Some(&n)) = (e.state, home_reads.get(k)) {
                 e.recent = n as f64 / secs * f64::from(e.replicas + 1);
             }
-            let quiet = e.state == KeyState::Hot && (e.recent <= cool_below || e.recent < min_rate);
+            let (worker, pressed_share) = (e.worker, e.pressed_share);
+            let tw = self.t_of(worker, t, avg);
+            // Its cooling line: the server's, lowered by its worker's press
+            // now, and by the T it was replicated at under an earlier press.
+            let now_line = cool_below * if tw < t { tw / t } else { 1.0 };
+            let cool_line = now_line.min(self.cfg.cool_fraction * pressed_share * avg);
+            let e = self.keys.get_mut(k).expect("present");
+            let quiet = e.state == KeyState::Hot && (e.recent <= cool_line || e.recent < min_rate);
             e.quiet = if quiet { e.quiet + 1 } else { 0 };
             let e = &self.keys[k];
             let f = e.reads + e.writes;
             let ok = replicable(e);
-            let tw = self.t_of(e.worker, t, avg);
             let want = if ok { copies(f, tw, max_copies) - 1 } else { 0 };
             match e.state {
                 KeyState::Cold
@@ -891,7 +920,7 @@ impl HotKeys {
                 }
                 KeyState::Hot if e.pinned => {}
                 KeyState::Hot => {
-                    let cool = !ok || f <= cool_below * if tw < t { tw / t } else { 1.0 };
+                    let cool = !ok || f <= cool_line;
                     if cool {
                         let e = self.keys.get_mut(k).expect("present");
                         e.cool += 1;
@@ -900,7 +929,9 @@ impl HotKeys {
                         }
                     } else if want > e.replicas && !e.broken {
                         let worker = e.worker;
-                        self.keys.get_mut(k).expect("present").replicas = want;
+                        let pressed_share = self.pressed_share(worker, tw, avg, e.pressed_share);
+                        let e = self.keys.get_mut(k).expect("present");
+                        (e.replicas, e.pressed_share) = (want, pressed_share);
                         self.apply(k, KeyEvent::Grew, &mut log);
                         replicate.push(Replicate { key: k.clone(), worker, replicas: want, lease_epochs: lease });
                     } else {
@@ -931,7 +962,7 @@ impl HotKeys {
         self.trim(cap, &mut log, &mut retire);
         heat.sort_by(|a, b| b.0.total_cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
         let mut escalate = None;
-        let mut room = cap.saturating_sub(self.replicated());
+        let mut room = cap.saturating_sub(self.counted());
         if heat.len() > room {
             escalate = Some(HotEscalation {
                 why: HotEscalateWhy::ReplHigh { wanted: self.replicated() + heat.len(), cap },
@@ -963,12 +994,14 @@ impl HotKeys {
             room += self.make_room(&heat, room, &coolest, 0.0, &mut log, &mut retire);
         }
         self.waiting = heat.len().saturating_sub(room);
-        self.waiting_heat = heat.iter().skip(room).map(|(f, _)| *f).collect();
+        self.waiting_heat = heat.iter().skip(room).cloned().collect();
         for (f, k) in heat.into_iter().take(room) {
-            let tw = self.t_of(self.keys[&k].worker, t, avg);
+            let worker = self.keys[&k].worker;
+            let tw = self.t_of(worker, t, avg);
             let want = copies(f, tw, max_copies) - 1;
+            let pressed_share = self.pressed_share(worker, tw, avg, f64::INFINITY);
             let e = self.keys.get_mut(&k).expect("present");
-            e.replicas = want;
+            (e.replicas, e.pressed_share) = (want, pressed_share);
             let worker = e.worker;
             self.apply(&k, KeyEvent::Heated, &mut log);
             replicate.push(Replicate { key: k, worker, replicas: want, lease_epochs: lease });

@@ -31,7 +31,7 @@
 //! published snapshot's (read by stats rendering, written once per epoch).
 
 mod slots;
-use slots::{slot_lease_ms, SLOT_ASK_EVERY_MS, SLOT_MARGIN};
+use slots::{slot_lease_ms, SLOT_ASK_EVERY_MS};
 
 use crate::msg::{Envelope, Grant, HotCmd, ReplyBatch, ReplyTo, NO_CACHELET};
 use crate::replicate::{Done, Job, Op};
@@ -542,13 +542,13 @@ impl Controller {
         let mut d = self.hot.as_mut()?.on_epoch(snap, &view);
         self.start_copies(&d.replicate);
         // Keys waiting for a slot: ask for more at once (the tick renews).
-        let demand = (d.replicated + d.waiting).max(self.debug_demand);
+        let demand = self.demand();
         if d.waiting > 0 {
             self.ask_slots(demand, now);
         }
         // What this server would lend, for the others' asks (`mbal load`).
-        let claim = self.claim(demand);
-        d.spare = self.ledger.as_ref().map_or(0, |l| l.spare(now, claim, SLOT_MARGIN));
+        let (claim, margin) = self.keeps(demand);
+        d.spare = self.ledger.as_ref().map_or(0, |l| l.spare(now, claim, margin));
         let peers = self.shared.peers();
         // The alarm limit for the next epoch, to every worker.
         let limit = self.hot.as_ref().and_then(HotKeys::alarm_limit);
@@ -696,7 +696,7 @@ impl Controller {
             // Keys wait for a slot now: ask for more without waiting for the epoch.
             let now = self.now_ns();
             let recent = self.last_ask_ns.is_some_and(|t| now.saturating_sub(t) < SLOT_ASK_EVERY_MS * 1_000_000);
-            let demand = self.hot.as_ref().map_or(0, |h| h.replicated()) + d.waiting;
+            let demand = self.hot.as_ref().map_or(0, |h| h.counted()) + d.waiting;
             if !recent {
                 self.ask_slots(demand, now);
                 self.last_ask_ns = Some(now);

@@ -93,17 +93,20 @@ impl HotKeys {
         rates.extend(seen.values().map(|&(r, w)| (r + w, up * r - down * w > 0.0)));
         let spread = f64::from(view.servers.max(1));
         let (t, _) = choose_threshold(&rates, avg, view.n(), spread, max_copies, self.cfg.target_imbalance);
+        // This worker's T, pressed down if it has stayed hot, as the epoch's.
+        let tw = self.t_of(worker, t, avg);
+        let pressed_share = self.pressed_share(worker, tw, avg, f64::INFINITY);
 
         let mut heat: Vec<(f64, Vec<u8>)> = seen
             .iter()
             .filter(|(k, &(r, w))| {
                 let cold = self.keys.get(**k).is_none_or(|e| e.state == KeyState::Cold && !e.broken);
-                cold && up * r - down * w > 0.0 && copies(r + w, t, max_copies) > 1
+                cold && up * r - down * w > 0.0 && copies(r + w, tw, max_copies) > 1
             })
             .map(|(k, &(r, w))| (r + w, k.to_vec()))
             .collect();
         heat.sort_by(|a, b| b.0.total_cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
-        let mut room = self.repl_high(&view).saturating_sub(self.replicated());
+        let mut room = self.repl_high(&view).saturating_sub(self.counted());
         let mut log = Vec::new();
         let mut retire = Vec::new();
         if self.cfg.displace && heat.len() > room && home_secs > 0.0 {
@@ -127,15 +130,17 @@ impl HotKeys {
         let mut out = Vec::new();
         let waiting = heat.len().saturating_sub(room);
         if waiting > self.waiting {
-            self.waiting_heat = heat.iter().skip(room).map(|(f, _)| *f).collect();
+            self.waiting_heat = heat.iter().skip(room).cloned().collect();
         }
         self.waiting = self.waiting.max(waiting);
         for (f, k) in heat.into_iter().take(room) {
             let (reads, writes) = seen[&k[..]];
             self.track(&k, worker, reads, writes, &mut log);
-            let want = copies(f, t, max_copies) - 1;
+            let want = copies(f, tw, max_copies) - 1;
+            // Admitted: no longer waiting for a slot.
+            self.waiting_heat.retain(|(_, w)| *w != k);
             let e = self.keys.get_mut(&k).expect("tracked");
-            (e.worker, e.replicas) = (worker, want);
+            (e.worker, e.replicas, e.pressed_share) = (worker, want, pressed_share);
             (e.reads, e.writes) = (e.reads.max(reads), e.writes.max(writes));
             self.apply(&k, KeyEvent::Heated, &mut log);
             out.push(Replicate { key: k, worker, replicas: want, lease_epochs: self.cfg.lease_epochs });

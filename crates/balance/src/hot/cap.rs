@@ -26,20 +26,28 @@ impl HotKeys {
     /// HOT key quiet long enough to be displaced at its rate as measured,
     /// as displacement judges it; pinned keys are not counted) and of each
     /// key waiting for a slot, hottest first.
+    /// No more waiting keys are reported than the whole cluster has
+    /// slots ([`repl_high_total`]): no server could be lent more.
     pub fn slot_heat(&self) -> SlotHeat {
-        let quiet = self.cfg.displace_quiet.max(1);
-        let mut held: Vec<f64> = self
-            .keys
-            .values()
-            .filter(|e| e.replicas > 0 && !e.pinned)
-            .map(|e| match e.state {
-                KeyState::ColdPending => 0.0,
-                KeyState::Hot if e.quiet >= quiet => e.recent.min(e.reads + e.writes),
-                _ => e.reads + e.writes,
-            })
-            .collect();
+        let mut held: Vec<f64> =
+            self.keys.values().filter(|e| e.replicas > 0 && !e.pinned).map(|e| self.slot_score(e)).collect();
         held.sort_by(|a, b| b.total_cmp(a));
-        SlotHeat { held, waiting: self.waiting_heat.clone() }
+        let most = self.last.map_or(usize::MAX, |(view, _, _)| repl_high_total(view.n()));
+        let waiting = self.waiting_heat.iter().take(most).map(|(f, _)| *f).collect();
+        SlotHeat { held, waiting }
+    }
+
+    /// A key's claim to the REPL_high slot it holds, the one rule lending
+    /// ([`HotKeys::slot_heat`]) and giving a slot back ([`HotKeys::trim`])
+    /// judge by: 0 for a key already retiring; a HOT key quiet for
+    /// `displace_quiet` epochs at its rate as measured this epoch (as
+    /// displacement judges it); else its smoothed rate.
+    fn slot_score(&self, e: &Entry) -> f64 {
+        match e.state {
+            KeyState::ColdPending => 0.0,
+            KeyState::Hot if e.quiet >= self.cfg.displace_quiet.max(1) => e.recent.min(e.reads + e.writes),
+            _ => e.reads + e.writes,
+        }
     }
 
     /// Retire `key` now (HOT → COLD_PENDING → COLD, or COLD_PENDING →
@@ -120,7 +128,7 @@ impl HotKeys {
             .iter()
             .filter(|(_, e)| e.replicas > 0 && !e.pinned)
             .filter(|(_, e)| matches!(e.state, KeyState::ColdPending | KeyState::Hot | KeyState::HotPending))
-            .map(|(k, e)| (order(e.state), e.reads + e.writes, k.clone()))
+            .map(|(k, e)| (order(e.state), self.slot_score(e), k.clone()))
             .collect();
         keys.sort_by(|a, b| a.0.cmp(&b.0).then(a.1.total_cmp(&b.1)).then_with(|| a.2.cmp(&b.2)));
         for (_, _, k) in keys.into_iter().take(over) {
@@ -143,7 +151,7 @@ impl HotKeys {
     }
 
     /// Keys with copies that REPL_high counts: all but pinned ones.
-    pub(super) fn counted(&self) -> usize {
+    pub fn counted(&self) -> usize {
         self.keys.values().filter(|e| e.replicas > 0 && !e.pinned).count()
     }
 }

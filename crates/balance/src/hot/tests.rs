@@ -1156,3 +1156,96 @@ fn a_worker_that_stays_hot_presses_its_t_down_and_relaxes_at_the_mean() {
     h.on_epoch(&snapshot(10, &[1000.0, 1000.0]), &VIEW);
     assert!((h.press_of(0) - (held / PRESS_STEP).min(1.0)).abs() < 1e-9);
 }
+
+/// A key replicated because its worker stayed hot (its T pressed down)
+/// cools at that pressed T: when the worker, relieved by its copies,
+/// relaxes to the mean, the key (at 15/s, under half the server's T of
+/// about 40/s) keeps them while its rate holds, and is retired (and starts
+/// over at its worker's T) only once its rate falls.
+#[test]
+fn a_key_replicated_under_press_cools_at_the_pressed_t() {
+    let mut h = policy();
+    let mut epoch = 0;
+    let run = |h: &mut HotKeys, epoch: &mut u64, b: f64, loads: &[f64]| {
+        *epoch += 1;
+        let home = |k: &[u8], f: f64| f / f64::from(h.hint(k) + 1);
+        let keys: [(&[u8], f64, f64); 2] = [(b"a", home(b"a", 300.0), 0.0), (b"b", home(b"b", b), 0.0)];
+        feed(h, *epoch, &keys);
+        let d = h.on_epoch(&snapshot(*epoch, loads), &VIEW);
+        for r in &d.replicate {
+            h.replicas_ready(&r.key);
+        }
+    };
+    while h.state(b"b") != S::Hot {
+        run(&mut h, &mut epoch, 15.0, &[1300.0, 1000.0]);
+        assert!(epoch < 10, "b was never replicated under press");
+    }
+    assert!(h.keys[&b"b"[..]].pressed_share.is_finite());
+    // Relieved: the worker is at the mean, its multiplier back to 1.
+    for _ in 0..12 {
+        run(&mut h, &mut epoch, 15.0, &[1000.0, 1000.0]);
+        assert_eq!(h.state(b"b"), S::Hot, "epoch {epoch}: b kept its copies while its rate held");
+    }
+    assert_eq!(h.press_of(0), 1.0);
+    // Its readers leave: it cools, is retired, and forgets the press.
+    for _ in 0..12 {
+        run(&mut h, &mut epoch, 1.0, &[1000.0, 1000.0]);
+    }
+    assert!(matches!(h.state(b"b"), S::Cold | S::Invalid), "{:?}", h.state(b"b"));
+    if let Some(e) = h.keys.get(&b"b"[..]) {
+        assert_eq!(e.pressed_share, f64::INFINITY);
+    }
+}
+
+/// When the keys left unreplicated already meet the target (the server's
+/// cooling line infinite: no key needs a copy), a key replicated only
+/// because its worker stayed hot is not retired at the next epoch and
+/// replicated again at the one after: it keeps its copies while its worker
+/// is hot and its rate holds.
+#[test]
+fn a_key_admitted_under_press_does_not_churn_when_no_key_needs_a_copy() {
+    let mut h = policy();
+    let mut heated = 0;
+    let mut hot_from = None;
+    for e in 1..=14u64 {
+        // Forty keys of 12/s each on worker 0: a hot partition, no hot key.
+        let names: Vec<Vec<u8>> = (0..40).map(|i| format!("p{i}").into_bytes()).collect();
+        let keys: Vec<(&[u8], f64, f64)> =
+            names.iter().map(|k| (&k[..], 12.0 / f64::from(h.hint(k) + 1), 0.0)).collect();
+        feed(&mut h, e, &keys);
+        let d = h.on_epoch(&snapshot(e, &[1300.0, 1000.0]), &VIEW);
+        assert!(d.unreplicated_max_over_avg <= 1.1, "{}", d.unreplicated_max_over_avg);
+        heated += d.transitions.iter().filter(|(_, t)| *t == KeyTransition::Replicate).count();
+        for r in &d.replicate {
+            h.replicas_ready(&r.key);
+        }
+        if hot_from.is_none() && h.state(b"p0") == S::Hot {
+            hot_from = Some(e);
+        }
+        if let Some(from) = hot_from.filter(|f| e > *f) {
+            assert_eq!(h.state(b"p0"), S::Hot, "epoch {e}: replicated at {from}, then retired");
+        }
+    }
+    assert!(hot_from.is_some(), "the pressed T never reached the partition's keys");
+    assert!(heated <= 40, "keys were replicated more than once: {heated}");
+}
+
+/// A key the epoch left waiting for a slot is reported as waiting (its
+/// heat, for lending) until an alarm gives it a slot, and not after.
+#[test]
+fn a_key_an_alarm_admits_is_no_longer_reported_waiting() {
+    let mut h = policy();
+    h.set_repl_high(Some(0));
+    feed(&mut h, 1, &[(b"w", 800.0, 0.0)]);
+    let d = h.on_epoch(&snapshot(1, &[2000.0, 1000.0]), &VIEW);
+    assert!(d.replicate.is_empty());
+    assert_eq!(h.slot_heat().waiting, vec![800.0]);
+    // A slot was lent; the worker is still hot, and the key still hot.
+    h.set_repl_high(Some(1));
+    let mut s = Vec::new();
+    sampled(&mut s, b"w", 200, false);
+    let r = h.on_alarm(0, &s, 0.25, &[], 0.0).replicate;
+    assert_eq!(r.len(), 1, "{r:?}");
+    assert!(h.slot_heat().waiting.is_empty(), "{:?}", h.slot_heat());
+    assert_eq!(h.slot_heat().held.len(), 1);
+}

@@ -25,6 +25,11 @@ pub(super) const SLOT_MARGIN: usize = 1;
 /// this often (ms).
 pub(super) const SLOT_ASK_EVERY_MS: u64 = 250;
 
+/// A lender's claim and margin for `demand` ([`Controller::keeps`]).
+fn keeps(claim: usize, demand: usize) -> (usize, usize) {
+    (claim, if claim < demand { 0 } else { SLOT_MARGIN })
+}
+
 impl Controller {
     /// The controller's tick: give back what is no longer held (the policy
     /// retires its coolest keys beyond the cap at once) and renew what is
@@ -37,9 +42,27 @@ impl Controller {
         self.ask_held();
         let now = self.now_ns();
         self.apply_cap(now);
-        let Some(hot) = &self.hot else { return };
-        let demand = (hot.replicated() + hot.waiting()).max(self.debug_demand);
-        self.ask_slots(demand, now);
+        if self.hot.is_none() {
+            return;
+        }
+        self.ask_slots(self.demand(), now);
+    }
+
+    /// What this server needs of REPL_high now: its keys with copies that
+    /// count against it (pinned ones do not) and its keys waiting for a
+    /// slot; a demand made for tests (`mbal debug slots`) when larger.
+    pub(super) fn demand(&self) -> usize {
+        self.hot.as_ref().map_or(0, |h| h.counted() + h.waiting()).max(self.debug_demand)
+    }
+
+    /// What a lender keeps of its share for `demand`: its claim
+    /// ([`Controller::claim`]) and the slots it keeps free beyond it:
+    /// `SLOT_MARGIN` for its next hot key, or none when its keys are
+    /// cooler than the cluster's hottest (its claim below its demand), as
+    /// the margin would keep from a hotter key a slot its own are not
+    /// entitled to.
+    pub(super) fn keeps(&self, demand: usize) -> (usize, usize) {
+        keeps(self.claim(demand), demand)
     }
 
     /// A server that started asks the others how many of its slots they
@@ -143,13 +166,15 @@ impl Controller {
         let now = self.now_ns();
         let lease_ms = lease_ms.min(slot_lease_ms(self.epoch_len));
         let servers = self.map.servers().len();
-        let Some(h) = &self.hot else { return (0, lease_ms) };
-        let demand = self.claim((h.replicated() + h.waiting()).max(self.debug_demand));
+        if self.hot.is_none() {
+            return (0, lease_ms);
+        }
+        let (claim, margin) = self.keeps(self.demand());
         let Some(l) = &mut self.ledger else { return (0, lease_ms) };
         if borrower == self.shared.server_id || usize::from(borrower) >= servers {
             return (0, lease_ms);
         }
-        let granted = l.lend(borrower, slots, lease_ms.saturating_mul(1_000_000), now, demand, SLOT_MARGIN);
+        let granted = l.lend(borrower, slots, lease_ms.saturating_mul(1_000_000), now, claim, margin);
         self.apply_cap(now);
         (granted, lease_ms)
     }
@@ -192,5 +217,29 @@ impl Controller {
             self.send_grants(None);
         }
         self.publish_hot();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mbal_balance::SlotLedger;
+
+    /// A lender whose keys are cooler than the cluster's hottest (entitled
+    /// to one slot less than its share, below what it holds and waits for)
+    /// lends that slot; with the margin on top it would lend none. A lender
+    /// entitled to all it needs keeps the margin.
+    #[test]
+    fn a_lender_cooler_than_the_cluster_keeps_no_margin() {
+        let base = 6;
+        let (claim, margin) = keeps(base - 1, base + 2);
+        assert_eq!(margin, 0);
+        let mut l = SlotLedger::new(base);
+        assert_eq!(l.lend(1, 3, 1_000, 0, claim, margin), 1);
+        assert_eq!(SlotLedger::new(base).lend(1, 3, 1_000, 0, base - 1, SLOT_MARGIN), 0, "the margin kept it");
+
+        let (claim, margin) = keeps(3, 3);
+        assert_eq!(margin, SLOT_MARGIN);
+        assert_eq!(SlotLedger::new(base).lend(1, 5, 1_000, 0, claim, margin), base - 3 - SLOT_MARGIN);
     }
 }

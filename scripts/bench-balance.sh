@@ -121,7 +121,23 @@ fi
 PID=""
 PROXY_PID=""
 stop_proxy() { [ -n "$PROXY_PID" ] && kill -INT "$PROXY_PID" 2>/dev/null && wait "$PROXY_PID" 2>/dev/null; PROXY_PID=""; return 0; }
-cleanup() { stop_proxy; [ -n "$PID" ] && kill -INT "$PID" 2>/dev/null && wait "$PID" 2>/dev/null; PID=""; return 0; }
+# Whether process $1 runs (not exited, nor exited and not yet waited for).
+running() { local st; st=$(cut -d' ' -f3 "/proc/$1/stat" 2>/dev/null) && [ "$st" != Z ]; }
+# Stops the cluster: SIGINT, again every 0.1 s while it runs, for up to 10 s (one sent while
+# `cluster up` was still being forked is ignored), then waits for it.
+cleanup() {
+  stop_proxy
+  if [ -n "$PID" ]; then
+    for _ in $(seq 100); do
+      running "$PID" || break
+      kill -INT "$PID" 2>/dev/null
+      sleep 0.1
+    done
+    wait "$PID" 2>/dev/null
+  fi
+  PID=""
+  return 0
+}
 stop_monitor() { [ -n "$MON_PID" ] && kill -INT "$MON_PID" 2>/dev/null && wait "$MON_PID" 2>/dev/null; MON_PID=""; return 0; }
 trap 'cleanup; stop_monitor' EXIT
 
@@ -129,6 +145,11 @@ trap 'cleanup; stop_monitor' EXIT
 # first server's address). Waits (up to WAIT_UP s) for it to say it is up.
 cluster_up() {
   local servers=$1 workers=$2 tag=$3 args=${4:-$SERVER_ARGS}
+  # Emptied here, not only by the background job's redirection: that one may
+  # run after the first look below, which would then find the previous
+  # invocation's "Ctrl-C stops" (same tag), give up on an empty log and
+  # interrupt the cluster between fork and exec, where SIGINT is ignored.
+  : >"$OUT/$tag.cluster.log"
   # shellcheck disable=SC2086 # args is a list of arguments
   "$BIN" cluster up --servers "$servers" --workers "$workers" --worker-capacity "$CAP" -m 128 \
     --file "$OUT/$tag.cluster.toml" $(for a in $args; do printf -- '--server-arg=%s ' "$a"; done) \

@@ -21,6 +21,7 @@ ONSET_END = 3.5  # seconds: epochs ending by then are the hotspot's onset (befor
 KNOB = os.environ.get("KNOB", "balancer")  # the server flag the modes toggle
 SHIFT_AT = float(os.environ["SHIFT_AT"]) if os.environ.get("SHIFT_AT") else None  # the hot set changes
 REACTED_AT = 1.2  # max/avg back under this after the shift: the reaction time
+REACTION_WINDOW_S = 1.0  # ... over windows of at least this long, whatever the epoch length
 
 
 def spread(epochs):
@@ -62,11 +63,39 @@ def settle_time(epochs, secs):
     return max(rs[k][0], 0.0) if k < len(rs) else None
 
 
+def windows(epochs, after, secs=REACTION_WINDOW_S):
+    """Rounds (as `rounds`) ending after `after`, merged in order into windows of at least
+    `secs` seconds (per-worker loads averaged over the window's epochs, by their length):
+    [(start, end, max/avg)]. With 1 s epochs each window is one round."""
+    by = {}
+    for e in epochs:
+        by.setdefault(e["server"], []).append(e)
+    n = min(len(v) for v in by.values()) if by else 0
+    out, acc, length, start = [], {}, 0.0, None
+    for k in range(n):
+        es = [v[k] for v in by.values()]
+        if max(e["t_end"] for e in es) <= after:
+            continue
+        sec = max(e["secs"] for e in es)
+        start = min(e["t_end"] - e["secs"] for e in es) if start is None else start
+        for e in es:
+            for w in e["workers"]:
+                acc[(e["server"], w["worker"])] = acc.get((e["server"], w["worker"]), 0.0) + w["ops_per_sec"] * e["secs"]
+        length += sec
+        if length >= secs - 0.05:
+            avg = sum(acc.values()) / len(acc)
+            out.append((start, max(e["t_end"] for e in es), max(acc.values()) / avg if avg else 0))
+            acc, length, start = {}, 0.0, None
+    return out
+
+
 def reaction(epochs):
-    """Seconds from the hot-set shift to the first round from which max/avg stays <= REACTED_AT."""
+    """Seconds from the hot-set shift to the end of the first window from which max/avg stays
+    <= REACTED_AT, over windows of REACTION_WINDOW_S (1 s: with shorter epochs, a single
+    epoch's sampling noise past 1.2 would otherwise decide it)."""
     if SHIFT_AT is None:
         return None
-    rs = [r for r in rounds(epochs) if r[1] > SHIFT_AT + 0.05]
+    rs = windows(epochs, SHIFT_AT + 0.05)
     if not rs or rs[-1][2] > REACTED_AT:
         return None
     k = len(rs)

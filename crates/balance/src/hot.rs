@@ -31,98 +31,13 @@ mod alarm;
 pub use alarm::AlarmDecision;
 mod cap;
 mod estimate;
+mod press;
+pub use press::{PRESS_FLOOR, PRESS_MIN_SHARE, PRESS_STEP};
 mod slots;
+mod states;
 pub use estimate::{choose_threshold, copies, estimate_max_over_avg, expected_max_normal, sample_rate_for};
 pub use slots::{cedable, entitlements, SlotHeat, SlotLedger, CLAIM_FACTOR};
-
-/// A tracked key's state (SPORE Fig. 5).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum KeyState {
-    /// Not in the metadata table.
-    Invalid,
-    /// Tracked, not replicated.
-    Cold,
-    /// Replicas being created or a write being propagated to them: no new
-    /// leases (the hint says 0 replicas).
-    HotPending,
-    /// Replicated: reads get the replica count and a lease.
-    Hot,
-    /// Cooled: no new leases; replicas stay (and get writes) until every
-    /// lease handed out has ended, then they are deleted.
-    ColdPending,
-}
-
-/// What happens to a tracked key.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum KeyEvent {
-    /// It is among the tracker's hottest keys.
-    Tracked,
-    /// It left the tracker's hottest keys.
-    Dropped,
-    /// Hot enough, read-mostly, on a worker past its threshold.
-    Heated,
-    /// Hot and its rate now calls for more replicas.
-    Grew,
-    /// The mechanism created (or updated) every replica.
-    Ready,
-    /// The mechanism could not create or update the replicas (or did not
-    /// confirm in time).
-    Failed,
-    /// A write at home is being propagated to the replicas.
-    WriteStarted,
-    /// Cool (or write-heavy) for `cool_epochs` epochs.
-    Cooled,
-    /// Every lease handed out has ended.
-    LeasesEnded,
-}
-
-/// A named edge of [`step`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum KeyTransition {
-    /// INVALID → COLD.
-    Track,
-    /// COLD → INVALID (only cold entries are evicted).
-    Evict,
-    /// COLD → HOT_PENDING: create replicas.
-    Replicate,
-    /// HOT → HOT_PENDING: create more replicas.
-    AddReplicas,
-    /// HOT_PENDING → HOT: replicas ready, leases granted.
-    ReplicasReady,
-    /// HOT_PENDING → COLD_PENDING: creation or propagation failed; wait
-    /// out the leases and delete what exists.
-    ReplicationFailed,
-    /// HOT → HOT_PENDING: propagating a write, leases revoked meanwhile.
-    PropagateWrite,
-    /// HOT → COLD_PENDING: the key cooled.
-    Cool,
-    /// COLD_PENDING → HOT: hot again while its replicas still exist.
-    Reheat,
-    /// COLD_PENDING → COLD: leases over (or, to make room under REPL_high
-    /// for a hotter key, at once), replicas deleted.
-    Retire,
-}
-
-/// The state machine: the next state and the edge taken, or `None` when
-/// the event does not apply in that state (it is then ignored).
-pub fn step(s: KeyState, e: KeyEvent) -> Option<(KeyState, KeyTransition)> {
-    use KeyEvent as E;
-    use KeyState as S;
-    use KeyTransition as T;
-    Some(match (s, e) {
-        (S::Invalid, E::Tracked) => (S::Cold, T::Track),
-        (S::Cold, E::Dropped) => (S::Invalid, T::Evict),
-        (S::Cold, E::Heated) => (S::HotPending, T::Replicate),
-        (S::HotPending, E::Ready) => (S::Hot, T::ReplicasReady),
-        (S::HotPending, E::Failed) => (S::ColdPending, T::ReplicationFailed),
-        (S::Hot, E::Grew) => (S::HotPending, T::AddReplicas),
-        (S::Hot, E::WriteStarted) => (S::HotPending, T::PropagateWrite),
-        (S::Hot, E::Cooled) => (S::ColdPending, T::Cool),
-        (S::ColdPending, E::Heated) => (S::Hot, T::Reheat),
-        (S::ColdPending, E::LeasesEnded) => (S::Cold, T::Retire),
-        _ => return None,
-    })
-}
+pub use states::{step, KeyEvent, KeyState, KeyTransition};
 
 /// Phase 1's knobs.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -437,16 +352,6 @@ pub struct HotKeys {
     press: BTreeMap<u16, f64>,
 }
 
-/// A hot worker's T falls by this factor each epoch it stays hot, and
-/// rises back by it each epoch it is under the mean load.
-pub const PRESS_STEP: f64 = 0.7;
-/// Its T is never below this fraction of the server's...
-pub const PRESS_FLOOR: f64 = 0.05;
-/// ...nor, once lowered, below this fraction of the mean load per worker:
-/// a key carrying less is not worth a copy (a worker hot with many such
-/// keys is a hot partition, Phase 2's to move).
-pub const PRESS_MIN_SHARE: f64 = 0.01;
-
 /// REPL_high for the whole cluster: floor(2·n·ln n) for its n workers
 /// (MBal §3.2).
 pub fn repl_high_total(n: usize) -> usize {
@@ -717,57 +622,6 @@ impl HotKeys {
         };
         self.keys.insert(key.to_vec(), e);
         self.apply(key, KeyEvent::Tracked, log);
-    }
-
-    /// Feedback on the measured load, worker by worker. T comes from an
-    /// estimate that takes the keys below it as spread evenly; they are
-    /// not (each key lives on one worker), so a worker can stay above the
-    /// target with every key over T replicated. Each epoch a worker is hot
-    /// (past `limit`) its T is multiplied by [`PRESS_STEP`] (down to
-    /// [`PRESS_FLOOR`]): its replicated keys grow more copies (its own
-    /// share of their reads falls) and more of its keys qualify. Each
-    /// epoch it is at or under the mean `avg` the multiplier rises back by as
-    /// much, up to 1 (one at or under the mean needs no help; between the
-    /// mean and the limit the multiplier holds, so a worker just under
-    /// the limit is not pushed back over it by its keys cooling).
-    fn press(&mut self, snap: &EpochSnapshot, loads: &[f64], avg: f64, limit: f64) {
-        let busy = avg >= self.balance.min_load;
-        for (w, &l) in snap.workers.iter().zip(loads) {
-            let m = self.press.entry(w.worker).or_insert(1.0);
-            if busy && l > limit {
-                *m = (*m * PRESS_STEP).max(PRESS_FLOOR);
-            } else if l <= avg || !busy {
-                *m = (*m / PRESS_STEP).min(1.0);
-            }
-        }
-    }
-
-    /// `worker`'s multiplier of T ([`HotKeys::press`]; 1 for a worker of
-    /// another server or never hot).
-    pub fn press_of(&self, worker: u16) -> f64 {
-        self.press.get(&worker).copied().unwrap_or(1.0)
-    }
-
-    /// T for `worker`'s keys: the server's `t` times its multiplier, but
-    /// never below [`PRESS_MIN_SHARE`] of the mean load `avg` once lowered.
-    fn t_of(&self, worker: u16, t: f64, avg: f64) -> f64 {
-        let m = self.press_of(worker);
-        if m >= 1.0 || !t.is_finite() {
-            t
-        } else {
-            (t * m).max(PRESS_MIN_SHARE * avg).min(t)
-        }
-    }
-
-    /// What a key of `worker` replicated (or grown) now at `tw` records as
-    /// its `pressed_share` (`was` until now) when the mean load is `avg`:
-    /// `tw` ÷ `avg` when the worker's T is pressed down, else what it had.
-    fn pressed_share(&self, worker: u16, tw: f64, avg: f64, was: f64) -> f64 {
-        if self.press_of(worker) < 1.0 && avg > 0.0 {
-            was.min(tw / avg)
-        } else {
-            was
-        }
     }
 
     /// One epoch.

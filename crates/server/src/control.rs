@@ -531,8 +531,7 @@ impl Controller {
         // The cluster's mean: this server's and the others' heard within
         // the last three epochs (else this server's mean stands for it).
         let own = crate::peerload::mean_load(snap, &hot_balance_config(&self.shared.settings));
-        let since = Instant::now().checked_sub(self.epoch_len * 3).unwrap_or_else(Instant::now);
-        let avg = self.shared.peer_loads.cluster_mean(usize::from(self.shared.server_id), own, since);
+        let avg = self.shared.peer_loads.cluster_mean(usize::from(self.shared.server_id), own, self.heard_since());
         let view = view_of(&self.shared, &self.map, avg);
         let now = self.now_ns();
         if let Some(l) = &mut self.ledger {
@@ -696,9 +695,8 @@ impl Controller {
             // Keys wait for a slot now: ask for more without waiting for the epoch.
             let now = self.now_ns();
             let recent = self.last_ask_ns.is_some_and(|t| now.saturating_sub(t) < SLOT_ASK_EVERY_MS * 1_000_000);
-            let demand = self.hot.as_ref().map_or(0, |h| h.counted()) + d.waiting;
             if !recent {
-                self.ask_slots(demand, now);
+                self.ask_slots(self.demand(), now);
                 self.last_ask_ns = Some(now);
             }
         }

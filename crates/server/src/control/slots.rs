@@ -48,6 +48,12 @@ impl Controller {
         self.ask_slots(self.demand(), now);
     }
 
+    /// Peers' epoch records count when heard since this: the last three
+    /// epochs (for the cluster's mean load, slots to spare and heat).
+    pub(super) fn heard_since(&self) -> Instant {
+        Instant::now().checked_sub(self.epoch_len * 3).unwrap_or_else(Instant::now)
+    }
+
     /// What this server needs of REPL_high now: its keys with copies that
     /// count against it (pinned ones do not) and its keys waiting for a
     /// slot; a demand made for tests (`mbal debug slots`) when larger.
@@ -56,13 +62,13 @@ impl Controller {
     }
 
     /// What a lender keeps of its share for `demand`: its claim
-    /// ([`Controller::claim`]) and the slots it keeps free beyond it:
+    /// ([`Controller::claimed`]) and the slots it keeps free beyond it:
     /// `SLOT_MARGIN` for its next hot key, or none when its keys are
     /// cooler than the cluster's hottest (its claim below its demand), as
     /// the margin would keep from a hotter key a slot its own are not
     /// entitled to.
     pub(super) fn keeps(&self, demand: usize) -> (usize, usize) {
-        keeps(self.claim(demand), demand)
+        keeps(self.claimed(demand).0, demand)
     }
 
     /// A server that started asks the others how many of its slots they
@@ -99,8 +105,7 @@ impl Controller {
     fn claims(&self) -> Option<(usize, Vec<(u16, usize)>)> {
         let hot = self.hot.as_ref()?;
         let me = usize::from(self.shared.server_id);
-        let since = Instant::now().checked_sub(self.epoch_len * 3).unwrap_or_else(Instant::now);
-        let mut heats = self.shared.peer_loads.heats(me, since);
+        let mut heats = self.shared.peer_loads.heats(me, self.heard_since());
         if let Some(h) = heats.get_mut(me) {
             *h = Some(hot.slot_heat());
         }
@@ -123,10 +128,12 @@ impl Controller {
     /// every slot is in use a borrower whose keys are cooler than others'
     /// lets its loans end, and a lender lends to hotter keys than its own.
     /// A demand made for tests (`mbal debug slots`) is taken whole.
-    pub(super) fn claim(&self, demand: usize) -> usize {
+    /// With it, the servers whose keys with copies are cooler than this
+    /// server's ([`Controller::claims`]).
+    fn claimed(&self, demand: usize) -> (usize, Vec<(u16, usize)>) {
         match self.claims() {
-            Some((entitled, _)) if self.debug_demand == 0 => demand.min(entitled),
-            _ => demand,
+            Some((entitled, over)) if self.debug_demand == 0 => (demand.min(entitled), over),
+            _ => (demand, Vec::new()),
         }
     }
 
@@ -136,13 +143,10 @@ impl Controller {
     /// whose keys with copies are cooler than this server's waiting ones.
     pub(super) fn ask_slots(&mut self, demand: usize, now: u64) {
         let lease_ms = slot_lease_ms(self.epoch_len);
-        let (demand, over) = match self.claims() {
-            Some((entitled, over)) if self.debug_demand == 0 => (demand.min(entitled), over),
-            _ => (demand, Vec::new()),
-        };
+        let (demand, over) = self.claimed(demand);
+        let since = self.heard_since();
         let (Some(l), Some(tx)) = (&mut self.ledger, &self.slot_asks) else { return };
         let need = demand.saturating_sub(l.base());
-        let since = Instant::now().checked_sub(self.epoch_len * 3).unwrap_or_else(Instant::now);
         let mut spare = self.shared.peer_loads.spare(usize::from(self.shared.server_id), since);
         for (s, n) in over {
             match spare.iter_mut().find(|(p, _)| *p == s) {

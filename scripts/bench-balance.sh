@@ -36,8 +36,9 @@
 #
 # The hotspot starts with the measured phase: the keys are loaded first (uniform SETs), then
 # the workload runs at the fixed rate from t = 0. Settle time: from t = 0 to the start of the
-# first epoch from which every epoch's per-worker max/avg stays <= SETTLED_AT (1.15), "never"
-# if the last epochs are above it; and the first second from which every second's p99 stays
+# first window from which every window's per-worker max/avg stays <= SETTLED_AT (1.15), "never"
+# if the last windows are above it (windows: the servers' epochs merged into at least 1 s, so
+# two of the default 500 ms epochs); and the first second from which every second's p99 stays
 # within P99_TARGET_US (the backlog built up before the moves has drained).
 #
 # Knobs (environment): CAP per-worker capacity, requests/s (default 2000; 4000 for hotkeys); LOAD offered load as

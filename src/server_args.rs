@@ -186,10 +186,15 @@ pub struct ServerArgs {
     /// worker stops reading its connections until answers come in [default: 16384]
     #[arg(long = "max-inflight")]
     pub max_inflight: Option<usize>,
-    /// Milliseconds per balancer epoch: how often the controller samples every worker's counters
-    /// [default: 1000]
+    /// Milliseconds per epoch: how often the controller samples every worker's counters; Phase 1
+    /// (hot keys) decides every epoch [default: 500]
     #[arg(long = "epoch-ms")]
     pub epoch_ms: Option<u64>,
+    /// Milliseconds per Phase 2 epoch: the local balancer decides on the last this-many
+    /// milliseconds of load, rounded to whole epochs; its persistence and leases count these
+    /// [default: 1000]
+    #[arg(long = "balance-epoch-ms")]
+    pub balance_epoch_ms: Option<u64>,
     /// The local load balancer (Phase 2: cachelet moves between this server's workers), on or
     /// off [default: on in a cluster (--cluster), off for a stand-alone server]
     #[arg(long = "balancer", value_parser = parse_on_off)]
@@ -585,6 +590,12 @@ impl ServerArgs {
                 bail!("--epoch-ms must be at least 1");
             }
             s.epoch_ms = v;
+        }
+        if let Some(v) = o.balance_epoch_ms {
+            if v == 0 {
+                bail!("--balance-epoch-ms must be at least 1");
+            }
+            s.balance_epoch_ms = v;
         }
         if let Some(v) = o.worker_capacity {
             s.worker_capacity = v;

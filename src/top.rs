@@ -66,6 +66,9 @@ struct Server {
     r: BufReader<mbal_tls::BlockingStream>,
     last: u64,
     rec: Option<Record>,
+    /// Phase 2's state as of its last decision: it decides once per
+    /// `--balance-epoch-ms`, every other epoch at the defaults.
+    phase2: String,
 }
 
 impl Server {
@@ -73,7 +76,7 @@ impl Server {
         let s = dialer.dial(addr, mbal_cluster::dial::Proto::Text).with_context(|| format!("connecting to {addr}"))?;
         // `mbal load` waits for the epoch to end.
         s.sock().set_read_timeout(Some(Duration::from_secs(30)))?;
-        Ok(Server { id, r: BufReader::new(s), last: 0, rec: None })
+        Ok(Server { id, r: BufReader::new(s), last: 0, rec: None, phase2: "off".into() })
     }
 
     /// The next epoch after the last one read (blocks until it ends).
@@ -92,6 +95,9 @@ impl Server {
         self.r.read_exact(&mut body)?;
         let rec: Record = serde_json::from_slice(&body[..n]).context("parsing mbal load")?;
         self.last = rec.snap.seq;
+        if let Some(d) = &rec.balancer {
+            self.phase2 = format!("{:?}", d.state);
+        }
         self.rec = Some(rec);
         Ok(())
     }
@@ -203,7 +209,7 @@ fn render(servers: &[Server], events: &VecDeque<String>, keys: usize) -> String 
     let mut rows = String::new();
     for s in servers {
         let Some(rec) = &s.rec else { continue };
-        let state = rec.balancer.as_ref().map_or("off".to_string(), |d| format!("{:?}", d.state));
+        let state = &s.phase2;
         let replicated = rec.hot.as_ref().map_or("-".to_string(), |h| h.replicated.to_string());
         for w in &rec.snap.workers {
             let ops = if w.secs > 0.0 { (w.reads + w.writes) as f64 / w.secs } else { 0.0 };

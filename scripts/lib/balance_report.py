@@ -37,24 +37,10 @@ def spread(epochs):
     return (max(means) / avg if avg else float("nan"), max(means), avg)
 
 
-def rounds(epochs):
-    """The k-th epoch of every server together: [(start, end, max/avg over all workers)]."""
-    by = {}
-    for e in epochs:
-        by.setdefault(e["server"], []).append(e)
-    n = min(len(v) for v in by.values()) if by else 0
-    out = []
-    for k in range(n):
-        es = [v[k] for v in by.values()]
-        loads = [w["ops_per_sec"] for e in es for w in e["workers"]]
-        avg = sum(loads) / len(loads)
-        out.append((min(e["t_end"] - e["secs"] for e in es), max(e["t_end"] for e in es), max(loads) / avg if avg else 0))
-    return out
-
-
 def settle_time(epochs, secs):
-    """Start of the first round from which max/avg stays <= settled_at (None: never)."""
-    rs = [r for r in rounds(epochs) if r[1] <= secs + 0.5]
+    """Start of the first window (as `windows`: at least REACTION_WINDOW_S, so 500 ms epochs
+    are taken in pairs) from which max/avg stays <= settled_at (None: never)."""
+    rs = [r for r in windows(epochs, 0.0) if r[1] <= secs + 0.5]
     if not rs or rs[-1][2] > settled_at:
         return None
     k = len(rs)
@@ -64,9 +50,10 @@ def settle_time(epochs, secs):
 
 
 def windows(epochs, after, secs=REACTION_WINDOW_S):
-    """Rounds (as `rounds`) ending after `after`, merged in order into windows of at least
-    `secs` seconds (per-worker loads averaged over the window's epochs, by their length):
-    [(start, end, max/avg)]. With 1 s epochs each window is one round."""
+    """Rounds (the k-th epoch of every server together) ending after `after`, merged in order
+    into windows of at least `secs` seconds (per-worker loads averaged over the window's epochs,
+    by their length): [(start, end, max/avg over all workers)]. With 1 s epochs each window is
+    one round."""
     by = {}
     for e in epochs:
         by.setdefault(e["server"], []).append(e)

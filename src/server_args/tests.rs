@@ -67,6 +67,20 @@ fn balancer_flags_and_their_default() {
 }
 
 #[test]
+fn phase_1_decides_every_500_ms_epoch_and_phase_2_every_second() {
+    let s = parse(&[]).unwrap();
+    assert_eq!((s.epoch_ms, s.balance_epoch_ms, s.balance_every()), (500, 1000, 2));
+    assert_eq!(s.hot.epoch_ms, 500, "Phase 1's leases count the sampling epoch");
+    let s = parse(&["--epoch-ms", "1000"]).unwrap();
+    assert_eq!(s.balance_every(), 1);
+    let s = parse(&["--epoch-ms", "300", "--balance-epoch-ms", "1000"]).unwrap();
+    assert_eq!(s.balance_every(), 3, "rounded to whole epochs");
+    let s = parse(&["--epoch-ms", "2000"]).unwrap();
+    assert_eq!(s.balance_every(), 1, "never less than an epoch");
+    assert!(parse(&["--balance-epoch-ms", "0"]).is_err());
+}
+
+#[test]
 fn memcached_flags() {
     let s = parse(&[
         "-p",

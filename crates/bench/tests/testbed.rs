@@ -14,7 +14,7 @@ use mbal_bench::{run, BenchArgs};
 use mbal_server::config::Settings;
 
 fn settings(threads: usize) -> Settings {
-    Settings { port: 0, threads, memory_limit: 32 << 20, epoch_ms: 200, ..Settings::default() }
+    Settings { port: 0, threads, memory_limit: 32 << 20, epoch_ms: 200, balance_epoch_ms: 200, ..Settings::default() }
 }
 
 #[test]

@@ -97,9 +97,18 @@ pub struct Settings {
     /// Accept the `mbal debug ...` test hooks (never in production).
     pub debug_commands: bool,
     /// The controller's tick: how often it samples every worker's counters
-    /// into an epoch snapshot (the balancer's epoch, DESIGN.md §2).
+    /// into an epoch snapshot (DESIGN.md §2's epoch). Phase 1 decides every
+    /// epoch.
     pub epoch_ms: u64,
-    /// The local balancer (Phase 2) runs in the controller, once per epoch.
+    /// Phase 2's epoch: the local balancer decides on the load of the last
+    /// `balance_epoch_ms` (whole epochs merged), once per that many
+    /// milliseconds, and counts its persistence, leases and move timeout in
+    /// these. Rounded to a whole number of epochs, at least one. Kept at 1 s
+    /// when `epoch_ms` is shorter: an epoch right after a plan's moves still
+    /// carries the load from before them (docs/design-notes.md).
+    pub balance_epoch_ms: u64,
+    /// The local balancer (Phase 2) runs in the controller, once per
+    /// `balance_epoch_ms`.
     /// Default: on when the server is in a cluster.
     pub balancer: bool,
     /// The balancer policy's knobs (`mbal_balance::Config`).
@@ -177,7 +186,7 @@ impl Default for HotSettings {
             sync: false,
             sync_prefixes: Vec::new(),
             timeout_ms: 500,
-            epoch_ms: 1000,
+            epoch_ms: 500,
         }
     }
 }
@@ -246,7 +255,8 @@ impl Default for Settings {
             cluster: None,
             max_inflight: 16384,
             debug_commands: false,
-            epoch_ms: 1000,
+            epoch_ms: 500,
+            balance_epoch_ms: 1000,
             balancer: false,
             balance: mbal_balance::Config::default(),
             prefix_delimiter: b':',
@@ -266,6 +276,13 @@ impl Default for Settings {
 }
 
 impl Settings {
+    /// Epochs per Phase 2 epoch: `balance_epoch_ms` over `epoch_ms`,
+    /// rounded, at least one.
+    pub fn balance_every(&self) -> u64 {
+        let e = self.epoch_ms.max(1);
+        ((self.balance_epoch_ms + e / 2) / e).max(1)
+    }
+
     /// How this server dials the other members (the replicator and the
     /// forwarder): the cluster's TLS and secret, within `timeout`.
     pub fn peer_dialer(&self, timeout: std::time::Duration) -> mbal_cluster::dial::Dialer {

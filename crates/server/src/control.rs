@@ -205,6 +205,10 @@ pub(crate) struct Controller {
     gathering: Option<Vec<Option<WorkerSample>>>,
     /// The previous complete round.
     prev: Vec<WorkerSample>,
+    /// Phase 2 decides every `balance_every` rounds, on the load since
+    /// `balance_prev` (the round it last decided at).
+    balance_every: u64,
+    balance_prev: Vec<WorkerSample>,
     /// The newest epochs (snapshot and what was decided), oldest first.
     history: VecDeque<(Arc<EpochSnapshot>, Decided)>,
     /// `mbal load` callers waiting for a newer epoch.
@@ -296,6 +300,8 @@ impl Controller {
             round: 0,
             gathering: None,
             prev: Vec::new(),
+            balance_every: shared.settings.balance_every(),
+            balance_prev: Vec::new(),
             history: VecDeque::with_capacity(HISTORY),
             load_waiters: Vec::new(),
             next_token: 1,
@@ -437,11 +443,16 @@ impl Controller {
             return;
         }
         let cur: Vec<WorkerSample> = self.gathering.take().into_iter().flatten().flatten().collect();
+        let phase2 = self.round.is_multiple_of(self.balance_every);
         if self.round > 0 {
             let snap = Arc::new(EpochSnapshot::between(self.round, &self.prev, &cur));
             *self.shared.latest.lock().unwrap_or_else(|p| p.into_inner()) = Some(snap.clone());
-            let decided =
-                Decided { balancer: self.balance(&snap), hot: self.hot_epoch(&snap), hotkeys: self.hot_top() };
+            let balancer = match (phase2, self.balance_every) {
+                (false, _) => None,
+                (true, 1) => self.balance(&snap),
+                (true, _) => self.balance(&EpochSnapshot::between(self.round, &self.balance_prev, &cur)),
+            };
+            let decided = Decided { balancer, hot: self.hot_epoch(&snap), hotkeys: self.hot_top() };
             let ready: Vec<ReplyTo> = {
                 let (ready, wait): (Vec<_>, Vec<_>) = self.load_waiters.drain(..).partition(|(a, _)| snap.seq > *a);
                 self.load_waiters = wait;
@@ -457,6 +468,9 @@ impl Controller {
                 self.history.pop_front();
             }
             self.history.push_back((snap, decided));
+        }
+        if phase2 && self.balance_every > 1 {
+            self.balance_prev = cur.clone();
         }
         self.prev = cur;
         self.round += 1;

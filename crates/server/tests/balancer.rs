@@ -96,6 +96,7 @@ fn balanced_settings(threads: usize) -> mbal_server::config::Settings {
     let mut s = settings(threads);
     s.worker_port_base = None;
     s.epoch_ms = 50;
+    s.balance_epoch_ms = 50;
     s.balancer = true;
     s.balance.persistence = 2;
     s.balance.lease_epochs = 10;
@@ -209,6 +210,7 @@ fn a_uniform_load_makes_no_moves() {
     // Longer epochs and the default persistence: per-epoch counts large
     // enough that sampling noise is not an imbalance.
     s.epoch_ms = 100;
+    s.balance_epoch_ms = 100;
     s.balance.persistence = 4;
     let srv = start(s);
     let keys: Vec<String> = (0..4096).map(|i| format!("u:{i}")).collect();
@@ -237,5 +239,66 @@ fn a_uniform_load_makes_no_moves() {
     }
     let st = stats(&mut admin, "balancer");
     assert_eq!(st["moves"], "0", "{st:?}");
+    srv.shutdown();
+}
+
+/// Phase 2 decides once per `balance_epoch_ms` (here every 3rd epoch), on
+/// the load of the epochs since its last decision merged: each worker's load
+/// in the decision is its requests over those epochs by their total length,
+/// not the last epoch's.
+#[test]
+fn phase_2_decides_once_per_its_epoch_on_the_epochs_merged() {
+    let mut s = balanced_settings(2);
+    s.epoch_ms = 20;
+    s.balance_epoch_ms = 60;
+    // It only watches: no move, so each cachelet's counts are the epochs' sum.
+    s.balance.persistence = 1_000_000;
+    let srv = start(s);
+    let keys: Vec<String> = (0..512).map(|i| format!("m:{i}")).collect();
+    let stop = Arc::new(AtomicBool::new(false));
+    let clients = clients(srv.main_addr, &keys, &stop);
+    let mut admin = Conn::open(srv.main_addr);
+    let mut seen: Vec<Value> = Vec::new();
+    let mut checked = 0;
+    // Every epoch in turn (`mbal load` answers the next one, never skips).
+    for _ in 0..300 {
+        let after = seen.last().map_or(0, |e: &Value| e["seq"].as_u64().unwrap());
+        let e = load(&mut admin, after);
+        let seq = e["seq"].as_u64().unwrap();
+        assert!(seen.is_empty() || seq == after + 1, "epoch {seq} after {after}");
+        let d = e["balancer"].clone();
+        assert_eq!(!d.is_null(), seq.is_multiple_of(3), "epoch {seq}: decided only at every 3rd: {d}");
+        seen.push(e);
+        if d.is_null() || seen.len() < 3 {
+            continue;
+        }
+        let merged = &seen[seen.len() - 3..];
+        for pair in d["loads"].as_array().unwrap() {
+            let (w, got) = (pair[0].as_u64().unwrap(), pair[1].as_f64().unwrap());
+            let (mut ops, mut secs) = (0u64, 0.0);
+            for e in merged {
+                let wl = e["workers"].as_array().unwrap().iter().find(|x| x["worker"].as_u64() == Some(w)).unwrap();
+                secs += wl["secs"].as_f64().unwrap();
+                for c in wl["cachelets"].as_array().unwrap() {
+                    ops += c["reads"].as_u64().unwrap() + c["writes"].as_u64().unwrap();
+                }
+            }
+            let want = ops as f64 / secs;
+            assert!(
+                (got - want).abs() <= 1e-6 * want.max(1.0),
+                "epoch {seq} worker {w}: {got} req/s, the 3 epochs say {want}"
+            );
+        }
+        let busy = d["loads"].as_array().unwrap().iter().all(|p| p[1].as_f64().unwrap() > 0.0);
+        checked += usize::from(busy);
+        if checked == 5 {
+            break;
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    for c in clients {
+        c.join().expect("a client saw a wrong reply");
+    }
+    assert_eq!(checked, 5, "five decisions under load compared with their epochs");
     srv.shutdown();
 }

@@ -297,7 +297,10 @@ fn host(shared: &Shared, handoff: &Handoff, t: usize, initial: Vec<Worker>) -> i
     }
     let (_, inbound) = &handoff.chans[t];
     let mut events = Events::with_capacity(1024);
-    let mut seen = th.epoch.load(Ordering::Acquire);
+    // No epoch seen yet: the first pass places the initial workers by the threads in use now,
+    // which an `mbal threads` may have changed before this thread ran (its epoch would then
+    // look already seen, and the workers would stay here for good).
+    let mut seen = u64::MAX;
     let mut timeout = Duration::ZERO;
     loop {
         if let [h] = &mut hosted[..] {

@@ -33,5 +33,5 @@ pub use hot::{
 pub use measure::{load_of, worker_loads, Imbalance};
 pub use plan::{Method, Objective, Plan, Problem};
 pub use policy::{Balancer, Decision, EscalateWhy, Escalation, Lease, Move, State, Transition, Why};
-pub use snapshot::{CacheletLoad, CacheletSample, EpochSnapshot, WorkerLoad, WorkerSample};
+pub use snapshot::{Baseline, CacheletLoad, CacheletSample, EpochSnapshot, WorkerLoad, WorkerSample};
 pub use tracker::{Access, Tracker, TrackerKind};

@@ -1,11 +1,14 @@
-//! Epoch snapshots: what the policy sees of one server over one balancer
-//! epoch (DESIGN.md §6, MBal §3.1 "statistics per cachelet").
+//! Epoch snapshots: what the policy sees of one server over one epoch
+//! (DESIGN.md §6, MBal §3.1 "statistics per cachelet").
 //!
 //! A server's workers report [`WorkerSample`]s: cumulative counters read at
 //! one instant, plus a few gauges. The policy never sees those directly; it
-//! sees an [`EpochSnapshot`], the difference of two consecutive samples of
-//! every worker ([`EpochSnapshot::between`]), with counts over the epoch
-//! and rates per second.
+//! sees an [`EpochSnapshot`], the difference of two samples of every worker
+//! ([`EpochSnapshot::between`], or from a [`Baseline`]), with counts over
+//! the time between and rates per second: consecutive samples for Phase 1's
+//! epoch, samples a Phase 2 epoch apart for Phase 2 (the counters are
+//! cumulative, so several epochs merge exactly; the gauges, such as
+//! `queue_wait_max_us`, are the last epoch's).
 //!
 //! A cachelet's counters travel with it when it changes worker (they live
 //! in the cachelet), so its reads over an epoch are found by its id, whoever
@@ -14,7 +17,8 @@
 //! counts from zero. Workers are sampled one after another, so a cachelet
 //! that moves while a round is taken can be reported by both ends (or by
 //! neither): it counts once, at the later of the two (the one with more
-//! requests counted), and one that is missing counts in the next epoch.
+//! requests counted), and one that is missing counts in the next epoch
+//! ([`Baseline`] keeps its last counts).
 //!
 //! These are plain types: no store internals, nothing that needs the server
 //! to build or read them.
@@ -182,11 +186,47 @@ fn per_sec(n: u64, secs: f64) -> f64 {
     }
 }
 
+/// Where the next epoch is measured from: a round of samples, and each
+/// cachelet's counters as last reported, in that round or, for one the round
+/// missed (in transit between two workers when they were sampled), in an
+/// earlier one. Without the earlier counts such a cachelet would count from
+/// zero in the next epoch: every request of its life in one epoch.
+#[derive(Clone, Debug, Default)]
+pub struct Baseline {
+    samples: Vec<WorkerSample>,
+    counts: HashMap<u32, (u64, u64)>,
+}
+
+impl Baseline {
+    /// The baseline after `cur`: its samples, with the counts of the
+    /// cachelets it missed carried from this one.
+    pub fn next(&self, cur: Vec<WorkerSample>) -> Baseline {
+        let mut counts = self.counts.clone();
+        counts.extend(latest_by_id(&cur));
+        Baseline { samples: cur, counts }
+    }
+
+    /// The epoch from this baseline to `cur`.
+    pub fn epoch_to(&self, seq: u64, cur: &[WorkerSample]) -> EpochSnapshot {
+        EpochSnapshot::measure(seq, &self.samples, &self.counts, cur)
+    }
+}
+
 impl EpochSnapshot {
     /// The epoch between two samples of every worker. A worker or cachelet
-    /// missing from `prev` counts from zero (a first sample: pass `&[]`).
+    /// missing from `prev` counts from zero (a first sample: pass `&[]`);
+    /// [`Baseline`] remembers the cachelets a round missed.
     pub fn between(seq: u64, prev: &[WorkerSample], cur: &[WorkerSample]) -> EpochSnapshot {
-        let before = latest_by_id(prev);
+        EpochSnapshot::measure(seq, prev, &latest_by_id(prev), cur)
+    }
+
+    /// `between`, with each cachelet's counters at the start in `before`.
+    fn measure(
+        seq: u64,
+        prev: &[WorkerSample],
+        before: &HashMap<u32, (u64, u64)>,
+        cur: &[WorkerSample],
+    ) -> EpochSnapshot {
         let after = latest_by_id(cur);
         let mut workers: Vec<WorkerLoad> = cur
             .iter()
@@ -328,6 +368,31 @@ mod tests {
         assert_eq!(s.workers[0].reads, 0);
         assert_eq!(s.workers[1].reads, 350);
         assert_eq!(s.workers.iter().map(|w| w.cachelets.len()).sum::<usize>(), 1);
+    }
+
+    #[test]
+    fn a_cachelet_neither_end_reported_counts_its_requests_since_the_last_report() {
+        // Cachelet 5 was in transit from worker 0 to worker 1 when the
+        // middle round was taken: neither reported it.
+        let rounds = [
+            vec![w(0, 1, vec![c(5, 1000, 10), c(6, 0, 0)]), w(1, 1, vec![])],
+            vec![w(0, 2, vec![c(6, 40, 0)]), w(1, 2, vec![])],
+            vec![w(0, 3, vec![c(6, 80, 0)]), w(1, 3, vec![c(5, 1300, 20)])],
+        ];
+        let b1 = Baseline::default().next(rounds[0].clone());
+        let e1 = b1.epoch_to(1, &rounds[1]);
+        assert_eq!(e1.cachelet(5), None);
+        let b2 = b1.next(rounds[1].clone());
+        let e2 = b2.epoch_to(2, &rounds[2]);
+        assert_eq!(e2.cachelet(5).map(|(w, c)| (w, c.reads, c.writes)), Some((1, 300, 10)));
+        assert_eq!(e2.cachelet(6).map(|(_, c)| c.reads), Some(40));
+        // Without the earlier counts it would count from zero.
+        assert_eq!(EpochSnapshot::between(2, &rounds[1], &rounds[2]).cachelet(5).map(|(_, c)| c.reads), Some(1300));
+        // Over both epochs at once (Phase 2's merged epoch) it is the same
+        // as from a round that saw it.
+        let both = b1.epoch_to(2, &rounds[2]);
+        assert_eq!(both.cachelet(5).map(|(_, c)| c.reads), Some(300));
+        assert_eq!(both, EpochSnapshot::between(2, &rounds[0], &rounds[2]));
     }
 
     #[test]

@@ -75,7 +75,9 @@ pub struct ServerEpoch {
     pub t_end: f64,
     pub secs: f64,
     pub workers: Vec<WorkerEpoch>,
-    /// The balancer's state after this epoch (MBal Figure 4), when it runs.
+    /// The balancer's state after this epoch (MBal Figure 4), when it ran and
+    /// decided at this epoch (once per Phase 2 epoch: every other one at the
+    /// defaults).
     pub balancer_state: Option<String>,
 }
 

@@ -280,7 +280,7 @@ impl Settings {
     /// rounded, at least one.
     pub fn balance_every(&self) -> u64 {
         let e = self.epoch_ms.max(1);
-        ((self.balance_epoch_ms + e / 2) / e).max(1)
+        (self.balance_epoch_ms.saturating_add(e / 2) / e).max(1)
     }
 
     /// How this server dials the other members (the replicator and the

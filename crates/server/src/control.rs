@@ -1,6 +1,6 @@
 //! The controller: the server's control plane (DESIGN.md §6, "Where the
 //! policy runs"). One thread beside the workers, with its own mailbox (a
-//! channel of [`CtlMsg`]) and a periodic tick, the balancer's epoch. It is
+//! channel of [`CtlMsg`]) and a periodic tick, the epoch. It is
 //! to mbal what memcached's maintainer thread is to its slab automover: the
 //! place that decides, apart from the request path.
 //!
@@ -15,16 +15,17 @@
 //! * the epoch tick: every `--epoch-ms` it asks each worker for a
 //!   [`WorkerSample`] (its counters; no client involved) and, once all have
 //!   answered, turns two consecutive rounds into an [`EpochSnapshot`], the
-//!   policy's input. The last one is published for `stats cachelets`; the
-//!   last [`HISTORY`] are kept for `mbal load` callers, so one that reads
-//!   them in turn misses none.
+//!   policy's input. The last one is published for `stats cachelets`; about
+//!   a minute of them ([`history_len`]) are kept for `mbal load` callers, so
+//!   one that reads them in turn misses none.
 //!
-//! * the local balancer (`--balancer on`, DESIGN.md §6): after each epoch
-//!   it hands the snapshot to `mbal_balance::Balancer` (the policy: MBal's
-//!   state machine, Phase 2 plans, leases) and carries out the moves it
-//!   decides with the same move protocol as `mbal move`, telling the policy
-//!   how each ended. `stats balancer` shows its state; `mbal load` carries
-//!   each epoch's decision beside the snapshot.
+//! * the local balancer (`--balancer on`, DESIGN.md §6): once per Phase 2
+//!   epoch (`--balance-epoch-ms`, whole epochs) it hands the snapshot of
+//!   that time to `mbal_balance::Balancer` (the policy: MBal's state
+//!   machine, Phase 2 plans, leases) and carries out the moves it decides
+//!   with the same move protocol as `mbal move`, telling the policy how
+//!   each ended. `stats balancer` shows its state; `mbal load` carries its
+//!   decision beside the snapshot of the epochs where it decided.
 //!
 //! It never touches a worker's store or tables: it talks to workers only by
 //! message, and they answer by message, so nothing here needs a lock but the
@@ -39,8 +40,8 @@ use crate::worker::Shared;
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use mbal_balance::hot::repl_high_share;
 use mbal_balance::{
-    Access, Balancer, ClusterView, Decision, EpochSnapshot, HotKeyStat, HotKeys, KeyState, Move, ReplicaDecision,
-    SlotLedger, WorkerSample,
+    Access, Balancer, Baseline, ClusterView, Decision, EpochSnapshot, HotKeyStat, HotKeys, KeyState, Move,
+    ReplicaDecision, SlotLedger, WorkerSample,
 };
 use mbal_cluster::ClusterMap;
 use mbal_proto::ext;
@@ -101,8 +102,11 @@ pub(crate) enum CtlMsg {
     Wake,
 }
 
-/// Epoch snapshots kept for `mbal load`.
-const HISTORY: usize = 64;
+/// Epoch snapshots kept for `mbal load`: about a minute's, at least 64 and at
+/// most 1024 of them (a reader that falls further behind misses some).
+fn history_len(epoch_ms: u64) -> usize {
+    (60_000 / epoch_ms.max(1)).clamp(64, 1024) as usize
+}
 
 /// A move under way.
 struct Moving {
@@ -174,12 +178,13 @@ struct HotMeta {
 /// Keys shown by `stats hotkeys` and in `mbal load`.
 const HOT_TOP: usize = 16;
 
-/// The balancer's figures for `stats balancer` (published once per epoch).
+/// The balancer's figures for `stats balancer` (published once per Phase 2
+/// epoch and when a move ends).
 #[derive(Clone, Debug, Default)]
 pub(crate) struct BalancerStatus {
     pub state: String,
     pub epoch: u64,
-    /// Per worker: requests per second (weighted) over the last epoch.
+    /// Per worker: requests per second (weighted) over Phase 2's last epoch.
     pub loads: Vec<(u16, f64)>,
     pub max_over_avg: f64,
     pub imbalance_factor: f64,
@@ -203,14 +208,17 @@ pub(crate) struct Controller {
     round: u64,
     /// The round being gathered: a slot per worker.
     gathering: Option<Vec<Option<WorkerSample>>>,
-    /// The previous complete round.
-    prev: Vec<WorkerSample>,
+    /// The previous complete round, with the last counts of the cachelets
+    /// it missed.
+    prev: Baseline,
     /// Phase 2 decides every `balance_every` rounds, on the load since
     /// `balance_prev` (the round it last decided at).
     balance_every: u64,
-    balance_prev: Vec<WorkerSample>,
-    /// The newest epochs (snapshot and what was decided), oldest first.
+    balance_prev: Baseline,
+    /// The newest epochs (snapshot and what was decided), oldest first:
+    /// at most `history_len`.
     history: VecDeque<(Arc<EpochSnapshot>, Decided)>,
+    history_len: usize,
     /// `mbal load` callers waiting for a newer epoch.
     load_waiters: Vec<(u64, ReplyTo)>,
     next_token: u64,
@@ -299,10 +307,11 @@ impl Controller {
             next_tick: Instant::now(),
             round: 0,
             gathering: None,
-            prev: Vec::new(),
+            prev: Baseline::default(),
             balance_every: shared.settings.balance_every(),
-            balance_prev: Vec::new(),
-            history: VecDeque::with_capacity(HISTORY),
+            balance_prev: Baseline::default(),
+            history: VecDeque::new(),
+            history_len: history_len(shared.settings.epoch_ms),
             load_waiters: Vec::new(),
             next_token: 1,
             moving: HashMap::new(),
@@ -443,14 +452,16 @@ impl Controller {
             return;
         }
         let cur: Vec<WorkerSample> = self.gathering.take().into_iter().flatten().flatten().collect();
-        let phase2 = self.round.is_multiple_of(self.balance_every);
+        // Phase 2's round: the policy decides (if it runs) on the load since
+        // its last one.
+        let phase2 = self.balancer.is_some() && self.round.is_multiple_of(self.balance_every);
         if self.round > 0 {
-            let snap = Arc::new(EpochSnapshot::between(self.round, &self.prev, &cur));
+            let snap = Arc::new(self.prev.epoch_to(self.round, &cur));
             *self.shared.latest.lock().unwrap_or_else(|p| p.into_inner()) = Some(snap.clone());
             let balancer = match (phase2, self.balance_every) {
                 (false, _) => None,
                 (true, 1) => self.balance(&snap),
-                (true, _) => self.balance(&EpochSnapshot::between(self.round, &self.balance_prev, &cur)),
+                (true, _) => self.balance(&self.balance_prev.epoch_to(self.round, &cur)),
             };
             let decided = Decided { balancer, hot: self.hot_epoch(&snap), hotkeys: self.hot_top() };
             let ready: Vec<ReplyTo> = {
@@ -464,15 +475,15 @@ impl Controller {
                     self.answer(r, &b);
                 }
             }
-            if self.history.len() == HISTORY {
+            if self.history.len() >= self.history_len {
                 self.history.pop_front();
             }
             self.history.push_back((snap, decided));
         }
         if phase2 && self.balance_every > 1 {
-            self.balance_prev = cur.clone();
+            self.balance_prev = self.balance_prev.next(cur.clone());
         }
-        self.prev = cur;
+        self.prev = self.prev.next(cur);
         self.round += 1;
     }
 

@@ -633,7 +633,7 @@ pub(crate) fn render_balancer(shared: &crate::worker::Shared, sink: &mut dyn Sta
     sink.stat("balancer", &if on { "on" } else { "off" });
     sink.stat("epoch_ms", &shared.settings.epoch_ms);
     // Phase 2's epoch as it runs: whole epochs.
-    sink.stat("balance_epoch_ms", &(shared.settings.balance_every() * shared.settings.epoch_ms));
+    sink.stat("balance_epoch_ms", &shared.settings.balance_every().saturating_mul(shared.settings.epoch_ms));
     sink.stat("state", &if on && !st.state.is_empty() { st.state.as_str() } else { "off" });
     sink.stat("epoch", &st.epoch);
     sink.stat("max_over_avg", &format_args!("{:.3}", st.max_over_avg));

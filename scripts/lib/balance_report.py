@@ -37,16 +37,20 @@ def spread(epochs):
     return (max(means) / avg if avg else float("nan"), max(means), avg)
 
 
+def stays_from(values, limit):
+    """Index of the first value from which every value is <= limit (None: the last is above)."""
+    k = len(values)
+    while k > 0 and values[k - 1] <= limit:
+        k -= 1
+    return k if k < len(values) else None
+
+
 def settle_time(epochs, secs):
     """Start of the first window (as `windows`: at least REACTION_WINDOW_S, so 500 ms epochs
     are taken in pairs) from which max/avg stays <= settled_at (None: never)."""
     rs = [r for r in windows(epochs, 0.0) if r[1] <= secs + 0.5]
-    if not rs or rs[-1][2] > settled_at:
-        return None
-    k = len(rs)
-    while k > 0 and rs[k - 1][2] <= settled_at:
-        k -= 1
-    return max(rs[k][0], 0.0) if k < len(rs) else None
+    k = stays_from([r[2] for r in rs], settled_at)
+    return None if k is None else max(rs[k][0], 0.0)
 
 
 def windows(epochs, after, secs=REACTION_WINDOW_S):
@@ -83,21 +87,15 @@ def reaction(epochs):
     if SHIFT_AT is None:
         return None
     rs = windows(epochs, SHIFT_AT + 0.05)
-    if not rs or rs[-1][2] > REACTED_AT:
-        return None
-    k = len(rs)
-    while k > 0 and rs[k - 1][2] <= REACTED_AT:
-        k -= 1
-    return max(rs[k][1] - SHIFT_AT, 0.0) if k < len(rs) else 0.0
+    k = stays_from([r[2] for r in rs], REACTED_AT)
+    return None if k is None else max(rs[k][1] - SHIFT_AT, 0.0)
 
 
 def recovered(timeline):
     """Start of the first whole second from which every second's p99 stays within the target."""
     secs = timeline[:-1] if len(timeline) > 1 else timeline  # the last one holds the drain
-    k = len(secs)
-    while k > 0 and secs[k - 1]["p99_us"] <= p99_target:
-        k -= 1
-    return float(secs[k]["t"]) if k < len(secs) else None
+    k = stays_from([s["p99_us"] for s in secs], p99_target)
+    return None if k is None else float(secs[k]["t"])
 
 
 def one(mode, run):

@@ -198,12 +198,11 @@ pub struct Baseline {
 }
 
 impl Baseline {
-    /// The baseline after `cur`: its samples, with the counts of the
-    /// cachelets it missed carried from this one.
-    pub fn next(&self, cur: Vec<WorkerSample>) -> Baseline {
-        let mut counts = self.counts.clone();
-        counts.extend(latest_by_id(&cur));
-        Baseline { samples: cur, counts }
+    /// Move on to `cur`: its samples, with the counts of the cachelets it
+    /// missed kept from before.
+    pub fn advance(&mut self, cur: Vec<WorkerSample>) {
+        self.counts.extend(latest_by_id(&cur));
+        self.samples = cur;
     }
 
     /// The epoch from this baseline to `cur`.
@@ -379,10 +378,12 @@ mod tests {
             vec![w(0, 2, vec![c(6, 40, 0)]), w(1, 2, vec![])],
             vec![w(0, 3, vec![c(6, 80, 0)]), w(1, 3, vec![c(5, 1300, 20)])],
         ];
-        let b1 = Baseline::default().next(rounds[0].clone());
+        let mut b1 = Baseline::default();
+        b1.advance(rounds[0].clone());
         let e1 = b1.epoch_to(1, &rounds[1]);
         assert_eq!(e1.cachelet(5), None);
-        let b2 = b1.next(rounds[1].clone());
+        let mut b2 = b1.clone();
+        b2.advance(rounds[1].clone());
         let e2 = b2.epoch_to(2, &rounds[2]);
         assert_eq!(e2.cachelet(5).map(|(w, c)| (w, c.reads, c.writes)), Some((1, 300, 10)));
         assert_eq!(e2.cachelet(6).map(|(_, c)| c.reads), Some(40));

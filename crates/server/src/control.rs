@@ -480,10 +480,12 @@ impl Controller {
             }
             self.history.push_back((snap, decided));
         }
+        // With a Phase 2 epoch of one epoch, Phase 2 used `snap`: no
+        // baseline of its own to keep.
         if phase2 && self.balance_every > 1 {
-            self.balance_prev = self.balance_prev.next(cur.clone());
+            self.balance_prev.advance(cur.clone());
         }
-        self.prev = self.prev.next(cur);
+        self.prev.advance(cur);
         self.round += 1;
     }
 

@@ -3,7 +3,7 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use mbal_cluster::{ClusterSpec, ServerSpec};
+use mbal_member::{ClusterSpec, ServerSpec};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -124,7 +124,7 @@ fn absolute(p: &std::path::Path) -> Result<PathBuf> {
 pub fn spec_for(a: &UpArgs, base: u16) -> Result<ClusterSpec> {
     let opt = |p: &Option<PathBuf>| p.as_deref().map(absolute).transpose();
     let tls = match &a.tls_ca {
-        Some(ca) => Some(mbal_cluster::TlsSpec {
+        Some(ca) => Some(mbal_member::TlsSpec {
             ca_cert: absolute(ca)?,
             cert: opt(&a.tls_cert)?,
             key: opt(&a.tls_key)?,

@@ -202,7 +202,7 @@ fn stats(a: StatsArgs) -> Result<()> {
     use std::time::{Duration, Instant};
     let timeout = Duration::from_secs(5);
     let tls = a.tls.load()?;
-    let mut dialer = mbal_cluster::dial::Dialer::plain(timeout);
+    let mut dialer = mbal_member::dial::Dialer::plain(timeout);
     let map = match (&a.server, &a.cluster) {
         (Some(addr), _) => {
             dialer.tls = tls.clone();
@@ -212,10 +212,10 @@ fn stats(a: StatsArgs) -> Result<()> {
         (None, Some(p)) => {
             // Without --tls-ca, the cluster file's [tls]; with its secret, the
             // connections log in as a member (servers with -Y require a login).
-            let file = mbal_cluster::ClusterFile::load(p).map_err(anyhow::Error::msg)?;
+            let file = mbal_member::ClusterFile::load(p).map_err(anyhow::Error::msg)?;
             dialer.tls = tls.or(file.client_tls);
             dialer.secret = file.secret;
-            mbal_cluster::ClusterMap::from_spec(&file.spec)
+            file.spec.initial_map()
         }
         (None, None) => anyhow::bail!("give --server HOST:PORT or --cluster FILE"),
     };

@@ -81,7 +81,7 @@ impl ProxyArgs {
                 if u.contains(' ') || password.contains(' ') || u.is_empty() {
                     bail!("--user and the password may not contain spaces (memcached's ASCII auth)");
                 }
-                Some(mbal_cluster::dial::UserLogin { user: u.clone(), password })
+                Some(mbal_member::dial::UserLogin { user: u.clone(), password })
             }
             _ => None,
         };
@@ -121,7 +121,7 @@ impl ProxyArgs {
             max_item_size,
             upstream_timeout: Duration::from_millis(self.upstream_timeout_ms),
             tls,
-            dialer: mbal_cluster::dial::Dialer {
+            dialer: mbal_member::dial::Dialer {
                 tls: upstream_tls,
                 secret: None,
                 user,

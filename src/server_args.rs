@@ -606,7 +606,7 @@ impl ServerArgs {
             bail!("-S needs -Y FILE: mbal's SASL PLAIN checks the users of the -Y file");
         }
         if let Some(p) = &o.control_secret_file {
-            let secret = mbal_cluster::peer_auth::Secret::from_file(p).map_err(anyhow::Error::msg)?;
+            let secret = mbal_member::peer_auth::Secret::from_file(p).map_err(anyhow::Error::msg)?;
             s.control_secret = Some(secret);
         }
         if let Some(v) = o.max_conns_per_ip {
@@ -663,7 +663,7 @@ impl ServerArgs {
             bail!("--vn-count ({}) must be at least threads x cachelets-per-worker ({cachelets})", s.vn_count);
         }
         if let (Some(path), Some(id)) = (&self.cluster, self.id) {
-            let file = mbal_cluster::ClusterFile::load(path).map_err(anyhow::Error::msg)?;
+            let file = mbal_member::ClusterFile::load(path).map_err(anyhow::Error::msg)?;
             if let Some(secret) = file.secret {
                 if s.control_secret.is_some() {
                     bail!("the cluster file has a secret: give the control secret in one place, not also --control-secret-file");

@@ -72,8 +72,8 @@ struct Server {
 }
 
 impl Server {
-    fn open(id: u16, addr: SocketAddr, dialer: &mbal_cluster::dial::Dialer) -> Result<Server> {
-        let s = dialer.dial(addr, mbal_cluster::dial::Proto::Text).with_context(|| format!("connecting to {addr}"))?;
+    fn open(id: u16, addr: SocketAddr, dialer: &mbal_member::dial::Dialer) -> Result<Server> {
+        let s = dialer.dial(addr, mbal_member::dial::Proto::Text).with_context(|| format!("connecting to {addr}"))?;
         // `mbal load` waits for the epoch to end.
         s.sock().set_read_timeout(Some(Duration::from_secs(30)))?;
         Ok(Server { id, r: BufReader::new(s), last: 0, rec: None, phase2: "off".into() })
@@ -118,7 +118,7 @@ impl Server {
 
 pub fn run(a: TopArgs) -> Result<()> {
     let tls = a.tls.load()?;
-    let mut dialer = mbal_cluster::dial::Dialer::plain(Duration::from_secs(5));
+    let mut dialer = mbal_member::dial::Dialer::plain(Duration::from_secs(5));
     let map = match (&a.server, &a.cluster) {
         (Some(addr), _) => {
             let cfg = mbal_client::Config { tls: tls.clone(), ..mbal_client::Config::default() };
@@ -128,10 +128,10 @@ pub fn run(a: TopArgs) -> Result<()> {
         (None, Some(p)) => {
             // The cluster file's TLS (unless --tls-ca) and secret: `mbal load`
             // is logged in as a member where the servers require a login (-Y).
-            let file = mbal_cluster::ClusterFile::load(p).map_err(anyhow::Error::msg)?;
+            let file = mbal_member::ClusterFile::load(p).map_err(anyhow::Error::msg)?;
             dialer.tls = tls.or(file.client_tls);
             dialer.secret = file.secret;
-            mbal_cluster::ClusterMap::from_spec(&file.spec)
+            file.spec.initial_map()
         }
         (None, None) => bail!("give --server HOST:PORT or --cluster FILE"),
     };

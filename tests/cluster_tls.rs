@@ -152,7 +152,8 @@ fn the_proxy_speaks_tls_on_both_sides_and_logs_in_upstream() {
 /// timeout, and the other members' keys are served meanwhile, first.
 #[test]
 fn a_silent_member_does_not_stall_the_proxy_thread() {
-    use mbal_cluster::{key_hash, ClusterMap, ClusterSpec, ServerSpec, TlsSpec};
+    use mbal_cluster::key_hash;
+    use mbal_member::{ClusterSpec, ServerSpec, TlsSpec};
     let pki = Pki::new("silent");
     pki.server("member");
     let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -199,7 +200,7 @@ fn a_silent_member_does_not_stall_the_proxy_thread() {
     let _proxy = Kill(child);
     let v: serde_json::Value = serde_json::from_str(&line).unwrap();
     let addr: std::net::SocketAddr = v["main"].as_str().unwrap().parse().unwrap();
-    let map = ClusterMap::from_spec(&spec);
+    let map = spec.initial_map();
     let key_on = |s: u16| (0..).map(|i| format!("s{i}")).find(|k| map.route(key_hash(k.as_bytes())).1 == s).unwrap();
     let plain = |a| {
         let s = std::net::TcpStream::connect(a).unwrap();

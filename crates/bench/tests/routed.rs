@@ -8,7 +8,8 @@ use std::time::Duration;
 use mbal_bench::routed::{fetch_map, RoutedFactory, MAX_REDIRECTS};
 use mbal_bench::workload::WorkloadKind;
 use mbal_bench::{run, run_with, BenchArgs, BenchReport, ServerLoadMode};
-use mbal_cluster::{ClusterMap, ClusterSpec, ServerInfo, ServerSpec};
+use mbal_cluster::{ClusterMap, ServerInfo};
+use mbal_member::{ClusterSpec, ServerSpec};
 use mbal_server::config::Settings;
 use mbal_server::ServerHandle;
 

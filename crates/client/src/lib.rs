@@ -87,7 +87,8 @@ mod conn;
 mod multi;
 mod stats;
 
-pub use mbal_cluster::{key_hash, ClusterMap, ClusterSpec};
+pub use mbal_cluster::{key_hash, ClusterMap};
+pub use mbal_member::ClusterSpec;
 pub use stats::{cluster_stats, cluster_stats_dialed, render_stats_table, ServerStats, WorkerStats};
 
 use conn::Conn;
@@ -315,12 +316,12 @@ impl Client {
     /// `cfg.tls`, the file's `[tls]` (its CA, client certificate and server
     /// name) is used when it has one.
     pub fn from_cluster_file(path: &Path, mut cfg: Config) -> Result<Client> {
-        let file = mbal_cluster::ClusterFile::load(path)
+        let file = mbal_member::ClusterFile::load(path)
             .map_err(|detail| Error::Config { path: path.to_path_buf(), detail })?;
         if cfg.tls.is_none() {
             cfg.tls = file.client_tls;
         }
-        Ok(Client::from_map(ClusterMap::from_spec(&file.spec), cfg))
+        Ok(Client::from_map(file.spec.initial_map(), cfg))
     }
 
     /// A client for the cluster `any_server` (a main or worker port) belongs

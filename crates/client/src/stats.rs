@@ -128,11 +128,11 @@ pub fn cluster_stats(
 
 /// [`cluster_stats`] over connections opened by `dialer` (the cluster
 /// file's TLS, and its secret's `mbal peer` login for servers with `-Y`).
-pub fn cluster_stats_dialed(map: &ClusterMap, dialer: &mbal_cluster::dial::Dialer) -> Result<Vec<ServerStats>> {
+pub fn cluster_stats_dialed(map: &ClusterMap, dialer: &mbal_member::dial::Dialer) -> Result<Vec<ServerStats>> {
     let mut out = Vec::new();
     for (i, s) in map.servers().iter().enumerate() {
         let peer = Peer::Server(i as u16);
-        let stream = dialer.dial(s.main, mbal_cluster::dial::Proto::Text).map_err(|source| crate::Error::Io {
+        let stream = dialer.dial(s.main, mbal_member::dial::Proto::Text).map_err(|source| crate::Error::Io {
             addr: s.main,
             peer,
             source,

@@ -4,7 +4,8 @@
 
 use super::*;
 use crate::multi::assign;
-use mbal_cluster::{ServerInfo, ServerSpec};
+use mbal_cluster::ServerInfo;
+use mbal_member::ServerSpec;
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpListener;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -25,7 +26,7 @@ fn spec_map(servers: u16, workers: u16) -> ClusterMap {
         secret_file: None,
         tls: None,
     };
-    ClusterMap::from_spec(&spec)
+    spec.initial_map()
 }
 
 #[test]

@@ -6,7 +6,7 @@
 use mbal_client::{
     cluster_stats, key_hash, render_stats_table, CasResult, Client, ClusterMap, ClusterSpec, Config, Error,
 };
-use mbal_cluster::ServerSpec;
+use mbal_member::ServerSpec;
 use mbal_server::config::Settings;
 use mbal_server::ServerHandle;
 use std::collections::HashMap;
@@ -54,7 +54,7 @@ impl Cluster {
     }
 
     fn map(&self) -> ClusterMap {
-        ClusterMap::from_spec(&self.spec)
+        self.spec.initial_map()
     }
 
     fn stop(self) {

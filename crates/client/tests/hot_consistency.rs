@@ -10,8 +10,8 @@
 //!   write or a newer one, or (async copies) is late by less than the
 //!   copies' time to live; with `--replica-writes sync`, never late at all.
 
-use mbal_client::{key_hash, Client, ClusterMap, Config};
-use mbal_cluster::ClusterSpec;
+use mbal_client::{key_hash, Client, Config};
+use mbal_member::ClusterSpec;
 use mbal_server::config::Settings;
 use mbal_server::ServerHandle;
 use std::io::{BufRead, BufReader, Write};
@@ -49,7 +49,7 @@ fn start(sync: bool) -> (ClusterSpec, Vec<ServerHandle>, Settings) {
 }
 
 fn pin(spec: &ClusterSpec, key: &str, replicas: u32) {
-    let map = ClusterMap::from_spec(spec);
+    let map = spec.initial_map();
     let home = map.route(key_hash(key.as_bytes())).1;
     let s = TcpStream::connect(spec.servers[home as usize].addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
@@ -67,7 +67,7 @@ fn version(c: &mut Client, key: &str) -> u64 {
 
 fn run(sync: bool) {
     let (spec, servers, settings) = start(sync);
-    let map = ClusterMap::from_spec(&spec);
+    let map = spec.initial_map();
     let hot: Vec<String> = (0..2).map(|i| format!("hammered{i}")).collect();
     let own: Vec<String> = (0..READERS).map(|i| format!("own{i}")).collect();
     let mut setup = Client::from_map(map.clone(), Config::default());

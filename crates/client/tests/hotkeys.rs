@@ -5,7 +5,7 @@
 //! caller nothing (the read falls back home, no error).
 
 use mbal_client::{key_hash, Client, ClusterMap, Config};
-use mbal_cluster::ClusterSpec;
+use mbal_member::ClusterSpec;
 use mbal_server::ServerHandle;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -35,7 +35,7 @@ impl Cluster {
     }
 
     fn map(&self) -> ClusterMap {
-        ClusterMap::from_spec(&self.spec)
+        self.spec.initial_map()
     }
 
     fn addr(&self, s: u16) -> SocketAddr {

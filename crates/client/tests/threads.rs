@@ -5,7 +5,7 @@
 //! again. Every value read is checked.
 
 use mbal_client::{key_hash, Client, ClusterMap, Config};
-use mbal_cluster::ClusterSpec;
+use mbal_member::ClusterSpec;
 use mbal_server::ServerHandle;
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
@@ -37,7 +37,7 @@ impl Cluster {
     }
 
     fn map(&self) -> ClusterMap {
-        ClusterMap::from_spec(&self.spec)
+        self.spec.initial_map()
     }
 
     fn addr(&self, s: u16) -> SocketAddr {

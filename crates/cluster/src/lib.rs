@@ -19,16 +19,17 @@
 //! * [`Leases`] is the client side of Phase 1's hot-key replicas, with no
 //!   I/O and no clock: the leases granted by `RH hot` hints and the copy
 //!   each one reads. Shared likewise.
+//!
+//! No I/O and no TLS here: the cluster file, dialing a member and peer
+//! authentication live in `mbal-member`.
 
-pub mod dial;
 mod leases;
 mod map;
-pub mod peer_auth;
 mod replica;
 mod router;
 
 pub use leases::{Lease, Leases, COPY_RETRY, DEFAULT_MAX_LEASES};
-pub use map::{ClusterFile, ClusterMap, ClusterSpec, MapDiff, ServerInfo, ServerSpec, TlsSpec};
+pub use map::{ClusterMap, MapDiff, ServerInfo};
 pub use replica::replica_location;
 pub use router::{BadRedirect, Group, Learned, Redirect, Router, Split};
 

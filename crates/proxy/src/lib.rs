@@ -87,7 +87,7 @@ pub struct Config {
     /// How upstream connections are opened: TLS (the cluster file's
     /// `[tls]`) and the login (`--user`); plain TCP by default. Its timeout
     /// bounds a TLS connect, handshake and login, which block the thread.
-    pub dialer: mbal_cluster::dial::Dialer,
+    pub dialer: mbal_member::dial::Dialer,
 }
 
 impl Config {
@@ -101,7 +101,7 @@ impl Config {
             max_redirects: 4,
             max_pending: 1024,
             tls: None,
-            dialer: mbal_cluster::dial::Dialer::plain(Duration::from_millis(1000)),
+            dialer: mbal_member::dial::Dialer::plain(Duration::from_millis(1000)),
         }
     }
 }

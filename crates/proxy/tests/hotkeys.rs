@@ -4,7 +4,8 @@
 //! other servers, it reads its own writes, and a shadow killed mid-lease
 //! costs it no error.
 
-use mbal_cluster::{key_hash, ClusterMap, ClusterSpec};
+use mbal_cluster::key_hash;
+use mbal_member::ClusterSpec;
 use mbal_proxy::Config;
 use mbal_server::ServerHandle;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -79,7 +80,7 @@ fn cluster() -> (ClusterSpec, Vec<Option<ServerHandle>>) {
 #[test]
 fn plain_clients_read_hot_keys_from_copies_through_the_proxy() {
     let (spec, mut servers) = cluster();
-    let map = ClusterMap::from_spec(&spec);
+    let map = spec.initial_map();
     let p = mbal_proxy::start(Config::new("127.0.0.1:0".parse().unwrap()), map.clone()).unwrap();
     let key = (0..).map(|i| format!("hot{i}")).find(|k| map.route(key_hash(k.as_bytes())).1 == 0).unwrap();
     let mut c = Conn::open(p.addr);
@@ -131,7 +132,7 @@ fn plain_clients_read_hot_keys_from_copies_through_the_proxy() {
 #[test]
 fn each_proxy_connection_draws_its_own_copy() {
     let (spec, servers) = cluster();
-    let map = ClusterMap::from_spec(&spec);
+    let map = spec.initial_map();
     let p = mbal_proxy::start(Config::new("127.0.0.1:0".parse().unwrap()), map.clone()).unwrap();
     let key = (0..).map(|i| format!("spread{i}")).find(|k| map.route(key_hash(k.as_bytes())).1 == 0).unwrap();
     let mut c = Conn::open(p.addr);

@@ -3,7 +3,8 @@
 //! server, cachelet moves mid-pipeline, an upstream killed mid-pipeline and
 //! one that stalls.
 
-use mbal_cluster::{key_hash, ClusterMap, ClusterSpec, ServerSpec};
+use mbal_cluster::{key_hash, ClusterMap};
+use mbal_member::{ClusterSpec, ServerSpec};
 use mbal_proxy::{Config, ProxyHandle};
 use mbal_server::config::Settings;
 use mbal_server::ServerHandle;
@@ -57,7 +58,7 @@ impl Cluster {
     }
 
     fn map(&self) -> ClusterMap {
-        ClusterMap::from_spec(&self.spec)
+        self.spec.initial_map()
     }
 
     fn addr(&self, id: usize) -> SocketAddr {
@@ -599,7 +600,7 @@ fn with_a_stalled_server() -> (Cluster, TcpListener, ClusterMap) {
     let stall = TcpListener::bind("127.0.0.1:0").unwrap();
     let mut spec = cl.spec.clone();
     spec.servers.push(ServerSpec { addr: stall.local_addr().unwrap(), worker_port_base: None });
-    let map = ClusterMap::from_spec(&spec);
+    let map = spec.initial_map();
     (cl, stall, map)
 }
 

@@ -8,7 +8,7 @@
 //!   then a text connection gets `CLIENT_ERROR unauthenticated` for every
 //!   request and a binary one an auth error (status 0x20) and a close.
 //! * **Control plane** (`mbal move`, `mbal debug`, `mbal replica`, ...:
-//!   [`mbal_cluster::peer_auth::is_control`]): accepted only from a
+//!   [`mbal_member::peer_auth::is_control`]): accepted only from a
 //!   connection that answered the `mbal peer` challenge with the cluster
 //!   secret. Without a secret, only on a loopback listener with `-Y` off
 //!   (a single test or development server, as before).
@@ -21,8 +21,8 @@ use crate::config::Settings;
 use crate::output::Output;
 use crate::stats::Counters;
 #[cfg(test)]
-use mbal_cluster::peer_auth::Secret;
-use mbal_cluster::peer_auth::{self, NONCE_LEN};
+use mbal_member::peer_auth::Secret;
+use mbal_member::peer_auth::{self, NONCE_LEN};
 use mbal_proto::auth::{parse_ascii_auth, AsciiAuth, E_AUTH_FAILURE, SASL_MECHS};
 use mbal_proto::binary::{opcode as op, status as st, write_response, BinReq};
 use std::path::Path;
@@ -166,7 +166,7 @@ pub(crate) fn ascii_step(
 
 /// The SASL mechanism a cluster member logs in with on a binary connection
 /// (the `mbal peer` challenge; not listed by SASL_LIST_MECHS).
-pub const PEER_MECH: &[u8] = mbal_cluster::dial::PEER_SASL_MECH;
+pub const PEER_MECH: &[u8] = mbal_member::dial::PEER_SASL_MECH;
 
 /// Binary requests an unauthenticated connection may send (memcached's list).
 pub(crate) fn bin_allowed_before_auth(opcode: u8) -> bool {

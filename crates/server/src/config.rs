@@ -90,7 +90,7 @@ pub struct Settings {
     pub page_size: usize,
     /// Cluster membership: the cluster description and this server's id in
     /// it. `None`: a stand-alone server (a cluster of one).
-    pub cluster: Option<(mbal_cluster::ClusterSpec, u16)>,
+    pub cluster: Option<(mbal_member::ClusterSpec, u16)>,
     /// Requests one worker may have forwarded to others and not yet had
     /// answered; past it the worker stops reading its connections.
     pub max_inflight: usize,
@@ -131,7 +131,7 @@ pub struct Settings {
     /// The cluster secret (`--control-secret-file`, or `secret` in the
     /// cluster file): control commands need a connection that proved it
     /// knows it (`mbal peer`). None: control commands only on loopback.
-    pub control_secret: Option<mbal_cluster::peer_auth::Secret>,
+    pub control_secret: Option<mbal_member::peer_auth::Secret>,
     /// `--max-conns-per-ip`: open connections one source address may hold;
     /// 0: no limit but `-c`.
     pub max_conns_per_ip: usize,
@@ -285,8 +285,8 @@ impl Settings {
 
     /// How this server dials the other members (the replicator and the
     /// forwarder): the cluster's TLS and secret, within `timeout`.
-    pub fn peer_dialer(&self, timeout: std::time::Duration) -> mbal_cluster::dial::Dialer {
-        mbal_cluster::dial::Dialer {
+    pub fn peer_dialer(&self, timeout: std::time::Duration) -> mbal_member::dial::Dialer {
+        mbal_member::dial::Dialer {
             tls: self.peer_tls.clone(),
             secret: self.control_secret.clone(),
             user: None,
@@ -296,7 +296,7 @@ impl Settings {
 
     /// Take this server's place in a cluster: its address, worker ports,
     /// worker count and key-space geometry come from the cluster file.
-    pub fn apply_cluster(&mut self, spec: mbal_cluster::ClusterSpec, id: u16) -> Result<(), String> {
+    pub fn apply_cluster(&mut self, spec: mbal_member::ClusterSpec, id: u16) -> Result<(), String> {
         spec.validate()?;
         let me = spec
             .servers

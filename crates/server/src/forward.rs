@@ -36,8 +36,8 @@
 use crate::msg::{Envelope, Mailbox, ReplyBatch, ReplyTo, NO_CACHELET};
 use crate::worker::Shared;
 use crossbeam_channel::{Receiver, Sender};
-use mbal_cluster::dial::Proto;
 use mbal_cluster::{ClusterMap, Owner, Redirect, Router};
+use mbal_member::dial::Proto;
 use mbal_proto::binary::{opcode as op, write_response, BinHeader, HEADER_LEN, MAGIC_RESPONSE};
 use mbal_proto::client::{Decoder, Expect, Frame};
 use mio::net::TcpStream;
@@ -198,7 +198,7 @@ pub(crate) struct Forwarder {
     router: Router,
     timeout: Duration,
     /// TLS and the cluster secret's login, when the cluster has them.
-    dialer: mbal_cluster::dial::Dialer,
+    dialer: mbal_member::dial::Dialer,
     ups: Vec<Upstream>,
     up_of: HashMap<Owner, usize>,
     dirty: Vec<usize>,

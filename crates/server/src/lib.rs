@@ -180,7 +180,7 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
     let worker_addrs: Vec<SocketAddr> =
         owns.iter().flatten().map(|l| l.local_addr()).collect::<std::io::Result<_>>()?;
     let (map, server_id) = match &settings.cluster {
-        Some((spec, id)) => (ClusterMap::from_spec(spec), *id),
+        Some((spec, id)) => (spec.initial_map(), *id),
         None => {
             // Without worker ports every worker is reached at the main port
             // (`mbal hello <epoch> <worker>` hands the connection over).

@@ -176,7 +176,7 @@ fn poll(shared: Arc<Shared>, id: usize, addr: SocketAddr, cfg: Config) {
 fn connect(shared: &Shared, addr: SocketAddr, timeout: Duration) -> std::io::Result<BufReader<BlockingStream>> {
     // `mbal load` is a control command: the peer dialer speaks TLS when the
     // cluster does and proves membership (`mbal peer`) when there is a secret.
-    let s = shared.settings.peer_dialer(timeout).dial(addr, mbal_cluster::dial::Proto::Text)?;
+    let s = shared.settings.peer_dialer(timeout).dial(addr, mbal_member::dial::Proto::Text)?;
     Ok(BufReader::new(s))
 }
 

@@ -222,7 +222,7 @@ impl Replicator {
         // TLS when the cluster uses it; copies are control commands: the
         // dialer proves this is a cluster member (`mbal peer`) when there is
         // a cluster secret.
-        let s = self.shared.settings.peer_dialer(self.timeout).dial(addr, mbal_cluster::dial::Proto::Text)?;
+        let s = self.shared.settings.peer_dialer(self.timeout).dial(addr, mbal_member::dial::Proto::Text)?;
         let mut r = BufReader::new(s);
         let mut line = String::new();
         // Copy upkeep is not client load: exempt from emulated capacity

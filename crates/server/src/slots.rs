@@ -106,7 +106,7 @@ fn ask_one(
         std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
         std::collections::hash_map::Entry::Vacant(e) => {
             // A control command: TLS and the membership proof as the cluster has them.
-            let s = shared.settings.peer_dialer(timeout).dial(addr, mbal_cluster::dial::Proto::Text)?;
+            let s = shared.settings.peer_dialer(timeout).dial(addr, mbal_member::dial::Proto::Text)?;
             e.insert(BufReader::new(s))
         }
     };

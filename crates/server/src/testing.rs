@@ -3,7 +3,7 @@
 //! part of mbal's interface.
 
 use crate::config::Settings;
-use mbal_cluster::{ClusterSpec, ServerSpec};
+use mbal_member::{ClusterSpec, ServerSpec};
 use std::net::TcpListener;
 
 /// `n` servers of `workers` workers on free loopback ports (1,024 virtual nodes, 4 cachelets

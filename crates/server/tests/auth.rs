@@ -6,7 +6,7 @@
 mod common;
 
 use common::{settings, start, stat, Conn};
-use mbal_cluster::peer_auth::{self, Secret};
+use mbal_member::peer_auth::{self, Secret};
 use mbal_proto::binary::{opcode as op, status as st, write_request, BinHeader, HEADER_LEN};
 use mbal_server::auth::Credentials;
 use std::io::{Read, Write};

@@ -3,7 +3,8 @@
 
 mod common;
 use common::*;
-use mbal_cluster::{key_hash, ClusterMap, ClusterSpec, ServerSpec};
+use mbal_cluster::{key_hash, ClusterMap};
+use mbal_member::{ClusterSpec, ServerSpec};
 use mbal_server::config::Settings;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -204,7 +205,7 @@ fn three_server_cluster_serves_only_its_partition() {
             start(s)
         })
         .collect();
-    let map = ClusterMap::from_spec(&spec);
+    let map = spec.initial_map();
     for (id, srv) in servers.iter().enumerate() {
         let mut c = Conn::open(srv.main_addr);
         assert_eq!(fetch_map(&mut c), map);

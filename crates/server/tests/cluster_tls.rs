@@ -8,8 +8,9 @@
 mod common;
 
 use common::settings;
-use mbal_cluster::dial::{Dialer, Proto};
-use mbal_cluster::{key_hash, peer_auth, replica_location, ClusterFile, ClusterMap, ClusterSpec, ServerSpec, TlsSpec};
+use mbal_cluster::{key_hash, replica_location, ClusterMap};
+use mbal_member::dial::{Dialer, Proto};
+use mbal_member::{peer_auth, ClusterFile, ClusterSpec, ServerSpec, TlsSpec};
 use mbal_server::ServerHandle;
 use mbal_tls::test_certs::Pki;
 use mbal_tls::{BlockingStream, ClientTls, ClientTlsFiles};
@@ -162,7 +163,7 @@ fn tls_cluster() -> TlsCluster {
         })
         .collect();
     let tls = cf.client_tls.clone().unwrap();
-    TlsCluster { map: ClusterMap::from_spec(&cf.spec), pki, file, servers, tls }
+    TlsCluster { map: cf.spec.initial_map(), pki, file, servers, tls }
 }
 
 impl TlsCluster {
@@ -344,7 +345,7 @@ fn a_silent_member_does_not_stall_the_forwarder() {
         })
         .collect();
     let tls = cf.client_tls.clone().unwrap();
-    let map = ClusterMap::from_spec(&cf.spec);
+    let map = cf.spec.initial_map();
     let key_on = |s: u16| (0..).map(|i| format!("q{i}")).find(|k| map.route(key_hash(k.as_bytes())).1 == s).unwrap();
     // A: a key of the silent member; the forwarder's dial hangs in the TLS handshake.
     let mut a = TConn::open(servers[0].main_addr, &tls).unwrap();

@@ -4,7 +4,8 @@
 
 mod common;
 use common::*;
-use mbal_cluster::{key_hash, ClusterMap, ClusterSpec, ServerSpec};
+use mbal_cluster::{key_hash, ClusterMap};
+use mbal_member::{ClusterSpec, ServerSpec};
 use mbal_proto::binary::{opcode as op, write_request, BinHeader, HEADER_LEN};
 use mbal_server::ServerHandle;
 use std::io::Read;
@@ -61,7 +62,7 @@ fn cluster_with_silent(
             start(s)
         })
         .collect();
-    (servers, ClusterMap::from_spec(&spec), silent)
+    (servers, spec.initial_map(), silent)
 }
 
 /// The lines of a reply up to END, without their line ends.

@@ -6,7 +6,8 @@
 mod common;
 
 use common::*;
-use mbal_cluster::{key_hash, replica_location, ClusterMap, ClusterSpec};
+use mbal_cluster::{key_hash, replica_location, ClusterMap};
+use mbal_member::ClusterSpec;
 use mbal_server::ServerHandle;
 use std::time::{Duration, Instant};
 
@@ -27,7 +28,7 @@ fn cluster(n: usize, tune: impl Fn(&mut mbal_server::config::Settings)) -> Clust
             Some(start(s))
         })
         .collect();
-    let map = ClusterMap::from_spec(&spec);
+    let map = spec.initial_map();
     Cluster { spec, map, servers }
 }
 
@@ -365,7 +366,7 @@ fn the_policy_replicates_a_key_that_overloads_its_worker() {
 
 #[test]
 fn copies_travel_between_members_that_share_the_cluster_secret() {
-    use mbal_cluster::peer_auth::{self, Secret};
+    use mbal_member::peer_auth::{self, Secret};
     let secret = Secret::new(b"a cluster secret of 32 bytes....".to_vec()).unwrap();
     let cl = cluster(2, |s| s.control_secret = Some(secret.clone()));
     let (key, w) = cl.key_on(0, "sec");

@@ -461,7 +461,7 @@ impl<S: Read + Write> Write for Stream<S> {
 /// `timeout` on the connect and on every read and write (the handshake
 /// included), then the TLS handshake with `tls`. The one place every mbal
 /// component that dials a server (the replicator, the forwarder, the proxy,
-/// `mbal_cluster::dial::Dialer`, the routing client, the bench, `mbal top`)
+/// `mbal_member::dial::Dialer`, the routing client, the bench, `mbal top`)
 /// connects.
 pub fn dial(addr: SocketAddr, tls: Option<&ClientTls>, timeout: Duration) -> io::Result<BlockingStream> {
     dial_timeouts(addr, tls, timeout, timeout)

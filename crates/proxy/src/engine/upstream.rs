@@ -4,7 +4,7 @@
 
 use super::client::{get_line, get_prefix, match_key, slot_mut};
 use super::*;
-use mbal_cluster::dial::Proto;
+use mbal_member::dial::Proto;
 
 impl Engine {
     pub(super) fn upstream(&mut self, owner: Owner) -> usize {

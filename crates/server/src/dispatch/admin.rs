@@ -11,7 +11,7 @@ pub(super) fn admin(shared: &Shared, rt: &mut Route, output: &mut Output, args: 
     let args = String::from_utf8_lossy(args);
     let mut it = args.split_whitespace();
     let word = it.clone().next().unwrap_or("");
-    if mbal_cluster::peer_auth::is_control(word) {
+    if mbal_member::peer_auth::is_control(word) {
         if let Err(reply) = crate::auth::control_allowed(&shared.settings, rt.auth) {
             rt.counters.control_refused += 1;
             output.buf().extend_from_slice(reply);

@@ -1,0 +1,17 @@
+//! What it takes to be, or talk to, a member of an mbal cluster, as opposed
+//! to the key space and the map themselves (`mbal-cluster`, no I/O):
+//!
+//! * [`ClusterFile`] / [`ClusterSpec`]: the cluster file (TOML), its
+//!   `[tls]` section and its secret, and the initial map it gives;
+//! * [`dial`]: opening a member connection (TLS when the cluster uses it,
+//!   then the login);
+//! * [`peer_auth`]: the `mbal peer` challenge over the cluster secret.
+//!
+//! Split from `mbal-cluster` so that the policy (`mbal-balance`) and the
+//! simulator build without rustls, TOML or HMAC.
+
+pub mod dial;
+mod file;
+pub mod peer_auth;
+
+pub use file::{ClusterFile, ClusterSpec, ServerSpec, TlsSpec};

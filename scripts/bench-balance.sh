@@ -68,7 +68,7 @@ if [ "$MODE" = proxy ]; then
 fi
 # hotkeys: 4,000 req/s per worker (2,800 per worker and epoch at LOAD 0.7), so that Poisson noise
 # alone (max of 16 workers ~1.8 sd, 1.9% each) leaves room under the 1.2 of the reaction time
-# (at 1,000 it was ~1.07 of the 1.10 goal); the machine keeps up (docs/benchmarks.md §15).
+# (at 1,000 it was ~1.07 of the 1.10 goal); the machine keeps up (docs/benchmarks-journal.md §15).
 [ "$MODE" = hotkeys ] && CAP=${CAP:-4000}
 CAP=${CAP:-2000}
 LOAD=${LOAD:-0.7}
@@ -108,7 +108,7 @@ PIPELINE=${PIPELINE:-64}
 mkdir -p "$OUT"
 # MONITOR=1 (default): record the machine alongside (scripts/lib/machine_monitor.py: CPU, CPU
 # pressure and every other process's CPU, timestamped) in $OUT/machine.jsonl, so that a bad
-# second of a run can be told apart from a busy machine (docs/benchmarks.md §15, round 6).
+# second of a run can be told apart from a busy machine (docs/benchmarks-journal.md §15, round 6).
 MON_PID=""
 if [ "${MONITOR:-1}" = 1 ]; then
   python3 scripts/lib/machine_monitor.py "$OUT/machine.jsonl" --mine $$ &

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The per-epoch max/avg worker load that the lease draws alone give (docs/benchmarks.md §15,
+"""The per-epoch max/avg worker load that the lease draws alone give (docs/benchmarks-journal.md §15,
 round 5): the testbed's Zipf 0.99 over 50,000 keys at 44,800 requests/s on 16 workers (8 servers
 x 2), its TOP hottest keys each with COPIES copies (home + copies on random workers of other
 servers), every other key on one random worker (its home; `--even`: spread evenly instead), and

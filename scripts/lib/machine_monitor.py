@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Record what the machine does while a benchmark runs, timestamped, so that a bad second of
-the benchmark can be told apart from a busy machine (docs/benchmarks.md §15, round 6).
+the benchmark can be told apart from a busy machine (docs/benchmarks-journal.md §15, round 6).
 
     machine_monitor.py OUT.jsonl [--interval 0.1] [--procs-every 5] [--mine PID,...]
 

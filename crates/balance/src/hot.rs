@@ -90,7 +90,7 @@ pub struct HotConfig {
     /// docs/protocol.md), so REPL_high bounds the keys with copies (HOT,
     /// HOT_PENDING, COLD_PENDING) at every epoch and alarm. Off: a new key
     /// waits until an old one has cooled and retired after its leases.
-    /// See docs/benchmarks.md §15 for what it does to the copies made and
+    /// See docs/benchmarks-journal.md §15 for what it does to the copies made and
     /// the reaction time.
     pub displace: bool,
     /// With `displace`: a HOT key may be displaced only after this many

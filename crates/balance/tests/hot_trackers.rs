@@ -3,7 +3,7 @@
 //! candidate against an exact count of the whole (unsampled) stream, on
 //! Zipf 0.99, on a hot partition and on a Zipf hot set that shifts half
 //! way. A measurement, not a test of speed: it prints the table of
-//! docs/benchmarks.md §10 and asserts only what must hold whatever the
+//! docs/benchmarks-journal.md §11 and asserts only what must hold whatever the
 //! machine. Run it in release:
 //!
 //! ```text

@@ -128,7 +128,7 @@ const TIMER: Token = Token(usize::MAX);
 /// so a wait of 300 µs would last 1 ms; armed for the wait, the timer ends it to the
 /// microsecond. It is what lets the open-loop client sleep until its next send instead of
 /// busy-polling for it (which took a whole core from the servers sharing the machine:
-/// docs/benchmarks.md §15, round 6).
+/// docs/benchmarks-journal.md §15, round 6).
 struct Timer {
     fd: OwnedFd,
 }

@@ -331,7 +331,7 @@ pub fn run_thread(driver: &mut dyn Driver, mut plan: ThreadPlan) -> Result<Threa
                 // to the microsecond: a timer), then send everything due in one batch. Replies
                 // still wake the thread at once. Busy-polling instead (as the bench did before)
                 // kept the sends within a few µs but took a whole core from the servers sharing
-                // the machine (docs/benchmarks.md §15, round 6).
+                // the machine (docs/benchmarks-journal.md §15, round 6).
                 let wait = next_intended.saturating_sub(now) + SEND_BATCH_NS;
                 timeout = timeout.min(Duration::from_nanos(wait));
             }

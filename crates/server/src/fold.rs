@@ -7,7 +7,7 @@
 //! cache on one host, or a benchmark's generator), or given fewer CPUs than `-t`, the threads
 //! wait for a CPU or for wake-ups instead, and the server serves less with two threads than
 //! with one: on our 2-core machine with the generator beside it, `-t 2` served 0.6x what
-//! `-t 1` did (docs/benchmarks.md §7).
+//! `-t 1` did (docs/benchmarks-journal.md §7).
 //!
 //! The policy measures instead of guessing. Every [`TICK`] it reads, for each host thread in
 //! use, its time on a CPU and its time runnable but waiting for one (the kernel's
@@ -49,7 +49,7 @@ pub const UNFOLD_BUSY: f64 = 0.85;
 pub const UNFOLD_IDLE: f64 = 0.7;
 /// No trial of fewer threads below this rate (requests/s): a lightly loaded server loses
 /// nothing to its threads, and one that starts spread needs no trial to spread when load
-/// comes (a failed trial of more threads costs more than one of fewer: docs/benchmarks.md §7).
+/// comes (a failed trial of more threads costs more than one of fewer: docs/benchmarks-journal.md §7).
 pub const FOLD_MIN_RATE: f64 = 1000.0;
 /// Keep fewer threads if they served at least this share of the rate before the trial.
 pub const KEEP_FOLD: f64 = 0.97;

@@ -4,7 +4,7 @@
 //! floor(2·n·ln n) (MBal §3.2). Each server starts with an even share (its
 //! *base*, [`super::repl_high_share`]), but a shifted hot set does not fall
 //! evenly on the servers: some have more keys waiting for a slot than their
-//! share while others leave theirs unused (docs/benchmarks.md §15, round 7).
+//! share while others leave theirs unused (docs/benchmarks-journal.md §15, round 7).
 //! So a server with keys waiting borrows slots from one with slots to
 //! spare, for a short *lease* it renews while it needs them.
 //!

@@ -258,7 +258,7 @@ impl Outer {
 /// sub-millisecond wait for its next token (250 µs at 4,000 requests/s) had its host poll with
 /// a zero timeout in a loop until the credit came back: the host spun, and with several
 /// servers' hosts doing it on a small machine the servers' CPU tripled at the load where
-/// workers first run out of credit (docs/benchmarks.md §15, round 6).
+/// workers first run out of credit (docs/benchmarks-journal.md §15, round 6).
 fn epoll_ms(timeout: Duration) -> libc::c_int {
     timeout.as_nanos().div_ceil(1_000_000).min(i32::MAX as u128) as libc::c_int
 }

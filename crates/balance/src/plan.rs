@@ -14,18 +14,17 @@
 //!
 //! Both have binary decisions and move each cachelet at most once
 //! (eqs. 6–7). Each is solved as an ILP through a MILP solver (`good_lp`
-//! with `microlp`) with a time limit and a 1% gap; when the ILP has no
-//! solution (infeasible, or none found in time) Algorithm 1's greedy
+//! with `microlp`) within a budget of branch-and-bound nodes (work, not
+//! wall-clock: the same problem gives the same plan however busy the
+//! machine is) and a 1% gap; when the ILP has no solution (infeasible, or
+//! none found within the budget) Algorithm 1's greedy
 //! fallback lowers the peak as far as single moves can. An iteration that
 //! lowers the peak by less than `min_gain` of the mean ends the plan.
 
 use crate::config::{Config, Planner};
-use good_lp::solvers::{SolutionStatus, WithMipGap};
-use good_lp::{
-    constraint, variable, variables, Expression, ResolutionError, Solution, SolverModel, Variable, WithTimeLimit,
-};
+use good_lp::{constraint, variable, variables, Expression, SolverModel, Variable};
 use serde::{Deserialize, Serialize};
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 /// One cachelet as the planner sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -63,9 +62,9 @@ pub enum Objective {
 pub enum Method {
     /// The MILP solver's optimum (within the MIP gap).
     Ilp,
-    /// The solver's best solution when its time limit ran out (feasible,
+    /// The solver's best solution when its node budget ran out (feasible,
     /// maybe not optimal).
-    IlpTimeLimited,
+    IlpBudgetSpent,
     /// Algorithm 1's greedy, after the ILP found no feasible solution.
     Greedy,
 }
@@ -209,9 +208,9 @@ pub fn plan(p: &Problem, cfg: &Config) -> Plan {
     let mut cur = p.clone();
     let mut out = Plan::default();
     let mut moved: HashSet<u32> = HashSet::new();
-    // The time limit is for the whole plan: each iteration's solve gets
+    // The node budget is for the whole plan: each iteration's solve gets
     // an equal share.
-    let per_solve_ms = (cfg.ilp_time_limit_ms / u64::from(cfg.max_iter.max(1))).max(1);
+    let per_solve = (cfg.ilp_node_limit / u64::from(cfg.max_iter.max(1))).max(1);
     for _ in 0..cfg.max_iter {
         let over = cur.overloaded();
         if over.is_empty() {
@@ -240,7 +239,7 @@ pub fn plan(p: &Problem, cfg: &Config) -> Plan {
             limit: cur.limit,
         };
         let (steps, method) = match cfg.planner {
-            Planner::Ilp => match solve_ilp(&sub, objective, &sources, &destinations, per_solve_ms) {
+            Planner::Ilp => match solve_ilp(&sub, objective, &sources, &destinations, per_solve) {
                 Ok(found) => found,
                 Err(_) => (greedy(&sub, &sources, &destinations, min_gain), Method::Greedy),
             },
@@ -269,15 +268,15 @@ pub fn plan(p: &Problem, cfg: &Config) -> Plan {
 
 /// Solves one iteration's ILP over the workers `sources ∪ destinations`.
 /// `Err` when it has no feasible solution or the solver found none within
-/// `time_limit_ms`.
+/// `node_limit` branch-and-bound nodes (the root relaxation is free).
 pub fn solve_ilp(
     p: &Problem,
     objective: Objective,
     sources: &[u16],
     destinations: &[u16],
-    time_limit_ms: u64,
+    node_limit: u64,
 ) -> Result<(Vec<Step>, Method), IlpError> {
-    solve_ilp_with_gap(p, objective, sources, destinations, time_limit_ms, MIP_GAP)
+    solve_ilp_with_gap(p, objective, sources, destinations, node_limit, MIP_GAP)
 }
 
 /// [`solve_ilp`] with a chosen relative MIP gap (0: the exact optimum).
@@ -286,7 +285,7 @@ pub fn solve_ilp_with_gap(
     objective: Objective,
     sources: &[u16],
     destinations: &[u16],
-    time_limit_ms: u64,
+    node_limit: u64,
     mip_gap: f32,
 ) -> Result<(Vec<Step>, Method), IlpError> {
     let mut involved: Vec<u16> = sources.iter().chain(destinations).copied().collect();
@@ -340,12 +339,7 @@ pub fn solve_ilp_with_gap(
             dev / n + MOVE_PENALTY * moves.clone()
         }
     };
-    let mut model = vars
-        .minimise(obj)
-        .using(good_lp::microlp)
-        .with_time_limit(time_limit_ms as f64 / 1e3)
-        .with_mip_gap(mip_gap)
-        .map_err(|e| IlpError::Solver(e.to_string()))?;
+    let mut model = vars.minimise(obj).using(good_lp::microlp);
     // Eqs. 2, 3 and 5: every involved worker ends at or under T.
     for &w in &involved {
         model.add_constraint(constraint!(after(w) <= limit));
@@ -356,24 +350,33 @@ pub fn solve_ilp_with_gap(
         model.add_constraint(constraint!(*t >= 1.0 - after(*w)));
     }
     // Eq. 7: each cachelet goes to at most one destination.
-    let mut by_cachelet: HashMap<u32, Expression> = HashMap::new();
+    // (In cachelet order: the constraints' order steers the solver.)
+    let mut by_cachelet: BTreeMap<u32, Expression> = BTreeMap::new();
     for (s, _, v) in &x {
         *by_cachelet.entry(s.cachelet).or_default() += *v;
     }
     for e in by_cachelet.into_values() {
         model.add_constraint(constraint!(e <= 1.0));
     }
-    let sol = match model.solve() {
-        Ok(sol) => sol,
-        Err(ResolutionError::Infeasible) => return Err(IlpError::Infeasible),
-        Err(ResolutionError::Other(m)) if m.contains("Time limit") => return Err(IlpError::TimedOut),
+    // good_lp builds the model; microlp solves it with a node budget, which
+    // good_lp's wrapper does not pass on (it has a wall-clock limit only).
+    // Its variables are microlp's in the order they were added: the X's
+    // first (x[i] is variable i), then the deviations.
+    let mut opts = microlp::SolveOptions::default();
+    opts.node_limit = Some(node_limit);
+    opts.mip_gap = f64::from(mip_gap);
+    let sol = match model.as_inner().solve_with(opts) {
+        Ok(outcome) => outcome.into_solution().map_err(|_| IlpError::BudgetSpent)?,
+        Err(microlp::Error::Infeasible) => return Err(IlpError::Infeasible),
         Err(e) => return Err(IlpError::Solver(e.to_string())),
     };
-    let method = match sol.status() {
-        SolutionStatus::Optimal | SolutionStatus::GapLimit => Method::Ilp,
-        _ => Method::IlpTimeLimited,
+    let method = match sol.termination_reason() {
+        microlp::TerminationReason::NodeLimit | microlp::TerminationReason::TimeLimit => Method::IlpBudgetSpent,
+        _ => Method::Ilp,
     };
-    let mut steps: Vec<Step> = x.iter().filter(|(_, _, v)| sol.value(*v) > 0.5).map(|(s, _, _)| *s).collect();
+    let values: Vec<f64> = sol.iter().map(|(_, v)| v).collect();
+    debug_assert_eq!(values.len(), x.len() + devs.len());
+    let mut steps: Vec<Step> = x.iter().zip(&values).filter(|(_, v)| **v > 0.5).map(|((s, _, _), _)| *s).collect();
     steps.sort_by_key(|s| (s.from, s.cachelet));
     Ok((steps, method))
 }
@@ -436,8 +439,8 @@ pub fn greedy(p: &Problem, sources: &[u16], destinations: &[u16], min_gain: f64)
 pub enum IlpError {
     /// No assignment meets the constraints.
     Infeasible,
-    /// The time limit ran out before any feasible solution was found.
-    TimedOut,
+    /// The node budget ran out before any feasible solution was found.
+    BudgetSpent,
     /// Anything else the solver reported.
     Solver(String),
 }
@@ -500,7 +503,7 @@ mod tests {
         // on the source: the optimum is both 20s, one to each destination.
         let p = problem(&[&[40.0, 20.0, 20.0], &[10.0, 10.0], &[10.0, 10.0]], 1.1);
         let obj = Objective::MinMoves { source: 0 };
-        let (steps, method) = solve_ilp_with_gap(&p, obj, &[0], &[1, 2], 1_000, 0.0).unwrap();
+        let (steps, method) = solve_ilp_with_gap(&p, obj, &[0], &[1, 2], 100_000, 0.0).unwrap();
         assert_eq!(method, Method::Ilp);
         assert!(feasible(&p, obj, &[0], &[1, 2], &steps, 1e-9), "{steps:?}");
         assert_eq!(steps.len(), 2);
@@ -514,7 +517,7 @@ mod tests {
     fn objective_two_levels_two_hot_workers() {
         let p = problem(&[&[30.0, 30.0, 10.0], &[30.0, 20.0, 20.0], &[5.0], &[5.0]], 1.2);
         let (sources, dests) = ([0, 1], [2, 3]);
-        let (steps, _) = solve_ilp_with_gap(&p, Objective::MinDeviation, &sources, &dests, 1_000, 0.0).unwrap();
+        let (steps, _) = solve_ilp_with_gap(&p, Objective::MinDeviation, &sources, &dests, 100_000, 0.0).unwrap();
         let v = objective_value(&p, Objective::MinDeviation, &all(&p), &steps);
         let best = brute_force(&p, Objective::MinDeviation, &sources, &dests).unwrap();
         assert!((v - best).abs() < 1e-6, "ilp {v} vs brute force {best}: {steps:?}");
@@ -526,13 +529,32 @@ mod tests {
         // One cachelet alone is hotter than T: no plan meets the ILP's
         // constraints, greedy moves the rest away from it.
         let p = problem(&[&[100.0, 10.0, 10.0], &[10.0], &[10.0], &[10.0]], 1.1);
-        assert_eq!(solve_ilp(&p, Objective::MinMoves { source: 0 }, &[0], &[1, 2], 1_000), Err(IlpError::Infeasible));
+        assert_eq!(solve_ilp(&p, Objective::MinMoves { source: 0 }, &[0], &[1, 2], 100_000), Err(IlpError::Infeasible));
         let cfg = Config::default();
         let plan = plan(&p, &cfg);
         assert_eq!(plan.iterations[0].method, Method::Greedy);
         let moved: Vec<u32> = plan.steps.iter().map(|s| s.cachelet).collect();
         assert!(!moved.contains(&0), "the hot cachelet stays: {plan:?}");
         assert!(plan.loads_after.iter().find(|w| w.0 == 0).unwrap().1 < 120.0);
+    }
+
+    /// The budget is work, not time: a problem the solver cannot finish
+    /// within it gives the same plan every time, and a budget of no
+    /// nodes at all stops at the same point too (the root relaxation is
+    /// free).
+    #[test]
+    fn the_same_problem_gives_the_same_plan_every_time() {
+        let hot: Vec<f64> = (0..16).map(|i| 300.0 + 37.0 * f64::from(i % 7)).collect();
+        let cold: Vec<f64> = (0..16).map(|i| 90.0 + 11.0 * f64::from(i % 5)).collect();
+        let p = problem(&[&hot, &hot, &cold, &cold, &cold, &cold, &cold, &cold], 1.05);
+        for budget in [0, 8, Config::default().ilp_node_limit] {
+            let cfg = Config { ilp_node_limit: budget, ..Config::default() };
+            let first = plan(&p, &cfg);
+            assert!(!first.steps.is_empty());
+            for _ in 0..5 {
+                assert_eq!(plan(&p, &cfg), first, "budget {budget}");
+            }
+        }
     }
 
     #[test]
@@ -605,7 +627,7 @@ mod tests {
         /// the moves' result.
         #[test]
         fn no_plan_breaks_a_constraint(p in arb_problem(), greedy_only in any::<bool>()) {
-            let cfg = Config { planner: if greedy_only { Planner::Greedy } else { Planner::Ilp }, ilp_time_limit_ms: 1_000, ..Config::default() };
+            let cfg = Config { planner: if greedy_only { Planner::Greedy } else { Planner::Ilp }, ilp_node_limit: 100_000, ..Config::default() };
             let plan = plan(&p, &cfg);
             let mut owner: HashMap<u32, u16> = p.pieces.iter().map(|c| (c.id, c.worker)).collect();
             let mut seen = HashSet::new();
@@ -633,7 +655,7 @@ mod tests {
             prop_assert!(peak(&after) <= peak(&p.workers) + 1e-9);
             // The first ILP iteration, re-checked against eqs. 2-7 directly.
             if let (Some(it), Some((obj, src, dst))) = (plan.iterations.first(), pick(&p)) {
-                if matches!(it.method, Method::Ilp | Method::IlpTimeLimited) {
+                if matches!(it.method, Method::Ilp | Method::IlpBudgetSpent) {
                     prop_assert!(feasible(&p, obj, &src, &dst, &it.steps, 1e-6), "{:?}", it);
                 }
             }
@@ -649,12 +671,12 @@ mod tests {
                 // Brute force is k^pieces: only on the smaller cases.
                 let small = p.pieces.iter().filter(|c| involved.contains(&c.worker)).count() <= 7;
                 let best = if small { brute_force(&p, obj, &src, &dst) } else { None };
-                if let (Ok((steps, _)), Some(best)) = (solve_ilp(&p, obj, &src, &dst, 5_000), best) {
+                if let (Ok((steps, _)), Some(best)) = (solve_ilp(&p, obj, &src, &dst, 500_000), best) {
                     // With the default gap: within it of the optimum.
                     let v = objective_value(&p, obj, &involved, &steps);
                     prop_assert!(v <= best * (1.0 + f64::from(MIP_GAP)) + 1e-6, "{} vs {}", v, best);
                 }
-                match solve_ilp_with_gap(&p, obj, &src, &dst, 5_000, 0.0) {
+                match solve_ilp_with_gap(&p, obj, &src, &dst, 500_000, 0.0) {
                     Ok((steps, method)) => {
                         prop_assert_eq!(method, Method::Ilp);
                         prop_assert!(feasible(&p, obj, &src, &dst, &steps, 1e-6));

@@ -11,6 +11,9 @@
 //! * [`policy`]: the [`Balancer`]: MBal's Figure 4 state machine,
 //!   persistence, leases; one [`Decision`] per epoch.
 //! * [`config`]: every knob, with its default.
+//! * [`control`]: the controller's core, [`ControlCore`]: events in,
+//!   commands out (sampling rounds, Phase 2's cadence, moves, the map's
+//!   owners); the server's controller is an adapter around it.
 //! * [`tracker`]: sampled hot-key trackers (SPORE's EWMA cache,
 //!   Space-Saving, lossy counting).
 //! * [`hot`]: Phase 1, hot-key replication: [`HotKeys`], SPORE's key
@@ -18,6 +21,7 @@
 //!   REPL_high, and the RIKR-style [`replica_location`].
 
 pub mod config;
+pub mod control;
 pub mod hot;
 pub mod measure;
 pub mod plan;
@@ -26,6 +30,7 @@ pub mod snapshot;
 pub mod tracker;
 
 pub use config::{Config, Planner};
+pub use control::{BalancerStatus, Command, ControlCore, CoreSettings, Event, MoveAnswer};
 pub use hot::{
     replica_location, sample_rate_for, AlarmDecision, ClusterView, HotConfig, HotEscalateWhy, HotEscalation,
     HotKeyStat, HotKeys, KeyState, KeyTransition, ReplicaDecision, Replicate, Retire, SlotHeat, SlotLedger,

@@ -4,28 +4,32 @@
 //! to mbal what memcached's maintainer thread is to its slab automover: the
 //! place that decides, apart from the request path.
 //!
-//! It owns:
-//! * the cluster map. Workers route by their own tables (`moves`); the
-//!   controller keeps the map every client may fetch (`mbal map`) and bumps
-//!   its epoch as moves finish;
-//! * every cachelet move. `mbal move` asks the controller, and the balancer
-//!   will too; it sends `Release` to the owner and hears back from the
-//!   adopter (`moves` has the protocol). One move per cachelet at a time;
-//!   later requests for the same cachelet wait their turn;
-//! * the epoch tick: every `--epoch-ms` it asks each worker for a
-//!   [`WorkerSample`] (its counters; no client involved) and, once all have
-//!   answered, turns two consecutive rounds into an [`EpochSnapshot`], the
-//!   policy's input. The last one is published for `stats cachelets`; about
-//!   a minute of them ([`history_len`]) are kept for `mbal load` callers, so
-//!   one that reads them in turn misses none.
-//!
-//! * the local balancer (`--balancer on`, DESIGN.md §6): once per Phase 2
-//!   epoch (`--balance-epoch-ms`, whole epochs) it hands the snapshot of
-//!   that time to `mbal_balance::Balancer` (the policy: MBal's state
-//!   machine, Phase 2 plans, leases) and carries out the moves it decides
-//!   with the same move protocol as `mbal move`, telling the policy how
-//!   each ended. `stats balancer` shows its state; `mbal load` carries its
+//! The decisions of the epoch tick, Phase 2 and the moves are made by
+//! `mbal_balance::ControlCore` (events in, commands out, no clock); this
+//! thread is its adapter. It turns its mailbox's messages into the core's
+//! events and carries out the core's commands:
+//! * the cluster map (the core's): workers route by their own tables
+//!   (`moves`); `mbal map` answers with the core's map, whose epoch grows as
+//!   moves finish;
+//! * every cachelet move. `mbal move` and the balancer ask the core; a
+//!   `Release` goes to the owner and the adopter's `Moved` comes back
+//!   (`moves` has the protocol). One move per cachelet at a time; later
+//!   requests for the same cachelet wait their turn (the core queues them);
+//! * the epoch tick: every `--epoch-ms` the core starts a sampling round
+//!   (each worker sends its [`WorkerSample`]; no client involved) and, once
+//!   all have answered, closes an [`EpochSnapshot`], the policy's input.
+//!   The last one is published for `stats cachelets`; about a minute of
+//!   them ([`history_len`]) are kept for `mbal load` callers, so one that
+//!   reads them in turn misses none;
+//! * the local balancer (`--balancer on`, DESIGN.md §6): the core runs
+//!   Phase 2 once per its epoch (`--balance-epoch-ms`, whole epochs) and
+//!   starts the moves it decides. `stats balancer` shows its state (with
+//!   the planner's wall-clock time, measured here); `mbal load` carries its
 //!   decision beside the snapshot of the epochs where it decided.
+//!
+//! Phase 1 (hot keys, copies, grants, REPL_high slots) is still decided
+//! here, on each epoch the core closes: the next step of moving the policy
+//! into the core (docs/design-notes.md, "The controller's policy core").
 //!
 //! It never touches a worker's store or tables: it talks to workers only by
 //! message, and they answer by message, so nothing here needs a lock but the
@@ -40,13 +44,13 @@ use crate::worker::Shared;
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use mbal_balance::hot::repl_high_share;
 use mbal_balance::{
-    Access, Balancer, Baseline, ClusterView, Decision, EpochSnapshot, HotKeyStat, HotKeys, KeyState, Move,
-    ReplicaDecision, SlotLedger, WorkerSample,
+    Access, ClusterView, Command, ControlCore, CoreSettings, Decision, EpochSnapshot, Event, HotKeyStat, HotKeys,
+    KeyState, MoveAnswer, ReplicaDecision, SlotLedger, WorkerSample,
 };
 use mbal_cluster::ClusterMap;
 use mbal_proto::ext;
 use serde::Serialize;
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -106,15 +110,6 @@ pub(crate) enum CtlMsg {
 /// most 1024 of them (a reader that falls further behind misses some).
 fn history_len(epoch_ms: u64) -> usize {
     (60_000 / epoch_ms.max(1)).clamp(64, 1024) as usize
-}
-
-/// A move under way.
-struct Moving {
-    token: u64,
-    to: usize,
-    waiters: Vec<ReplyTo>,
-    /// The balancer's move, if it decided this one.
-    by_balancer: Option<Move>,
 }
 
 /// One epoch as `mbal load` reports it: the snapshot's fields, the
@@ -179,55 +174,25 @@ struct HotMeta {
 const HOT_TOP: usize = 16;
 
 /// The balancer's figures for `stats balancer` (published once per Phase 2
-/// epoch and when a move ends).
-#[derive(Clone, Debug, Default)]
-pub(crate) struct BalancerStatus {
-    pub state: String,
-    pub epoch: u64,
-    /// Per worker: requests per second (weighted) over Phase 2's last epoch.
-    pub loads: Vec<(u16, f64)>,
-    pub max_over_avg: f64,
-    pub imbalance_factor: f64,
-    pub plans: u64,
-    pub moves: u64,
-    pub moves_home: u64,
-    pub moves_failed: u64,
-    pub escalations: u64,
-    pub leases: usize,
-    pub planner_us_last: u64,
-    pub planner_us_max: u64,
-}
+/// epoch and when a move ends): the core's, with the planner's time.
+pub(crate) use mbal_balance::BalancerStatus;
 
 pub(crate) struct Controller {
     shared: Arc<Shared>,
     inbox: Receiver<CtlMsg>,
-    map: ClusterMap,
+    /// The policy's core: sampling rounds, Phase 2, moves, the map.
+    core: ControlCore<ReplyTo>,
     epoch_len: Duration,
     next_tick: Instant,
-    /// Sampling rounds started; the baseline round is 0.
-    round: u64,
-    /// The round being gathered: a slot per worker.
-    gathering: Option<Vec<Option<WorkerSample>>>,
-    /// The previous complete round, with the last counts of the cachelets
-    /// it missed.
-    prev: Baseline,
-    /// Phase 2 decides every `balance_every` rounds, on the load since
-    /// `balance_prev` (the round it last decided at).
-    balance_every: u64,
-    balance_prev: Baseline,
+    /// The planner's wall-clock time (the core has no clock).
+    planner_us_last: u64,
+    planner_us_max: u64,
     /// The newest epochs (snapshot and what was decided), oldest first:
     /// at most `history_len`.
     history: VecDeque<(Arc<EpochSnapshot>, Decided)>,
     history_len: usize,
     /// `mbal load` callers waiting for a newer epoch.
     load_waiters: Vec<(u64, ReplyTo)>,
-    next_token: u64,
-    moving: HashMap<u32, Moving>,
-    /// Moves asked for while their cachelet was moving, in arrival order.
-    queued: VecDeque<(u32, usize, ReplyTo)>,
-    /// The local balancer's policy, when it runs.
-    balancer: Option<Balancer>,
-    status: BalancerStatus,
     /// Phase 1's policy, when it runs (a cluster of two or more servers).
     hot: Option<HotKeys>,
     hot_meta: BTreeMap<Vec<u8>, HotMeta>,
@@ -254,22 +219,13 @@ impl Controller {
         slot_asks: Option<Sender<crate::slots::Ask>>,
     ) -> Controller {
         let epoch_len = Duration::from_millis(shared.settings.epoch_ms.max(1));
-        let balancer = shared.settings.balancer.then(|| {
-            let me = shared.server_id;
-            let home: Vec<(u32, u16)> = (0..map.cachelet_count())
-                .filter_map(|c| {
-                    let (s, w) = map.owner(c);
-                    (s == me).then_some((c, w))
-                })
-                .collect();
-            let mut cfg = shared.settings.balance.clone();
+        let core_settings = CoreSettings {
+            server: shared.server_id,
+            workers: shared.settings.threads as u16,
+            balance_every: shared.settings.balance_every(),
             // With emulated capacity the policy knows each worker's ceiling.
-            if shared.settings.worker_capacity > 0 {
-                cfg.worker_capacity = Some(shared.settings.worker_capacity as f64);
-            }
-            Balancer::new(cfg, &home)
-        });
-        let status = BalancerStatus::default();
+            balancer: shared.settings.balancer.then(|| hot_balance_config(&shared.settings)),
+        };
         let hot = shared
             .replicator
             .is_some()
@@ -296,33 +252,25 @@ impl Controller {
             debug_demand: 0,
             starting,
             start_until: shared.clock_ns() + lease_ns,
-            balancer,
-            status,
             hot,
             hot_meta: BTreeMap::new(),
             hot_status: HotStatus::default(),
             inbox,
-            map,
+            core: ControlCore::new(core_settings, map),
             epoch_len,
             next_tick: Instant::now(),
-            round: 0,
-            gathering: None,
-            prev: Baseline::default(),
-            balance_every: shared.settings.balance_every(),
-            balance_prev: Baseline::default(),
+            planner_us_last: 0,
+            planner_us_max: 0,
             history: VecDeque::new(),
             history_len: history_len(shared.settings.epoch_ms),
             load_waiters: Vec::new(),
-            next_token: 1,
-            moving: HashMap::new(),
-            queued: VecDeque::new(),
             shared,
         }
     }
 
     pub(crate) fn run(mut self) {
         // Round 0 is the baseline the first epoch is measured from.
-        self.start_round();
+        self.step(Event::Tick);
         self.ask_held();
         self.next_tick = Instant::now() + self.epoch_len;
         while !self.shared.shutdown.load(Ordering::Relaxed) {
@@ -338,10 +286,9 @@ impl Controller {
                 // back lent slots no longer held, and renew those still needed.
                 self.slot_tick();
                 // A tick that finds the last round still open (a worker
-                // stalled) skips: the next epoch is simply longer.
-                if self.gathering.is_none() {
-                    self.start_round();
-                }
+                // stalled) skips (the core's rule): the next epoch is
+                // simply longer.
+                self.step(Event::Tick);
             }
         }
     }
@@ -357,7 +304,7 @@ impl Controller {
                         h.home_reads(&k, n);
                     }
                 }
-                self.sampled(seq, *sample)
+                self.step(Event::Sample { seq, sample: *sample })
             }
             CtlMsg::HotDone { key, created, ok, at_ns, copy_reads } => {
                 if ok && !created {
@@ -371,12 +318,19 @@ impl Controller {
             CtlMsg::HotAlarm { worker, keys, secs, home, home_secs } => {
                 self.hot_alarm(worker, &keys, secs, &home, home_secs)
             }
-            CtlMsg::Move { cachelet, to, reply } => self.request_move(cachelet, to, reply),
-            CtlMsg::Moved { token, cachelet, worker } => self.moved(token, cachelet, worker),
+            CtlMsg::Move { cachelet, to, reply } => {
+                // A worker index past u16 is no worker: the core says so.
+                let to = u16::try_from(to).unwrap_or(u16::MAX);
+                self.step(Event::MoveAsked { cachelet, to, reply })
+            }
+            CtlMsg::Moved { token, cachelet, worker } => {
+                self.step(Event::Moved { token, cachelet, worker: worker as u16 })
+            }
             CtlMsg::Map { reply } => {
-                let json = self.map.to_json();
+                let map = self.core.map();
+                let json = map.to_json();
                 let mut b = Vec::with_capacity(json.len() + 32);
-                ext::write_map(&mut b, self.map.epoch(), json.as_bytes());
+                ext::write_map(&mut b, map.epoch(), json.as_bytes());
                 self.answer(reply, &b);
             }
             CtlMsg::Load { after, reply } => match self.history.iter().find(|(s, _)| s.seq > after) {
@@ -428,89 +382,78 @@ impl Controller {
         self.shared.peers().send_one(to.worker, Envelope::Replies(batch), self.now_ns());
     }
 
-    // ---- the epoch tick --------------------------------------------------
+    // ---- the core's commands --------------------------------------------
 
-    fn start_round(&mut self) {
-        let workers = self.shared.settings.threads;
-        self.gathering = Some(vec![None; workers]);
+    /// Give the core one event and carry out its commands.
+    fn step(&mut self, event: Event<ReplyTo>) {
+        let t = Instant::now();
+        let commands = self.core.step(event);
+        let us = t.elapsed().as_micros() as u64;
         let now = self.now_ns();
-        for w in 0..workers {
-            self.shared.peers().send_one(w, Envelope::Sample { seq: self.round }, now);
-        }
-    }
-
-    fn sampled(&mut self, seq: u64, sample: WorkerSample) {
-        if seq != self.round {
-            return;
-        }
-        let Some(slots) = &mut self.gathering else { return };
-        let w = sample.worker as usize;
-        if let Some(slot) = slots.get_mut(w) {
-            *slot = Some(sample);
-        }
-        if slots.iter().any(Option::is_none) {
-            return;
-        }
-        let cur: Vec<WorkerSample> = self.gathering.take().into_iter().flatten().flatten().collect();
-        // Phase 2's round: the policy decides (if it runs) on the load since
-        // its last one.
-        let phase2 = self.balancer.is_some() && self.round.is_multiple_of(self.balance_every);
-        if self.round > 0 {
-            let snap = Arc::new(self.prev.epoch_to(self.round, &cur));
-            *self.shared.latest.lock().unwrap_or_else(|p| p.into_inner()) = Some(snap.clone());
-            let balancer = match (phase2, self.balance_every) {
-                (false, _) => None,
-                (true, 1) => self.balance(&snap),
-                (true, _) => self.balance(&self.balance_prev.epoch_to(self.round, &cur)),
-            };
-            let decided = Decided { balancer, hot: self.hot_epoch(&snap), hotkeys: self.hot_top() };
-            let ready: Vec<ReplyTo> = {
-                let (ready, wait): (Vec<_>, Vec<_>) = self.load_waiters.drain(..).partition(|(a, _)| snap.seq > *a);
-                self.load_waiters = wait;
-                ready.into_iter().map(|(_, r)| r).collect()
-            };
-            if !ready.is_empty() {
-                let b = load_reply(&snap, &decided);
-                for r in ready {
-                    self.answer(r, &b);
+        for c in commands {
+            match c {
+                Command::SampleWorkers { seq } => {
+                    for w in 0..self.shared.settings.threads {
+                        self.shared.peers().send_one(w, Envelope::Sample { seq }, now);
+                    }
+                }
+                Command::Release { cachelet, from, to, token } => {
+                    let msg = Envelope::Release { cachelet, to: usize::from(to), token };
+                    self.shared.peers().send_one(usize::from(from), msg, now);
+                }
+                Command::Reply { to, answer } => {
+                    let mut b = Vec::new();
+                    match answer {
+                        MoveAnswer::Moved { epoch } => ext::write_moved(&mut b, epoch),
+                        MoveAnswer::NotHere => b.extend_from_slice(b"CLIENT_ERROR cachelet is not on this server\r\n"),
+                    }
+                    self.answer(to, &b);
+                }
+                Command::MapEpoch(epoch) => {
+                    self.shared.epoch.fetch_max(epoch, Ordering::Relaxed);
+                }
+                Command::Status(_) => self.publish_status(),
+                Command::Epoch { snapshot, balancer } => {
+                    if let Some(d) = &balancer {
+                        // The step that closed a Phase 2 epoch is, to
+                        // within a few microseconds, the planner's time.
+                        self.planner_us_last = us;
+                        self.planner_us_max = self.planner_us_max.max(us);
+                        self.log_decision(snapshot.seq, d, us);
+                        self.publish_status();
+                    }
+                    self.epoch_closed(snapshot, balancer);
                 }
             }
-            if self.history.len() >= self.history_len {
-                self.history.pop_front();
-            }
-            self.history.push_back((snap, decided));
         }
-        // With a Phase 2 epoch of one epoch, Phase 2 used `snap`: no
-        // baseline of its own to keep.
-        if phase2 && self.balance_every > 1 {
-            self.balance_prev.advance(cur.clone());
-        }
-        self.prev.advance(cur);
-        self.round += 1;
     }
 
-    // ---- the balancer ----------------------------------------------------
+    /// An epoch closed: publish it, run Phase 1 on it, answer `mbal load`
+    /// callers waiting for it and keep it.
+    fn epoch_closed(&mut self, snap: Arc<EpochSnapshot>, balancer: Option<Decision>) {
+        *self.shared.latest.lock().unwrap_or_else(|p| p.into_inner()) = Some(snap.clone());
+        let decided = Decided { balancer, hot: self.hot_epoch(&snap), hotkeys: self.hot_top() };
+        let ready: Vec<ReplyTo> = {
+            let (ready, wait): (Vec<_>, Vec<_>) = self.load_waiters.drain(..).partition(|(a, _)| snap.seq > *a);
+            self.load_waiters = wait;
+            ready.into_iter().map(|(_, r)| r).collect()
+        };
+        if !ready.is_empty() {
+            let b = load_reply(&snap, &decided);
+            for r in ready {
+                self.answer(r, &b);
+            }
+        }
+        if self.history.len() >= self.history_len {
+            self.history.pop_front();
+        }
+        self.history.push_back((snap, decided));
+    }
 
-    /// Run the policy over one epoch and start the moves it decides.
-    fn balance(&mut self, snap: &EpochSnapshot) -> Option<Decision> {
-        let b = self.balancer.as_mut()?;
-        let t = Instant::now();
-        let d = b.on_epoch(snap);
-        let us = t.elapsed().as_micros() as u64;
-        let st = &mut self.status;
-        st.epoch = snap.seq;
-        st.state = format!("{:?}", d.state);
-        st.loads = d.loads.clone();
-        st.max_over_avg = d.imbalance.max_over_avg;
-        st.imbalance_factor = d.imbalance.factor;
-        st.plans += u64::from(d.plan.is_some());
-        st.escalations += u64::from(d.escalate.is_some());
-        st.leases = d.leases;
-        st.planner_us_last = us;
-        st.planner_us_max = st.planner_us_max.max(us);
+    fn log_decision(&self, epoch: u64, d: &Decision, us: u64) {
         if d.transition.is_some() || !d.moves.is_empty() || d.escalate.is_some() {
             tracing::info!(
-                epoch = snap.seq,
+                epoch,
                 state = ?d.state,
                 transition = ?d.transition,
                 max_over_avg = format!("{:.2}", d.imbalance.max_over_avg),
@@ -520,33 +463,12 @@ impl Controller {
                 "balancer"
             );
         }
-        for m in &d.moves {
-            self.balancer_move(*m);
-        }
-        self.publish_status();
-        Some(d)
-    }
-
-    /// Carry out one of the balancer's moves, unless the cachelet is
-    /// already moving or is no longer where the policy thought.
-    fn balancer_move(&mut self, m: Move) {
-        let (server, from) = self.map.owner(m.cachelet);
-        let ok = server == self.shared.server_id
-            && from == m.from
-            && (m.to as usize) < self.shared.settings.threads
-            && !self.moving.contains_key(&m.cachelet);
-        if !ok {
-            self.status.moves_failed += 1;
-            if let Some(b) = &mut self.balancer {
-                b.applied(&m, false);
-            }
-            return;
-        }
-        self.send_release(m.cachelet, from, m.to as usize, Vec::new(), Some(m));
     }
 
     fn publish_status(&self) {
-        *self.shared.balancer.lock().unwrap_or_else(|p| p.into_inner()) = Some(self.status.clone());
+        let mut st = self.core.status().clone();
+        (st.planner_us_last, st.planner_us_max) = (self.planner_us_last, self.planner_us_max);
+        *self.shared.balancer.lock().unwrap_or_else(|p| p.into_inner()) = Some(st);
     }
 
     // ---- Phase 1: hot-key replication --------------------------------------
@@ -559,7 +481,7 @@ impl Controller {
         // the last three epochs (else this server's mean stands for it).
         let own = crate::peerload::mean_load(snap, &hot_balance_config(&self.shared.settings));
         let avg = self.shared.peer_loads.cluster_mean(usize::from(self.shared.server_id), own, self.heard_since());
-        let view = view_of(&self.shared, &self.map, avg);
+        let view = view_of(&self.shared, self.core.map(), avg);
         let now = self.now_ns();
         if let Some(l) = &mut self.ledger {
             l.set_base(repl_high_share(&view));
@@ -736,8 +658,9 @@ impl Controller {
     }
 
     fn pin(&mut self, key: Box<[u8]>, replicas: u32, reply: ReplyTo) {
-        let c = self.map.keyspace().cachelet_of_hash(mbal_cluster::key_hash(&key));
-        let (server, worker) = self.map.owner(c);
+        let map = self.core.map();
+        let c = map.keyspace().cachelet_of_hash(mbal_cluster::key_hash(&key));
+        let (server, worker) = map.owner(c);
         let Some(hot) = &mut self.hot else {
             return self.answer(reply, b"CLIENT_ERROR hot-key replication is off\r\n");
         };
@@ -767,7 +690,7 @@ impl Controller {
     /// Where a key's copies live.
     fn copies(&self, key: &[u8], m: &HotMeta) -> Vec<(u16, u16)> {
         let hash = mbal_cluster::key_hash(key);
-        let (servers, workers) = (self.map.servers().len() as u16, self.shared.settings.threads as u16);
+        let (servers, workers) = (self.core.map().servers().len() as u16, self.shared.settings.threads as u16);
         (1..=m.replicas)
             .filter_map(|i| {
                 mbal_cluster::replica_location(hash, i, (self.shared.server_id, m.worker), servers, workers)
@@ -848,91 +771,6 @@ impl Controller {
     fn publish_hot(&mut self) {
         self.hot_status.top = self.hot_top();
         *self.shared.hotkeys.lock().unwrap_or_else(|p| p.into_inner()) = Some(self.hot_status.clone());
-    }
-
-    // ---- moves -----------------------------------------------------------
-
-    /// Start a move now, or queue it behind the cachelet's current one.
-    fn request_move(&mut self, c: u32, to: usize, reply: ReplyTo) {
-        if let Some(m) = self.moving.get_mut(&c) {
-            if m.to == to {
-                // The same move again: one answer when it is done.
-                m.waiters.push(reply);
-            } else {
-                self.queued.push_back((c, to, reply));
-            }
-            return;
-        }
-        self.start_move(c, to, vec![reply]);
-    }
-
-    fn start_move(&mut self, c: u32, to: usize, waiters: Vec<ReplyTo>) {
-        let (server, from) = self.map.owner(c);
-        if server != self.shared.server_id || to >= self.shared.settings.threads {
-            for r in waiters {
-                self.answer(r, b"CLIENT_ERROR cachelet is not on this server\r\n");
-            }
-            return;
-        }
-        if from as usize == to {
-            let mut b = Vec::new();
-            ext::write_moved(&mut b, self.map.epoch());
-            for r in waiters {
-                self.answer(r, &b);
-            }
-            return;
-        }
-        self.send_release(c, from, to, waiters, None);
-    }
-
-    fn send_release(&mut self, c: u32, from: u16, to: usize, waiters: Vec<ReplyTo>, by_balancer: Option<Move>) {
-        let token = self.next_token;
-        self.next_token += 1;
-        self.moving.insert(c, Moving { token, to, waiters, by_balancer });
-        let now = self.now_ns();
-        self.shared.peers().send_one(from as usize, Envelope::Release { cachelet: c, to, token }, now);
-    }
-
-    fn moved(&mut self, token: u64, c: u32, worker: usize) {
-        let epoch = self.map.move_cachelet(c, (self.shared.server_id, worker as u16));
-        self.shared.epoch.fetch_max(epoch, Ordering::Relaxed);
-        match self.moving.remove(&c) {
-            Some(m) if m.token == token => {
-                let mut b = Vec::new();
-                ext::write_moved(&mut b, epoch);
-                for r in &m.waiters {
-                    self.answer(*r, &b);
-                }
-                if let Some(bal) = &mut self.balancer {
-                    match m.by_balancer {
-                        Some(bm) => {
-                            bal.applied(&bm, true);
-                            self.status.moves += 1;
-                            self.status.moves_home += u64::from(bm.why == mbal_balance::Why::LeaseExpired);
-                        }
-                        // An operator's move: the cachelet's home is where
-                        // they put it.
-                        None => bal.set_home(c, worker as u16),
-                    }
-                    self.status.leases = bal.leases().len();
-                    self.publish_status();
-                }
-            }
-            Some(m) => {
-                // Not the move we are waiting for: cannot happen while all
-                // moves start here; keep waiting for ours.
-                debug_assert!(false, "move {token} finished while {} was under way", m.token);
-                self.moving.insert(c, m);
-            }
-            None => debug_assert!(false, "a move nobody started"),
-        }
-        // The next moves asked for this cachelet, until one is under way
-        // (a move to where it already is is answered at once).
-        while !self.moving.contains_key(&c) {
-            let Some(i) = self.queued.iter().position(|q| q.0 == c) else { break };
-            let (c, to, reply) = self.queued.remove(i).expect("just found");
-            self.request_move(c, to, reply);
-        }
     }
 }
 

@@ -109,7 +109,7 @@ impl Controller {
         if let Some(h) = heats.get_mut(me) {
             *h = Some(hot.slot_heat());
         }
-        let view = view_of(&self.shared, &self.map, None);
+        let view = view_of(&self.shared, self.core.map(), None);
         let refs: Vec<Option<&SlotHeat>> = heats.iter().map(Option::as_ref).collect();
         let entitled = entitlements(&refs, repl_high_total(view.n()));
         let shares: Vec<usize> =
@@ -169,7 +169,7 @@ impl Controller {
     pub(super) fn lend(&mut self, borrower: u16, slots: usize, lease_ms: u64) -> (usize, u64) {
         let now = self.now_ns();
         let lease_ms = lease_ms.min(slot_lease_ms(self.epoch_len));
-        let servers = self.map.servers().len();
+        let servers = self.core.map().servers().len();
         if self.hot.is_none() {
             return (0, lease_ms);
         }

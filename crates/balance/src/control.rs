@@ -18,49 +18,112 @@
 //!   cachelet at a time with later asks queued in arrival order, the
 //!   cluster map's owners and epoch as moves end, and what the balancer is
 //!   told of each;
-//! * Phase 2's figures for `stats balancer` ([`BalancerStatus`]).
+//! * Phase 2's figures for `stats balancer` ([`BalancerStatus`]);
+//! * Phase 1 ([`phase1`]): the sampled keys into `HotKeys`, its epoch on
+//!   the cluster's mean (the other servers' records come in as
+//!   [`Event::PeerLoad`]), alarms between epochs, which copies to make,
+//!   renew and delete, the leases home workers may grant, pins, and its
+//!   figures for `stats hotkeys` ([`HotStatus`]);
+//! * the REPL_high slots lent between servers ([`slots`]): what to ask
+//!   whom, what to lend, leases, a starting server's question.
 //!
-//! Not yet here (still in the server's controller, `crates/server/src/control.rs`):
-//! Phase 1's epoch (`HotKeys::on_epoch` with the cluster's mean), its
-//! alarms, copies, grants and the REPL_high slots lent between servers.
-//! The core hands the adapter each closed epoch ([`Command::Epoch`]) for
-//! those.
-//!
-//! Deterministic: the same events in the same order give the same
-//! commands (the planner's budget is counted in nodes, not time).
-//! `R` is the adapter's handle of a client waiting for an answer; the core
-//! only carries it.
+//! Deterministic: the same events at the same times give the same
+//! commands (time comes in with each event, the planner's budget is
+//! counted in nodes). `R` is the adapter's handle of a client waiting for
+//! an answer; the core only carries it.
 
+mod peers;
+pub mod phase1;
+pub mod slots;
+
+pub use peers::{PeerHot, PeerRecords};
+pub use phase1::{Grant, HotCommand, HotSettings, HotStatus};
+
+use crate::hot::{HotKeyStat, HotKeys, ReplicaDecision, SlotLedger};
 use crate::policy::{Balancer, Decision, Move, Why};
 use crate::snapshot::{Baseline, EpochSnapshot, WorkerSample};
 use crate::Config;
 use mbal_cluster::{CacheletId, ClusterMap};
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 
 /// A move's token: the adopter names it when the move ends.
 pub type Token = u64;
 
+/// A key a worker sampled (`true`: a write).
+pub type SampledKey = (Box<[u8]>, bool);
+
 /// What the core is told.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Event<R> {
-    /// The epoch timer fired: start a sampling round unless one is open.
+    /// The server started: the baseline round, and a starting server's
+    /// question to the others (how many of its slots they hold).
+    Start,
+    /// The epoch timer fired: give back and renew REPL_high slots, and
+    /// start a sampling round unless one is open.
     Tick,
-    /// A worker's counters for sampling round `seq`.
-    Sample { seq: u64, sample: WorkerSample },
+    /// A worker's counters for sampling round `seq`, the keys it sampled
+    /// since its last sample, and the reads its replicated keys got at home
+    /// since then (exact counts).
+    Sample { seq: u64, sample: WorkerSample, keys: Vec<SampledKey>, home_reads: Vec<(Box<[u8]>, u64)> },
     /// Move `cachelet` to `to` (`mbal move`): answer `reply` once done.
     MoveAsked { cachelet: CacheletId, to: u16, reply: R },
     /// Move `token` ended: `worker` of this server owns `cachelet` now.
     Moved { token: Token, cachelet: CacheletId, worker: u16 },
+    /// A key's copies were made (`created`) or renewed by a job started at
+    /// `at_ns` (`ok`), or could not be; a renewal brings the reads the
+    /// copies served since the last one.
+    HotDone { key: Box<[u8]>, created: bool, ok: bool, at_ns: u64, copy_reads: u64 },
+    /// A home worker could not replicate `key` (the item is gone, a write
+    /// could not be copied).
+    HotFailed { key: Box<[u8]> },
+    /// A worker ran hot for `secs` seconds between epochs, with the keys it
+    /// sampled meanwhile and its replicated keys' reads at home over
+    /// `home_secs`.
+    HotAlarm { worker: u16, keys: Vec<SampledKey>, secs: f64, home: Vec<(Box<[u8]>, u64)>, home_secs: f64 },
+    /// `mbal debug hot <key> <replicas>` (0: `cool`).
+    Pin { key: Box<[u8]>, replicas: u32, reply: R },
+    /// `mbal slots <borrower> <slots> <lease ms>` from another server.
+    Lend { borrower: u16, slots: usize, lease_ms: u64, reply: R },
+    /// `mbal slots held <lender>`.
+    Held { lender: u16, reply: R },
+    /// A starting server's question to `peer` answered (`None`: could not
+    /// be asked).
+    PeerHolds { peer: u16, held: Option<usize> },
+    /// A lender answered an ask sent at `asked_at`.
+    SlotsGranted { lender: u16, slots: usize, asked_at: u64, lease_ns: u64 },
+    /// `mbal debug slots <keys>`.
+    DebugSlots { demand: usize, reply: R },
+    /// Another server's epoch record: its mean load per worker and its
+    /// Phase 1 figures.
+    PeerLoad { server: u16, mean: f64, hot: Option<PeerHot> },
 }
 
-/// An answer to a client that asked for a move.
+/// An answer to a waiting client.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MoveAnswer {
-    /// Done (or nothing to do): the map's epoch after it.
-    Moved { epoch: u64 },
+pub enum Answer {
+    /// A move is done (or there was nothing to do): the map's epoch after it.
+    Moved {
+        epoch: u64,
+    },
     /// The cachelet is not on this server, or there is no such worker.
     NotHere,
+    Ok,
+    /// Phase 1 is off.
+    HotOff,
+    /// The key's home is another server.
+    KeyElsewhere,
+    /// Its copies could not be made.
+    CouldNotReplicate,
+    /// Slots granted to a borrower, for this lease.
+    Slots {
+        granted: usize,
+        lease_ms: u64,
+    },
+    /// Slots of a lender this server holds.
+    Held(usize),
+    /// This server lends no slots (Phase 1 off or REPL_high set).
+    NoSlots,
 }
 
 /// What the core asks the adapter to do, in order.
@@ -70,15 +133,35 @@ pub enum Command<R> {
     SampleWorkers { seq: u64 },
     /// Ask worker `from` to hand `cachelet` over to worker `to`.
     Release { cachelet: CacheletId, from: u16, to: u16, token: Token },
-    /// Answer a client waiting on a move.
-    Reply { to: R, answer: MoveAnswer },
+    /// Answer a waiting client.
+    Reply { to: R, answer: Answer },
     /// The map's epoch advanced to this (a move ended).
     MapEpoch(u64),
-    /// An epoch closed: its snapshot, and Phase 2's decision when it
-    /// decided at this epoch.
-    Epoch { snapshot: Arc<EpochSnapshot>, balancer: Option<Decision> },
+    /// An epoch closed.
+    Epoch(Box<EpochClosed>),
     /// Phase 2's figures changed.
     Status(BalancerStatus),
+    /// Tell a home worker something of Phase 1.
+    Hot { worker: u16, cmd: HotCommand },
+    /// Renew the copies of `key` at `to` for `ttl_ms`; the job counts as
+    /// started at `at_ns` (its answer is [`Event::HotDone`]).
+    Renew { key: Box<[u8]>, to: Vec<(u16, u16)>, ttl_ms: u64, at_ns: u64 },
+    /// Ask `lender` for `slots` REPL_high slots for `lease_ms`.
+    AskLend { lender: u16, slots: usize, lease_ms: u64 },
+    /// Ask `peer` how many of this server's slots it holds.
+    AskHeld { peer: u16 },
+    /// Phase 1's figures changed.
+    HotStatus(Box<HotStatus>),
+}
+
+/// An epoch closed: its snapshot, Phase 2's decision when it decided at
+/// this epoch, Phase 1's when it runs, and its hottest keys.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EpochClosed {
+    pub snapshot: Arc<EpochSnapshot>,
+    pub balancer: Option<Decision>,
+    pub hot: Option<ReplicaDecision>,
+    pub hotkeys: Vec<HotKeyStat>,
 }
 
 /// Phase 2's figures for `stats balancer` (the planner's wall-clock time
@@ -112,6 +195,11 @@ pub struct CoreSettings {
     pub balance_every: u64,
     /// Phase 2's policy, when it runs (`None`: the balancer is off).
     pub balancer: Option<Config>,
+    /// The epoch (ms): slot leases and the window in which peers' records
+    /// count are whole epochs.
+    pub epoch_ms: u64,
+    /// Phase 1, when it runs.
+    pub hot: Option<HotSettings>,
 }
 
 /// A move under way.
@@ -125,7 +213,6 @@ struct Moving<R> {
 }
 
 /// The controller's policy core (see the module's documentation).
-#[derive(Debug)]
 pub struct ControlCore<R> {
     settings: CoreSettings,
     map: ClusterMap,
@@ -144,12 +231,30 @@ pub struct ControlCore<R> {
     moving: HashMap<CacheletId, Moving<R>>,
     /// Moves asked for while their cachelet was moving, in arrival order.
     queued: VecDeque<(CacheletId, u16, R)>,
+    /// Phase 1's policy, when it runs, and the keys it replicates from here.
+    hot: Option<HotKeys>,
+    hot_meta: BTreeMap<Vec<u8>, phase1::HotMeta<R>>,
+    hot_status: HotStatus,
+    /// The mean of the cluster Phase 1 took at its last epoch.
+    hot_avg: f64,
+    /// The other servers' records, as heard.
+    peers: PeerRecords,
+    /// REPL_high slots lent and held (Phase 1 under the default REPL_high).
+    ledger: Option<SlotLedger>,
+    last_ask_ns: Option<u64>,
+    /// `mbal debug slots`: the demand asked for at least.
+    debug_demand: usize,
+    /// Since it started, until every other server has said how many of
+    /// its slots it still holds: what each said (`None`: not yet).
+    starting: Option<Vec<Option<usize>>>,
+    /// When the lease from this server's start ends (then it stops asking).
+    start_until: u64,
 }
 
 impl<R: Clone> ControlCore<R> {
-    /// A core for server `settings.server` of `map`; Phase 2's homes are
-    /// the map's owners now.
-    pub fn new(settings: CoreSettings, map: ClusterMap) -> ControlCore<R> {
+    /// A core for server `settings.server` of `map`, starting at `now_ns`;
+    /// Phase 2's homes are the map's owners now.
+    pub fn new(settings: CoreSettings, map: ClusterMap, now_ns: u64) -> ControlCore<R> {
         let balancer = settings.balancer.clone().map(|cfg| {
             let home: Vec<(u32, u16)> = (0..map.cachelet_count())
                 .filter_map(|c| {
@@ -159,9 +264,21 @@ impl<R: Clone> ControlCore<R> {
                 .collect();
             Balancer::new(cfg, &home)
         });
-        ControlCore {
+        let hot = settings.hot.as_ref().map(|h| HotKeys::new(h.policy.clone(), h.balance.clone()));
+        let servers = map.servers().len();
+        let mut core = ControlCore {
             settings: CoreSettings { balance_every: settings.balance_every.max(1), ..settings },
             map,
+            hot,
+            hot_meta: BTreeMap::new(),
+            hot_status: HotStatus::default(),
+            hot_avg: 0.0,
+            peers: PeerRecords::new(servers),
+            ledger: None,
+            last_ask_ns: None,
+            debug_demand: 0,
+            starting: None,
+            start_until: 0,
             round: 0,
             gathering: None,
             prev: Baseline::default(),
@@ -171,7 +288,9 @@ impl<R: Clone> ControlCore<R> {
             next_token: 1,
             moving: HashMap::new(),
             queued: VecDeque::new(),
-        }
+        };
+        core.start_slots(now_ns);
+        core
     }
 
     /// The cluster map as this server knows it.
@@ -194,20 +313,93 @@ impl<R: Clone> ControlCore<R> {
         self.gathering.is_some()
     }
 
-    /// Take one event; the commands it gives, in the order to carry them out.
-    pub fn step(&mut self, event: Event<R>) -> Vec<Command<R>> {
+    /// Take one event at `now_ns` (the server's one clock); the commands
+    /// it gives, in the order to carry them out.
+    pub fn step(&mut self, now_ns: u64, event: Event<R>) -> Vec<Command<R>> {
+        let now = now_ns;
         let mut out = Vec::new();
+        let o = &mut out;
         match event {
+            Event::Start => {
+                // Round 0 is the baseline the first epoch is measured from.
+                self.start_round(o);
+                self.ask_held(now, o);
+            }
             Event::Tick => {
+                // Every tick, whether or not the sample round closes: give
+                // back lent slots no longer held, and renew those still needed.
+                self.slot_tick(now, o);
                 if self.gathering.is_none() {
-                    self.start_round(&mut out);
+                    self.start_round(o);
                 }
             }
-            Event::Sample { seq, sample } => self.sampled(seq, sample, &mut out),
-            Event::MoveAsked { cachelet, to, reply } => self.request_move(cachelet, to, reply, &mut out),
-            Event::Moved { token, cachelet, worker } => self.moved(token, cachelet, worker, &mut out),
+            Event::Sample { seq, sample, keys, home_reads } => {
+                self.observe(sample.worker, keys, home_reads);
+                self.sampled(now, seq, sample, o)
+            }
+            Event::MoveAsked { cachelet, to, reply } => self.request_move(cachelet, to, reply, o),
+            Event::Moved { token, cachelet, worker } => self.moved(token, cachelet, worker, o),
+            Event::HotDone { key, created, ok, at_ns, copy_reads } => {
+                if ok && !created {
+                    if let Some(hot) = &mut self.hot {
+                        hot.copy_reads(&key, copy_reads);
+                    }
+                }
+                self.hot_done(key, created, ok, at_ns, o)
+            }
+            Event::HotFailed { key } => self.hot_done(key, false, false, 0, o),
+            Event::HotAlarm { worker, keys, secs, home, home_secs } => {
+                self.hot_alarm(now, worker, &keys, secs, &home, home_secs, o)
+            }
+            Event::Pin { key, replicas, reply } => self.pin(key, replicas, reply, o),
+            Event::Lend { borrower, slots, lease_ms, reply } => {
+                let (granted, lease_ms) = self.lend(now, borrower, slots, lease_ms, o);
+                o.push(Command::Reply { to: reply, answer: Answer::Slots { granted, lease_ms } });
+            }
+            Event::Held { lender, reply } => {
+                // Keys beyond the cap are retired before every change of it
+                // (`apply_cap`), so what is told is all that is in use.
+                let n = self.ledger.as_mut().map_or(0, |l| l.tell_held(lender, now));
+                o.push(Command::Reply { to: reply, answer: Answer::Held(n) });
+            }
+            Event::PeerHolds { peer, held } => self.peer_holds(now, peer, held, o),
+            Event::SlotsGranted { lender, slots, asked_at, lease_ns } => {
+                if let Some(l) = &mut self.ledger {
+                    l.granted(lender, slots, asked_at, lease_ns);
+                    // A smaller grant lowers the cap: what is beyond it goes
+                    // at once, so the keys with copies are within the cap
+                    // between any two events.
+                    self.apply_cap(now, o);
+                }
+            }
+            Event::DebugSlots { demand, reply } => {
+                self.debug_demand = demand;
+                let answer = if self.ledger.is_none() {
+                    Answer::NoSlots
+                } else {
+                    self.ask_slots(demand, now, o);
+                    Answer::Ok
+                };
+                o.push(Command::Reply { to: reply, answer });
+            }
+            Event::PeerLoad { server, mean, hot } => self.peers.heard(server, mean, hot, now),
         }
         out
+    }
+
+    /// Phase 1's policy, when it runs.
+    pub fn hot(&self) -> Option<&HotKeys> {
+        self.hot.as_ref()
+    }
+
+    /// Phase 1's figures now.
+    pub fn hot_status(&self) -> &HotStatus {
+        &self.hot_status
+    }
+
+    /// The cluster's mean load per worker Phase 1 took at its last epoch.
+    pub fn hot_avg(&self) -> f64 {
+        self.hot_avg
     }
 
     fn start_round(&mut self, out: &mut Vec<Command<R>>) {
@@ -215,7 +407,7 @@ impl<R: Clone> ControlCore<R> {
         out.push(Command::SampleWorkers { seq: self.round });
     }
 
-    fn sampled(&mut self, seq: u64, sample: WorkerSample, out: &mut Vec<Command<R>>) {
+    fn sampled(&mut self, now: u64, seq: u64, sample: WorkerSample, out: &mut Vec<Command<R>>) {
         if seq != self.round {
             return;
         }
@@ -240,7 +432,9 @@ impl<R: Clone> ControlCore<R> {
                     self.balance(&merged, out)
                 }
             };
-            out.push(Command::Epoch { snapshot: snap, balancer: decision });
+            let hot = self.hot_epoch(now, &snap, out);
+            let hotkeys = self.hot_top();
+            out.push(Command::Epoch(Box::new(EpochClosed { snapshot: snap, balancer: decision, hot, hotkeys })));
         }
         // With a Phase 2 epoch of one epoch, Phase 2 used the snapshot: no
         // baseline of its own to keep.
@@ -302,16 +496,16 @@ impl<R: Clone> ControlCore<R> {
             return;
         }
         if c >= self.map.cachelet_count() || to >= self.settings.workers {
-            out.push(Command::Reply { to: reply, answer: MoveAnswer::NotHere });
+            out.push(Command::Reply { to: reply, answer: Answer::NotHere });
             return;
         }
         let (server, from) = self.map.owner(c);
         if server != self.settings.server {
-            out.push(Command::Reply { to: reply, answer: MoveAnswer::NotHere });
+            out.push(Command::Reply { to: reply, answer: Answer::NotHere });
             return;
         }
         if from == to {
-            out.push(Command::Reply { to: reply, answer: MoveAnswer::Moved { epoch: self.map.epoch() } });
+            out.push(Command::Reply { to: reply, answer: Answer::Moved { epoch: self.map.epoch() } });
             return;
         }
         self.send_release(c, from, to, vec![reply], None, out);
@@ -342,7 +536,7 @@ impl<R: Clone> ControlCore<R> {
         match self.moving.remove(&c) {
             Some(m) if m.token == token => {
                 for r in m.waiters {
-                    out.push(Command::Reply { to: r, answer: MoveAnswer::Moved { epoch } });
+                    out.push(Command::Reply { to: r, answer: Answer::Moved { epoch } });
                 }
                 if let Some(bal) = &mut self.balancer {
                     match m.by_balancer {

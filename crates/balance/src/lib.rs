@@ -30,7 +30,9 @@ pub mod snapshot;
 pub mod tracker;
 
 pub use config::{Config, Planner};
-pub use control::{BalancerStatus, Command, ControlCore, CoreSettings, Event, MoveAnswer};
+pub use control::{
+    Answer, BalancerStatus, Command, ControlCore, CoreSettings, Event, HotCommand, HotSettings, HotStatus, PeerHot,
+};
 pub use hot::{
     replica_location, sample_rate_for, AlarmDecision, ClusterView, HotConfig, HotEscalateWhy, HotEscalation,
     HotKeyStat, HotKeys, KeyState, KeyTransition, ReplicaDecision, Replicate, Retire, SlotHeat, SlotLedger,

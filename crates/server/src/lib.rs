@@ -242,7 +242,6 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
         accept_waker: OnceLock::new(),
         tls,
         replicator: replicating.then_some(rep_tx),
-        peer_loads: peerload::PeerLoads::new(map.servers().len()),
         forward,
         threads: worker::Threads::new(worker_threads(&settings), workers, settings.worker_threads == 0)?,
         settings: settings.clone(),

@@ -11,121 +11,22 @@
 //! records tell a borrower which peers have REPL_high slots to spare: each
 //! carries its server's `hot` decision, whose `spare` is what it would lend.
 //!
+//! Each record goes to the controller ([`CtlMsg::PeerLoad`]), whose core
+//! keeps it with the time it was heard (`mbal_balance::control::PeerRecords`).
+//!
 //! Off the data path: a peer's epoch record is a few KB once per epoch.
 
+use crate::control::CtlMsg;
 use crate::worker::Shared;
-use mbal_balance::{worker_loads, Config, EpochSnapshot, SlotHeat};
+use mbal_balance::control::phase1::mean_load;
+use mbal_balance::{Config, EpochSnapshot, PeerHot};
 use mbal_tls::BlockingStream;
 use serde::Deserialize;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// Each server's last heard mean load per worker, by server id.
-///
-/// Shared by a mutex per slot: written by that peer's polling thread and read
-/// by the controller once per epoch; no worker touches it, so no lock is on
-/// the data path (DESIGN.md principle 1 is about the workers' state).
-#[derive(Debug, Default)]
-pub(crate) struct PeerLoads {
-    slots: Vec<Mutex<Option<(f64, Instant)>>>,
-    /// Each server's last Phase 1 figures (REPL_high slots), when it sent them.
-    hot: Vec<Mutex<Option<(PeerHot, Instant)>>>,
-}
-
-/// What a peer's epoch record says of its REPL_high slots (the fields of
-/// its `hot` decision, `mbal_balance::ReplicaDecision`): what it would
-/// lend (0 while it holds a loan itself or lends none).
-#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
-pub(crate) struct PeerHot {
-    #[serde(default)]
-    pub spare: usize,
-    /// The rates of its keys with copies and keys waiting, by which the
-    /// servers lend (`mbal_balance::entitlements`).
-    #[serde(default)]
-    pub heat: SlotHeat,
-}
-
-impl PeerLoads {
-    pub fn new(servers: usize) -> PeerLoads {
-        PeerLoads {
-            slots: (0..servers).map(|_| Mutex::new(None)).collect(),
-            hot: (0..servers).map(|_| Mutex::new(None)).collect(),
-        }
-    }
-
-    pub fn set(&self, server: usize, mean: f64, at: Instant) {
-        if let Some(s) = self.slots.get(server) {
-            *s.lock().unwrap_or_else(|p| p.into_inner()) = Some((mean, at));
-        }
-    }
-
-    pub fn set_hot(&self, server: usize, hot: PeerHot, at: Instant) {
-        if let Some(s) = self.hot.get(server) {
-            *s.lock().unwrap_or_else(|p| p.into_inner()) = Some((hot, at));
-        }
-    }
-
-    /// What each server heard since `since` said of its keys competing for
-    /// slots, by server id (`None`: `me`, or not heard lately).
-    pub fn heats(&self, me: usize, since: Instant) -> Vec<Option<SlotHeat>> {
-        let mut out = Vec::with_capacity(self.hot.len());
-        for (i, s) in self.hot.iter().enumerate() {
-            let g = s.lock().unwrap_or_else(|p| p.into_inner());
-            out.push(g.as_ref().filter(|(_, at)| i != me && *at >= since).map(|(h, _)| h.heat.clone()));
-        }
-        out
-    }
-
-    /// The slots each other server heard since `since` said it would lend:
-    /// whom a borrower asks (the lender decides what it grants).
-    pub fn spare(&self, me: usize, since: Instant) -> Vec<(u16, usize)> {
-        let mut out = Vec::new();
-        for (i, s) in self.hot.iter().enumerate() {
-            if i == me {
-                continue;
-            }
-            if let Some((h, at)) = &*s.lock().unwrap_or_else(|p| p.into_inner()) {
-                if *at >= since && h.spare > 0 {
-                    out.push((i as u16, h.spare));
-                }
-            }
-        }
-        out
-    }
-
-    /// The cluster's mean load per worker: this server's (`own`) and every
-    /// other server's heard since `since`, all servers having as many
-    /// workers. `None` until some other server has been heard.
-    pub fn cluster_mean(&self, me: usize, own: f64, since: Instant) -> Option<f64> {
-        let mut sum = own;
-        let mut n = 1usize;
-        for (i, s) in self.slots.iter().enumerate() {
-            if i == me {
-                continue;
-            }
-            if let Some((mean, at)) = *s.lock().unwrap_or_else(|p| p.into_inner()) {
-                if at >= since {
-                    sum += mean;
-                    n += 1;
-                }
-            }
-        }
-        (n > 1).then(|| sum / n as f64)
-    }
-}
-
-/// The mean of a snapshot's worker loads.
-pub(crate) fn mean_load(snap: &EpochSnapshot, cfg: &Config) -> f64 {
-    let l = worker_loads(snap, cfg);
-    if l.is_empty() {
-        0.0
-    } else {
-        l.iter().sum::<f64>() / l.len() as f64
-    }
-}
 
 /// Start one polling thread per other server (detached: each ends within a
 /// read timeout of shutdown).
@@ -153,11 +54,8 @@ fn poll(shared: Arc<Shared>, id: usize, addr: SocketAddr, cfg: Config) {
             r.get_mut().flush()?;
             let (seq, rec) = read_load(&mut r)?;
             after = after.max(seq);
-            let now = Instant::now();
-            shared.peer_loads.set(id, mean_load(&rec.snapshot, &cfg), now);
-            if let Some(h) = rec.hot {
-                shared.peer_loads.set_hot(id, h, now);
-            }
+            let mean = mean_load(&rec.snapshot, &cfg);
+            shared.tell_controller(CtlMsg::PeerLoad { server: id as u16, mean, hot: rec.hot });
         });
         if let Err(e) = r {
             tracing::debug!(server = id, "peer load: {e}");
@@ -212,35 +110,7 @@ fn read_load(r: &mut BufReader<BlockingStream>) -> std::io::Result<(u64, PeerRec
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn cluster_mean_counts_servers_heard_lately() {
-        let p = PeerLoads::new(3);
-        let t0 = Instant::now();
-        assert_eq!(p.cluster_mean(0, 500.0, t0), None, "nobody heard yet");
-        p.set(1, 800.0, t0 + Duration::from_secs(1));
-        assert_eq!(p.cluster_mean(0, 500.0, t0), Some(650.0));
-        p.set(2, 200.0, t0);
-        assert_eq!(p.cluster_mean(0, 500.0, t0), Some(500.0));
-        assert_eq!(p.cluster_mean(0, 500.0, t0 + Duration::from_millis(500)), Some(650.0), "server 2 is stale");
-        p.set(0, 1e9, t0 + Duration::from_secs(1));
-        assert_eq!(p.cluster_mean(0, 500.0, t0 + Duration::from_millis(500)), Some(650.0), "its own slot is not read");
-    }
-
-    #[test]
-    fn spare_slots_are_what_peers_heard_lately_left_free() {
-        let p = PeerLoads::new(4);
-        let t0 = Instant::now();
-        let later = t0 + Duration::from_secs(1);
-        let heat = |r: f64| SlotHeat { held: vec![r], waiting: vec![] };
-        p.set_hot(1, PeerHot { spare: 6, heat: heat(1.0) }, later);
-        p.set_hot(2, PeerHot { spare: 0, heat: heat(2.0) }, later);
-        p.set_hot(3, PeerHot { spare: 9, heat: heat(3.0) }, t0);
-        p.set_hot(0, PeerHot { spare: 9, heat: heat(4.0) }, later);
-        let since = t0 + Duration::from_millis(500);
-        assert_eq!(p.spare(0, since), vec![(1, 6)], "2 lends none, 3 is stale, 0 is me");
-        assert_eq!(p.heats(0, since), vec![None, Some(heat(1.0)), Some(heat(2.0)), None], "0 is me, 3 is stale");
-    }
+    use mbal_balance::SlotHeat;
 
     #[test]
     fn a_record_carries_phase_1s_slots_or_none() {

@@ -132,8 +132,6 @@ pub(crate) struct Shared {
     pub tls: Option<mbal_tls::ServerTls>,
     /// The replicator's job queue (Phase 1), when it runs.
     pub replicator: Option<Sender<crate::replicate::Job>>,
-    /// The other servers' mean loads (Phase 1's cluster mean), by server.
-    pub peer_loads: crate::peerload::PeerLoads,
     /// The forwarder's job queue and counters (`--forward` in a cluster).
     pub forward: Option<crate::forward::ForwardHandle>,
     /// The threads that run the workers and how many are in use (`worker/group.rs`).

@@ -1,57 +1,81 @@
-//! The controller's side of the REPL_high slots lent between servers
-//! (Phase 1; `mbal_balance::SlotLedger` has the rules, docs/design-notes.md
-//! "REPL_high shared across the cluster"): the tick that gives back and
-//! renews, asks, lending, and a starting server's question to the others.
+//! The REPL_high slots lent between servers, in the core (Phase 1;
+//! `SlotLedger` has the rules, docs/design-notes.md "REPL_high shared
+//! across the cluster"): the tick that gives back and renews, asks,
+//! lending, and a starting server's question to the others.
 
-use super::*;
-use mbal_balance::hot::{cedable, entitlements, repl_high_total};
-use mbal_balance::SlotHeat;
+use super::{Command, ControlCore};
+use crate::hot::{cedable, entitlements, repl_high_share, repl_high_total, ClusterView, SlotHeat, SlotLedger};
 
 /// REPL_high slots lent between servers (`SlotLedger`): a grant lasts this
 /// many epochs, and a borrower renews what it still needs every epoch.
-pub(super) const SLOT_LEASE_EPOCHS: u64 = 4;
+pub const SLOT_LEASE_EPOCHS: u64 = 4;
 /// A borrower counts a grant only while it lasts past two more epochs (its
 /// next tick, late by up to an epoch), so it gives back what it no longer
 /// holds before the grant ends at the lender.
-pub(super) const SLOT_HORIZON_EPOCHS: u64 = 2;
-/// The lease of a grant: `SLOT_LEASE_EPOCHS` epochs, at most a minute.
-pub(super) fn slot_lease_ms(epoch: Duration) -> u64 {
-    (epoch.as_millis() as u64 * SLOT_LEASE_EPOCHS).clamp(1, 60_000)
-}
-
+pub const SLOT_HORIZON_EPOCHS: u64 = 2;
 /// Slots a lender keeps free beyond its own needs.
-pub(super) const SLOT_MARGIN: usize = 1;
+pub const SLOT_MARGIN: usize = 1;
 /// An alarm that leaves keys waiting asks for slots at once, but at most
 /// this often (ms).
-pub(super) const SLOT_ASK_EVERY_MS: u64 = 250;
+pub const SLOT_ASK_EVERY_MS: u64 = 250;
 
-/// A lender's claim and margin for `demand` ([`Controller::keeps`]).
+/// The lease of a grant: `SLOT_LEASE_EPOCHS` epochs, at most a minute.
+pub fn slot_lease_ms(epoch_ms: u64) -> u64 {
+    (epoch_ms * SLOT_LEASE_EPOCHS).clamp(1, 60_000)
+}
+
+/// A lender's claim and margin for `demand` ([`ControlCore::keeps`]).
 fn keeps(claim: usize, demand: usize) -> (usize, usize) {
     (claim, if claim < demand { 0 } else { SLOT_MARGIN })
 }
 
-impl Controller {
-    /// The controller's tick: give back what is no longer held (the policy
-    /// retires its coolest keys beyond the cap at once) and renew what is
-    /// still needed. At every tick, not only when an epoch's samples are
-    /// in, so that a stalled worker cannot delay either past a lease.
-    pub(super) fn slot_tick(&mut self) {
+type Out<R> = Vec<Command<R>>;
+
+impl<R: Clone> ControlCore<R> {
+    fn epoch_ns(&self) -> u64 {
+        self.settings.epoch_ms.max(1) * 1_000_000
+    }
+
+    /// At the start: slots are lent only under the default REPL_high (the
+    /// cluster's floor(2·n·ln n)); an explicit REPL_high is per server. A
+    /// server that starts counts its share as lent for a lease (its
+    /// borrowers may hold slots it lent before a restart), until the
+    /// others say how many they still hold (a fresh cluster: none).
+    pub(super) fn start_slots(&mut self, now: u64) {
+        let lease_ns = slot_lease_ms(self.settings.epoch_ms) * 1_000_000;
+        self.start_until = now + lease_ns;
+        let lends = self.hot.is_some() && self.settings.hot.as_ref().is_some_and(|h| h.lend_slots);
+        if !lends {
+            return;
+        }
+        self.ledger = Some(SlotLedger::starting(repl_high_share(&self.view(None)), now + lease_ns));
+        let mut said = vec![None; self.map.servers().len()];
+        if let Some(me) = said.get_mut(usize::from(self.settings.server)) {
+            *me = Some(0);
+        }
+        self.starting = Some(said);
+    }
+
+    /// The tick: give back what is no longer held (the policy retires its
+    /// coolest keys beyond the cap at once) and renew what is still
+    /// needed. At every tick, not only when an epoch's samples are in, so
+    /// that a stalled worker cannot delay either past a lease.
+    pub(super) fn slot_tick(&mut self, now: u64, out: &mut Out<R>) {
         if self.ledger.is_none() {
             return;
         }
-        self.ask_held();
-        let now = self.now_ns();
-        self.apply_cap(now);
+        self.ask_held(now, out);
+        self.apply_cap(now, out);
         if self.hot.is_none() {
             return;
         }
-        self.ask_slots(self.demand(), now);
+        self.ask_slots(self.demand(), now, out);
     }
 
     /// Peers' epoch records count when heard since this: the last three
     /// epochs (for the cluster's mean load, slots to spare and heat).
-    pub(super) fn heard_since(&self) -> Instant {
-        Instant::now().checked_sub(self.epoch_len * 3).unwrap_or_else(Instant::now)
+    pub(super) fn heard_since(&self, now: u64) -> u64 {
+        now.saturating_sub(self.epoch_ns() * 3)
     }
 
     /// What this server needs of REPL_high now: its keys with copies that
@@ -62,24 +86,24 @@ impl Controller {
     }
 
     /// What a lender keeps of its share for `demand`: its claim
-    /// ([`Controller::claimed`]) and the slots it keeps free beyond it:
+    /// ([`ControlCore::claimed`]) and the slots it keeps free beyond it:
     /// `SLOT_MARGIN` for its next hot key, or none when its keys are
     /// cooler than the cluster's hottest (its claim below its demand), as
     /// the margin would keep from a hotter key a slot its own are not
     /// entitled to.
-    pub(super) fn keeps(&self, demand: usize) -> (usize, usize) {
-        keeps(self.claimed(demand).0, demand)
+    pub(super) fn keeps(&self, demand: usize, now: u64) -> (usize, usize) {
+        keeps(self.claimed(demand, now).0, demand)
     }
 
     /// A server that started asks the others how many of its slots they
     /// still hold (until all have said, or its first lease has passed).
-    pub(super) fn ask_held(&mut self) {
-        if self.now_ns() >= self.start_until {
+    pub(super) fn ask_held(&mut self, now: u64, out: &mut Out<R>) {
+        if now >= self.start_until {
             self.starting = None;
         }
-        if let (Some(pending), Some(tx)) = (&self.starting, &self.slot_asks) {
+        if let Some(pending) = &self.starting {
             for (peer, _) in pending.iter().enumerate().filter(|(_, h)| h.is_none()) {
-                let _ = tx.send(crate::slots::Ask::Held { peer: peer as u16 });
+                out.push(Command::AskHeld { peer: peer as u16 });
             }
         }
     }
@@ -89,7 +113,7 @@ impl Controller {
     /// an epoch.
     pub(super) fn set_cap(&mut self, now: u64) {
         let (Some(l), Some(h)) = (&self.ledger, &mut self.hot) else { return };
-        let until = now + self.epoch_len.as_nanos() as u64 * SLOT_HORIZON_EPOCHS;
+        let until = now + self.settings.epoch_ms.max(1) * 1_000_000 * SLOT_HORIZON_EPOCHS;
         let cap = l.cap(now, until);
         h.set_repl_high(Some(cap));
         let st = &mut self.hot_status;
@@ -98,18 +122,18 @@ impl Controller {
 
     /// Lending by heat: how many slots the hottest keys of the whole
     /// cluster entitle this server to (its keys now, the others' from their
-    /// epoch records heard lately: `mbal_balance::entitlements`), and each
-    /// other server's keys with copies within its share beyond what it is
-    /// entitled to (slots it would give up to hotter keys here when asked).
-    /// `None` with Phase 1 off.
-    fn claims(&self) -> Option<(usize, Vec<(u16, usize)>)> {
+    /// epoch records heard lately: `entitlements`), and each other server's
+    /// keys with copies within its share beyond what it is entitled to
+    /// (slots it would give up to hotter keys here when asked). `None`
+    /// with Phase 1 off.
+    fn claims(&self, now: u64) -> Option<(usize, Vec<(u16, usize)>)> {
         let hot = self.hot.as_ref()?;
-        let me = usize::from(self.shared.server_id);
-        let mut heats = self.shared.peer_loads.heats(me, self.heard_since());
+        let me = usize::from(self.settings.server);
+        let mut heats = self.peers.heats(me, self.heard_since(now));
         if let Some(h) = heats.get_mut(me) {
             *h = Some(hot.slot_heat());
         }
-        let view = view_of(&self.shared, self.core.map(), None);
+        let view = self.view(None);
         let refs: Vec<Option<&SlotHeat>> = heats.iter().map(Option::as_ref).collect();
         let entitled = entitlements(&refs, repl_high_total(view.n()));
         let shares: Vec<usize> =
@@ -129,9 +153,9 @@ impl Controller {
     /// lets its loans end, and a lender lends to hotter keys than its own.
     /// A demand made for tests (`mbal debug slots`) is taken whole.
     /// With it, the servers whose keys with copies are cooler than this
-    /// server's ([`Controller::claims`]).
-    fn claimed(&self, demand: usize) -> (usize, Vec<(u16, usize)>) {
-        match self.claims() {
+    /// server's ([`ControlCore::claims`]).
+    fn claimed(&self, demand: usize, now: u64) -> (usize, Vec<(u16, usize)>) {
+        match self.claims(now) {
             Some((entitled, over)) if self.debug_demand == 0 => (demand.min(entitled), over),
             _ => (demand, Vec::new()),
         }
@@ -141,51 +165,53 @@ impl Controller {
     /// copies and keys waiting) needs beyond this server's share, renewing
     /// what it holds first: those that said they would lend, and those
     /// whose keys with copies are cooler than this server's waiting ones.
-    pub(super) fn ask_slots(&mut self, demand: usize, now: u64) {
-        let lease_ms = slot_lease_ms(self.epoch_len);
-        let (demand, over) = self.claimed(demand);
-        let since = self.heard_since();
-        let (Some(l), Some(tx)) = (&mut self.ledger, &self.slot_asks) else { return };
+    pub(super) fn ask_slots(&mut self, demand: usize, now: u64, out: &mut Out<R>) {
+        let lease_ms = slot_lease_ms(self.settings.epoch_ms);
+        let (demand, over) = self.claimed(demand, now);
+        let since = self.heard_since(now);
+        let Some(l) = &mut self.ledger else { return };
         let need = demand.saturating_sub(l.base());
-        let mut spare = self.shared.peer_loads.spare(usize::from(self.shared.server_id), since);
+        let mut spare = self.peers.spare(usize::from(self.settings.server), since);
         for (s, n) in over {
             match spare.iter_mut().find(|(p, _)| *p == s) {
                 Some(e) => e.1 = e.1.max(n),
                 None => spare.push((s, n)),
             }
         }
-        let asks = l.asks(need, &spare, now);
-        for &(lender, slots) in &asks {
-            let _ = tx.send(crate::slots::Ask::Lend { lender, slots, lease_ms });
-        }
-        if !asks.is_empty() {
-            tracing::trace!(server = self.shared.server_id, demand, need, ?asks, "slots asked");
+        for (lender, slots) in l.asks(need, &spare, now) {
+            out.push(Command::AskLend { lender, slots, lease_ms });
         }
     }
 
     /// Another server asks for slots: grant what this one can spare, for
     /// the lease asked but at most this server's own (both sides count the
     /// lease the answer names).
-    pub(super) fn lend(&mut self, borrower: u16, slots: usize, lease_ms: u64) -> (usize, u64) {
-        let now = self.now_ns();
-        let lease_ms = lease_ms.min(slot_lease_ms(self.epoch_len));
-        let servers = self.core.map().servers().len();
+    pub(super) fn lend(
+        &mut self,
+        now: u64,
+        borrower: u16,
+        slots: usize,
+        lease_ms: u64,
+        out: &mut Out<R>,
+    ) -> (usize, u64) {
+        let lease_ms = lease_ms.min(slot_lease_ms(self.settings.epoch_ms));
+        let servers = self.map.servers().len();
         if self.hot.is_none() {
             return (0, lease_ms);
         }
-        let (claim, margin) = self.keeps(self.demand());
+        let (claim, margin) = self.keeps(self.demand(), now);
         let Some(l) = &mut self.ledger else { return (0, lease_ms) };
-        if borrower == self.shared.server_id || usize::from(borrower) >= servers {
+        if borrower == self.settings.server || usize::from(borrower) >= servers {
             return (0, lease_ms);
         }
         let granted = l.lend(borrower, slots, lease_ms.saturating_mul(1_000_000), now, claim, margin);
-        self.apply_cap(now);
+        self.apply_cap(now, out);
         (granted, lease_ms)
     }
 
     /// A starting server heard from `peer` how many of its slots it holds:
     /// once every other server has said, only those count as lent.
-    pub(super) fn peer_holds(&mut self, peer: u16, held: Option<usize>) {
+    pub(super) fn peer_holds(&mut self, now: u64, peer: u16, held: Option<usize>, out: &mut Out<R>) {
         let Some(pending) = &mut self.starting else { return };
         if let Some(slot) = pending.get_mut(usize::from(peer)) {
             *slot = slot.or(held);
@@ -196,38 +222,26 @@ impl Controller {
             if let Some(l) = &mut self.ledger {
                 l.started(&held);
             }
-            tracing::debug!(server = self.shared.server_id, ?held, "slots: every server said what it holds");
-            self.set_cap(self.now_ns());
-            self.publish_hot();
+            self.set_cap(now);
+            self.publish_hot(out);
         }
-    }
-
-    pub(super) fn slots_granted(&mut self, lender: u16, slots: usize, asked_at: u64, lease_ns: u64) {
-        let Some(l) = &mut self.ledger else { return };
-        l.granted(lender, slots, asked_at, lease_ns);
-        tracing::debug!(server = self.shared.server_id, lender, slots, "slots granted");
-        // A smaller grant lowers the cap: what is beyond it goes at once, so
-        // the keys with copies are within the cap between any two messages.
-        self.apply_cap(self.now_ns());
     }
 
     /// Set the policy's cap and retire at once what is beyond it.
-    pub(super) fn apply_cap(&mut self, now: u64) {
+    pub(super) fn apply_cap(&mut self, now: u64, out: &mut Out<R>) {
         self.set_cap(now);
-        let retire = self.hot.as_mut().map(HotKeys::enforce_cap).unwrap_or_default();
+        let retire = self.hot.as_mut().map(|h| h.enforce_cap()).unwrap_or_default();
         if !retire.is_empty() {
-            tracing::debug!(server = self.shared.server_id, retired = retire.len(), "slots given back");
-            self.retire_copies(&retire);
-            self.send_grants(None);
+            self.retire_copies(&retire, out);
+            self.send_grants(None, out);
         }
-        self.publish_hot();
+        self.publish_hot(out);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use mbal_balance::SlotLedger;
 
     /// A lender whose keys are cooler than the cluster's hottest (entitled
     /// to one slot less than its share, below what it holds and waits for)

@@ -200,6 +200,40 @@ impl Index {
         true
     }
 
+    /// One step of a scan of every entry (a cachelet's export): visit the entries whose home
+    /// bucket is `cursor`'s under the table's size now (`f(seg, off)`; `hash_of` gives an
+    /// entry's hash) and return the next cursor, 0 once the scan is done (start at 0).
+    ///
+    /// The cursor counts home buckets in bit-reversed order (the order of Redis's SCAN), so
+    /// the table may grow between steps: a doubling splits home bucket `b` into `b` and
+    /// `b + n`, which share the reversed prefix the cursor has passed or not. Every entry
+    /// present for the whole scan is visited at least once; one that moved home bucket as the
+    /// table grew may be visited twice. Entries displaced past their home bucket (linear
+    /// probing) are found by following the probe while `over` says some entry passed.
+    pub fn scan(&self, cursor: u64, hash_of: impl Fn(u32, u32) -> u64, mut f: impl FnMut(u32, u32)) -> u64 {
+        if self.buckets.is_empty() {
+            return 0;
+        }
+        let mask = self.mask();
+        let home = cursor as usize & mask;
+        let mut b = home;
+        for _ in 0..self.buckets.len() {
+            let bk = &self.buckets[b];
+            for &slot in bk.slot.iter().filter(|&&s| s != 0) {
+                let (seg, off) = loc(slot);
+                if hash_of(seg, off) as usize & mask == home {
+                    f(seg, off);
+                }
+            }
+            if bk.over == 0 {
+                break;
+            }
+            b = (b + 1) & mask;
+        }
+        // Increment the reversed cursor over the mask's bits.
+        (cursor | !(mask as u64)).reverse_bits().wrapping_add(1).reverse_bits()
+    }
+
     /// Point the entry `(hash, from)` at `to`. False if it is not indexed.
     pub fn relink(&mut self, hash: u64, from: (u32, u32), to: (u32, u32)) -> bool {
         let Some((b, i)) = self.position(hash, from.0, from.1) else {
@@ -218,6 +252,70 @@ mod tests {
     /// Locations are derived from a counter; hashes are arbitrary (tests collide them on purpose).
     fn loc_of(i: u32) -> (u32, u32) {
         (i / 1000, (i % 1000) * 8)
+    }
+
+    /// A scan visits every entry exactly once when the table keeps its size, and at least
+    /// once those present throughout when it grows between steps.
+    #[test]
+    fn a_scan_visits_every_entry_even_as_the_table_grows() {
+        let mut x = 0x9E37_79B9_7F4A_7C15_u64;
+        let mut rnd = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let mut hashes: HashMap<(u32, u32), u64> = HashMap::new();
+        let mut ix = Index::new();
+        for i in 0..5_000u32 {
+            // a few shared home buckets, so probes run past home
+            let h = if i % 50 == 0 { 0x1111_0000_0000_0003 ^ ((i as u64 % 3) << 60) } else { rnd() };
+            hashes.insert(loc_of(i), h);
+            let hm = &hashes;
+            ix.insert(h, loc_of(i).0, loc_of(i).1, |s, o| hm[&(s, o)]);
+        }
+        let scan_all = |ix: &Index, hashes: &HashMap<(u32, u32), u64>, grow: &mut dyn FnMut(usize)| {
+            let mut seen: HashMap<(u32, u32), usize> = HashMap::new();
+            let (mut cursor, mut steps) = (0u64, 0usize);
+            loop {
+                cursor = ix.scan(cursor, |s, o| hashes[&(s, o)], |s, o| *seen.entry((s, o)).or_default() += 1);
+                steps += 1;
+                grow(steps);
+                if cursor == 0 {
+                    return seen;
+                }
+            }
+        };
+        let seen = scan_all(&ix, &hashes, &mut |_| {});
+        assert_eq!(seen.len(), 5_000);
+        assert!(seen.values().all(|&n| n == 1), "each once when nothing grows");
+
+        // The same scan with entries added (and the table doubling) between its steps.
+        let mut grown = Index::new();
+        let mut all = hashes.clone();
+        for (&(s, o), &h) in &hashes {
+            let hm = &hashes;
+            grown.insert(h, s, o, |s, o| hm[&(s, o)]);
+        }
+        let before = grown.heap_bytes();
+        let mut seen: HashMap<(u32, u32), usize> = HashMap::new();
+        let (mut cursor, mut next) = (0u64, 5_000u32);
+        loop {
+            cursor = grown.scan(cursor, |s, o| all[&(s, o)], |s, o| *seen.entry((s, o)).or_default() += 1);
+            for _ in 0..if next < 25_000 { 40 } else { 0 } {
+                let h = rnd();
+                all.insert(loc_of(next), h);
+                let am = &all;
+                grown.insert(h, loc_of(next).0, loc_of(next).1, |s, o| am[&(s, o)]);
+                next += 1;
+            }
+            if cursor == 0 {
+                break;
+            }
+        }
+        assert!(grown.heap_bytes() >= 4 * before, "the table grew during the scan");
+        assert!(hashes.keys().all(|k| seen.contains_key(k)), "every entry present throughout was visited");
+        assert!(Index::new().scan(0, |_, _| 0, |_, _| panic!("empty")) == 0);
     }
 
     #[test]

@@ -102,7 +102,7 @@ mod pool;
 mod store;
 
 pub use pool::{GlobalPool, PoolStats};
-pub use store::{Cachelet, CacheletStats, KeyWatch, WorkerStats, WorkerStore};
+pub use store::{Cachelet, CacheletStats, ExportedItem, KeyWatch, WorkerStats, WorkerStore};
 
 /// Memcached's relative/absolute exptime boundary: 30 days.
 pub const REALTIME_MAXDELTA: i64 = 60 * 60 * 24 * 30;

@@ -942,7 +942,9 @@ impl Drop for WorkerStore {
 }
 
 mod evict;
+mod export;
 mod watch;
+pub use export::ExportedItem;
 pub use watch::KeyWatch;
 mod mem;
 #[cfg(test)]

@@ -4,7 +4,7 @@ use mbal_cluster::key_hash;
 
 const PAGE: usize = 4096;
 
-fn mk(mem: usize, f: impl FnOnce(&mut StoreConfig)) -> WorkerStore {
+pub(super) fn mk(mem: usize, f: impl FnOnce(&mut StoreConfig)) -> WorkerStore {
     let mut cfg = StoreConfig {
         mem_limit: mem,
         page_size: PAGE,

@@ -20,9 +20,9 @@
 use crate::config::Settings;
 use crate::output::Output;
 use crate::stats::Counters;
+use mbal_member::peer_auth;
 #[cfg(test)]
 use mbal_member::peer_auth::Secret;
-use mbal_member::peer_auth::{self, NONCE_LEN};
 use mbal_proto::auth::{parse_ascii_auth, AsciiAuth, E_AUTH_FAILURE, SASL_MECHS};
 use mbal_proto::binary::{opcode as op, status as st, write_response, BinReq};
 use std::path::Path;
@@ -85,24 +85,9 @@ fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Where a connection is in the control-plane handshake.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) enum Peer {
-    #[default]
-    None,
-    /// Sent `NONCE`; the next `mbal peer <answer>` is checked against it.
-    Challenged([u8; NONCE_LEN]),
-    /// Proved it knows the cluster secret.
-    Ok,
-}
-
-/// A connection's authentication state (travels with it on a hand-over).
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct ConnAuth {
-    /// Data plane: may send requests (always, without `-Y`).
-    pub authenticated: bool,
-    pub peer: Peer,
-}
+/// A connection's authentication state and its handshake (their types
+/// travel with a connection that changes worker: `crate::msg::conn`).
+pub(crate) use crate::msg::{ConnAuth, Peer};
 
 impl ConnAuth {
     pub fn new(settings: &Settings) -> ConnAuth {
@@ -328,7 +313,8 @@ mod tests {
     fn who_may_send_control_commands() {
         let peer = ConnAuth { authenticated: true, peer: Peer::Ok };
         let plain = ConnAuth { authenticated: true, peer: Peer::None };
-        let challenged = ConnAuth { authenticated: true, peer: Peer::Challenged([0; NONCE_LEN]) };
+        let challenged =
+            ConnAuth { authenticated: true, peer: Peer::Challenged([0; mbal_member::peer_auth::NONCE_LEN]) };
         // With a secret: peers only, wherever the server listens.
         for listen in ["127.0.0.1", "0.0.0.0"] {
             assert!(control_allowed(&settings(true, false, listen), &peer).is_ok());

@@ -37,6 +37,7 @@
 //! published snapshot's and statuses' (read by stats rendering, written
 //! once per epoch).
 
+use crate::msg::{CtlCmd, OwnMsg};
 use crate::msg::{Envelope, HotCmd, ReplyBatch, ReplyTo, NO_CACHELET};
 use crate::replicate::{Done, Job, Op};
 use crate::worker::Shared;
@@ -308,11 +309,11 @@ impl Controller {
             match c {
                 Command::SampleWorkers { seq } => {
                     for w in 0..self.shared.settings.threads {
-                        self.shared.peers().send_one(w, Envelope::Sample { seq }, now);
+                        self.shared.peers().send_one(w, Envelope::Ctl(CtlCmd::Sample { seq }), now);
                     }
                 }
                 Command::Release { cachelet, from, to, token } => {
-                    let msg = Envelope::Release { cachelet, to: usize::from(to), token };
+                    let msg = Envelope::Own(OwnMsg::Release { cachelet, to: usize::from(to), token });
                     self.shared.peers().send_one(usize::from(from), msg, now);
                 }
                 Command::Reply { to, answer } => self.answer(to, &answer_bytes(answer)),
@@ -328,7 +329,7 @@ impl Controller {
                         HotCommand::AlarmLimit(limit) => HotCmd::AlarmLimit(limit),
                         HotCommand::SampleRate(rate) => HotCmd::SampleRate(rate),
                     };
-                    self.shared.peers().send_one(usize::from(worker), Envelope::Hot(cmd), now);
+                    self.shared.peers().send_one(usize::from(worker), Envelope::Ctl(CtlCmd::Hot(cmd)), now);
                 }
                 Command::Renew { key, to, ttl_ms, at_ns } => {
                     if let Some(jobs) = &self.shared.replicator {

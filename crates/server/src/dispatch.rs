@@ -9,7 +9,8 @@ mod admin;
 use crate::control::CtlMsg;
 use crate::exec::{self, locate, Ctx, Loc};
 use crate::forward::{Job, Kind};
-use crate::moves::{Own, Parked, Tables};
+use crate::moves::{Parked, Tables};
+use crate::msg::CtlCmd;
 use crate::msg::{Envelope, FwdKind, Outbox, ReplyTo, StoreFields};
 use crate::near::{Near, NearWorker};
 use crate::output::{Gather, Output, Slot, StatsFormat, MAX_PENDING_OUTPUT};
@@ -790,7 +791,7 @@ fn reset_stats(rt: &mut Route, store: &mut WorkerStore) {
     store.reset_stats();
     for (w, ob) in rt.outbox.iter_mut().enumerate() {
         if w != rt.worker {
-            ob.push(Envelope::ResetStats);
+            ob.push(Envelope::Ctl(CtlCmd::ResetStats));
         }
     }
 }
@@ -836,7 +837,7 @@ fn flush_all(shared: &Shared, rt: &mut Route, store: &mut WorkerStore, now: u32,
     }
     for (w, ob) in rt.outbox.iter_mut().enumerate() {
         if w != rt.worker {
-            ob.push(Envelope::Flush { at });
+            ob.push(Envelope::Ctl(CtlCmd::Flush { at }));
         }
     }
 }
@@ -848,10 +849,8 @@ fn gather_stats(shared: &Shared, rt: &mut Route, output: &mut Output, group: Str
     let seq = output.push(Slot::Gather(Box::new(g)));
     for (w, ob) in rt.outbox.iter_mut().enumerate() {
         if w != rt.worker {
-            ob.push(Envelope::StatsReq {
-                to: ReplyTo { worker: rt.worker, conn: rt.conn, gen: rt.gen, seq },
-                want_conns,
-            });
+            let to = ReplyTo { worker: rt.worker, conn: rt.conn, gen: rt.gen, seq };
+            ob.push(Envelope::Ctl(CtlCmd::StatsReq { to, want_conns }));
         }
     }
     // This worker's own snapshot is taken once the request is routed

@@ -35,6 +35,7 @@ pub mod auth;
 mod capacity;
 pub mod config;
 mod control;
+pub mod counters;
 mod dispatch;
 mod exec;
 mod fold;
@@ -54,6 +55,7 @@ pub mod testing;
 mod tune;
 mod worker;
 
+use crate::msg::ConnMsg;
 use config::Settings;
 use mbal_cluster::{ClusterMap, ServerInfo};
 use mbal_store::{GlobalPool, StoreConfig, WorkerStore};
@@ -420,7 +422,7 @@ impl Acceptor {
             // std stream and the worker registers it with its own poll.
             let std_sock = std::net::TcpStream::from(sock);
             let peers = shared.peers();
-            if peers.senders[w].send(Envelope::Conn(std_sock, peer)).is_ok() {
+            if peers.senders[w].send(Envelope::Conn(ConnMsg::Accepted(std_sock, peer))).is_ok() {
                 peers.mailboxes[w].wake();
             }
         }

@@ -32,18 +32,10 @@
 //! requests none of which is still travelling.
 
 use crate::msg::{Envelope, FwdKind, Outbox, Peers, ReplyTo};
+use crate::msg::{Own, OwnMsg};
 use mbal_cluster::Owner;
 use mbal_store::WorkerStore;
 use std::collections::{HashMap, VecDeque};
-
-/// Who owns a cachelet, as one worker knows it. `ver` counts the moves of
-/// the cachelet inside this server.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Own {
-    pub server: u16,
-    pub worker: u16,
-    pub ver: u32,
-}
 
 /// A forwarded request waiting for its cachelet's route to settle.
 #[derive(Debug)]
@@ -230,11 +222,11 @@ pub(crate) fn release(
         // Not ours (any more): pass the request on to whoever is.
         let w = tables.owner[c as usize].worker as usize;
         debug_assert_ne!(w, me, "owner table and store disagree");
-        outbox[w].push(Envelope::Release { cachelet: c, to, token });
+        outbox[w].push(Envelope::Own(OwnMsg::Release { cachelet: c, to, token }));
         return false;
     };
     let ver = tables.released(c, to as u16);
-    outbox[to].push(Envelope::Adopt { cachelet, ver, token });
+    outbox[to].push(Envelope::Own(OwnMsg::Adopt { cachelet, ver, token }));
     peers.send_now(to, &mut outbox[to], now_ns);
     false
 }
@@ -243,7 +235,7 @@ pub(crate) fn release(
 pub(crate) fn announce(me: usize, outbox: &mut [Outbox], c: u32, ver: u32) {
     for (w, ob) in outbox.iter_mut().enumerate() {
         if w != me {
-            ob.push(Envelope::Owner { cachelet: c, worker: me, ver });
+            ob.push(Envelope::Own(OwnMsg::Owner { cachelet: c, worker: me, ver }));
         }
     }
 }

@@ -10,342 +10,44 @@
 //! channel send per destination, no allocation per request, and at most one
 //! wake-up, only when the destination is asleep ([`Mailbox`]).
 //!
+//! The planes, each in its own module with its payload types: [`data`] (request and reply
+//! batches), [`conn`] (connections changing worker), [`own`] (the move protocol) and
+//! [`ctl`] (samples, stats, flush_all, Phase 1).
+//!
 //! Order: [`Outbox::push_req`] and [`Outbox::push_reply`] append to the last
 //! batch only if it is the newest envelope for that destination; a control
 //! envelope (flush_all, a cachelet move) queued in between starts a new
 //! batch after it. A connection's requests therefore reach each peer in the
 //! order the connection sent them, control messages included.
 
-use crate::moves::Own;
-use crate::stats::WorkerSnapshot;
+pub(crate) mod conn;
+pub(crate) mod ctl;
+pub(crate) mod data;
+pub(crate) mod own;
+
+pub(crate) use conn::{ConnAuth, ConnMsg, HandOff, Peer};
+pub(crate) use ctl::{CtlCmd, HotCmd};
+pub(crate) use data::*;
+pub(crate) use own::{Own, OwnMsg};
+
 use crossbeam_channel::{Receiver, Sender};
-use mbal_proto::Protocol;
-use mbal_store::Cachelet;
 use mio::Waker;
 use std::sync::atomic::{fence, AtomicBool, Ordering};
 use std::sync::Arc;
 
-/// What a forwarded request asks the owner to do.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum FwdKind {
-    /// Parse and execute these bytes (one complete request for one key),
-    /// with the key's hash, which the origin computed to route it: the
-    /// owner prefetches and locates by it instead of parsing and hashing
-    /// twice more.
-    Raw(Protocol, u64),
-    /// Keys (space-separated) of a text multi-get, all of one cachelet:
-    /// answer VALUE blocks only (the origin writes END after the last run).
-    /// `one`: when the bytes are a single key, its hash (else 0), so that
-    /// the owner neither splits nor hashes it again.
-    Values { cas: bool, touch: Option<i64>, one: u64 },
-    /// A text storage command the origin parsed: its bytes are
-    /// [`StoreFields::encode`]'s (flags, exptime, cas unique, key, data), so
-    /// the owner executes it without parsing the command line again.
-    Store { mode: mbal_proto::text::StoreMode, noreply: bool, key_len: u8, hash: u64 },
-}
-
-/// The fields of a text storage command that travel in a forwarded
-/// request's bytes (`FwdKind::Store`).
-pub(crate) struct StoreFields<'a> {
-    pub key: &'a [u8],
-    pub flags: u32,
-    pub exptime: i64,
-    pub cas_unique: u64,
-    pub data: &'a [u8],
-}
-
-/// Bytes before the key: flags (4), exptime (8), cas unique (8), little-endian.
-const STORE_HEAD: usize = 20;
-
-impl<'a> StoreFields<'a> {
-    pub fn encode(&self, d: &mut Vec<u8>) {
-        d.reserve(STORE_HEAD + self.key.len() + self.data.len());
-        d.extend_from_slice(&self.flags.to_le_bytes());
-        d.extend_from_slice(&self.exptime.to_le_bytes());
-        d.extend_from_slice(&self.cas_unique.to_le_bytes());
-        d.extend_from_slice(self.key);
-        d.extend_from_slice(self.data);
-    }
-
-    /// The inverse of `encode` (`key_len` from the request's `FwdKind`).
-    pub fn decode(b: &'a [u8], key_len: u8) -> StoreFields<'a> {
-        let word = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
-        let (key, data) = b[STORE_HEAD..].split_at(key_len as usize);
-        StoreFields {
-            key,
-            flags: u32::from_le_bytes(b[..4].try_into().expect("4 bytes")),
-            exptime: word(4) as i64,
-            cas_unique: word(12),
-            data,
-        }
-    }
-}
-
-/// The cachelet of a reply that answers no forwarded request (an admin
-/// command's reply from another worker or from the controller).
-pub(crate) const NO_CACHELET: u32 = u32::MAX;
-
-/// Where a reply goes: a connection's output slot on the origin worker.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct ReplyTo {
-    pub worker: usize,
-    pub conn: usize,
-    pub gen: u64,
-    pub seq: u64,
-}
-
-/// One forwarded request: its bytes are `data[prev.end..end]` of its batch.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct FwdReq {
-    pub to: ReplyTo,
-    pub cachelet: u32,
-    /// The owner version the origin routed it by (see `moves`).
-    pub stamp: u32,
-    pub kind: FwdKind,
-    end: u32,
-}
-
-/// Requests for one destination worker, in the order they were sent.
-#[derive(Default, Debug)]
-pub(crate) struct ReqBatch {
-    reqs: Vec<FwdReq>,
-    data: Vec<u8>,
-    /// When it was sent ([`Envelope::stamp`]): the receiver measures how
-    /// long it waited (the worker's queueing delay, for the balancer).
-    pub sent_ns: u64,
-}
-
-/// Emptied batches kept for reuse by the worker thread that consumed them
-/// (traffic between workers is symmetric, so what a worker takes in is
-/// about what it sends out): a round's batch then starts with the
-/// capacity an earlier one grew to, instead of allocating and growing.
-struct Spare {
-    reqs: Vec<ReqBatch>,
-    replies: Vec<ReplyBatch>,
-}
-
-thread_local! {
-    static SPARE: std::cell::RefCell<Spare> = const { std::cell::RefCell::new(Spare { reqs: Vec::new(), replies: Vec::new() }) };
-}
-
-/// At most this many spare batches of each kind per thread, none bigger.
-const SPARE_MAX: usize = 16;
-const SPARE_BYTES: usize = 1 << 20;
-
-impl ReqBatch {
-    /// An empty batch, reusing a spare one if this thread has one.
-    pub fn fresh() -> ReqBatch {
-        SPARE.with(|s| s.borrow_mut().reqs.pop()).unwrap_or_default()
-    }
-
-    /// Done with it: keep it for reuse (if it is not too big).
-    pub fn recycle(mut self) {
-        if self.data.capacity() > SPARE_BYTES {
-            return;
-        }
-        self.reqs.clear();
-        self.data.clear();
-        SPARE.with(|s| {
-            let mut s = s.borrow_mut();
-            if s.reqs.len() < SPARE_MAX {
-                s.reqs.push(self);
-            }
-        });
-    }
-
-    /// Append a request whose bytes `write` produces.
-    pub fn push(&mut self, to: ReplyTo, cachelet: u32, stamp: u32, kind: FwdKind, write: impl FnOnce(&mut Vec<u8>)) {
-        write(&mut self.data);
-        let end = u32::try_from(self.data.len()).expect("a request batch stays below 4 GiB");
-        self.reqs.push(FwdReq { to, cachelet, stamp, kind, end });
-    }
-
-    /// How many requests it holds.
-    pub fn len(&self) -> usize {
-        self.reqs.len()
-    }
-
-    /// The requests with their bytes, in order.
-    pub fn iter(&self) -> impl Iterator<Item = (&FwdReq, &[u8])> {
-        let mut start = 0usize;
-        self.reqs.iter().map(move |r| {
-            let b = &self.data[start..r.end as usize];
-            start = r.end as usize;
-            (r, b)
-        })
-    }
-}
-
-/// One reply: its bytes are `data[prev.end..end]` of its batch. A bounce
-/// carries the request's own bytes back instead (see `moves`).
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct ReplyItem {
-    pub to: ReplyTo,
-    pub cachelet: u32,
-    pub bounce: Option<Bounce>,
-    end: u32,
-}
-
-/// A request returned to its origin: the worker it reached does not own
-/// its cachelet, and believes `hint` does.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Bounce {
-    pub kind: FwdKind,
-    pub hint: Own,
-}
-
-/// Replies for one origin worker, in the order they were produced.
-#[derive(Default, Debug)]
-pub(crate) struct ReplyBatch {
-    items: Vec<ReplyItem>,
-    data: Vec<u8>,
-    pub sent_ns: u64,
-}
-
-impl ReplyBatch {
-    /// An empty batch, reusing a spare one if this thread has one.
-    pub fn fresh() -> ReplyBatch {
-        SPARE.with(|s| s.borrow_mut().replies.pop()).unwrap_or_default()
-    }
-
-    /// Done with it: keep it for reuse (if it is not too big).
-    pub fn recycle(mut self) {
-        if self.data.capacity() > SPARE_BYTES {
-            return;
-        }
-        self.items.clear();
-        self.data.clear();
-        SPARE.with(|s| {
-            let mut s = s.borrow_mut();
-            if s.replies.len() < SPARE_MAX {
-                s.replies.push(self);
-            }
-        });
-    }
-
-    /// Append a reply written by `write` straight into the batch buffer.
-    pub fn push(&mut self, to: ReplyTo, cachelet: u32, write: impl FnOnce(&mut Vec<u8>)) {
-        write(&mut self.data);
-        let end = u32::try_from(self.data.len()).expect("a reply batch stays below 4 GiB");
-        self.items.push(ReplyItem { to, cachelet, bounce: None, end });
-    }
-
-    /// Return a request to its origin.
-    pub fn bounce(&mut self, req: &FwdReq, bytes: &[u8], hint: Own) {
-        self.data.extend_from_slice(bytes);
-        let end = u32::try_from(self.data.len()).expect("a reply batch stays below 4 GiB");
-        let bounce = Some(Bounce { kind: req.kind, hint });
-        self.items.push(ReplyItem { to: req.to, cachelet: req.cachelet, bounce, end });
-    }
-
-    pub fn iter(&self) -> impl Iterator<Item = (&ReplyItem, &[u8])> {
-        let mut start = 0usize;
-        self.items.iter().map(move |r| {
-            let b = &self.data[start..r.end as usize];
-            start = r.end as usize;
-            (r, b)
-        })
-    }
-}
-
-/// A connection changing worker, with what it had read but not served.
-pub(crate) struct HandOff {
-    /// The socket with its TLS state, if any (a TLS session moves whole).
-    pub sock: mbal_tls::Stream<std::net::TcpStream>,
-    pub peer: std::net::SocketAddr,
-    pub listen_addr: std::net::SocketAddr,
-    pub id: u64,
-    pub unread: Vec<u8>,
-    pub auth: crate::auth::ConnAuth,
-    /// Exempt from the emulated capacity (a peer's replicator), and not yet
-    /// past its admin commands (see `Conn::fresh`).
-    pub exempt: bool,
-    pub fresh: bool,
-    /// Asked to be served its worker's thread-mates' keys too (`mbal hello ... threads`).
-    pub by_thread: bool,
-}
-
-/// A lease reads of a hot key may be told: γ and until when (server
-/// clock, ns); `None`: home only.
-pub(crate) type Grant = Option<(u32, u64)>;
-
-/// Phase 1's messages to a hot key's home worker (`replica`, `control`,
-/// `replicate`).
-pub(crate) enum HotCmd {
-    /// From the controller: make (or widen to) copies 1..=`replicas` of
-    /// `key` with its current value.
-    Replicate { key: Box<[u8]>, replicas: u32 },
-    /// From the controller, each epoch and when copies are made: the leases
-    /// reads of each key may be told, γ and until when (server clock, ns),
-    /// or none.
-    Grants(Vec<(Box<[u8]>, Grant)>),
-    /// From the controller: the key cooled and its leases ended; delete its
-    /// copies and stop copying its writes.
-    Retire { key: Box<[u8]> },
-    /// From the replicator: a write of the key with `hash` reached every
-    /// copy (`ok`), or not.
-    Written { hash: u64, ok: bool },
-    /// From the controller, each epoch: the load (requests/s) above which
-    /// this worker raises a hotspot alarm between epochs (`None`: none).
-    AlarmLimit(Option<f64>),
-    /// From the controller, each epoch: the fraction of requests to sample
-    /// for the hot-key tracker from now on (`HotKeys::sample_rate`).
-    SampleRate(f64),
-}
-
-/// Messages between workers.
+/// Messages between workers, by plane. The data plane's batches are top-level variants
+/// (the hot path matches them first); the other planes nest.
 pub(crate) enum Envelope {
     /// Requests to execute here (or pass along if their cachelet moved on).
     Reqs(ReqBatch),
     /// Replies to requests this worker forwarded.
     Replies(ReplyBatch),
-    /// A connection accepted on the main port, handed to this worker.
-    Conn(std::net::TcpStream, std::net::SocketAddr),
-    /// A routed connection handed over by the worker that had it (`mbal
-    /// hello <epoch> <worker>`): serve it here, answer its hello first.
-    HandOff(Box<HandOff>),
-    Flush {
-        at: u32,
-    },
-    StatsReq {
-        to: ReplyTo,
-        want_conns: bool,
-    },
-    StatsResp {
-        to: ReplyTo,
-        snap: Box<WorkerSnapshot>,
-    },
-    ResetStats,
-    /// Give cachelet `cachelet` to worker `to` (sent to its current owner
-    /// by the controller; `token` names the move in its reply).
-    Release {
-        cachelet: u32,
-        to: usize,
-        token: u64,
-    },
-    /// Take ownership of a cachelet (its items come along, nothing is
-    /// copied), then tell the controller.
-    Adopt {
-        cachelet: Box<Cachelet>,
-        ver: u32,
-        token: u64,
-    },
-    /// The controller's epoch tick: send it this worker's counters.
-    Sample {
-        seq: u64,
-    },
-    /// Cachelet `cachelet` is now owned by worker `worker` (move number `ver`).
-    Owner {
-        cachelet: u32,
-        worker: usize,
-        ver: u32,
-    },
-    /// Phase 1 (hot-key replication).
-    Hot(HotCmd),
-    /// Test hook (`--enable-debug`): stop serving for this long.
-    Stall {
-        ms: u64,
-    },
+    /// A connection changing worker ([`conn`]).
+    Conn(ConnMsg),
+    /// The move protocol ([`own`]).
+    Own(OwnMsg),
+    /// Samples, stats, flush_all, Phase 1 ([`ctl`]).
+    Ctl(CtlCmd),
 }
 
 impl Envelope {
@@ -502,6 +204,7 @@ impl Peers {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use mbal_proto::Protocol;
 
     fn to(seq: u64) -> ReplyTo {
         ReplyTo { worker: 0, conn: 1, gen: 2, seq }
@@ -545,7 +248,7 @@ mod tests {
         let mut ob = Outbox::default();
         ob.reqs().push(to(1), 0, 0, FwdKind::Raw(Protocol::Text, 0), |d| d.push(b'a'));
         ob.reqs().push(to(2), 0, 0, FwdKind::Raw(Protocol::Text, 0), |d| d.push(b'b'));
-        ob.push(Envelope::Flush { at: 3 });
+        ob.push(Envelope::Ctl(CtlCmd::Flush { at: 3 }));
         ob.reqs().push(to(3), 0, 0, FwdKind::Raw(Protocol::Text, 0), |d| d.push(b'c'));
         ob.replies().push(to(4), 0, |d| d.push(b'r'));
         let kinds: Vec<String> = ob
@@ -553,7 +256,7 @@ mod tests {
             .map(|e| match e {
                 Envelope::Reqs(b) => format!("reqs{}", b.iter().count()),
                 Envelope::Replies(b) => format!("replies{}", b.iter().count()),
-                Envelope::Flush { .. } => "flush".into(),
+                Envelope::Ctl(CtlCmd::Flush { .. }) => "flush".into(),
                 _ => "other".into(),
             })
             .collect();
@@ -569,7 +272,7 @@ mod tests {
         m.notify(); // clears the flag (and wakes)
         assert!(!m.sleeping.load(Ordering::Relaxed));
         m.notify(); // not asleep: nothing to do
-        tx.send(Envelope::ResetStats).unwrap();
+        tx.send(Envelope::Ctl(CtlCmd::ResetStats)).unwrap();
         assert!(!m.prepare_sleep(&rx), "a queued message keeps the worker awake");
         assert!(!m.sleeping.load(Ordering::Relaxed));
         m.awake();

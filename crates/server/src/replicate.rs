@@ -19,6 +19,7 @@
 //! I/O with timeouts keeps this simple; it is off every worker's path.
 
 use crate::control::CtlMsg;
+use crate::msg::CtlCmd;
 use crate::msg::{Envelope, ReplyBatch, ReplyTo};
 use crate::worker::Shared;
 use crossbeam_channel::{Receiver, RecvTimeoutError};
@@ -256,7 +257,7 @@ impl Replicator {
             Done::Worker { worker, hash, reply } => {
                 let now = self.shared.clock_ns();
                 let peers = self.shared.peers();
-                peers.send_one(worker, Envelope::Hot(crate::msg::HotCmd::Written { hash, ok }), now);
+                peers.send_one(worker, Envelope::Ctl(CtlCmd::Hot(crate::msg::HotCmd::Written { hash, ok })), now);
                 if let Some((to, cachelet, bytes)) = reply {
                     if ok {
                         send_reply(&self.shared, to, cachelet, &bytes);

@@ -3,6 +3,7 @@
 //! REPL_high slots), copies on shadows, threads, and the debug commands.
 
 use super::*;
+use crate::msg::Own;
 
 /// `mbal <args>`: the extension commands of docs/protocol.md. The map,
 /// moves and epoch snapshots belong to the controller: those commands wait
@@ -153,10 +154,11 @@ pub(super) fn admin(shared: &Shared, rt: &mut Route, output: &mut Output, args: 
             rt.ask_controller(shared, output, |reply| CtlMsg::DebugSlots { demand, reply });
             Action::None
         }
+        #[cfg(feature = "test-hooks")]
         (Some("debug"), Some("stall"), Some(w), Some(ms)) if shared.settings.debug_commands => {
             match (w.parse::<usize>(), ms.parse::<u64>()) {
                 (Ok(w), Ok(ms)) if w < shared.settings.threads && w != rt.worker => {
-                    rt.outbox[w].push(Envelope::Stall { ms });
+                    rt.outbox[w].push(Envelope::Ctl(crate::msg::CtlCmd::Stall { ms }));
                     output.buf().extend_from_slice(text::OK);
                 }
                 _ => output.buf().extend_from_slice(b"CLIENT_ERROR usage: mbal debug stall <other worker> <ms>\r\n"),

@@ -5,6 +5,7 @@
 use super::inbox::prefetch_keys;
 use super::*;
 use crate::auth::AsciiStep;
+use crate::msg::ConnMsg;
 
 /// The answer to a request larger than `--max-input-buffer` (then the
 /// connection closes).
@@ -159,7 +160,7 @@ impl Worker {
             fresh: c.fresh,
             by_thread,
         };
-        self.outbox[to].push(Envelope::HandOff(Box::new(h)));
+        self.outbox[to].push(Envelope::Conn(ConnMsg::HandOff(Box::new(h))));
     }
 
     pub(super) fn close(&mut self, ci: usize) {

@@ -3,6 +3,7 @@
 //! emulated capacity's hold queue, and the executor of forwarded requests.
 
 use super::*;
+use crate::msg::{ConnMsg, CtlCmd, OwnMsg};
 
 impl Worker {
     /// Handle what peers sent: as many envelopes as were queued when the
@@ -51,13 +52,13 @@ impl Worker {
                 }
                 batch.recycle();
             }
-            Envelope::Conn(sock, peer) => {
+            Envelope::Conn(ConnMsg::Accepted(sock, peer)) => {
                 let listen = self.shared.main_addr;
                 if let Some(stream) = self.stream(TcpStream::from_std(sock), peer) {
                     self.register(stream, peer, listen);
                 }
             }
-            Envelope::HandOff(h) => {
+            Envelope::Conn(ConnMsg::HandOff(h)) => {
                 let HandOff { sock, peer, listen_addr, id, unread, auth, exempt, fresh, by_thread } = *h;
                 if let Some(ci) = self.register(sock.map_sock(TcpStream::from_std), peer, listen_addr) {
                     // Counted once, by the worker that accepted it.
@@ -72,7 +73,7 @@ impl Worker {
                     dispatch::hello(&self.shared, self.shared.server_id, self.id, by_thread, c.output.buf());
                 }
             }
-            Envelope::Release { cachelet, to, token } => {
+            Envelope::Own(OwnMsg::Release { cachelet, to, token }) => {
                 self.drop_hot_of(cachelet);
                 let peers = self.shared.peers();
                 let now_ns = self.shared.clock_ns();
@@ -82,7 +83,7 @@ impl Worker {
                     self.shared.tell_controller(CtlMsg::Moved { token, cachelet, worker: to });
                 }
             }
-            Envelope::Adopt { cachelet, ver, token } => {
+            Envelope::Own(OwnMsg::Adopt { cachelet, ver, token }) => {
                 let c = cachelet.id();
                 self.store.insert_cachelet(cachelet);
                 moves::announce(self.id, &mut self.outbox, c, ver);
@@ -92,7 +93,7 @@ impl Worker {
                 self.counters.cachelets_adopted += 1;
                 self.shared.tell_controller(CtlMsg::Moved { token, cachelet: c, worker: self.id });
             }
-            Envelope::Sample { seq } => {
+            Envelope::Ctl(CtlCmd::Sample { seq }) => {
                 let sample = Box::new(self.sample());
                 let keys = self.store.watch().take_samples();
                 let home_reads = self.replicas.hot.take_home_reads();
@@ -100,30 +101,31 @@ impl Worker {
                 self.shared.tell_controller(CtlMsg::Sample { seq, sample, keys, home_reads });
                 self.restart_alarm();
             }
-            Envelope::Hot(cmd) => self.hot(cmd),
-            Envelope::Owner { cachelet, worker, ver } => {
+            Envelope::Ctl(CtlCmd::Hot(cmd)) => self.hot(cmd),
+            Envelope::Own(OwnMsg::Owner { cachelet, worker, ver }) => {
                 if let Some(q) = self.tables.learn(cachelet, worker as u16, ver) {
                     self.resend(cachelet, q);
                 }
             }
-            Envelope::Flush { at } => {
+            Envelope::Ctl(CtlCmd::Flush { at }) => {
                 self.store.flush_all(at);
                 hot::flush_hot(&self.shared, self.id, &mut self.store, &mut self.replicas.hot);
             }
-            Envelope::StatsReq { to, want_conns } => {
+            Envelope::Ctl(CtlCmd::StatsReq { to, want_conns }) => {
                 let snap = Box::new(self.snapshot(want_conns));
-                self.outbox[to.worker].push(Envelope::StatsResp { to, snap });
+                self.outbox[to.worker].push(Envelope::Ctl(CtlCmd::StatsResp { to, snap }));
             }
-            Envelope::StatsResp { to, snap } => {
+            Envelope::Ctl(CtlCmd::StatsResp { to, snap }) => {
                 if self.conns.get(to.conn).is_some_and(|c| c.gen == to.gen) {
                     self.gathered(to.conn, to.seq, *snap);
                 }
             }
-            Envelope::ResetStats => {
+            Envelope::Ctl(CtlCmd::ResetStats) => {
                 self.counters = Counters::default();
                 self.store.reset_stats();
             }
-            Envelope::Stall { ms } => std::thread::sleep(Duration::from_millis(ms)),
+            #[cfg(feature = "test-hooks")]
+            Envelope::Ctl(CtlCmd::Stall { ms }) => std::thread::sleep(Duration::from_millis(ms)),
         }
     }
 
@@ -174,19 +176,10 @@ impl Worker {
     pub(super) fn hold(&mut self, env: &Envelope) -> bool {
         let hold = match env {
             Envelope::Reqs(_) => !self.held.is_empty() || !self.capacity.has_credit(),
-            Envelope::Replies(_)
-            | Envelope::Conn(..)
-            | Envelope::HandOff(_)
-            | Envelope::Sample { .. }
-            | Envelope::Hot(_)
-            | Envelope::StatsReq { .. }
-            | Envelope::StatsResp { .. } => false,
-            Envelope::Flush { .. }
-            | Envelope::ResetStats
-            | Envelope::Release { .. }
-            | Envelope::Adopt { .. }
-            | Envelope::Owner { .. }
-            | Envelope::Stall { .. } => !self.held.is_empty(),
+            Envelope::Replies(_) | Envelope::Conn(_) => false,
+            // The move protocol acts on the tables the held requests route by.
+            Envelope::Own(_) => !self.held.is_empty(),
+            Envelope::Ctl(c) => c.ordered() && !self.held.is_empty(),
         };
         if hold && self.held.is_empty() {
             self.counters.capacity_stalls += 1;

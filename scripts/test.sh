@@ -27,6 +27,9 @@ cargo fmt --all -- --check
 step "cargo clippy --all-targets -- -D warnings"
 cargo clippy --workspace --all-targets -- -D warnings
 
+step "no import circle among the server's modules but the data path's dispatch <-> worker"
+python3 scripts/module-cycles.py crates/server/src --allow dispatch,worker
+
 step "cargo test (unit, property and loopback integration tests)"
 # A stock memcached for the tests that compare reply bytes with it
 # (crates/proto/tests/vs_memcached.rs).

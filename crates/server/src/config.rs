@@ -127,7 +127,7 @@ pub struct Settings {
     pub peer_tls: Option<mbal_tls::ClientTls>,
     /// `-Y FILE`: every connection must authenticate (text: memcached's
     /// ASCII auth; binary: SASL PLAIN), with these users (`auth`).
-    pub auth: Option<std::sync::Arc<crate::auth::Credentials>>,
+    pub auth: Option<std::sync::Arc<crate::credentials::Credentials>>,
     /// The cluster secret (`--control-secret-file`, or `secret` in the
     /// cluster file): control commands need a connection that proved it
     /// knows it (`mbal peer`). None: control commands only on loopback.

@@ -37,14 +37,14 @@
 //! published snapshot's and statuses' (read by stats rendering, written
 //! once per epoch).
 
-use crate::msg::{CtlCmd, OwnMsg};
+use crate::msg::replica::{Done, Job, Op};
+use crate::msg::{CtlCmd, CtlMsg, OwnMsg};
 use crate::msg::{Envelope, HotCmd, ReplyBatch, ReplyTo, NO_CACHELET};
-use crate::replicate::{Done, Job, Op};
-use crate::worker::Shared;
+use crate::shared::Shared;
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use mbal_balance::{
     Answer, Command, ControlCore, CoreSettings, Decision, EpochSnapshot, Event, HotCommand, HotKeyStat, HotSettings,
-    KeyState, PeerHot, ReplicaDecision, WorkerSample,
+    KeyState, ReplicaDecision,
 };
 use mbal_cluster::ClusterMap;
 use mbal_proto::ext;
@@ -53,60 +53,6 @@ use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// Messages to the controller.
-pub(crate) enum CtlMsg {
-    /// A worker's counters for the sampling round `seq`, and the keys it
-    /// sampled since the last round (`true`: a write), and the reads its
-    /// replicated keys got at home since then (exact counts).
-    Sample { seq: u64, sample: Box<WorkerSample>, keys: Vec<(Box<[u8]>, bool)>, home_reads: Vec<(Box<[u8]>, u64)> },
-    /// The replicator: a key's copies were made (`created`) or renewed by a
-    /// job started at `at_ns` (`ok`), or could not be.
-    /// A renewal also brings the reads the copies served since the last one.
-    HotDone { key: Box<[u8]>, created: bool, ok: bool, at_ns: u64, copy_reads: u64 },
-    /// A home worker: replicating `key` failed (the item is gone, a write
-    /// could not be copied).
-    HotFailed { key: Box<[u8]> },
-    /// A worker ran hot for `secs` seconds (Phase 1's trigger within an
-    /// epoch), with the keys it sampled meanwhile (`true` for a write).
-    /// With its replicated keys' reads at home (exact) over the `home_secs`
-    /// since its last epoch sample.
-    HotAlarm { worker: u16, keys: Vec<(Box<[u8]>, bool)>, secs: f64, home: Vec<(Box<[u8]>, u64)>, home_secs: f64 },
-    /// `mbal move <cachelet> <worker>`: answer `reply` once it is done.
-    Move { cachelet: u32, to: usize, reply: ReplyTo },
-    /// Move `token` finished: `worker` owns `cachelet` now.
-    Moved { token: u64, cachelet: u32, worker: usize },
-    /// `mbal map`: `MAP <epoch> <len>` and the map as JSON.
-    Map { reply: ReplyTo },
-    /// `mbal load [<after>]`: the oldest epoch snapshot kept that is
-    /// numbered above `after` (the next one, for a caller that keeps up),
-    /// as JSON, as soon as there is one.
-    Load { after: u64, reply: ReplyTo },
-    /// `mbal debug hot <key> <replicas>` / `cool <key>` (replicas 0):
-    /// pin a key homed here as replicated, or unpin it.
-    Pin { key: Box<[u8]>, replicas: u32, reply: ReplyTo },
-    /// `mbal slots <borrower> <slots> <lease ms>`: another server asks for
-    /// REPL_high slots (`SlotLedger::lend`); answer `SLOTS <granted> <lease ms>`.
-    Lend { borrower: u16, slots: usize, lease_ms: u64, reply: ReplyTo },
-    /// A lender answered an ask sent at `asked_at` (`crate::slots`): hold
-    /// `slots` from it for `lease_ns` from then, in place of what was held
-    /// from it.
-    SlotsGranted { lender: u16, slots: usize, asked_at: u64, lease_ns: u64 },
-    /// `mbal slots held <lender>`: how many of `lender`'s slots this server
-    /// holds; answer `HELD <n>`.
-    Held { lender: u16, reply: ReplyTo },
-    /// A starting server's question to `peer` answered (`None`: could not
-    /// be asked; asked again at the next tick).
-    PeerHolds { peer: u16, held: Option<usize> },
-    /// `mbal debug slots <keys>`: ask for slots as if `demand` keys had or
-    /// wanted copies, at once and at every epoch until 0.
-    DebugSlots { demand: usize, reply: ReplyTo },
-    /// Another server's epoch record (`crate::peerload`): its mean load
-    /// per worker and its Phase 1 figures.
-    PeerLoad { server: u16, mean: f64, hot: Option<PeerHot> },
-    /// Look at the shutdown flag.
-    Wake,
-}
 
 /// Epoch snapshots kept for `mbal load`: about a minute's, at least 64 and at
 /// most 1024 of them (a reader that falls further behind misses some).
@@ -134,13 +80,6 @@ struct Decided {
     hotkeys: Vec<HotKeyStat>,
 }
 
-/// Phase 1's figures for `stats hotkeys` (the core's).
-pub(crate) use mbal_balance::HotStatus;
-
-/// The balancer's figures for `stats balancer` (published once per Phase 2
-/// epoch and when a move ends): the core's, with the planner's time.
-pub(crate) use mbal_balance::BalancerStatus;
-
 pub(crate) struct Controller {
     shared: Arc<Shared>,
     inbox: Receiver<CtlMsg>,
@@ -158,7 +97,7 @@ pub(crate) struct Controller {
     /// `mbal load` callers waiting for a newer epoch.
     load_waiters: Vec<(u64, ReplyTo)>,
     /// The thread that asks other servers for REPL_high slots.
-    slot_asks: Option<Sender<crate::slots::Ask>>,
+    slot_asks: Option<Sender<crate::msg::Ask>>,
 }
 
 impl Controller {
@@ -166,7 +105,7 @@ impl Controller {
         shared: Arc<Shared>,
         inbox: Receiver<CtlMsg>,
         map: ClusterMap,
-        slot_asks: Option<Sender<crate::slots::Ask>>,
+        slot_asks: Option<Sender<crate::msg::Ask>>,
     ) -> Controller {
         let epoch_len = Duration::from_millis(shared.settings.epoch_ms.max(1));
         let settings = &shared.settings;
@@ -340,12 +279,12 @@ impl Controller {
                 Command::AskLend { lender, slots, lease_ms } => {
                     tracing::trace!(server = self.shared.server_id, lender, slots, "slots asked");
                     if let Some(tx) = &self.slot_asks {
-                        let _ = tx.send(crate::slots::Ask::Lend { lender, slots, lease_ms });
+                        let _ = tx.send(crate::msg::Ask::Lend { lender, slots, lease_ms });
                     }
                 }
                 Command::AskHeld { peer } => {
                     if let Some(tx) = &self.slot_asks {
-                        let _ = tx.send(crate::slots::Ask::Held { peer });
+                        let _ = tx.send(crate::msg::Ask::Held { peer });
                     }
                 }
                 Command::HotStatus(st) => {

@@ -6,17 +6,18 @@
 //! commands (stats, flush_all, `mbal ...`) are handled or broadcast here.
 
 mod admin;
-use crate::control::CtlMsg;
+use crate::counters::Counters;
 use crate::exec::{self, locate, Ctx, Loc};
-use crate::forward::{Job, Kind};
 use crate::moves::{Parked, Tables};
+use crate::msg::forward::{Job, Kind};
 use crate::msg::CtlCmd;
+use crate::msg::CtlMsg;
 use crate::msg::{Envelope, FwdKind, Outbox, ReplyTo, StoreFields};
 use crate::near::{Near, NearWorker};
 use crate::output::{Gather, Output, Slot, StatsFormat, MAX_PENDING_OUTPUT};
 use crate::replica::Replicas;
-use crate::stats::Counters;
-use crate::worker::{exec_ctx, Shared};
+use crate::shared::Shared;
+use crate::worker::exec_ctx;
 use admin::admin;
 use mbal_cluster::KeySpace;
 use mbal_proto::binary::{opcode as op, status as st, write_response, BinReq};
@@ -377,11 +378,20 @@ pub(crate) fn handle(
                         gather_stats(shared, rt, output, group, StatsFormat::Text)
                     }
                     "balancer" => {
-                        crate::stats::render_balancer(shared, &mut crate::stats::TextSink(output.buf()));
+                        crate::stats::render_balancer(
+                            &shared.settings,
+                            &shared.balancer_status(),
+                            &mut crate::stats::TextSink(output.buf()),
+                        );
                         output.buf().extend_from_slice(text::END);
                     }
                     "hotkeys" => {
-                        crate::stats::render_hotkeys(shared, &mut crate::stats::TextSink(output.buf()));
+                        crate::stats::render_hotkeys(
+                            &shared.settings,
+                            &shared.hot_status(),
+                            shared.replicator.is_some(),
+                            &mut crate::stats::TextSink(output.buf()),
+                        );
                         output.buf().extend_from_slice(text::END);
                     }
                     "detail on" | "detail off" => {
@@ -749,7 +759,11 @@ pub(crate) fn handle_bin(
                 write_response(output.buf(), op::STAT, st::NO_ERROR, h.opaque, 0, &[], &[], &[]);
             } else if group == "balancer" {
                 let out = output.buf();
-                crate::stats::render_balancer(shared, &mut crate::stats::BinSink { out: &mut *out, opaque: h.opaque });
+                crate::stats::render_balancer(
+                    &shared.settings,
+                    &shared.balancer_status(),
+                    &mut crate::stats::BinSink { out: &mut *out, opaque: h.opaque },
+                );
                 write_response(out, op::STAT, st::NO_ERROR, h.opaque, 0, &[], &[], &[]);
             } else {
                 gather_stats(shared, rt, output, group, StatsFormat::Binary { opaque: h.opaque });

@@ -6,7 +6,7 @@
 //! counters, and appends the reply bytes to `out`.
 
 use crate::config::Settings;
-use crate::stats::Counters;
+use crate::counters::Counters;
 use mbal_cluster::KeySpace;
 use mbal_proto::binary::{opcode as op, status as st, write_response, BinReq};
 use mbal_proto::meta::{MetaCmd, MetaFlags, MetaKind, MetaReply};
@@ -27,7 +27,7 @@ pub(crate) struct Ctx<'a> {
 
 impl Ctx<'_> {
     /// `stats detail`: count a get (and whether it hit), set or delete of `key`'s prefix.
-    fn detail(&mut self, key: &[u8], what: crate::stats::PrefixOp) {
+    fn detail(&mut self, key: &[u8], what: crate::counters::PrefixOp) {
         if let Some(d) = self.detail {
             self.counters.prefixes.record(key, d, what);
         }
@@ -69,7 +69,7 @@ pub(crate) fn text_get_one(ctx: &mut Ctx, key: &[u8], at: Loc, cas: bool, touch:
     if let Some(it) = item {
         text::write_value(out, key, it.flags, it.value, cas.then_some(it.cas));
     }
-    ctx.detail(key, crate::stats::PrefixOp::Get { hit });
+    ctx.detail(key, crate::counters::PrefixOp::Get { hit });
 }
 
 /// A single-key text command (everything but get, which is per key above,
@@ -77,7 +77,7 @@ pub(crate) fn text_get_one(ctx: &mut Ctx, key: &[u8], at: Loc, cas: bool, touch:
 pub(crate) fn text_keyed(ctx: &mut Ctx, cmd: &TextCmd, at: Loc, out: &mut Vec<u8>) {
     match *cmd {
         TextCmd::Store { mode, key, flags, exptime, data, cas_unique, noreply } => {
-            ctx.detail(key, crate::stats::PrefixOp::Set);
+            ctx.detail(key, crate::counters::PrefixOp::Set);
             let cas = (mode == StoreMode::Cas).then_some(cas_unique);
             if cas.is_some() && !ctx.settings.cas_enabled {
                 // memcached -C: every cas fails as if the item changed.
@@ -98,7 +98,7 @@ pub(crate) fn text_keyed(ctx: &mut Ctx, cmd: &TextCmd, at: Loc, out: &mut Vec<u8
             reply(out, noreply, line);
         }
         TextCmd::Delete { key, noreply } => {
-            ctx.detail(key, crate::stats::PrefixOp::Delete);
+            ctx.detail(key, crate::counters::PrefixOp::Delete);
             let line = match ctx.store.delete(at.cachelet, at.hash, key, None, ctx.now) {
                 DeleteResult::Deleted => text::DELETED,
                 _ => text::NOT_FOUND,
@@ -568,10 +568,10 @@ pub(crate) fn bin_keyed(ctx: &mut Ctx, req: &BinReq, at: Loc, out: &mut Vec<u8>)
                     }
                 }
             }
-            ctx.detail(key, crate::stats::PrefixOp::Get { hit });
+            ctx.detail(key, crate::counters::PrefixOp::Get { hit });
         }
         o if mbal_proto::binary::is_store(o) => {
-            ctx.detail(key, crate::stats::PrefixOp::Set);
+            ctx.detail(key, crate::counters::PrefixOp::Set);
             let mode = match opc {
                 op::SET | op::SETQ => Mode::Set,
                 op::ADD | op::ADDQ => Mode::Add,
@@ -610,7 +610,7 @@ pub(crate) fn bin_keyed(ctx: &mut Ctx, req: &BinReq, at: Loc, out: &mut Vec<u8>)
             }
         }
         op::DELETE | op::DELETEQ => {
-            ctx.detail(key, crate::stats::PrefixOp::Delete);
+            ctx.detail(key, crate::counters::PrefixOp::Delete);
             let cas = (h.cas != 0).then_some(h.cas);
             match ctx.store.delete(at.cachelet, at.hash, key, cas, ctx.now) {
                 DeleteResult::Deleted => {

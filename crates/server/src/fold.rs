@@ -29,7 +29,7 @@
 //! tries spreading again. `--worker-threads N` fixes the count, and
 //! `mbal threads <n>` / `mbal threads auto` set it or hand it back to the policy at run time.
 
-use crate::Shared;
+use crate::shared::Shared;
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

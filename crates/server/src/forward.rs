@@ -33,9 +33,10 @@
 //! binary one status 0x86 (temporary failure); a multi-key `get` whose keys
 //! span servers gets the unreachable server's keys as misses.
 
+use crate::msg::forward::{ForwardHandle, ForwardStats, Job, Kind};
 use crate::msg::{Envelope, Mailbox, ReplyBatch, ReplyTo, NO_CACHELET};
-use crate::worker::Shared;
-use crossbeam_channel::{Receiver, Sender};
+use crate::shared::Shared;
+use crossbeam_channel::Receiver;
 use mbal_cluster::{ClusterMap, Owner, Redirect, Router};
 use mbal_member::dial::Proto;
 use mbal_proto::binary::{opcode as op, write_response, BinHeader, HEADER_LEN, MAGIC_RESPONSE};
@@ -44,7 +45,7 @@ use mio::net::TcpStream;
 use mio::{Events, Interest, Poll, Token, Waker};
 use std::collections::{HashMap, VecDeque};
 use std::io;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -59,65 +60,6 @@ const BIN_NOOP: [u8; 24] = [0x80, op::NOOP, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 
 /// Binary status "temporary failure".
 const BIN_FAILED: u16 = 0x86;
 const READ_CHUNK: usize = 64 * 1024;
-
-/// How a forwarded request's reply is read and what a failure answers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Kind {
-    /// A text or meta request with a one-frame reply. `quiet`: the server
-    /// may send nothing (so `mn` follows it); `silent`: text `noreply`, the
-    /// client reads nothing back, errors included.
-    Line { expect: Expect, quiet: bool, silent: bool },
-    /// A `get` family request for keys of one cachelet. `whole`: it is the
-    /// client's whole request (its `END` and errors pass through); else it
-    /// is a run of a longer get and only its `VALUE` blocks are returned
-    /// (the asking worker writes `END`), a failure leaving its keys missed.
-    Values { whole: bool },
-    /// A binary request (to the owning server's main port).
-    Bin { quiet: bool },
-}
-
-/// One request for the forwarder: its bytes, where its key lives (the key
-/// hash routes it), and the output slot its answer fills.
-pub(crate) struct Job {
-    pub to: ReplyTo,
-    pub hash: u64,
-    pub kind: Kind,
-    pub req: Vec<u8>,
-}
-
-/// What `stats` shows of the forwarder (written by it alone).
-#[derive(Default)]
-pub(crate) struct ForwardStats {
-    /// Requests sent to another server (resends after a redirect included).
-    pub requests: AtomicU64,
-    /// Requests answered with an error because their owner could not be reached.
-    pub errors: AtomicU64,
-    /// Connections dropped for an unanswered request.
-    pub timeouts: AtomicU64,
-    /// Redirects followed.
-    pub redirects: AtomicU64,
-    /// Connections opened.
-    pub connects: AtomicU64,
-}
-
-/// The workers' side: the job channel and the forwarder's mailbox.
-pub(crate) struct ForwardHandle {
-    tx: Sender<Vec<Job>>,
-    mailbox: Arc<Mailbox>,
-    pub stats: ForwardStats,
-}
-
-impl ForwardHandle {
-    /// Hand the forwarder a round's jobs.
-    pub fn send(&self, jobs: Vec<Job>) {
-        let _ = self.tx.send(jobs);
-        self.mailbox.notify();
-    }
-
-    pub fn wake(&self) {
-        self.mailbox.wake();
-    }
-}
 
 /// The forwarder's end of its channel: its poll, jobs and mailbox.
 pub(crate) type Parts = (Poll, Receiver<Vec<Job>>, Arc<Mailbox>);

@@ -36,6 +36,7 @@ mod capacity;
 pub mod config;
 mod control;
 pub mod counters;
+pub mod credentials;
 mod dispatch;
 mod exec;
 mod fold;
@@ -48,10 +49,12 @@ mod peerload;
 mod readbuf;
 mod replica;
 mod replicate;
+mod shared;
 mod slots;
 pub mod stats;
 #[doc(hidden)]
 pub mod testing;
+mod threads;
 mod tune;
 mod worker;
 
@@ -60,12 +63,13 @@ use config::Settings;
 use mbal_cluster::{ClusterMap, ServerInfo};
 use mbal_store::{GlobalPool, StoreConfig, WorkerStore};
 use msg::{Envelope, Mailbox, Peers};
+use shared::Shared;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
-use worker::{bind_listener, Shared, Worker};
+use worker::{bind_listener, Worker};
 
 /// The version string reported by `version` and `stats`.
 pub const VERSION: &str = concat!("1.6.18-mbal-", env!("CARGO_PKG_VERSION"));
@@ -245,7 +249,7 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
         tls,
         replicator: replicating.then_some(rep_tx),
         forward,
-        threads: worker::Threads::new(worker_threads(&settings), workers, settings.worker_threads == 0)?,
+        threads: threads::Threads::new(worker_threads(&settings), workers, settings.worker_threads == 0)?,
         settings: settings.clone(),
     });
     let _ = shared.worker_ports.set(worker_addrs.iter().map(|a| a.port()).collect());

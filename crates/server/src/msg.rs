@@ -12,7 +12,9 @@
 //!
 //! The planes, each in its own module with its payload types: [`data`] (request and reply
 //! batches), [`conn`] (connections changing worker), [`own`] (the move protocol) and
-//! [`ctl`] (samples, stats, flush_all, Phase 1).
+//! [`ctl`] (samples, stats, flush_all, Phase 1). Beside them, the other threads' messages:
+//! [`controller`] (the controller's mailbox and its asks to the slot thread), [`replica`]
+//! (the replicator's jobs), [`forward`] (the forwarder's).
 //!
 //! Order: [`Outbox::push_req`] and [`Outbox::push_reply`] append to the last
 //! batch only if it is the newest envelope for that destination; a control
@@ -21,14 +23,20 @@
 //! order the connection sent them, control messages included.
 
 pub(crate) mod conn;
+pub(crate) mod controller;
 pub(crate) mod ctl;
 pub(crate) mod data;
+pub(crate) mod forward;
 pub(crate) mod own;
+pub(crate) mod replica;
 
 pub(crate) use conn::{ConnAuth, ConnMsg, HandOff, Peer};
+pub(crate) use controller::{Ask, CtlMsg};
 pub(crate) use ctl::{CtlCmd, HotCmd};
 pub(crate) use data::*;
+pub(crate) use forward::ForwardHandle;
 pub(crate) use own::{Own, OwnMsg};
+pub(crate) use replica::Job as ReplicaJob;
 
 use crossbeam_channel::{Receiver, Sender};
 use mio::Waker;

@@ -28,10 +28,10 @@
 //! and in `cross_worker_direct` (a direct multi-get once per key; a message once per run of
 //! keys). The time it takes is the reader's busy time, not the owner's.
 
+use crate::counters::Counters;
 use crate::moves::Tables;
 use crate::msg::Outbox;
 use crate::replica::HotTable;
-use crate::stats::Counters;
 use mbal_store::WorkerStore;
 
 /// Another worker of this host thread, lent for one round.

@@ -15,7 +15,7 @@
 //! reads and refills on the client's side). A reply is held at most until
 //! the other replies of its own batch arrive.
 
-use crate::stats::WorkerSnapshot;
+use crate::counters::WorkerSnapshot;
 use std::collections::VecDeque;
 
 /// How a gathered stats reply is rendered once every worker has answered.

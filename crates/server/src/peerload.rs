@@ -16,8 +16,8 @@
 //!
 //! Off the data path: a peer's epoch record is a few KB once per epoch.
 
-use crate::control::CtlMsg;
-use crate::worker::Shared;
+use crate::msg::CtlMsg;
+use crate::shared::Shared;
 use mbal_balance::control::phase1::mean_load;
 use mbal_balance::{Config, EpochSnapshot, PeerHot};
 use mbal_tls::BlockingStream;

@@ -18,10 +18,11 @@
 //! key's copies see its writes in the order the home made them. Blocking
 //! I/O with timeouts keeps this simple; it is off every worker's path.
 
-use crate::control::CtlMsg;
+use crate::msg::replica::{Done, Job, Loc, Op};
 use crate::msg::CtlCmd;
+use crate::msg::CtlMsg;
 use crate::msg::{Envelope, ReplyBatch, ReplyTo};
-use crate::worker::Shared;
+use crate::shared::Shared;
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
@@ -29,43 +30,6 @@ use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// Where a copy lives: (server, worker).
-pub(crate) type Loc = (u16, u16);
-
-pub(crate) enum Op {
-    /// Make or replace the copies (`mbal rset`).
-    Put { flags: u32, exptime: u32, value: Vec<u8>, ttl_ms: u64 },
-    /// Delete them (`mbal rdel`).
-    Del,
-    /// Extend their life (`mbal rttl`).
-    Renew { ttl_ms: u64 },
-}
-
-/// Who hears how a job ended.
-pub(crate) enum Done {
-    Nobody,
-    /// The controller: `key`'s copies were made (`created`) or renewed by a
-    /// job started at `at_ns`.
-    Controller {
-        created: bool,
-        at_ns: u64,
-    },
-    /// The home worker: a write of the key with `hash` was copied; in sync
-    /// mode, with the write's reply to send once it is.
-    Worker {
-        worker: usize,
-        hash: u64,
-        reply: Option<(ReplyTo, u32, Vec<u8>)>,
-    },
-}
-
-pub(crate) struct Job {
-    pub key: Box<[u8]>,
-    pub to: Vec<Loc>,
-    pub op: Op,
-    pub done: Done,
-}
 
 /// A connection to a shadow worker (plain or TLS); written through
 /// `r.get_mut()`.

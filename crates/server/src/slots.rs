@@ -13,8 +13,8 @@
 //! whole share as lent until every other server has told it what it still
 //! holds, `mbal slots held`, also asked from here).
 
-use crate::control::CtlMsg;
-use crate::worker::Shared;
+use crate::msg::{Ask, CtlMsg};
+use crate::shared::Shared;
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use mbal_tls::BlockingStream;
 use std::collections::{BTreeMap, HashMap};
@@ -23,23 +23,6 @@ use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
-
-pub(crate) enum Ask {
-    /// Ask `lender` for `slots` (replacing what is held from it) for `lease_ms`.
-    Lend { lender: u16, slots: usize, lease_ms: u64 },
-    /// Ask `peer` how many of this server's slots it holds (a server that
-    /// started: `SlotLedger::started`).
-    Held { peer: u16 },
-}
-
-impl Ask {
-    fn peer(&self) -> u16 {
-        match *self {
-            Ask::Lend { lender, .. } => lender,
-            Ask::Held { peer } => peer,
-        }
-    }
-}
 
 /// Start the thread; the controller sends it asks.
 pub(crate) fn spawn(shared: Arc<Shared>, servers: Vec<SocketAddr>) -> std::io::Result<Sender<Ask>> {

@@ -429,13 +429,12 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
 /// Text-protocol sink: `STAT name value\r\n`.
 /// `stats balancer`: the local balancer's state, as the controller last
 /// published it (memcached-style lines; docs/protocol.md).
-pub(crate) fn render_balancer(shared: &crate::worker::Shared, sink: &mut dyn StatSink) {
-    let st = shared.balancer.lock().unwrap_or_else(|p| p.into_inner()).clone().unwrap_or_default();
-    let on = shared.settings.balancer;
+pub(crate) fn render_balancer(settings: &Settings, st: &mbal_balance::BalancerStatus, sink: &mut dyn StatSink) {
+    let on = settings.balancer;
     sink.stat("balancer", &if on { "on" } else { "off" });
-    sink.stat("epoch_ms", &shared.settings.epoch_ms);
+    sink.stat("epoch_ms", &settings.epoch_ms);
     // Phase 2's epoch as it runs: whole epochs.
-    sink.stat("balance_epoch_ms", &shared.settings.balance_every().saturating_mul(shared.settings.epoch_ms));
+    sink.stat("balance_epoch_ms", &settings.balance_every().saturating_mul(settings.epoch_ms));
     sink.stat("state", &if on && !st.state.is_empty() { st.state.as_str() } else { "off" });
     sink.stat("epoch", &st.epoch);
     sink.stat("max_over_avg", &format_args!("{:.3}", st.max_over_avg));
@@ -455,12 +454,10 @@ pub(crate) fn render_balancer(shared: &crate::worker::Shared, sink: &mut dyn Sta
 
 /// `stats hotkeys`: Phase 1's last epoch and its hottest tracked keys (by
 /// estimated requests per second over all copies), with their replica
-/// counts and states.
-pub(crate) fn render_hotkeys(shared: &crate::worker::Shared, sink: &mut dyn StatSink) {
-    let st = shared.hotkeys.lock().unwrap_or_else(|p| p.into_inner()).clone().unwrap_or_default();
-    let on = shared.replicator.is_some();
+/// counts and states (`on`: Phase 1 runs here).
+pub(crate) fn render_hotkeys(settings: &Settings, st: &mbal_balance::HotStatus, on: bool, sink: &mut dyn StatSink) {
     sink.stat("hot_keys", &if on { "on" } else { "off" });
-    let h = &shared.settings.hot;
+    let h = &settings.hot;
     // The rate in force (set each epoch from the sample target, or fixed).
     let rate = if st.sample_rate > 0.0 { st.sample_rate } else { h.policy.sample_rate };
     sink.stat("sample_rate", &format_args!("{rate:.5}"));

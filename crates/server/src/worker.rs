@@ -32,26 +32,25 @@ mod group;
 mod hot;
 mod inbox;
 
-pub(crate) use group::{run_host, Handoff, Threads};
+pub(crate) use group::{run_host, Handoff};
 pub(crate) use hot::{copy_writes, flush_hot};
 pub(crate) use inbox::exec_ctx;
 
 use crate::capacity::Capacity;
-use crate::config::{Binding, Settings};
-use crate::control::CtlMsg;
+use crate::config::Binding;
 use crate::dispatch::{self, text_key, Action, Route};
 use crate::exec::{self, locate, Ctx};
 use crate::moves::{self, Parked, Tables};
-use crate::msg::{
-    Envelope, FwdKind, FwdReq, HandOff, Mailbox, Outbox, Peers, ReplyTo, ReqBatch, StoreFields, NO_CACHELET,
-};
+use crate::msg::CtlMsg;
+use crate::msg::{Envelope, FwdKind, FwdReq, HandOff, Mailbox, Outbox, ReplyTo, ReqBatch, StoreFields, NO_CACHELET};
 use crate::near::{Near, NearWorker};
 use crate::output::{Gather, Output, Slot, StatsFormat, MAX_PENDING_OUTPUT};
 use crate::readbuf::ReadBuf;
 use crate::replica::{Replicas, ShadowTable};
+use crate::shared::Shared;
 use crate::stats::{self, BinSink, CacheletInfo, ConnInfo, Counters, ProcessInfo, TextSink, WorkerSnapshot};
-use crossbeam_channel::{Receiver, Sender};
-use mbal_balance::{CacheletSample, EpochSnapshot, WorkerSample};
+use crossbeam_channel::Receiver;
+use mbal_balance::{CacheletSample, WorkerSample};
 use mbal_cluster::{KeySpace, Owner};
 use mbal_proto::binary::{opcode as op, status as st, write_response};
 use mbal_proto::meta::meta_key;
@@ -64,9 +63,9 @@ use slab::Slab;
 use std::collections::VecDeque;
 use std::io::{self, Write};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 const OWN_LISTENER: Token = Token(0);
 pub(crate) const WAKER: Token = Token(1);
@@ -79,162 +78,6 @@ const READ_CHUNK: usize = 16 * 1024;
 /// before it only once this much has piled up (else the reply's arrival
 /// writes everything at once: one write per read batch, not two).
 const EARLY_FLUSH: usize = 32 << 10;
-
-/// State shared by all workers of a process. Nothing here is touched on the
-/// GET/SET path: the connection counters and the flags are used on accept,
-/// close and shutdown only.
-pub(crate) struct Shared {
-    pub settings: Settings,
-    /// VN -> cachelet (fixed for the cluster's life). Owners are in `map`
-    /// (and each worker's `Tables`).
-    pub layout: KeySpace,
-    /// This server's id in the cluster map.
-    pub server_id: u16,
-    /// The map epoch this server knows (read on redirects only; the
-    /// controller, which owns the map, raises it as moves finish).
-    pub epoch: AtomicU64,
-    /// The controller's mailbox (`control`).
-    pub control: Sender<CtlMsg>,
-    /// The controller's newest epoch snapshot, for `stats cachelets`.
-    /// Written once per epoch, read when stats are rendered: never on the
-    /// data path.
-    pub latest: Mutex<Option<Arc<EpochSnapshot>>>,
-    /// The balancer's figures for `stats balancer`, written by the
-    /// controller once per epoch and after each move.
-    pub balancer: Mutex<Option<crate::control::BalancerStatus>>,
-    /// Phase 1's figures for `stats hotkeys`, written by the controller
-    /// once per epoch.
-    pub hotkeys: Mutex<Option<crate::control::HotStatus>>,
-    pub start: Instant,
-    pub start_unix: u64,
-    pub curr_conns: AtomicUsize,
-    /// Open connections per worker (the acceptor hands a new one to the
-    /// worker with the fewest). Written on accept and close only.
-    pub worker_conns: Vec<AtomicUsize>,
-    /// Connections the acceptor refused (over `-c`).
-    pub rejected_conns: AtomicU64,
-    /// Open connections per source address (`--max-conns-per-ip`; used
-    /// only when that is set, on accept and close), and those refused.
-    pub per_ip: Mutex<std::collections::HashMap<std::net::IpAddr, usize>>,
-    pub rejected_per_ip: AtomicU64,
-    pub shutdown: AtomicBool,
-    /// `stats detail on`: workers count gets, sets and deletes per key prefix.
-    pub detail: AtomicBool,
-    pub peers: OnceLock<Peers>,
-    pub main_addr: SocketAddr,
-    pub worker_ports: OnceLock<Vec<u16>>,
-    pub next_conn_id: AtomicU64,
-    /// With `-o no_maxconns_fast`: the acceptor stopped accepting at `-c`
-    /// and waits for a close to wake it (`accept_waker`).
-    pub accept_paused: AtomicBool,
-    pub accept_waker: OnceLock<Arc<mio::Waker>>,
-    /// `-Z`: the TLS configuration new connections take (reloadable).
-    pub tls: Option<mbal_tls::ServerTls>,
-    /// The replicator's job queue (Phase 1), when it runs.
-    pub replicator: Option<Sender<crate::replicate::Job>>,
-    /// The forwarder's job queue and counters (`--forward` in a cluster).
-    pub forward: Option<crate::forward::ForwardHandle>,
-    /// The threads that run the workers and how many are in use (`worker/group.rs`).
-    pub threads: Threads,
-}
-
-impl Shared {
-    /// Do routed connections serve the keys of every worker of their thread (`near`)? Not
-    /// when each worker must pay for its own requests (`--worker-capacity`) or a write may
-    /// wait for hot-key copies (`--replica-writes sync`): there a worker's requests go to it.
-    pub fn routes_by_thread(&self) -> bool {
-        self.settings.worker_capacity == 0 && !self.settings.hot.may_sync()
-    }
-
-    /// The thread count a routed client routes by (`MBAL ... <threads>`, docs/protocol.md):
-    /// the threads in use, or one per worker when routed connections serve their own keys only.
-    pub fn routing_threads(&self) -> u16 {
-        let n = if self.routes_by_thread() { self.threads.active() } else { self.settings.threads };
-        n.clamp(1, u16::MAX as usize) as u16
-    }
-
-    /// The prefix delimiter while `stats detail` is on.
-    pub fn detail(&self) -> Option<u8> {
-        self.detail.load(Ordering::Relaxed).then_some(self.settings.prefix_delimiter)
-    }
-
-    pub fn now(&self) -> u32 {
-        self.start.elapsed().as_secs() as u32
-    }
-
-    /// Nanoseconds since the server started: the one clock of the
-    /// controller's samples and the workers' queueing measures.
-    pub fn clock_ns(&self) -> u64 {
-        self.start.elapsed().as_nanos() as u64
-    }
-
-    /// Send the controller a message.
-    pub fn tell_controller(&self, msg: CtlMsg) {
-        let _ = self.control.send(msg);
-    }
-
-    pub fn peers(&self) -> &Peers {
-        self.peers.get().expect("peers are set before workers start")
-    }
-
-    pub fn wake_all(&self) {
-        if let Some(p) = self.peers.get() {
-            self.threads.kick_all(p);
-        }
-        if let Some(f) = &self.forward {
-            f.wake();
-        }
-        self.tell_controller(CtlMsg::Wake);
-    }
-
-    /// A connection of `worker` closed. Wakes the acceptor if it stopped
-    /// accepting at the connection limit (`-o no_maxconns_fast`); SeqCst
-    /// pairs with the acceptor's store of `accept_paused` then load of
-    /// `curr_conns`, so one of the two sees the other.
-    pub fn conn_closed(&self, worker: usize, peer: std::net::IpAddr) {
-        self.release_ip(peer);
-        self.worker_conns[worker].fetch_sub(1, Ordering::Relaxed);
-        self.curr_conns.fetch_sub(1, Ordering::SeqCst);
-        if self.accept_paused.load(Ordering::SeqCst) {
-            if let Some(w) = self.accept_waker.get() {
-                let _ = w.wake();
-            }
-        }
-    }
-}
-
-impl Shared {
-    /// Count a new connection from `ip` against `--max-conns-per-ip`;
-    /// false (and counted as refused) if it has that many already.
-    pub fn admit_ip(&self, ip: std::net::IpAddr) -> bool {
-        let max = self.settings.max_conns_per_ip;
-        if max == 0 {
-            return true;
-        }
-        let mut m = self.per_ip.lock().unwrap_or_else(|e| e.into_inner());
-        let n = m.entry(ip).or_insert(0);
-        if *n >= max {
-            drop(m);
-            self.rejected_per_ip.fetch_add(1, Ordering::Relaxed);
-            return false;
-        }
-        *n += 1;
-        true
-    }
-
-    fn release_ip(&self, ip: std::net::IpAddr) {
-        if self.settings.max_conns_per_ip == 0 {
-            return;
-        }
-        let mut m = self.per_ip.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(n) = m.get_mut(&ip) {
-            *n -= 1;
-            if *n == 0 {
-                m.remove(&ip);
-            }
-        }
-    }
-}
 
 /// The answer to a connection over `--max-conns-per-ip` (then it is closed).
 pub(crate) const TOO_MANY_FROM_IP: &[u8] = b"ERROR Too many open connections from this address\r\n";
@@ -344,7 +187,7 @@ pub(crate) struct Worker {
     input_cap: usize,
     /// Requests for keys other servers own, for the forwarder (`--forward`),
     /// handed over at the end of the round.
-    fwd: Vec<crate::forward::Job>,
+    fwd: Vec<crate::msg::forward::Job>,
 }
 
 /// A listening socket; `mark` (`-o sock_cookie_id`, 0: none) is set as its

@@ -4,9 +4,9 @@
 //! `replicate` the thread that talks to the shadows).
 
 use super::*;
+use crate::msg::replica::{Done, Job, Loc, Op};
 use crate::msg::HotCmd;
 use crate::replica::HotTable;
-use crate::replicate::{Done, Job, Loc, Op};
 
 impl Worker {
     /// Requests served so far (wrapping), as the policy weighs a worker's

@@ -1,0 +1,180 @@
+//! State shared by all workers of a process (and the controller, the acceptor and the
+//! server's other threads): read-mostly, never on the GET/SET path. Its field types are
+//! the leaves' (`msg`, `config`, `threads`): nothing here names a module that uses it.
+
+use crate::config::Settings;
+use crate::msg::{CtlMsg, ForwardHandle, Peers, ReplicaJob};
+use crate::threads::Threads;
+use crossbeam_channel::Sender;
+use mbal_balance::EpochSnapshot;
+use mbal_cluster::KeySpace;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Instant;
+
+/// State shared by all workers of a process. Nothing here is touched on the
+/// GET/SET path: the connection counters and the flags are used on accept,
+/// close and shutdown only.
+pub(crate) struct Shared {
+    pub settings: Settings,
+    /// VN -> cachelet (fixed for the cluster's life). Owners are in `map`
+    /// (and each worker's `Tables`).
+    pub layout: KeySpace,
+    /// This server's id in the cluster map.
+    pub server_id: u16,
+    /// The map epoch this server knows (read on redirects only; the
+    /// controller, which owns the map, raises it as moves finish).
+    pub epoch: AtomicU64,
+    /// The controller's mailbox (`control`).
+    pub control: Sender<CtlMsg>,
+    /// The controller's newest epoch snapshot, for `stats cachelets`.
+    /// Written once per epoch, read when stats are rendered: never on the
+    /// data path.
+    pub latest: Mutex<Option<Arc<EpochSnapshot>>>,
+    /// The balancer's figures for `stats balancer`, written by the
+    /// controller once per epoch and after each move.
+    pub balancer: Mutex<Option<mbal_balance::BalancerStatus>>,
+    /// Phase 1's figures for `stats hotkeys`, written by the controller
+    /// once per epoch.
+    pub hotkeys: Mutex<Option<mbal_balance::HotStatus>>,
+    pub start: Instant,
+    pub start_unix: u64,
+    pub curr_conns: AtomicUsize,
+    /// Open connections per worker (the acceptor hands a new one to the
+    /// worker with the fewest). Written on accept and close only.
+    pub worker_conns: Vec<AtomicUsize>,
+    /// Connections the acceptor refused (over `-c`).
+    pub rejected_conns: AtomicU64,
+    /// Open connections per source address (`--max-conns-per-ip`; used
+    /// only when that is set, on accept and close), and those refused.
+    pub per_ip: Mutex<std::collections::HashMap<std::net::IpAddr, usize>>,
+    pub rejected_per_ip: AtomicU64,
+    pub shutdown: AtomicBool,
+    /// `stats detail on`: workers count gets, sets and deletes per key prefix.
+    pub detail: AtomicBool,
+    pub peers: OnceLock<Peers>,
+    pub main_addr: SocketAddr,
+    pub worker_ports: OnceLock<Vec<u16>>,
+    pub next_conn_id: AtomicU64,
+    /// With `-o no_maxconns_fast`: the acceptor stopped accepting at `-c`
+    /// and waits for a close to wake it (`accept_waker`).
+    pub accept_paused: AtomicBool,
+    pub accept_waker: OnceLock<Arc<mio::Waker>>,
+    /// `-Z`: the TLS configuration new connections take (reloadable).
+    pub tls: Option<mbal_tls::ServerTls>,
+    /// The replicator's job queue (Phase 1), when it runs.
+    pub replicator: Option<Sender<ReplicaJob>>,
+    /// The forwarder's job queue and counters (`--forward` in a cluster).
+    pub forward: Option<ForwardHandle>,
+    /// The threads that run the workers and how many are in use (`worker/group.rs`).
+    pub threads: Threads,
+}
+
+impl Shared {
+    /// Do routed connections serve the keys of every worker of their thread (`near`)? Not
+    /// when each worker must pay for its own requests (`--worker-capacity`) or a write may
+    /// wait for hot-key copies (`--replica-writes sync`): there a worker's requests go to it.
+    pub fn routes_by_thread(&self) -> bool {
+        self.settings.worker_capacity == 0 && !self.settings.hot.may_sync()
+    }
+
+    /// The thread count a routed client routes by (`MBAL ... <threads>`, docs/protocol.md):
+    /// the threads in use, or one per worker when routed connections serve their own keys only.
+    pub fn routing_threads(&self) -> u16 {
+        let n = if self.routes_by_thread() { self.threads.active() } else { self.settings.threads };
+        n.clamp(1, u16::MAX as usize) as u16
+    }
+
+    /// The prefix delimiter while `stats detail` is on.
+    pub fn detail(&self) -> Option<u8> {
+        self.detail.load(Ordering::Relaxed).then_some(self.settings.prefix_delimiter)
+    }
+
+    pub fn now(&self) -> u32 {
+        self.start.elapsed().as_secs() as u32
+    }
+
+    /// Nanoseconds since the server started: the one clock of the
+    /// controller's samples and the workers' queueing measures.
+    pub fn clock_ns(&self) -> u64 {
+        self.start.elapsed().as_nanos() as u64
+    }
+
+    /// Phase 2's figures as last published (default before the first).
+    pub fn balancer_status(&self) -> mbal_balance::BalancerStatus {
+        self.balancer.lock().unwrap_or_else(|p| p.into_inner()).clone().unwrap_or_default()
+    }
+
+    /// Phase 1's figures as last published (default before the first).
+    pub fn hot_status(&self) -> mbal_balance::HotStatus {
+        self.hotkeys.lock().unwrap_or_else(|p| p.into_inner()).clone().unwrap_or_default()
+    }
+
+    /// Send the controller a message.
+    pub fn tell_controller(&self, msg: CtlMsg) {
+        let _ = self.control.send(msg);
+    }
+
+    pub fn peers(&self) -> &Peers {
+        self.peers.get().expect("peers are set before workers start")
+    }
+
+    pub fn wake_all(&self) {
+        if let Some(p) = self.peers.get() {
+            self.threads.kick_all(p);
+        }
+        if let Some(f) = &self.forward {
+            f.wake();
+        }
+        self.tell_controller(CtlMsg::Wake);
+    }
+
+    /// A connection of `worker` closed. Wakes the acceptor if it stopped
+    /// accepting at the connection limit (`-o no_maxconns_fast`); SeqCst
+    /// pairs with the acceptor's store of `accept_paused` then load of
+    /// `curr_conns`, so one of the two sees the other.
+    pub fn conn_closed(&self, worker: usize, peer: std::net::IpAddr) {
+        self.release_ip(peer);
+        self.worker_conns[worker].fetch_sub(1, Ordering::Relaxed);
+        self.curr_conns.fetch_sub(1, Ordering::SeqCst);
+        if self.accept_paused.load(Ordering::SeqCst) {
+            if let Some(w) = self.accept_waker.get() {
+                let _ = w.wake();
+            }
+        }
+    }
+}
+
+impl Shared {
+    /// Count a new connection from `ip` against `--max-conns-per-ip`;
+    /// false (and counted as refused) if it has that many already.
+    pub fn admit_ip(&self, ip: std::net::IpAddr) -> bool {
+        let max = self.settings.max_conns_per_ip;
+        if max == 0 {
+            return true;
+        }
+        let mut m = self.per_ip.lock().unwrap_or_else(|e| e.into_inner());
+        let n = m.entry(ip).or_insert(0);
+        if *n >= max {
+            drop(m);
+            self.rejected_per_ip.fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
+        *n += 1;
+        true
+    }
+
+    pub(crate) fn release_ip(&self, ip: std::net::IpAddr) {
+        if self.settings.max_conns_per_ip == 0 {
+            return;
+        }
+        let mut m = self.per_ip.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = m.get_mut(&ip) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&ip);
+            }
+        }
+    }
+}

@@ -65,7 +65,7 @@ use crate::{DriverFactory, DriverSpec};
 use mbal_tls::{BlockingStream, ClientTls};
 
 /// Redirects one request chain may follow before it counts as an error.
-pub const MAX_REDIRECTS: u8 = 3;
+pub use mbal_cluster::MAX_REDIRECTS;
 
 /// Send `req` on a blocking stream and read its one reply (the server sends nothing else on
 /// this connection until asked, so reading ahead is safe).
@@ -392,7 +392,7 @@ impl State {
     fn on_redirect(&mut self, from: usize, part: Part, epoch: u64, to: (u16, u16)) -> bool {
         let token = part.token as usize;
         let range = part.start as usize..(part.start + part.len) as usize;
-        if self.target_of(to).is_none() || part.hops >= MAX_REDIRECTS {
+        if self.target_of(to).is_none() || !mbal_cluster::may_follow_redirect(u32::from(part.hops)) {
             self.ops[token].errors += 1;
             return false;
         }

@@ -157,7 +157,7 @@ impl Default for Config {
         Config {
             connect_timeout: Duration::from_secs(2),
             io_timeout: Duration::from_secs(5),
-            max_redirects: 3,
+            max_redirects: u32::from(mbal_cluster::MAX_REDIRECTS),
             conns_per_worker: 1,
             tls: None,
             max_leases: mbal_cluster::DEFAULT_MAX_LEASES,

@@ -33,6 +33,21 @@ pub use map::{ClusterMap, MapDiff, ServerInfo};
 pub use replica::replica_location;
 pub use router::{BadRedirect, Group, Learned, Redirect, Router, Split};
 
+/// The one redirect rule of every routing component (the client, the
+/// bench, the proxy, the server's forwarder): a request follows at most
+/// this many redirects (`RD`) and fails on the next, with the error its
+/// caller reports for a redirect it cannot follow. A stale map costs one
+/// redirect; a cachelet that moves again while a request travels, one
+/// more; four leave room for a Phase 2 move, a Phase 3 move and a stale
+/// map at once, and still stop a ping-pong between two confused servers.
+pub const MAX_REDIRECTS: u8 = 4;
+
+/// May a request that has followed `followed` redirects follow another?
+#[inline]
+pub fn may_follow_redirect(followed: u32) -> bool {
+    followed < u32::from(MAX_REDIRECTS)
+}
+
 /// Default number of virtual nodes for a cluster's life (DESIGN.md §2).
 pub const DEFAULT_VN_COUNT: u32 = 16_384;
 /// Default cachelets per worker (MBal §4.1).

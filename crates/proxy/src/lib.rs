@@ -98,7 +98,7 @@ impl Config {
             max_conns: 1024,
             max_item_size: 1 << 20,
             upstream_timeout: Duration::from_millis(1000),
-            max_redirects: 4,
+            max_redirects: mbal_cluster::MAX_REDIRECTS,
             max_pending: 1024,
             tls: None,
             dialer: mbal_member::dial::Dialer::plain(Duration::from_millis(1000)),

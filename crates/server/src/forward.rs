@@ -22,7 +22,7 @@
 //!
 //! Routing is the shared [`Router`]'s: a job goes where the router says the
 //! key's cachelet lives; an `RD` (the cachelet moved) is learned and the
-//! request resent, at most [`MAX_HOPS`] times.
+//! request resent, at most `mbal_cluster::MAX_REDIRECTS` times (the one rule).
 //!
 //! Failure: a connection that fails, closes, or leaves its oldest request
 //! unanswered for `--forward-timeout-ms` is dropped and every request in
@@ -53,7 +53,6 @@ const WAKER: Token = Token(usize::MAX);
 const BACKOFF_MIN: Duration = Duration::from_millis(10);
 const BACKOFF_MAX: Duration = Duration::from_secs(1);
 /// Redirects followed per request before it fails.
-pub(crate) const MAX_HOPS: u8 = 4;
 /// The "worker" of a server's binary connection (its main port).
 const BIN: u16 = u16::MAX;
 const BIN_NOOP: [u8; 24] = [0x80, op::NOOP, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
@@ -635,9 +634,10 @@ impl Forwarder {
     fn redirected(&mut self, from: Owner, mut s: Sent) {
         let rd = s.rd.take().expect("redirected");
         self.stats().redirects.fetch_add(1, Ordering::Relaxed);
+        let follow = mbal_cluster::may_follow_redirect(u32::from(s.hops));
         s.hops += 1;
         s.buf.clear();
-        if s.hops > MAX_HOPS {
+        if !follow {
             return self.fail(s, "too many redirects");
         }
         if self.router.learn(from, rd, [s.hash]).is_err() {

@@ -564,8 +564,9 @@ impl Engine {
         if let Some(hash) = inf.copy.take() {
             return self.copy_fallback(hash, inf);
         }
+        let follow = u32::from(inf.hops) < u32::from(self.cfg.max_redirects);
         inf.hops += 1;
-        if inf.hops > self.cfg.max_redirects {
+        if !follow {
             return self.fail(inf, "SERVER_ERROR too many redirects");
         }
         match inf.what {

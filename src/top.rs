@@ -10,9 +10,10 @@
 
 use anyhow::{bail, Context, Result};
 use mbal_balance::{Decision, EpochSnapshot, HotKeyStat};
+use mbal_proto::client::{Expect, Reply, ReplyReader};
 use serde::Deserialize;
 use std::collections::VecDeque;
-use std::io::{BufRead, BufReader, IsTerminal, Read, Write};
+use std::io::{IsTerminal, Write};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -63,7 +64,8 @@ struct HotView {
 
 struct Server {
     id: u16,
-    r: BufReader<mbal_tls::BlockingStream>,
+    s: mbal_tls::BlockingStream,
+    rr: ReplyReader,
     last: u64,
     rec: Option<Record>,
     /// Phase 2's state as of its last decision: it decides once per
@@ -76,24 +78,18 @@ impl Server {
         let s = dialer.dial(addr, mbal_member::dial::Proto::Text).with_context(|| format!("connecting to {addr}"))?;
         // `mbal load` waits for the epoch to end.
         s.sock().set_read_timeout(Some(Duration::from_secs(30)))?;
-        Ok(Server { id, r: BufReader::new(s), last: 0, rec: None, phase2: "off".into() })
+        Ok(Server { id, s, rr: ReplyReader::new(), last: 0, rec: None, phase2: "off".into() })
     }
 
     /// The next epoch after the last one read (blocks until it ends).
     fn next(&mut self) -> Result<()> {
-        let w = self.r.get_mut();
-        write!(w, "mbal load {}\r\n", self.last)?;
-        w.flush()?;
-        let mut head = String::new();
-        self.r.read_line(&mut head)?;
-        let t: Vec<&str> = head.split_whitespace().collect();
-        if t.len() != 3 || t[0] != "LOAD" {
-            bail!("server {}: unexpected answer to mbal load: {:?}", self.id, head.trim_end());
-        }
-        let n: usize = t[2].parse()?;
-        let mut body = vec![0; n + 2];
-        self.r.read_exact(&mut body)?;
-        let rec: Record = serde_json::from_slice(&body[..n]).context("parsing mbal load")?;
+        write!(self.s, "mbal load {}\r\n", self.last)?;
+        self.s.flush()?;
+        let json = match self.rr.read_reply(&mut self.s, Expect::Line)? {
+            Reply::Load { json, .. } => json,
+            other => bail!("server {}: unexpected answer to mbal load: {other:?}", self.id),
+        };
+        let rec: Record = serde_json::from_slice(&json).context("parsing mbal load")?;
         self.last = rec.snap.seq;
         if let Some(d) = &rec.balancer {
             self.phase2 = format!("{:?}", d.state);

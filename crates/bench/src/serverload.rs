@@ -22,7 +22,8 @@
 //! same server (an operator's `mbal move`, source `"epoch-snapshots"`, at the end of the epoch
 //! it was seen in). A server that reports decisions has only its decisions listed.
 
-use std::io::{Read, Write};
+use mbal_proto::client::{Expect, Reply, ReplyReader};
+use std::io::Write;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -342,24 +343,20 @@ fn poll_loop(p: &Poller, stop: &AtomicBool, tls: Option<&mbal_tls::ClientTls>) -
         mbal_tls::dial(p.addr, tls, Duration::from_secs(5)).with_context(|| format!("connect to {}", p.addr))?;
     s.sock().set_read_timeout(Some(STOP_CHECK))?;
     let mut after = 0u64;
-    let mut buf: Vec<u8> = Vec::new();
+    let mut rr = ReplyReader::new();
     while !stop.load(Ordering::Relaxed) {
         let asked = Instant::now();
         s.write_all(format!("mbal load {after}\r\n").as_bytes())?;
-        let snap = loop {
-            if let Some((snap, used)) = parse_load(&buf)? {
-                buf.drain(..used);
-                break snap;
-            }
-            if stop.load(Ordering::Relaxed) {
-                return Ok(());
-            }
-            let mut chunk = [0u8; 16 << 10];
-            match s.read(&mut chunk) {
-                Ok(0) => bail!("{} closed the connection", p.addr),
-                Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+        let snap: LoadRecord = loop {
+            match rr.read_reply(&mut s, Expect::Line) {
+                Ok(Reply::Load { json, .. }) => break serde_json::from_slice(&json).context("bad LOAD JSON")?,
+                Ok(other) => bail!("the server answered `mbal load` with {other:?}: not an mbal server?"),
+                Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                    if stop.load(Ordering::Relaxed) {
+                        return Ok(());
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => bail!("{} closed the connection", p.addr),
                 Err(e) => return Err(e.into()),
             }
         };
@@ -380,44 +377,20 @@ fn poll_loop(p: &Poller, stop: &AtomicBool, tls: Option<&mbal_tls::ClientTls>) -
     Ok(())
 }
 
-/// `LOAD <seq> <len>\r\n<json>\r\n` at the start of `buf`: the snapshot and the bytes used, or
-/// None if incomplete.
-fn parse_load(buf: &[u8]) -> Result<Option<(LoadRecord, usize)>> {
-    let Some(eol) = buf.windows(2).position(|w| w == b"\r\n") else {
-        if buf.len() > 1024 {
-            bail!("no LOAD header in the first 1 KiB");
-        }
-        return Ok(None);
-    };
-    let line = std::str::from_utf8(&buf[..eol]).context("LOAD header is not UTF-8")?;
-    let mut it = line.split_whitespace();
-    if it.next() != Some("LOAD") {
-        bail!("the server answered `mbal load` with {line:?}: not an mbal server?");
-    }
-    let _seq: u64 = it.next().context("LOAD without seq")?.parse().context("bad LOAD seq")?;
-    let len: usize = it.next().context("LOAD without length")?.parse().context("bad LOAD length")?;
-    let start = eol + 2;
-    if buf.len() < start + len + 2 {
-        return Ok(None);
-    }
-    let snap: LoadRecord = serde_json::from_slice(&buf[start..start + len]).context("bad LOAD JSON")?;
-    Ok(Some((snap, start + len + 2)))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn parses_load_replies_whole_or_not_at_all() {
+    fn a_load_reply_read_by_the_reply_codec_is_a_record() {
         let json = r#"{"seq":7,"end_ns":5,"workers":[]}"#;
         let full = format!("LOAD 7 {}\r\n{json}\r\n", json.len());
-        for cut in 0..full.len() {
-            assert!(parse_load(&full.as_bytes()[..cut]).unwrap().is_none(), "cut at {cut}");
-        }
-        let (snap, used) = parse_load(full.as_bytes()).unwrap().unwrap();
-        assert_eq!((snap.snapshot.seq, used, snap.balancer), (7, full.len(), None));
-        assert!(parse_load(b"ERROR\r\n").is_err());
+        let Reply::Load { seq, json } = ReplyReader::new().read_reply(&mut full.as_bytes(), Expect::Line).unwrap()
+        else {
+            panic!("not a LOAD")
+        };
+        let rec: LoadRecord = serde_json::from_slice(&json).unwrap();
+        assert_eq!((seq, rec.snapshot.seq, rec.balancer), (7, 7, None));
     }
 
     /// A server's decisions become events (and its snapshot diffs do not double them), and

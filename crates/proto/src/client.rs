@@ -581,6 +581,26 @@ impl ReplyReader {
         res
     }
 
+    /// Read from `r` until one whole reply is in, and return it: the one
+    /// loop of mbal's blocking clients of its own extensions (`mbal load`,
+    /// `mbal map`, ...). A closed connection before it is complete is
+    /// `UnexpectedEof`, a malformed reply `InvalidData`; a read timeout
+    /// (`WouldBlock`, `TimedOut`) comes back as it is, with what was read
+    /// kept for the next call.
+    pub fn read_reply<R: Read>(&mut self, r: &mut R, expect: Expect) -> io::Result<Reply> {
+        loop {
+            if let Some(reply) = self.next(expect).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.0))? {
+                return Ok(reply);
+            }
+            match self.read_from(r) {
+                Ok(0) => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed mid-reply")),
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
     /// Bytes received and not yet returned as (part of) a reply.
     pub fn buffered(&self) -> usize {
         self.buf.len() - self.pos

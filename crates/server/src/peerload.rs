@@ -20,9 +20,10 @@ use crate::msg::CtlMsg;
 use crate::shared::Shared;
 use mbal_balance::control::phase1::mean_load;
 use mbal_balance::{Config, EpochSnapshot, PeerHot};
+use mbal_proto::client::{Expect, Reply, ReplyReader};
 use mbal_tls::BlockingStream;
 use serde::Deserialize;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::Write;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -46,16 +47,19 @@ fn poll(shared: Arc<Shared>, id: usize, addr: SocketAddr, cfg: Config) {
     let timeout = epoch * 2 + Duration::from_secs(1);
     let mut after = 0u64;
     while !shared.shutdown.load(Ordering::Relaxed) {
-        let r = connect(&shared, addr, timeout).and_then(|mut r| loop {
-            if shared.shutdown.load(Ordering::Relaxed) {
-                return Ok(());
+        let r = connect(&shared, addr, timeout).and_then(|mut s| {
+            let mut rr = ReplyReader::new();
+            loop {
+                if shared.shutdown.load(Ordering::Relaxed) {
+                    return Ok(());
+                }
+                write!(s, "mbal load {after}\r\n")?;
+                s.flush()?;
+                let (seq, rec) = read_load(&mut s, &mut rr)?;
+                after = after.max(seq);
+                let mean = mean_load(&rec.snapshot, &cfg);
+                shared.tell_controller(CtlMsg::PeerLoad { server: id as u16, mean, hot: rec.hot });
             }
-            write!(r.get_mut(), "mbal load {after}\r\n")?;
-            r.get_mut().flush()?;
-            let (seq, rec) = read_load(&mut r)?;
-            after = after.max(seq);
-            let mean = mean_load(&rec.snapshot, &cfg);
-            shared.tell_controller(CtlMsg::PeerLoad { server: id as u16, mean, hot: rec.hot });
         });
         if let Err(e) = r {
             tracing::debug!(server = id, "peer load: {e}");
@@ -71,11 +75,11 @@ fn poll(shared: Arc<Shared>, id: usize, addr: SocketAddr, cfg: Config) {
     }
 }
 
-fn connect(shared: &Shared, addr: SocketAddr, timeout: Duration) -> std::io::Result<BufReader<BlockingStream>> {
+fn connect(shared: &Shared, addr: SocketAddr, timeout: Duration) -> std::io::Result<BlockingStream> {
     // `mbal load` is a control command: the peer dialer speaks TLS when the
     // cluster does and proves membership (`mbal peer`) when there is a secret.
     let s = shared.settings.peer_dialer(timeout).dial(addr, mbal_member::dial::Proto::Text)?;
-    Ok(BufReader::new(s))
+    Ok(s)
 }
 
 /// A peer's epoch record (`mbal load`): its snapshot and Phase 1's figures.
@@ -87,24 +91,13 @@ struct PeerRecord {
     hot: Option<PeerHot>,
 }
 
-/// `LOAD <seq> <len>\r\n<json>\r\n`.
-fn read_load(r: &mut BufReader<BlockingStream>) -> std::io::Result<(u64, PeerRecord)> {
-    let mut line = String::new();
-    if r.read_line(&mut line)? == 0 {
-        return Err(std::io::Error::other("closed"));
+/// The answer to `mbal load` (`LOAD <seq> <len>` and the JSON, read by the
+/// one reply codec): its sequence number and record.
+fn read_load(s: &mut BlockingStream, rr: &mut ReplyReader) -> std::io::Result<(u64, PeerRecord)> {
+    match rr.read_reply(s, Expect::Line)? {
+        Reply::Load { seq, json } => Ok((seq, serde_json::from_slice(&json).map_err(std::io::Error::other)?)),
+        other => Err(std::io::Error::other(format!("unexpected answer to mbal load: {other:?}"))),
     }
-    let bad = || std::io::Error::other(format!("unexpected answer {:?}", line.trim_end()));
-    let mut it = line.split_whitespace();
-    if it.next() != Some("LOAD") {
-        return Err(bad());
-    }
-    let seq: u64 = it.next().and_then(|s| s.parse().ok()).ok_or_else(bad)?;
-    let len: usize = it.next().and_then(|s| s.parse().ok()).filter(|l| *l < 64 << 20).ok_or_else(bad)?;
-    let mut body = vec![0; len + 2];
-    r.read_exact(&mut body)?;
-    body.truncate(len);
-    let snap = serde_json::from_slice(&body).map_err(std::io::Error::other)?;
-    Ok((seq, snap))
 }
 
 #[cfg(test)]

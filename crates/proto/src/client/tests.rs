@@ -493,3 +493,51 @@ fn hints_kept_are_bounded() {
     assert_eq!(h.len(), MAX_HINTS);
     assert_eq!(h[0].key, b"k0");
 }
+
+/// A reader that hands out its bytes a few at a time, then a timeout or EOF.
+struct Trickle<'a> {
+    data: &'a [u8],
+    step: usize,
+    then: std::io::ErrorKind,
+}
+
+impl std::io::Read for Trickle<'_> {
+    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+        if self.data.is_empty() {
+            return match self.then {
+                std::io::ErrorKind::UnexpectedEof => Ok(0),
+                k => Err(k.into()),
+            };
+        }
+        let n = self.step.min(self.data.len()).min(out.len());
+        out[..n].copy_from_slice(&self.data[..n]);
+        self.data = &self.data[n..];
+        Ok(n)
+    }
+}
+
+#[test]
+fn read_reply_gathers_a_load_across_reads_and_keeps_what_a_timeout_cut() {
+    let json = br#"{"seq":7,"workers":[]}"#;
+    let mut wire = format!("LOAD 7 {}\r\n", json.len()).into_bytes();
+    wire.extend_from_slice(json);
+    wire.extend_from_slice(b"\r\nLOAD 8 2\r\n{}");
+    let mut rr = ReplyReader::new();
+    let mut r = Trickle { data: &wire, step: 5, then: std::io::ErrorKind::WouldBlock };
+    assert_eq!(rr.read_reply(&mut r, Expect::Line).unwrap(), Reply::Load { seq: 7, json: json.to_vec() });
+    // The second is cut short by a timeout: the bytes stay for the next call.
+    assert_eq!(rr.read_reply(&mut r, Expect::Line).unwrap_err().kind(), std::io::ErrorKind::WouldBlock);
+    let mut rest = Trickle { data: b"\r\n", step: 1, then: std::io::ErrorKind::UnexpectedEof };
+    assert_eq!(rr.read_reply(&mut rest, Expect::Line).unwrap(), Reply::Load { seq: 8, json: b"{}".to_vec() });
+    // A connection closed mid-reply, and a malformed one.
+    let mut cut = Trickle { data: b"LOAD 9 10\r\n{", step: 64, then: std::io::ErrorKind::UnexpectedEof };
+    assert_eq!(
+        ReplyReader::new().read_reply(&mut cut, Expect::Line).unwrap_err().kind(),
+        std::io::ErrorKind::UnexpectedEof
+    );
+    let mut bad = Trickle { data: b"LOAD x\r\n", step: 64, then: std::io::ErrorKind::UnexpectedEof };
+    assert_eq!(
+        ReplyReader::new().read_reply(&mut bad, Expect::Line).unwrap_err().kind(),
+        std::io::ErrorKind::InvalidData
+    );
+}

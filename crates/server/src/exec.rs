@@ -667,3 +667,133 @@ pub(crate) fn bin_keyed(ctx: &mut Ctx, req: &BinReq, at: Loc, out: &mut Vec<u8>)
         _ => err(out, st::UNKNOWN_COMMAND, b"Unknown command"),
     }
 }
+
+/// Execution alone, with no socket, no thread and no `Shared`: a store that
+/// owns every cachelet of a small key space, requests parsed by `mbal-proto`
+/// and run through this module's entry points, and the reply bytes checked.
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mbal_proto::{Limits, Parsed, Protocol, Request};
+    use mbal_store::{Cachelet, GlobalPool, StoreConfig};
+
+    struct Worker {
+        store: WorkerStore,
+        layout: KeySpace,
+        settings: Settings,
+        counters: Counters,
+        now: u32,
+    }
+
+    fn worker(settings: Settings) -> Worker {
+        let layout = KeySpace::even(8, 64);
+        let cfg = StoreConfig { mem_limit: 8 << 20, cas_enabled: settings.cas_enabled, ..StoreConfig::default() };
+        let mut store = WorkerStore::new(GlobalPool::new(8 << 20, cfg.page_size), cfg, layout.cachelet_count());
+        for c in 0..layout.cachelet_count() {
+            store.insert_cachelet(Cachelet::new(c));
+        }
+        Worker { store, layout, settings, counters: Counters::default(), now: 0 }
+    }
+
+    impl Worker {
+        /// Run one request (text, meta or binary bytes) and return its reply.
+        fn run(&mut self, proto: Protocol, bytes: &[u8]) -> Vec<u8> {
+            let Parsed::Req { req, .. } = mbal_proto::parse(proto, bytes, &Limits::default()) else {
+                panic!("not a whole request: {:?}", String::from_utf8_lossy(bytes))
+            };
+            let layout = self.layout.clone();
+            let mut ctx = Ctx {
+                store: &mut self.store,
+                layout: &self.layout,
+                settings: &self.settings,
+                counters: &mut self.counters,
+                now: self.now,
+                detail: Some(b':'),
+            };
+            let mut out = Vec::new();
+            match req {
+                Request::Text(TextCmd::Get { keys, cas, touch, .. }) => {
+                    for k in keys.iter() {
+                        text_get_one(&mut ctx, k, locate(&layout, k), cas, touch, &mut out);
+                    }
+                    out.extend_from_slice(b"END\r\n");
+                }
+                Request::Text(cmd) => {
+                    let key = match cmd {
+                        TextCmd::Store { key, .. }
+                        | TextCmd::Delete { key, .. }
+                        | TextCmd::Arith { key, .. }
+                        | TextCmd::Touch { key, .. } => key,
+                        other => panic!("not a keyed command: {other:?}"),
+                    };
+                    text_keyed(&mut ctx, &cmd, locate(&layout, key), &mut out);
+                }
+                Request::Meta(cmd) => meta_keyed(&mut ctx, &cmd, cmd.key, locate(&layout, cmd.key), &mut out),
+                Request::Bin(b) => bin_keyed(&mut ctx, &b, locate(&layout, b.key), &mut out),
+            }
+            out
+        }
+
+        fn text(&mut self, line: &str) -> String {
+            String::from_utf8(self.run(Protocol::Text, line.as_bytes())).unwrap()
+        }
+    }
+
+    #[test]
+    fn text_commands_run_against_the_store() {
+        let mut w = worker(Settings::default());
+        assert_eq!(w.text("set a:1 5 0 2\r\nhi\r\n"), "STORED\r\n");
+        assert_eq!(w.text("get a:1\r\n"), "VALUE a:1 5 2\r\nhi\r\nEND\r\n");
+        assert_eq!(w.text("add a:1 0 0 1\r\nx\r\n"), "NOT_STORED\r\n");
+        assert_eq!(w.text("append a:1 0 0 1\r\n!\r\n"), "STORED\r\n");
+        assert_eq!(w.text("get a:1 nope\r\n"), "VALUE a:1 5 3\r\nhi!\r\nEND\r\n");
+        assert_eq!(w.text("set n 0 0 2\r\n41\r\n"), "STORED\r\n");
+        assert_eq!(w.text("incr n 1\r\n"), "42\r\n");
+        assert_eq!(w.text("decr n 50\r\n"), "0\r\n");
+        assert_eq!(w.text("incr a:1 1\r\n"), "CLIENT_ERROR cannot increment or decrement non-numeric value\r\n");
+        assert_eq!(w.text("delete a:1\r\n"), "DELETED\r\n");
+        assert_eq!(w.text("delete a:1\r\n"), "NOT_FOUND\r\n");
+        assert_eq!(w.text("set q 0 0 1 noreply\r\nq\r\n"), "", "noreply: nothing");
+        // The counters this worker keeps: its prefixes under `stats detail`.
+        let mut dump = Vec::new();
+        w.counters.prefixes.dump(&mut crate::stats::TextSink(&mut dump));
+        let dump = String::from_utf8(dump).unwrap();
+        assert!(dump.contains("PREFIX a get 2 hit 2 set 3 del 2"), "{dump}");
+    }
+
+    #[test]
+    fn cas_and_expiry_follow_memcached() {
+        let mut w = worker(Settings::default());
+        w.text("set k 0 10 1\r\nv\r\n");
+        let gets = w.text("gets k\r\n");
+        let cas: u64 = gets.split_whitespace().nth(4).unwrap().parse().unwrap();
+        assert_eq!(w.text(&format!("cas k 0 0 1 {}\r\nw\r\n", cas + 1)), "EXISTS\r\n");
+        assert_eq!(w.text(&format!("cas k 0 0 1 {cas}\r\nw\r\n")), "STORED\r\n");
+        assert_eq!(w.text("cas nope 0 0 1 1\r\nw\r\n"), "NOT_FOUND\r\n");
+        w.text("set t 0 10 1\r\nv\r\n");
+        w.now = 10;
+        assert_eq!(w.text("get t\r\n"), "END\r\n", "expired at 10 s");
+        assert_eq!(w.text("touch k 5\r\n"), "TOUCHED\r\n");
+        // -C: every cas fails as if the item changed.
+        let mut c = worker(Settings { cas_enabled: false, ..Settings::default() });
+        c.text("set k 0 0 1\r\nv\r\n");
+        assert_eq!(c.text("cas k 0 0 1 1\r\nw\r\n"), "EXISTS\r\n");
+    }
+
+    #[test]
+    fn meta_and_binary_requests_run_against_the_same_store() {
+        let mut w = worker(Settings::default());
+        assert_eq!(w.text("ms mk 2 F7\r\nhi\r\n"), "HD\r\n");
+        assert_eq!(w.text("mg mk v f\r\n"), "VA 2 f7\r\nhi\r\n");
+        assert_eq!(w.text("mg missing v\r\n"), "EN\r\n");
+        assert_eq!(w.text("md mk q\r\n"), "", "quiet success");
+        assert_eq!(w.text("mg mk v\r\n"), "EN\r\n");
+        // A binary SET, then the text GET sees it.
+        let mut set = Vec::new();
+        mbal_proto::binary::write_request(&mut set, op::SET, 0, 0, 0, &[0, 0, 0, 9, 0, 0, 0, 0], b"bk", b"bv");
+        let reply = w.run(Protocol::Binary, &set);
+        assert_eq!(reply[0], mbal_proto::binary::MAGIC_RESPONSE);
+        assert_eq!(u16::from_be_bytes([reply[6], reply[7]]), st::NO_ERROR);
+        assert_eq!(w.text("get bk\r\n"), "VALUE bk 9 2\r\nbv\r\nEND\r\n");
+    }
+}

@@ -32,13 +32,13 @@
 //! controller thread has no port, only a mailbox and a tick.
 
 pub mod auth;
-mod capacity;
 pub mod config;
+// The shard engine's modules, under the names the server's modules use.
+pub use mbal_engine::counters;
+use mbal_engine::{capacity, exec, replica};
 mod control;
-pub mod counters;
 pub mod credentials;
 mod dispatch;
-mod exec;
 mod fold;
 mod forward;
 mod moves;
@@ -47,7 +47,6 @@ mod near;
 mod output;
 mod peerload;
 mod readbuf;
-mod replica;
 mod replicate;
 mod shared;
 mod slots;

@@ -410,7 +410,7 @@ pub(crate) fn exec_ctx<'a>(
     now: u32,
 ) -> Ctx<'a> {
     let detail = shared.detail();
-    Ctx { store, layout: &shared.layout, settings: &shared.settings, counters, now, detail }
+    Ctx { store, layout: &shared.layout, cas_enabled: shared.settings.cas_enabled, counters, now, detail }
 }
 
 /// Prefetch the index lines of a text get's or store's keys that live in this worker's store.

@@ -17,7 +17,7 @@ use std::collections::HashMap;
 
 /// A hot key homed on this worker.
 #[derive(Debug)]
-pub(crate) struct HotEntry {
+pub struct HotEntry {
     pub key: Box<[u8]>,
     pub cachelet: u32,
     /// Copies 1..=`replicas` exist (or are being made): writes go to all.
@@ -36,13 +36,13 @@ pub(crate) struct HotEntry {
 
 /// The hint a read of a key gets.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Hint {
+pub struct Hint {
     pub replicas: u32,
     pub lease_ms: u64,
 }
 
 #[derive(Debug, Default)]
-pub(crate) struct HotTable {
+pub struct HotTable {
     by_hash: HashMap<u64, HotEntry>,
     /// The longest lease a client gets (`lease_epochs` × the epoch).
     pub lease_cap_ms: u64,
@@ -116,7 +116,7 @@ impl HotTable {
 
 /// A copy of another server's hot key.
 #[derive(Debug)]
-pub(crate) struct Copy {
+pub struct Copy {
     pub flags: u32,
     pub value: Box<[u8]>,
     /// Dropped at this time (server clock, ns) unless renewed.
@@ -130,7 +130,7 @@ pub(crate) struct Copy {
 
 /// Counters of the shadow table (`stats`).
 #[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct ShadowStats {
+pub struct ShadowStats {
     pub items: u64,
     pub bytes: u64,
     pub reads: u64,
@@ -140,7 +140,7 @@ pub(crate) struct ShadowStats {
 }
 
 #[derive(Debug, Default)]
-pub(crate) struct ShadowTable {
+pub struct ShadowTable {
     copies: HashMap<Box<[u8]>, Copy>,
     bytes: usize,
     /// Most bytes (keys and values) it holds.
@@ -243,7 +243,7 @@ impl ShadowTable {
 
 /// A worker's Phase 1 state.
 #[derive(Debug, Default)]
-pub(crate) struct Replicas {
+pub struct Replicas {
     pub hot: HotTable,
     pub shadow: ShadowTable,
     pub alarm: Alarm,
@@ -253,10 +253,10 @@ pub(crate) struct Replicas {
 }
 
 /// How long a worker measures its load before it may raise an alarm.
-pub(crate) const ALARM_WINDOW_NS: u64 = 250_000_000;
+pub const ALARM_WINDOW_NS: u64 = 250_000_000;
 /// How far above the limit a window must be to raise an alarm, in standard
 /// deviations of a Poisson count at the limit.
-pub(crate) const ALARM_SIGMAS: f64 = 3.0;
+pub const ALARM_SIGMAS: f64 = 3.0;
 
 /// A worker's hotspot alarm (Phase 1's trigger within an epoch): over
 /// windows of at least [`ALARM_WINDOW_NS`], the requests it served against
@@ -267,7 +267,7 @@ pub(crate) const ALARM_SIGMAS: f64 = 3.0;
 /// sampled in that window; the controller's policy replicates the hottest
 /// of them at once instead of at the epoch's end.
 #[derive(Debug, Default)]
-pub(crate) struct Alarm {
+pub struct Alarm {
     /// Requests/s above which this worker is hot; `None`: no alarms.
     pub limit: Option<f64>,
     start_ns: u64,

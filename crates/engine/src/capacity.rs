@@ -26,14 +26,14 @@ const ONE: i64 = 1_000_000_000;
 /// sleep overshooting by a millisecond or two (`poll` has millisecond
 /// granularity) loses nothing, short enough that the cap holds over any
 /// window of more than a few milliseconds.
-pub(crate) const BURST_NS: u64 = 5_000_000;
+pub const BURST_NS: u64 = 5_000_000;
 
 /// Caps above this are taken as this (a trillion requests a second is
 /// unlimited in practice), so the bucket's size fits its integer.
 const MAX_PER_SEC: u64 = 1_000_000_000_000;
 
 #[derive(Debug)]
-pub(crate) struct Capacity {
+pub struct Capacity {
     /// Credit in units (`ONE` per token); may go negative (debt).
     credit: i64,
     /// What one request costs: `ONE`, or 0 when unlimited.
@@ -48,7 +48,7 @@ pub(crate) struct Capacity {
 
 impl Capacity {
     /// A bucket of `per_sec` requests per second (0: unlimited), full at `now_ns`.
-    pub(crate) fn new(per_sec: u64, now_ns: u64) -> Capacity {
+    pub fn new(per_sec: u64, now_ns: u64) -> Capacity {
         if per_sec == 0 {
             return Capacity { credit: i64::MAX, cost: 0, per_sec: 0, burst: i64::MAX, last_ns: now_ns };
         }
@@ -61,19 +61,19 @@ impl Capacity {
     /// Is there a cap at all? (Branch on this before any work that only a
     /// capped worker does.)
     #[inline]
-    pub(crate) fn limited(&self) -> bool {
+    pub fn limited(&self) -> bool {
         self.per_sec != 0
     }
 
     /// May the worker take one more request? Always true when unlimited.
     #[inline]
-    pub(crate) fn has_credit(&self) -> bool {
+    pub fn has_credit(&self) -> bool {
         self.credit > 0
     }
 
     /// How many requests the credit pays for now: every whole token, and
     /// one more on a sliver (0 when out of credit).
-    pub(crate) fn available(&self) -> usize {
+    pub fn available(&self) -> usize {
         if self.credit <= 0 {
             return 0;
         }
@@ -82,12 +82,12 @@ impl Capacity {
 
     /// Pay for `n` requests executed (nothing when unlimited).
     #[inline]
-    pub(crate) fn spend(&mut self, n: u64) {
+    pub fn spend(&mut self, n: u64) {
         self.credit = self.credit.saturating_sub(self.cost.saturating_mul(n as i64));
     }
 
     /// Add the credit earned since the last refill, up to the bucket's size.
-    pub(crate) fn refill(&mut self, now_ns: u64) {
+    pub fn refill(&mut self, now_ns: u64) {
         if !self.limited() || now_ns <= self.last_ns {
             return;
         }
@@ -98,7 +98,7 @@ impl Capacity {
     }
 
     /// How long until there is credit again (zero if there is some now).
-    pub(crate) fn wait(&self) -> Duration {
+    pub fn wait(&self) -> Duration {
         if self.credit > 0 || self.per_sec == 0 {
             return Duration::ZERO;
         }

@@ -112,7 +112,7 @@ impl PrefixStats {
         }
     }
 
-    pub(crate) fn add(&mut self, o: &PrefixStats) {
+    pub fn add(&mut self, o: &PrefixStats) {
         for (k, v) in &o.0 {
             let e = self.0.entry(k.clone()).or_default();
             for i in 0..4 {
@@ -122,7 +122,7 @@ impl PrefixStats {
     }
 
     /// memcached's dump lines, `PREFIX <p> get <n> hit <n> set <n> del <n>`, by prefix.
-    pub(crate) fn dump(&self, out: &mut dyn StatSink) {
+    pub fn dump(&self, out: &mut dyn StatSink) {
         let mut all: Vec<_> = self.0.iter().collect();
         all.sort();
         for (p, [get, hit, set, del]) in all {
@@ -133,7 +133,7 @@ impl PrefixStats {
 }
 
 impl Counters {
-    pub(crate) fn add(&mut self, o: &Counters) {
+    pub fn add(&mut self, o: &Counters) {
         macro_rules! sum { ($($f:ident),*) => { $( self.$f += o.$f; )* } }
         sum!(
             cmd_flush,

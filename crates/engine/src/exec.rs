@@ -1,11 +1,10 @@
 //! The one place that executes a request against a worker's cachelets.
 //!
-//! Routing (which worker owns a key) happens before this, in `worker.rs`;
+//! Routing (which worker owns a key) happens before this, in the server;
 //! parsing happens in `mbal-proto`. Every function here runs on the worker
 //! that owns the key's cachelet, touches only that worker's `WorkerStore` and
 //! counters, and appends the reply bytes to `out`.
 
-use crate::config::Settings;
 use crate::counters::Counters;
 use mbal_cluster::KeySpace;
 use mbal_proto::binary::{opcode as op, status as st, write_response, BinReq};
@@ -14,10 +13,11 @@ use mbal_proto::text::{self, StoreMode, TextCmd};
 use mbal_store::{ArithResult, CasOpts, DeleteResult, ItemView, Mode, StoreResult, WorkerStore};
 
 /// What a worker needs to execute a request.
-pub(crate) struct Ctx<'a> {
+pub struct Ctx<'a> {
     pub store: &'a mut WorkerStore,
     pub layout: &'a KeySpace,
-    pub settings: &'a Settings,
+    /// memcached's `-C` off: CAS is kept (else every `cas` fails as if the item changed).
+    pub cas_enabled: bool,
     pub counters: &'a mut Counters,
     /// Seconds since process start (the coarse clock).
     pub now: u32,
@@ -36,12 +36,12 @@ impl Ctx<'_> {
 
 /// A key located in the key space: its hash (computed once) and cachelet.
 #[derive(Clone, Copy)]
-pub(crate) struct Loc {
+pub struct Loc {
     pub hash: u64,
     pub cachelet: u32,
 }
 
-pub(crate) fn locate(layout: &KeySpace, key: &[u8]) -> Loc {
+pub fn locate(layout: &KeySpace, key: &[u8]) -> Loc {
     let hash = mbal_cluster::key_hash(key);
     Loc { hash, cachelet: layout.cachelet_of_hash(hash) }
 }
@@ -60,7 +60,7 @@ fn store_mode(m: StoreMode) -> Mode {
 
 /// One key of a text `get`/`gets`/`gat`/`gats`: appends a VALUE block on a
 /// hit, nothing on a miss. The caller writes the closing `END`.
-pub(crate) fn text_get_one(ctx: &mut Ctx, key: &[u8], at: Loc, cas: bool, touch: Option<i64>, out: &mut Vec<u8>) {
+pub fn text_get_one(ctx: &mut Ctx, key: &[u8], at: Loc, cas: bool, touch: Option<i64>, out: &mut Vec<u8>) {
     let item = match touch {
         Some(exp) => ctx.store.touch(at.cachelet, at.hash, key, exp, ctx.now),
         None => ctx.store.get(at.cachelet, at.hash, key, ctx.now),
@@ -74,12 +74,12 @@ pub(crate) fn text_get_one(ctx: &mut Ctx, key: &[u8], at: Loc, cas: bool, touch:
 
 /// A single-key text command (everything but get, which is per key above,
 /// and the keyless commands, which the worker handles).
-pub(crate) fn text_keyed(ctx: &mut Ctx, cmd: &TextCmd, at: Loc, out: &mut Vec<u8>) {
+pub fn text_keyed(ctx: &mut Ctx, cmd: &TextCmd, at: Loc, out: &mut Vec<u8>) {
     match *cmd {
         TextCmd::Store { mode, key, flags, exptime, data, cas_unique, noreply } => {
             ctx.detail(key, crate::counters::PrefixOp::Set);
             let cas = (mode == StoreMode::Cas).then_some(cas_unique);
-            if cas.is_some() && !ctx.settings.cas_enabled {
+            if cas.is_some() && !ctx.cas_enabled {
                 // memcached -C: every cas fails as if the item changed.
                 reply(out, noreply, text::EXISTS);
                 return;
@@ -144,7 +144,7 @@ fn reply(out: &mut Vec<u8>, noreply: bool, line: &[u8]) {
 /// base64; `q` hides only the nominal reply (`HD` of ms/md, `EN` of mg, `HD`/`VA` of an
 /// ma that changed an existing item); `t` shows the TTL as of its place among the flags, so
 /// `t` before `T`/`N` shows the old one.
-pub(crate) fn meta_keyed(ctx: &mut Ctx, cmd: &MetaCmd, key: &[u8], at: Loc, out: &mut Vec<u8>) {
+pub fn meta_keyed(ctx: &mut Ctx, cmd: &MetaCmd, key: &[u8], at: Loc, out: &mut Vec<u8>) {
     ctx.counters.cmd_meta += 1;
     let f = &cmd.flags;
     let quiet = f.has(b'q');
@@ -152,7 +152,7 @@ pub(crate) fn meta_keyed(ctx: &mut Ctx, cmd: &MetaCmd, key: &[u8], at: Loc, out:
     match cmd.kind {
         MetaKind::Get => {
             let (Ok(ttl_update), Ok(vivify), Ok(recache), Ok(explicit)) =
-                (f.num::<i64>(b'T'), f.num::<i64>(b'N'), f.num::<i64>(b'R'), explicit_cas(f, ctx.settings))
+                (f.num::<i64>(b'T'), f.num::<i64>(b'N'), f.num::<i64>(b'R'), explicit_cas(f, ctx.cas_enabled))
             else {
                 return bad_flag(out);
             };
@@ -251,12 +251,12 @@ pub(crate) fn meta_keyed(ctx: &mut Ctx, cmd: &MetaCmd, key: &[u8], at: Loc, out:
                 Some(b"R") => Mode::Replace,
                 Some(_) => return out.extend_from_slice(b"CLIENT_ERROR invalid mode for ms M token\r\n"),
             };
-            let Ok(new_cas) = explicit_cas(f, ctx.settings) else {
+            let Ok(new_cas) = explicit_cas(f, ctx.cas_enabled) else {
                 return bad_flag(out);
             };
             // memcached: add with a CAS works as a plain add.
             let cas = cas.filter(|_| mode != Mode::Add);
-            if cas.is_some() && !ctx.settings.cas_enabled {
+            if cas.is_some() && !ctx.cas_enabled {
                 MetaReply::begin(out, b"EX").finish(None);
                 return;
             }
@@ -300,7 +300,7 @@ pub(crate) fn meta_keyed(ctx: &mut Ctx, cmd: &MetaCmd, key: &[u8], at: Loc, out:
                 Ok(v) => v,
                 Err(()) => return bad_flag(out),
             };
-            let Ok(explicit) = explicit_cas(f, ctx.settings) else {
+            let Ok(explicit) = explicit_cas(f, ctx.cas_enabled) else {
                 return bad_flag(out);
             };
             let code: &[u8; 2] = if f.has(b'I') {
@@ -393,13 +393,13 @@ fn meta_arith(ctx: &mut Ctx, cmd: &MetaCmd, key: &[u8], at: Loc, out: &mut Vec<u
         Some(b"D" | b"-") => false,
         Some(_) => return out.extend_from_slice(b"CLIENT_ERROR invalid mode for ma M token\r\n"),
     };
-    let Ok(explicit) = explicit_cas(f, ctx.settings) else {
+    let Ok(explicit) = explicit_cas(f, ctx.cas_enabled) else {
         return bad_flag(out);
     };
     let before = ctx.store.peek(at.cachelet, at.hash, key, now).map(|it| (it.cas, ttl_of(&it, now)));
     let mut result = match (compare, before) {
         // C: change the value only if the item's CAS is the one given.
-        (Some(c), Some((have, _))) if c != have || !ctx.settings.cas_enabled => None,
+        (Some(c), Some((have, _))) if c != have || !ctx.cas_enabled => None,
         _ => Some(ctx.store.arith(at.cachelet, at.hash, key, incr, delta, now)),
     };
     let mut created = false;
@@ -480,8 +480,8 @@ impl Ctx<'_> {
 }
 
 /// Meta `E<cas>`: the CAS the client chooses for the item it writes (ignored under `-C`).
-fn explicit_cas(f: &MetaFlags, settings: &Settings) -> Result<Option<u64>, ()> {
-    Ok(f.num::<u64>(b'E')?.filter(|_| settings.cas_enabled))
+fn explicit_cas(f: &MetaFlags, cas_enabled: bool) -> Result<Option<u64>, ()> {
+    Ok(f.num::<u64>(b'E')?.filter(|_| cas_enabled))
 }
 
 fn bad_flag(out: &mut Vec<u8>) {
@@ -519,7 +519,7 @@ fn echo_flags(w: &mut MetaReply, cmd: &MetaCmd) {
 // -------------------------------------------------------------- binary ----
 
 /// Execute a keyed binary request.
-pub(crate) fn bin_keyed(ctx: &mut Ctx, req: &BinReq, at: Loc, out: &mut Vec<u8>) {
+pub fn bin_keyed(ctx: &mut Ctx, req: &BinReq, at: Loc, out: &mut Vec<u8>) {
     let h = &req.header;
     let key = req.key;
     let quiet = req.is_quiet();
@@ -588,7 +588,7 @@ pub(crate) fn bin_keyed(ctx: &mut Ctx, req: &BinReq, at: Loc, out: &mut Vec<u8>)
                 Err(e) => return e.write(out),
             };
             let cas = (h.cas != 0).then_some(h.cas);
-            if cas.is_some() && !ctx.settings.cas_enabled {
+            if cas.is_some() && !ctx.cas_enabled {
                 return err(out, st::KEY_EEXISTS, b"Data exists for key.");
             }
             let cas = if matches!(mode, Mode::Add) { None } else { cas };
@@ -680,19 +680,19 @@ mod tests {
     struct Worker {
         store: WorkerStore,
         layout: KeySpace,
-        settings: Settings,
+        cas_enabled: bool,
         counters: Counters,
         now: u32,
     }
 
-    fn worker(settings: Settings) -> Worker {
+    fn worker(cas_enabled: bool) -> Worker {
         let layout = KeySpace::even(8, 64);
-        let cfg = StoreConfig { mem_limit: 8 << 20, cas_enabled: settings.cas_enabled, ..StoreConfig::default() };
+        let cfg = StoreConfig { mem_limit: 8 << 20, cas_enabled, ..StoreConfig::default() };
         let mut store = WorkerStore::new(GlobalPool::new(8 << 20, cfg.page_size), cfg, layout.cachelet_count());
         for c in 0..layout.cachelet_count() {
             store.insert_cachelet(Cachelet::new(c));
         }
-        Worker { store, layout, settings, counters: Counters::default(), now: 0 }
+        Worker { store, layout, cas_enabled, counters: Counters::default(), now: 0 }
     }
 
     impl Worker {
@@ -705,7 +705,7 @@ mod tests {
             let mut ctx = Ctx {
                 store: &mut self.store,
                 layout: &self.layout,
-                settings: &self.settings,
+                cas_enabled: self.cas_enabled,
                 counters: &mut self.counters,
                 now: self.now,
                 detail: Some(b':'),
@@ -741,7 +741,7 @@ mod tests {
 
     #[test]
     fn text_commands_run_against_the_store() {
-        let mut w = worker(Settings::default());
+        let mut w = worker(true);
         assert_eq!(w.text("set a:1 5 0 2\r\nhi\r\n"), "STORED\r\n");
         assert_eq!(w.text("get a:1\r\n"), "VALUE a:1 5 2\r\nhi\r\nEND\r\n");
         assert_eq!(w.text("add a:1 0 0 1\r\nx\r\n"), "NOT_STORED\r\n");
@@ -755,15 +755,23 @@ mod tests {
         assert_eq!(w.text("delete a:1\r\n"), "NOT_FOUND\r\n");
         assert_eq!(w.text("set q 0 0 1 noreply\r\nq\r\n"), "", "noreply: nothing");
         // The counters this worker keeps: its prefixes under `stats detail`.
-        let mut dump = Vec::new();
-        w.counters.prefixes.dump(&mut crate::stats::TextSink(&mut dump));
-        let dump = String::from_utf8(dump).unwrap();
+        struct Lines(String);
+        impl crate::counters::StatSink for Lines {
+            fn stat(&mut self, _: &str, _: &dyn std::fmt::Display) {}
+            fn line(&mut self, line: &str) {
+                self.0.push_str(line);
+                self.0.push('\n');
+            }
+        }
+        let mut lines = Lines(String::new());
+        w.counters.prefixes.dump(&mut lines);
+        let dump = lines.0;
         assert!(dump.contains("PREFIX a get 2 hit 2 set 3 del 2"), "{dump}");
     }
 
     #[test]
     fn cas_and_expiry_follow_memcached() {
-        let mut w = worker(Settings::default());
+        let mut w = worker(true);
         w.text("set k 0 10 1\r\nv\r\n");
         let gets = w.text("gets k\r\n");
         let cas: u64 = gets.split_whitespace().nth(4).unwrap().parse().unwrap();
@@ -775,14 +783,14 @@ mod tests {
         assert_eq!(w.text("get t\r\n"), "END\r\n", "expired at 10 s");
         assert_eq!(w.text("touch k 5\r\n"), "TOUCHED\r\n");
         // -C: every cas fails as if the item changed.
-        let mut c = worker(Settings { cas_enabled: false, ..Settings::default() });
+        let mut c = worker(false);
         c.text("set k 0 0 1\r\nv\r\n");
         assert_eq!(c.text("cas k 0 0 1 1\r\nw\r\n"), "EXISTS\r\n");
     }
 
     #[test]
     fn meta_and_binary_requests_run_against_the_same_store() {
-        let mut w = worker(Settings::default());
+        let mut w = worker(true);
         assert_eq!(w.text("ms mk 2 F7\r\nhi\r\n"), "HD\r\n");
         assert_eq!(w.text("mg mk v f\r\n"), "VA 2 f7\r\nhi\r\n");
         assert_eq!(w.text("mg missing v\r\n"), "EN\r\n");

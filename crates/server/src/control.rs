@@ -293,8 +293,8 @@ impl Controller {
                 Command::Epoch(e) => {
                     let mbal_balance::control::EpochClosed { snapshot, balancer, hot, hotkeys } = *e;
                     if let Some(d) = &balancer {
-                        // The step that closed a Phase 2 epoch is, to
-                        // within a few microseconds, the planner's time.
+                        // The step that closed a Phase 2 epoch: its plan
+                        // and, in the same step, Phase 1's epoch.
                         self.planner_us_last = us;
                         self.planner_us_max = self.planner_us_max.max(us);
                         self.log_decision(snapshot.seq, d, us);

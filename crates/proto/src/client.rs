@@ -128,6 +128,15 @@ pub enum Frame<'a> {
     Deleted,
     Touched,
     Ok,
+    /// `OK <n>`: the answer to `mbal rttl` (reads the renewed copy served).
+    OkCount(u64),
+    /// `SLOTS <granted> <lease ms>`: the answer to `mbal slots`.
+    Slots {
+        granted: u64,
+        lease_ms: u64,
+    },
+    /// `HELD <n>`: the answer to `mbal slots held`.
+    Held(u64),
     /// `incr`/`decr` result.
     Number(u64),
     /// `RD <epoch> <server> <worker>`: the request's cachelet is served
@@ -420,7 +429,23 @@ impl Decoder {
                 b"NOT_FOUND" => only(Frame::NotFound, &mut w)?,
                 b"DELETED" => only(Frame::Deleted, &mut w)?,
                 b"TOUCHED" => only(Frame::Touched, &mut w)?,
-                b"OK" => only(Frame::Ok, &mut w)?,
+                b"OK" => match w.next() {
+                    None => Frame::Ok,
+                    Some(n) => match num(Some(n)) {
+                        Some(n) => only(Frame::OkCount(n), &mut w)?,
+                        None => return bad("bad OK line", line),
+                    },
+                },
+                b"SLOTS" => {
+                    let (Some(granted), Some(lease_ms)) = (num(w.next()), num(w.next())) else {
+                        return bad("bad SLOTS line", line);
+                    };
+                    only(Frame::Slots { granted, lease_ms }, &mut w)?
+                }
+                b"HELD" => {
+                    let Some(n) = num(w.next()) else { return bad("bad HELD line", line) };
+                    only(Frame::Held(n), &mut w)?
+                }
                 b"RD" => {
                     let (Some(epoch), Some(server), Some(worker)) = (num(w.next()), num(w.next()), num(w.next()))
                     else {
@@ -505,6 +530,12 @@ pub enum Reply {
     Deleted,
     Touched,
     Ok,
+    OkCount(u64),
+    Slots {
+        granted: u64,
+        lease_ms: u64,
+    },
+    Held(u64),
     Number(u64),
     Redirect {
         epoch: u64,
@@ -672,6 +703,9 @@ impl ReplyReader {
                 Frame::Deleted => Reply::Deleted,
                 Frame::Touched => Reply::Touched,
                 Frame::Ok => Reply::Ok,
+                Frame::OkCount(n) => Reply::OkCount(n),
+                Frame::Slots { granted, lease_ms } => Reply::Slots { granted, lease_ms },
+                Frame::Held(n) => Reply::Held(n),
                 Frame::Number(n) => Reply::Number(n),
                 Frame::Redirect { epoch, server, worker } => Reply::Redirect { epoch, server, worker },
                 Frame::Hello { server, worker, epoch, threads } => Reply::Hello { server, worker, epoch, threads },

@@ -55,6 +55,22 @@ pub fn write_moved(out: &mut Vec<u8>, epoch: u64) {
     line(out, b"MOVED", &[epoch]);
 }
 
+/// `OK <n>`: the answer to `mbal rttl` (the reads the renewed copy served
+/// since it was made or last renewed).
+pub fn write_ok_count(out: &mut Vec<u8>, n: u64) {
+    line(out, b"OK", &[n]);
+}
+
+/// `SLOTS <granted> <lease ms>`: the answer to `mbal slots <borrower> ...`.
+pub fn write_slots(out: &mut Vec<u8>, granted: u64, lease_ms: u64) {
+    line(out, b"SLOTS", &[granted, lease_ms]);
+}
+
+/// `HELD <n>`: the answer to `mbal slots held <lender>`.
+pub fn write_held(out: &mut Vec<u8>, n: u64) {
+    line(out, b"HELD", &[n]);
+}
+
 /// `MAP <epoch> <bytes>` and the map's JSON: the answer to `mbal map`.
 pub fn write_map(out: &mut Vec<u8>, epoch: u64, json: &[u8]) {
     blob(out, b"MAP", epoch, json);

@@ -416,10 +416,8 @@ fn answer_bytes(answer: Answer) -> Vec<u8> {
         Answer::HotOff => b.extend_from_slice(b"CLIENT_ERROR hot-key replication is off\r\n"),
         Answer::KeyElsewhere => b.extend_from_slice(b"CLIENT_ERROR key is served by another mbal server\r\n"),
         Answer::CouldNotReplicate => b.extend_from_slice(b"SERVER_ERROR could not replicate\r\n"),
-        Answer::Slots { granted, lease_ms } => {
-            b.extend_from_slice(format!("SLOTS {granted} {lease_ms}\r\n").as_bytes())
-        }
-        Answer::Held(n) => b.extend_from_slice(format!("HELD {n}\r\n").as_bytes()),
+        Answer::Slots { granted, lease_ms } => ext::write_slots(&mut b, granted as u64, lease_ms),
+        Answer::Held(n) => ext::write_held(&mut b, n as u64),
         Answer::NoSlots => {
             b.extend_from_slice(b"CLIENT_ERROR no slots are lent here (Phase 1 off or --hot-repl-high set)\r\n")
         }

@@ -631,11 +631,7 @@ fn shadow_cmd(shared: &Shared, rt: &mut Route, out: &mut Vec<u8>, args: &str, da
         }
         ["rttl", key, ttl] => match ttl.parse::<u64>().map(|ttl| sh.renew(key.as_bytes(), ttl, now)) {
             // The reads the copy served since the last renewal go back to the home.
-            Ok(Some(reads)) => {
-                out.extend_from_slice(b"OK ");
-                out.extend_from_slice(itoa::Buffer::new().format(reads).as_bytes());
-                out.extend_from_slice(b"\r\n");
-            }
+            Ok(Some(reads)) => mbal_proto::ext::write_ok_count(out, reads),
             Ok(None) => out.extend_from_slice(text::NOT_FOUND),
             Err(_) => out.extend_from_slice(b"CLIENT_ERROR usage: mbal rttl <key> <ttl-ms>\r\n"),
         },

@@ -24,17 +24,19 @@ use crate::msg::CtlMsg;
 use crate::msg::{Envelope, ReplyBatch, ReplyTo};
 use crate::shared::Shared;
 use crossbeam_channel::{Receiver, RecvTimeoutError};
+use mbal_proto::client::{Expect, Reply, ReplyReader};
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// A connection to a shadow worker (plain or TLS); written through
-/// `r.get_mut()`.
+/// A connection to a shadow worker (plain or TLS), and its replies read by
+/// the one reply codec.
 struct Peer {
-    r: BufReader<mbal_tls::BlockingStream>,
+    s: mbal_tls::BlockingStream,
+    rr: ReplyReader,
 }
 
 pub(crate) struct Replicator {
@@ -129,31 +131,25 @@ impl Replicator {
         reads: &mut [u64],
     ) -> bool {
         let Some(peer) = self.peer(loc) else { return false };
-        let w = peer.r.get_mut();
-        if w.write_all(buf).and_then(|_| w.flush()).is_err() {
+        if peer.s.write_all(buf).and_then(|_| peer.s.flush()).is_err() {
             return false;
         }
-        let mut line = String::new();
         for &i in who {
-            line.clear();
-            match peer.r.read_line(&mut line) {
-                Ok(0) | Err(_) => return false,
-                Ok(_) => {}
-            }
-            let good = match batch[i].op {
-                Op::Put { .. } => line == "STORED\r\n",
+            let Ok(answer) = peer.rr.read_reply(&mut peer.s, Expect::Line) else { return false };
+            let good = match (&batch[i].op, &answer) {
+                (Op::Put { .. }, Reply::Stored) => true,
                 // A copy already gone is as good as deleted.
-                Op::Del => line == "DELETED\r\n" || line == "NOT_FOUND\r\n",
-                Op::Renew { .. } => match renewed(&line) {
-                    Some(n) => {
-                        reads[i] += n;
-                        true
-                    }
-                    None => false,
-                },
+                (Op::Del, Reply::Deleted | Reply::NotFound) => true,
+                // `OK <reads>`: the reads the copy served since it was made or last renewed.
+                (Op::Renew { .. }, Reply::OkCount(n)) => {
+                    reads[i] += n;
+                    true
+                }
+                (Op::Renew { .. }, Reply::Ok) => true,
+                _ => false,
             };
             if !good {
-                tracing::debug!(?loc, answer = line.trim_end(), "replica command refused");
+                tracing::debug!(?loc, ?answer, "replica command refused");
                 ok[i] = false;
             }
         }
@@ -188,28 +184,22 @@ impl Replicator {
         // dialer proves this is a cluster member (`mbal peer`) when there is
         // a cluster secret.
         let s = self.shared.settings.peer_dialer(self.timeout).dial(addr, mbal_member::dial::Proto::Text)?;
-        let mut r = BufReader::new(s);
-        let mut line = String::new();
+        let mut p = Peer { s, rr: ReplyReader::new() };
         // Copy upkeep is not client load: exempt from emulated capacity
         // (before the hello, which hands the connection to the shadow worker).
         // (A hand-over must come before other unanswered requests: one at a time.)
-        r.get_mut().write_all(b"mbal replicator\r\n")?;
-        r.get_mut().flush()?;
-        line.clear();
-        r.read_line(&mut line)?;
-        if line != "OK\r\n" {
-            return Err(std::io::Error::other(format!("mbal replicator refused: {:?}", line.trim_end())));
+        p.s.write_all(b"mbal replicator\r\n")?;
+        p.s.flush()?;
+        match p.rr.read_reply(&mut p.s, Expect::Line)? {
+            Reply::Ok => {}
+            other => return Err(std::io::Error::other(format!("mbal replicator refused: {other:?}"))),
         }
-        write!(r.get_mut(), "mbal hello 0 {worker}\r\n")?;
-        r.get_mut().flush()?;
-        line.clear();
-        r.read_line(&mut line)?;
-        let mut it = line.split_whitespace();
-        let want = [Some("MBAL"), Some(&*server.to_string()), Some(&*worker.to_string())];
-        if [it.next(), it.next(), it.next()] != want {
-            return Err(std::io::Error::other(format!("unexpected hello answer {line:?}")));
+        write!(p.s, "mbal hello 0 {worker}\r\n")?;
+        p.s.flush()?;
+        match p.rr.read_reply(&mut p.s, Expect::Line)? {
+            Reply::Hello { server: s, worker: w, .. } if (s, w) == (server, worker) => Ok(p),
+            other => Err(std::io::Error::other(format!("unexpected hello answer {other:?}"))),
         }
-        Ok(Peer { r })
     }
 
     fn report(&mut self, job: Job, ok: bool, copy_reads: u64) {
@@ -255,16 +245,6 @@ fn send_reply(shared: &Shared, to: ReplyTo, cachelet: u32, bytes: &[u8]) {
     shared.peers().send_one(to.worker, Envelope::Replies(batch), shared.clock_ns());
 }
 
-/// A shadow's answer to `mbal rttl`: `OK <reads>` (the reads the copy served since it was
-/// made or last renewed; a bare `OK` counts none), `None` for anything else.
-fn renewed(line: &str) -> Option<u64> {
-    let rest = line.strip_suffix("\r\n")?.strip_prefix("OK")?;
-    if rest.is_empty() {
-        return Some(0);
-    }
-    rest.strip_prefix(' ')?.parse().ok()
-}
-
 /// The wire form of one job for one shadow (docs/protocol.md).
 fn command(buf: &mut Vec<u8>, key: &[u8], op: &Op) {
     let mut n = itoa::Buffer::new();
@@ -292,17 +272,5 @@ fn command(buf: &mut Vec<u8>, key: &[u8], op: &Op) {
             buf.extend_from_slice(n.format(*ttl_ms).as_bytes());
             buf.extend_from_slice(b"\r\n");
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn a_renewal_answer_carries_the_copys_reads() {
-        assert_eq!(super::renewed("OK 42\r\n"), Some(42));
-        assert_eq!(super::renewed("OK\r\n"), Some(0));
-        assert_eq!(super::renewed("NOT_FOUND\r\n"), None);
-        assert_eq!(super::renewed("OK x\r\n"), None);
-        assert_eq!(super::renewed("OKAY 1\r\n"), None);
     }
 }

@@ -16,9 +16,10 @@
 use crate::msg::{Ask, CtlMsg};
 use crate::shared::Shared;
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use mbal_proto::client::{Expect, Reply, ReplyReader};
 use mbal_tls::BlockingStream;
 use std::collections::{BTreeMap, HashMap};
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -34,7 +35,7 @@ pub(crate) fn spawn(shared: Arc<Shared>, servers: Vec<SocketAddr>) -> std::io::R
 fn run(shared: Arc<Shared>, servers: Vec<SocketAddr>, rx: Receiver<Ask>) {
     // Short: a renewal that waits on one lender delays the others'.
     let timeout = Duration::from_millis((shared.settings.epoch_ms / 4).clamp(50, 1000));
-    let mut conns: HashMap<u16, BufReader<BlockingStream>> = HashMap::new();
+    let mut conns: HashMap<u16, (BlockingStream, ReplyReader)> = HashMap::new();
     while !shared.shutdown.load(Ordering::Relaxed) {
         let first = match rx.recv_timeout(Duration::from_millis(200)) {
             Ok(a) => a,
@@ -56,13 +57,13 @@ fn run(shared: Arc<Shared>, servers: Vec<SocketAddr>, rx: Receiver<Ask>) {
                 Ask::Held { .. } => format!("mbal slots held {}\r\n", shared.server_id),
             };
             let answer = ask_one(&shared, &mut conns, peer, addr, &line, timeout);
-            match (ask, answer.as_deref().map(parse_answer)) {
-                (Ask::Lend { .. }, Ok(Some(Answer::Slots(slots, lease_ms)))) => {
-                    let lease_ns = lease_ms.saturating_mul(1_000_000);
+            match (ask, answer) {
+                (Ask::Lend { .. }, Ok(Reply::Slots { granted, lease_ms })) => {
+                    let (slots, lease_ns) = (granted as usize, lease_ms.saturating_mul(1_000_000));
                     shared.tell_controller(CtlMsg::SlotsGranted { lender: peer, slots, asked_at, lease_ns })
                 }
-                (Ask::Held { .. }, Ok(Some(Answer::Held(n)))) => {
-                    shared.tell_controller(CtlMsg::PeerHolds { peer, held: Some(n) })
+                (Ask::Held { .. }, Ok(Reply::Held(n))) => {
+                    shared.tell_controller(CtlMsg::PeerHolds { peer, held: Some(n as usize) })
                 }
                 (ask, answer) => {
                     tracing::debug!(peer, "mbal slots: {answer:?}");
@@ -76,56 +77,24 @@ fn run(shared: Arc<Shared>, servers: Vec<SocketAddr>, rx: Receiver<Ask>) {
     }
 }
 
-/// Send one line to `peer` and read its answer line.
+/// Send one line to `peer` and read its answer (the one reply codec).
 fn ask_one(
     shared: &Shared,
-    conns: &mut HashMap<u16, BufReader<BlockingStream>>,
+    conns: &mut HashMap<u16, (BlockingStream, ReplyReader)>,
     peer: u16,
     addr: SocketAddr,
     line: &str,
     timeout: Duration,
-) -> std::io::Result<String> {
-    let r = match conns.entry(peer) {
+) -> std::io::Result<Reply> {
+    let (s, rr) = match conns.entry(peer) {
         std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
         std::collections::hash_map::Entry::Vacant(e) => {
             // A control command: TLS and the membership proof as the cluster has them.
             let s = shared.settings.peer_dialer(timeout).dial(addr, mbal_member::dial::Proto::Text)?;
-            e.insert(BufReader::new(s))
+            e.insert((s, ReplyReader::new()))
         }
     };
-    r.get_mut().write_all(line.as_bytes())?;
-    r.get_mut().flush()?;
-    let mut answer = String::new();
-    if r.read_line(&mut answer)? == 0 {
-        return Err(std::io::Error::other("closed"));
-    }
-    Ok(answer)
-}
-
-#[derive(Debug, PartialEq)]
-enum Answer {
-    /// `SLOTS <granted> <lease ms>`.
-    Slots(usize, u64),
-    /// `HELD <n>`.
-    Held(usize),
-}
-
-fn parse_answer(line: &str) -> Option<Answer> {
-    match line.split_whitespace().collect::<Vec<_>>()[..] {
-        ["SLOTS", n, ms] => Some(Answer::Slots(n.parse().ok()?, ms.parse().ok()?)),
-        ["HELD", n] => Some(Answer::Held(n.parse().ok()?)),
-        _ => None,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn an_answer_names_the_slots_and_the_lease() {
-        use super::Answer;
-        assert_eq!(super::parse_answer("SLOTS 3 3000\r\n"), Some(Answer::Slots(3, 3000)));
-        assert_eq!(super::parse_answer("HELD 2\r\n"), Some(Answer::Held(2)));
-        assert_eq!(super::parse_answer("SLOTS 3\r\n"), None);
-        assert_eq!(super::parse_answer("CLIENT_ERROR control command refused\r\n"), None);
-    }
+    s.write_all(line.as_bytes())?;
+    s.flush()?;
+    rr.read_reply(s, Expect::Line)
 }

@@ -541,3 +541,21 @@ fn read_reply_gathers_a_load_across_reads_and_keeps_what_a_timeout_cut() {
         std::io::ErrorKind::InvalidData
     );
 }
+
+/// mbal's member-to-member answers: a renewal's `OK <reads>`, `SLOTS`, `HELD`
+/// (what the replicator and the slot thread read, and the server writes with `ext`).
+#[test]
+fn member_answers_decode_and_round_trip_through_ext() {
+    let mut wire = Vec::new();
+    crate::ext::write_ok_count(&mut wire, 42);
+    wire.extend_from_slice(b"OK\r\n");
+    crate::ext::write_slots(&mut wire, 3, 3000);
+    crate::ext::write_held(&mut wire, 2);
+    let got = parse_all(&wire, &[Expect::Line; 4]);
+    assert_eq!(got, vec![Reply::OkCount(42), Reply::Ok, Reply::Slots { granted: 3, lease_ms: 3000 }, Reply::Held(2)]);
+    for bad in [&b"OK x\r\n"[..], b"OK 1 2\r\n", b"SLOTS 3\r\n", b"SLOTS 3 x\r\n", b"HELD\r\n", b"OKAY 1\r\n"] {
+        let mut r = ReplyReader::new();
+        r.feed(bad);
+        assert!(r.next(Expect::Line).is_err(), "{:?}", String::from_utf8_lossy(bad));
+    }
+}

@@ -98,6 +98,18 @@ impl Index {
         let _ = b;
     }
 
+    /// The location named by the first slot of `hash`'s home bucket whose tag matches: the
+    /// item a lookup will most likely read (a guess for a prefetch; `find` confirms by key).
+    #[inline]
+    pub fn guess(&self, hash: u64) -> Option<(u32, u32)> {
+        if self.buckets.is_empty() {
+            return None;
+        }
+        let t = tag(hash);
+        let bk = &self.buckets[hash as usize & self.mask()];
+        bk.slot.iter().find(|&&s| slot_tag(s) == t).map(|&s| loc(s))
+    }
+
     /// The location of the item with this hash for which `eq(seg, off)` holds.
     #[inline]
     pub fn find(&self, hash: u64, mut eq: impl FnMut(u32, u32) -> bool) -> Option<(u32, u32)> {

@@ -16,6 +16,8 @@ pub(crate) const STALE: u8 = 4;
 pub(crate) const WIN: u8 = 8;
 /// Read since it was written or last kept by eviction (the CLOCK bit).
 pub(crate) const ACCESSED: u8 = 16;
+/// Counted in the `stats sizes` histogram (`store/sizes.rs`).
+pub(crate) const SIZED: u8 = 32;
 
 #[inline]
 pub(crate) fn footprint(klen: usize, vlen: usize) -> usize {

@@ -100,9 +100,13 @@ pub const MAX_PAGE_SIZE: usize = index::MAX_OFF as usize + 8;
 mod item;
 mod pool;
 mod store;
+pub mod wire;
 
 pub use pool::{GlobalPool, PoolStats};
-pub use store::{Cachelet, CacheletStats, ExportedItem, KeyWatch, WorkerStats, WorkerStore};
+pub use store::{
+    log, memcached_item_size, Cachelet, CacheletStats, DeltaItem, EventLog, ExportedItem, ItemMeta, ItemRef, KeyWatch,
+    WorkerStats, WorkerStore, SIZES_BUCKET,
+};
 
 /// Memcached's relative/absolute exptime boundary: 30 days.
 pub const REALTIME_MAXDELTA: i64 = 60 * 60 * 24 * 30;

@@ -48,6 +48,12 @@ pub struct GlobalPool {
     /// Pages asked for by workers that could neither refill nor evict (they own no segment).
     /// Other workers read it only when they open a segment or sweep, and shed pages.
     wanted: AtomicUsize,
+    /// `-M`: the smallest item refused for memory since the pool ran out of pages
+    /// (`usize::MAX`: none). Every worker refuses items this large or larger at once until
+    /// room is made (memcached keeps refusing once full; see `WorkerStore::alloc`).
+    refused: AtomicUsize,
+    /// `stats sizes_enable`: the item size histogram (`store/sizes.rs`).
+    pub(crate) sizes: crate::store::SizesSwitch,
 }
 
 impl GlobalPool {
@@ -64,6 +70,8 @@ impl GlobalPool {
             inner: Mutex::new(Inner { free: Vec::new(), created: 0, large: 0, outstanding: 0 }),
             available: AtomicUsize::new(total_pages),
             wanted: AtomicUsize::new(0),
+            refused: AtomicUsize::new(usize::MAX),
+            sizes: Default::default(),
         })
     }
 
@@ -135,6 +143,34 @@ impl GlobalPool {
     }
 
     /// Record that a worker needs `n` pages it cannot get (capped at the whole budget).
+    /// `-M`: is an item of `size` bytes refused at once (one this large was refused and no
+    /// page came free since)? Clears the mark when a page did.
+    pub(crate) fn refuses(&self, size: usize) -> bool {
+        let r = self.refused.load(Ordering::Relaxed);
+        if r == usize::MAX {
+            return false;
+        }
+        if self.available_pages() > 0 {
+            self.refused.store(usize::MAX, Ordering::Relaxed);
+            return false;
+        }
+        size >= r
+    }
+
+    /// `-M`: an item of `size` bytes was refused with no page left (`None`: room was made).
+    pub(crate) fn set_refused(&self, size: Option<usize>) {
+        match size {
+            Some(s) => {
+                self.refused.fetch_min(s, Ordering::Relaxed);
+            }
+            None => {
+                if self.refused.load(Ordering::Relaxed) != usize::MAX {
+                    self.refused.store(usize::MAX, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+
     pub(crate) fn want(&self, n: usize) {
         let cap = self.total_pages;
         let _ = self.wanted.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| Some((w + n).min(cap)));

@@ -1,7 +1,7 @@
-//! Cachelets (index + segments) and the per-worker store: lookups and writes here; item memory in `store/mem.rs`, making room (eviction, compaction, sweep) in `store/evict.rs`. See the crate docs for the design.
+//! Cachelets (index + segments) and the per-worker store: lookups and writes here; item memory in `store/mem.rs`, making room (eviction, compaction, sweep) in `store/evict.rs`, the counters in `store/stats.rs`. See the crate docs for the design.
 
 use crate::index::Index;
-use crate::item::{footprint, It, ACCESSED, DEAD, FETCHED, MAX_KEY, STALE, WIN};
+use crate::item::{footprint, It, ACCESSED, DEAD, FETCHED, MAX_KEY, SIZED, STALE, WIN};
 use crate::pool::{GlobalPool, Page};
 use crate::{rel_exptime, ArithResult, CasOpts, DeleteResult, ItemView, MetaBits, Mode, StoreConfig, StoreResult};
 use std::collections::BTreeSet;
@@ -42,20 +42,6 @@ impl Segment {
     }
 }
 
-/// Per-cachelet counters (plain integers; the balancer reads them via [`Cachelet::stats`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct CacheletStats {
-    pub items: u64,
-    /// Live item bytes (item footprints: header + key + value + padding).
-    pub bytes: u64,
-    /// Pages held (segments, large items counted by their charge).
-    pub pages: u64,
-    pub reads: u64,
-    pub writes: u64,
-    pub hits: u64,
-    pub misses: u64,
-}
-
 /// A partition of the key space: its index, its segments (pages) and its counters.
 /// Aligned to 128 bytes: cachelets of different workers never share a cache line.
 #[repr(align(128))]
@@ -72,6 +58,8 @@ pub struct Cachelet {
     flushes: Vec<(u32, u64)>,
     /// CAS counter of the worker it was taken from.
     cas_floor: u64,
+    /// The `stats sizes` table its items' `SIZED` marks were made under (0: none).
+    sized: u64,
     /// The pool its pages belong to (set on first insert); used if it is dropped on its own.
     pool: Option<Arc<GlobalPool>>,
 }
@@ -105,24 +93,13 @@ impl Cachelet {
             st: CacheletStats::default(),
             flushes: Vec::new(),
             cas_floor: 0,
+            sized: 0,
             pool: None,
         })
     }
 
     pub fn id(&self) -> u32 {
         self.id
-    }
-
-    pub fn stats(&self) -> CacheletStats {
-        self.st
-    }
-
-    /// Reset the read/write/hit/miss counters (e.g. at a balancer epoch), keeping gauges.
-    pub fn reset_counters(&mut self) {
-        self.st.reads = 0;
-        self.st.writes = 0;
-        self.st.hits = 0;
-        self.st.misses = 0;
     }
 
     #[inline]
@@ -221,52 +198,6 @@ enum Found {
     Flushed,
 }
 
-/// Worker-level statistics (memcached names where one exists).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct WorkerStats {
-    pub curr_items: u64,
-    pub total_items: u64,
-    pub bytes: u64,
-    pub limit_maxbytes: u64,
-    pub cmd_get: u64,
-    pub cmd_set: u64,
-    pub cmd_touch: u64,
-    pub get_hits: u64,
-    pub get_misses: u64,
-    pub get_expired: u64,
-    pub get_flushed: u64,
-    pub delete_hits: u64,
-    pub delete_misses: u64,
-    pub incr_hits: u64,
-    pub incr_misses: u64,
-    pub decr_hits: u64,
-    pub decr_misses: u64,
-    pub cas_hits: u64,
-    pub cas_misses: u64,
-    pub cas_badval: u64,
-    pub touch_hits: u64,
-    pub touch_misses: u64,
-    pub evictions: u64,
-    pub evicted_unfetched: u64,
-    pub reclaimed: u64,
-    pub expired_unfetched: u64,
-    pub out_of_memory: u64,
-    /// Items an eviction kept because they were read since written (CLOCK
-    /// second chance) and re-appended to their cachelet's open segment.
-    pub items_relocated: u64,
-    /// Items moved by compaction.
-    pub items_compacted: u64,
-    pub segments_compacted: u64,
-    /// Pages held by this worker: local free + normal segment pages + large-item charges.
-    pub pages_held: u64,
-    pub local_free_pages: u64,
-    pub segments: u64,
-    pub owned_cachelets: u64,
-    /// Bytes of the owned cachelets' hash indexes (outside the page budget; memcached's
-    /// `hash_bytes`).
-    pub hash_bytes: u64,
-}
-
 /// Memory-side state of a worker (split from the cachelet table for borrowing).
 struct Mem {
     cfg: StoreConfig,
@@ -293,6 +224,9 @@ struct Mem {
     /// taken.
     dead: [Vec<(u64, u32, u32)>; DEAD_BUCKETS],
     st: WorkerStats,
+    /// This worker's view of the `stats sizes` switch (`store/sizes.rs`).
+    sizes: Option<Arc<SizeHist>>,
+    sizes_seen: u64,
 }
 
 /// One worker's store: the cachelets it owns and its local page pool. Single-threaded.
@@ -304,6 +238,10 @@ pub struct WorkerStore {
     m: Mem,
     /// Phase 1's view of the traffic: key samples and writes to replicated keys.
     watch: KeyWatch,
+    /// `watch` log streaming: the lines of the events watchers want.
+    log: EventLog,
+    /// A cachelet on its way to another server: the keys written in it (`moving`).
+    moving: Option<moving::Moving>,
 }
 
 /// `bits_before` and `last_before` are the marks as they were before this access: `mg`'s `h`
@@ -368,9 +306,23 @@ impl WorkerStore {
                 kept: Vec::new(),
                 dead: Default::default(),
                 st,
+                sizes: None,
+                sizes_seen: 0,
             },
             watch: KeyWatch::default(),
+            log: EventLog::default(),
+            moving: None,
         }
+    }
+
+    /// The `watch` event lines ([`EventLog`]).
+    pub fn log(&mut self) -> &mut EventLog {
+        &mut self.log
+    }
+
+    /// memcached's slab class id of this store's items in logs and dumps: the worker + 1.
+    fn class(&self) -> u32 {
+        u32::from(self.m.cfg.worker_id) + 1
     }
 
     /// Phase 1's sampler and watched keys ([`KeyWatch`]).
@@ -389,6 +341,7 @@ impl WorkerStore {
 
     /// Adopt a cachelet (pointer move; its pages come with it).
     pub fn insert_cachelet(&mut self, mut c: Box<Cachelet>) {
+        self.sizes_arrive(&mut c);
         let id = c.id as usize;
         assert!(id < self.cachelets.len(), "cachelet id {id} out of range");
         assert!(self.cachelets[id].is_none(), "cachelet {id} already owned");
@@ -415,7 +368,11 @@ impl WorkerStore {
 
     /// Give up a cachelet (pointer move; its pages leave with it).
     pub fn take_cachelet(&mut self, id: u32) -> Option<Box<Cachelet>> {
+        self.sizes_check();
         let mut c = self.cachelets.get_mut(id as usize)?.take()?;
+        if self.moving() == Some(id) {
+            self.stop_moving();
+        }
         for (slot, seg) in c.segs.iter().enumerate() {
             if let Some(seg) = seg {
                 self.m.order.remove(&(seg.seq, c.id, slot as u32));
@@ -436,6 +393,25 @@ impl WorkerStore {
     pub fn prefetch(&self, cl: u32, hash: u64) {
         if let Some(Some(c)) = self.cachelets.get(cl as usize) {
             c.index.prefetch(hash);
+        }
+    }
+
+    /// Start loading the item a lookup of `hash` in cachelet `cl` will most likely read: the
+    /// first item its index line names under the hash's tag (the line should already be in
+    /// cache from an earlier `prefetch`; reading it is the only cost). Two lines of the item,
+    /// its header and key and the start of its value. Nothing if the cachelet is not here or
+    /// no slot matches.
+    #[inline]
+    pub fn prefetch_item(&self, cl: u32, hash: u64) {
+        let Some(Some(c)) = self.cachelets.get(cl as usize) else { return };
+        let Some((s, o)) = c.index.guess(hash) else { return };
+        let Some(Some(seg)) = c.segs.get(s as usize) else { return };
+        let o = o as usize;
+        if let Some(line) = seg.buf.get(o..) {
+            prefetch_line(line.as_ptr());
+            if let Some(next) = line.get(64..) {
+                prefetch_line(next.as_ptr());
+            }
         }
     }
 
@@ -479,6 +455,9 @@ impl WorkerStore {
         let (s, o) = match r {
             Found::Hit(s, o) => (s, o),
             other => {
+                if bump && self.log.wants(log::FETCHERS) {
+                    self.log.fetch(key, None);
+                }
                 if bump {
                     c.st.misses += 1;
                     self.m.st.get_misses += 1;
@@ -509,6 +488,10 @@ impl WorkerStore {
             It::set_last_access(&mut seg.buf, o, now);
         }
         let cas = self.m.shown_cas(It::cas(&seg.buf, o));
+        if bump && self.log.wants(log::FETCHERS) {
+            let cls = u32::from(self.m.cfg.worker_id) + 1;
+            self.log.fetch(key, Some((cls, It::vlen(&seg.buf, o))));
+        }
         Some(view(&seg.buf, o, cas, bits, last))
     }
 
@@ -544,6 +527,8 @@ impl WorkerStore {
         if size > self.m.cfg.max_item_size {
             return Err(StoreResult::TooLarge);
         }
+        self.sizes_check();
+        let bits = bits & !SIZED;
         let gen = self.m.evict_gen;
         let (s, o) = self.alloc(cl, size)?;
         let c = self.cachelets[cl as usize].as_deref_mut().expect("owned");
@@ -568,6 +553,7 @@ impl WorkerStore {
                 c.insert_index(hash, s, o);
             }
         }
+        self.sizes_written(cl, s, o);
         self.m.st.total_items += 1;
         Ok(cas)
     }
@@ -604,6 +590,54 @@ impl WorkerStore {
         opts: CasOpts,
         now: u32,
     ) -> StoreResult {
+        let r = self.store_inner(cl, hash, key, value, flags, exptime, mode, opts, now);
+        if self.log.wants(log::MUTATIONS) {
+            let status = match r {
+                StoreResult::Stored { .. } => "stored",
+                StoreResult::Exists => "exists",
+                StoreResult::NotFound => "not_found",
+                StoreResult::TooLarge => "too_large",
+                StoreResult::OutOfMemory => "no_memory",
+                _ => "not_stored",
+            };
+            let cmd = match (mode, opts.compare) {
+                (_, Some(_)) => "cas",
+                (Mode::Set, None) => "set",
+                (Mode::Add, None) => "add",
+                (Mode::Replace, None) => "replace",
+                (Mode::Append, None) => "append",
+                (Mode::Prepend, None) => "prepend",
+            };
+            // As memcached: a stored item's own time to live and size (an append's whole
+            // value), else the request's.
+            let ttl_of = |e: u32| if e == 0 { 0 } else { i64::from(e) - i64::from(now) };
+            let stored = match r {
+                StoreResult::Stored { .. } => self.peek(cl, hash, key, now).map(|v| (ttl_of(v.exptime), v.value.len())),
+                _ => None,
+            };
+            let (ttl, size) = stored.unwrap_or_else(|| {
+                let e = rel_exptime(exptime, now, self.m.cfg.start_unix);
+                (e.map_or(-1, ttl_of), value.len())
+            });
+            let cls = self.class();
+            self.log.store(key, status, cmd, ttl, cls, size);
+        }
+        r
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn store_inner(
+        &mut self,
+        cl: u32,
+        hash: u64,
+        key: &[u8],
+        value: &[u8],
+        flags: u32,
+        exptime: i64,
+        mode: Mode,
+        opts: CasOpts,
+        now: u32,
+    ) -> StoreResult {
         self.m.last_now = now;
         if !self.check_owned(cl) {
             return StoreResult::NotStored;
@@ -619,6 +653,7 @@ impl WorkerStore {
         }
         self.m.st.cmd_set += 1;
         self.watch.write(hash, key);
+        self.note_write(cl, hash, key);
         let c = self.cachelets[cl as usize].as_deref_mut().expect("owned");
         c.st.writes += 1;
         let found = match self.m.find_live(c, hash, key, now) {
@@ -710,6 +745,7 @@ impl WorkerStore {
             return DeleteResult::NotFound;
         }
         self.watch.write(hash, key);
+        self.note_write(cl, hash, key);
         let c = self.cachelets[cl as usize].as_deref_mut().expect("owned");
         c.st.writes += 1;
         let Found::Hit(s, o) = self.m.find_live(c, hash, key, now) else {
@@ -733,6 +769,7 @@ impl WorkerStore {
             return ArithResult::NotFound;
         }
         self.watch.write(hash, key);
+        self.note_write(cl, hash, key);
         let c = self.cachelets[cl as usize].as_deref_mut().expect("owned");
         c.st.writes += 1;
         let Found::Hit(s, o) = self.m.find_live(c, hash, key, now) else {
@@ -761,10 +798,12 @@ impl WorkerStore {
         let digits = nb.format(new).as_bytes();
         if digits.len() <= vlen && slack + (vlen - digits.len()) <= u16::MAX as usize {
             let cas = self.m.next_cas();
+            self.m.sizes_count(c, s, o, -1);
             let seg = c.seg_mut(s);
             It::value_mut(&mut seg.buf, ou)[..digits.len()].copy_from_slice(digits);
             It::shrink_value(&mut seg.buf, ou, digits.len());
             It::set_cas(&mut seg.buf, ou, cas);
+            self.m.sizes_count(c, s, o, 1);
             return ArithResult::Value { value: new, cas: self.m.shown_cas(cas) };
         }
         let digits = digits.to_vec();
@@ -784,16 +823,24 @@ impl WorkerStore {
         }
         self.m.st.cmd_touch += 1;
         self.watch.read(key);
+        self.note_write(cl, hash, key);
         let c = self.cachelets[cl as usize].as_deref_mut().expect("owned");
         c.st.reads += 1;
         let Found::Hit(s, o) = self.m.find_live(c, hash, key, now) else {
             self.m.st.touch_misses += 1;
             c.st.misses += 1;
+            if self.log.wants(log::FETCHERS) {
+                self.log.fetch(key, None);
+            }
             return None;
         };
         self.m.st.touch_hits += 1;
         c.st.hits += 1;
         let ou = o as usize;
+        if self.log.wants(log::FETCHERS) {
+            let cls = u32::from(self.m.cfg.worker_id) + 1;
+            self.log.fetch(key, Some((cls, It::vlen(&c.seg(s).buf, ou))));
+        }
         let exp = rel_exptime(exptime, now, self.m.cfg.start_unix);
         let bits = It::bits(&c.seg(s).buf, ou);
         let last = It::last_access(&c.seg(s).buf, ou);
@@ -821,6 +868,7 @@ impl WorkerStore {
         if !self.check_owned(cl) {
             return false;
         }
+        self.note_write(cl, hash, key);
         let c = self.cachelets[cl as usize].as_deref_mut().expect("owned");
         let Found::Hit(s, o) = self.m.find_live(c, hash, key, now) else {
             return false;
@@ -859,6 +907,7 @@ impl WorkerStore {
     /// `at` before this call, is invalid (so an immediate `flush_all(now)` spares items stored
     /// after it in the same second, like memcached's oldest_cas).
     pub fn flush_all(&mut self, at: u32) {
+        self.note_flush();
         let ctr = self.m.cas_ctr;
         let now = self.m.last_now;
         for c in self.cachelets.iter_mut().flatten() {
@@ -877,33 +926,6 @@ impl WorkerStore {
         }
     }
 
-    /// `stats reset`: zero the command and eviction counters (what memcached
-    /// resets); item counts, bytes and pages are state, not counters.
-    pub fn reset_stats(&mut self) {
-        let keep = WorkerStats { limit_maxbytes: self.m.st.limit_maxbytes, ..WorkerStats::default() };
-        self.m.st = keep;
-        // Per-cachelet counters are the balancer's, not memcached's: kept.
-    }
-
-    pub fn stats(&self) -> WorkerStats {
-        let mut st = self.m.st;
-        st.curr_items = 0;
-        st.bytes = 0;
-        st.owned_cachelets = 0;
-        st.hash_bytes = 0;
-        for c in self.cachelets.iter().flatten() {
-            st.curr_items += c.st.items;
-            st.bytes += c.st.bytes;
-            st.owned_cachelets += 1;
-            st.hash_bytes += c.index.heap_bytes() as u64;
-            debug_assert_eq!(c.index.len() as u64, c.st.items, "index and item count agree");
-        }
-        st.local_free_pages = self.m.local_free.len() as u64;
-        st.pages_held = (self.m.local_free.len() + self.m.seg_pages + self.m.large_pages) as u64;
-        st.segments = self.m.order.len() as u64;
-        st
-    }
-
     /// The shared global pool.
     pub fn global(&self) -> &Arc<GlobalPool> {
         &self.m.global
@@ -915,6 +937,7 @@ impl WorkerStore {
         let Some(mut c) = self.cachelets.get_mut(id as usize).and_then(|c| c.take()) else {
             return false;
         };
+        self.sizes_discard(&c);
         for s in 0..c.segs.len() as u32 {
             if c.segs[s as usize].is_some() {
                 self.m.free_seg(&mut c, s);
@@ -943,9 +966,32 @@ impl Drop for WorkerStore {
 
 mod evict;
 mod export;
+pub mod log;
+mod moving;
 mod watch;
-pub use export::ExportedItem;
+pub use export::{ExportedItem, ItemMeta, ItemRef};
+pub use log::EventLog;
+pub use moving::DeltaItem;
 pub use watch::KeyWatch;
 mod mem;
+mod sizes;
+mod stats;
+pub use sizes::{memcached_item_size, SIZES_BUCKET};
+pub(crate) use sizes::{SizeHist, SizesSwitch};
+pub use stats::{CacheletStats, WorkerStats};
 #[cfg(test)]
 mod tests;
+
+/// A hint to the CPU to load the cache line holding `p`.
+#[inline(always)]
+fn prefetch_line(p: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch reads nothing the program sees and cannot fault; `p` points into a
+    // live buffer anyway.
+    #[allow(unused_unsafe)]
+    unsafe {
+        std::arch::x86_64::_mm_prefetch(p as *const i8, std::arch::x86_64::_MM_HINT_T0);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}

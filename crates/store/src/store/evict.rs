@@ -95,6 +95,7 @@ impl WorkerStore {
             };
             let fetched = bits & FETCHED != 0;
             if c.liveness(s, o, now) != Liveness::Live {
+                self.m.sizes_count(c, s, o, -1);
                 self.m.st.reclaimed += 1;
                 if !fetched {
                     self.m.st.expired_unfetched += 1;
@@ -107,9 +108,18 @@ impl WorkerStore {
                 }
                 kept.push((hash, at as u32, sz as u32));
             } else {
+                self.m.sizes_count(c, s, o, -1);
                 self.m.st.evictions += 1;
                 if !fetched {
                     self.m.st.evicted_unfetched += 1;
+                }
+                if self.log.wants(super::log::EVICTIONS) {
+                    let (b, o) = (&c.seg(s).buf, o as usize);
+                    let exp = It::exptime(b, o);
+                    let ttl = if exp == 0 { -1 } else { i64::from(exp) - i64::from(now) };
+                    let la = now.saturating_sub(It::last_access(b, o));
+                    let cls = u32::from(self.m.cfg.worker_id) + 1;
+                    self.log.evict(It::key(b, o), fetched, ttl, la, cls, It::vlen(b, o));
                 }
             }
             c.remove_index(hash, s, o);
@@ -121,7 +131,16 @@ impl WorkerStore {
             let (at, sz) = (at as usize, sz as usize);
             let Some((ns, no)) = self.m.alloc_small(c, sz) else {
                 // No room after all (the freed page went back to the pool).
+                self.m.sizes_count_at(&kept_bytes[at..at + sz], 0, c.sized, -1);
                 self.m.st.evictions += 1;
+                if self.log.wants(super::log::EVICTIONS) {
+                    let b = &kept_bytes[at..at + sz];
+                    let exp = It::exptime(b, 0);
+                    let ttl = if exp == 0 { -1 } else { i64::from(exp) - i64::from(now) };
+                    let (fetched, la) = (It::bits(b, 0) & FETCHED != 0, now.saturating_sub(It::last_access(b, 0)));
+                    let cls = u32::from(self.m.cfg.worker_id) + 1;
+                    self.log.evict(It::key(b, 0), fetched, ttl, la, cls, It::vlen(b, 0));
+                }
                 continue;
             };
             c.seg_mut(ns).buf[no as usize..no as usize + sz].copy_from_slice(&kept_bytes[at..at + sz]);
@@ -151,10 +170,24 @@ impl WorkerStore {
             return Err(StoreResult::OutOfMemory);
         }
         let seq_before = self.m.next_seq;
+        // `-M`, once full: an item as large as one refused is refused by every worker, even
+        // where its cachelet's open segment still has room for it (memcached keeps refusing
+        // an item of a full slab class; what is freed, or a smaller item, may still fit).
+        let mut refused = !self.m.cfg.evict && self.m.local_free.is_empty() && self.m.global.refuses(size);
         loop {
             let c = self.cachelets[cl as usize].as_deref_mut().expect("owned");
-            let got = if large { self.m.try_large(c, size) } else { self.m.alloc_small(c, size) };
+            let got = if std::mem::take(&mut refused) {
+                None
+            } else if large {
+                self.m.try_large(c, size)
+            } else {
+                self.m.alloc_small(c, size)
+            };
             if let Some(l) = got {
+                if !self.m.cfg.evict && self.m.global.refuses(size) {
+                    // An item as large as the one refused fits again (a page was freed here).
+                    self.m.global.set_refused(None);
+                }
                 // A segment was opened: the (rare) moment to help a starving worker.
                 if self.m.next_seq != seq_before && self.m.global.pages_wanted() > 0 {
                     self.help_starving();
@@ -166,10 +199,17 @@ impl WorkerStore {
                 self.m.global.want(self.m.cfg.refill_pages.max(1));
             }
             let made_room = if self.m.cfg.evict { self.evict_one() } else { self.reclaim_dead() };
-            if !made_room {
+            if made_room {
+                if !self.m.cfg.evict {
+                    self.m.global.set_refused(None);
+                }
+            } else {
                 if self.m.cfg.evict {
                     // Nothing of ours to evict: ask the other workers to shed pages.
                     self.m.global.want(self.m.cfg.refill_pages.max(1));
+                } else if self.m.global.available_pages() == 0 && self.m.local_free.is_empty() {
+                    // Out of pages, not just this item too large for what is left.
+                    self.m.global.set_refused(Some(size));
                 }
                 self.m.st.out_of_memory += 1;
                 return Err(StoreResult::OutOfMemory);
@@ -208,6 +248,7 @@ impl WorkerStore {
             c.seg_mut(ns).buf[no as usize..no as usize + sz].copy_from_slice(&tmp);
             c.commit(ns, sz);
             c.relink_index(hash, (s, o), (ns, no));
+            c.sizes_moved(s, o);
             if self.m.mark_dead(c, s, o) {
                 self.m.free_seg(c, s);
             }

@@ -18,7 +18,7 @@
 
 use super::{Cachelet, Liveness, WorkerStore};
 use crate::item::It;
-use crate::{CasOpts, Mode, StoreResult, REALTIME_MAXDELTA};
+use crate::{CasOpts, Mode, StoreResult};
 
 /// One item of an exported cachelet.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -32,25 +32,74 @@ pub struct ExportedItem {
     pub ttl: u32,
 }
 
+/// One live item as `lru_crawler metadump` and `stats cachedump` show it
+/// ([`WorkerStore::scan_meta`]). Times are the store's (seconds since its start).
+#[derive(Clone, Copy, Debug)]
+pub struct ItemMeta<'a> {
+    pub key: &'a [u8],
+    pub vlen: usize,
+    /// 0: never expires.
+    pub exptime: u32,
+    pub last_access: u32,
+    pub cas: u64,
+    /// Read since it was written.
+    pub fetched: bool,
+    /// The bytes it takes in its page (header, key, value, padding).
+    pub size: usize,
+}
+
 impl ExportedItem {
     /// Key and value bytes: what a batch's budget counts.
     pub fn bytes(&self) -> usize {
         self.key.len() + self.value.len()
     }
+
+    pub fn as_ref(&self) -> ItemRef<'_> {
+        ItemRef { hash: self.hash, key: &self.key, value: &self.value, flags: self.flags, ttl: self.ttl }
+    }
 }
+
+/// An exported item lent in place (in the store's memory, or in a frame).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ItemRef<'a> {
+    pub hash: u64,
+    pub key: &'a [u8],
+    pub value: &'a [u8],
+    pub flags: u32,
+    /// As [`ExportedItem::ttl`].
+    pub ttl: u32,
+}
+
+/// What an item adds to a batch's byte budget besides its key and value.
+const ITEM_WEIGHT: usize = 256;
 
 impl WorkerStore {
     /// Append to `out` the live items of cachelet `cl` from `cursor` (0: the start), home
-    /// bucket by home bucket, until at least `max_bytes` of keys and values were taken or
+    /// bucket by home bucket, until at least `max_bytes` of keys and values (and `ITEM_WEIGHT`
+    /// per item) were taken or
     /// the scan ended; the next cursor, 0 once every home bucket was visited. `None` if the
     /// cachelet is not owned here.
-    pub fn export(
+    pub fn export(&self, cl: u32, cursor: u64, max_bytes: usize, now: u32, out: &mut Vec<ExportedItem>) -> Option<u64> {
+        self.export_with(cl, cursor, max_bytes, now, |r| {
+            out.push(ExportedItem {
+                hash: r.hash,
+                key: r.key.to_vec(),
+                value: r.value.to_vec(),
+                flags: r.flags,
+                ttl: r.ttl,
+            })
+        })
+    }
+
+    /// [`export`](Self::export), each item lent to `f` in place (no copy: the mover encodes
+    /// it straight into a frame, `crate::wire`).
+    pub fn export_with(
         &self,
         cl: u32,
         mut cursor: u64,
         max_bytes: usize,
         now: u32,
-        out: &mut Vec<ExportedItem>,
+        mut f: impl FnMut(ItemRef<'_>),
     ) -> Option<u64> {
         let c: &Cachelet = self.cachelets.get(cl as usize)?.as_deref()?;
         let hash_of = |s: u32, o: u32| It::hash(&c.seg(s).buf, o as usize);
@@ -62,15 +111,17 @@ impl WorkerStore {
                 }
                 let (b, o) = (&c.seg(s).buf, o as usize);
                 let exp = It::exptime(b, o);
-                let item = ExportedItem {
+                let r = ItemRef {
                     hash: It::hash(b, o),
-                    key: It::key(b, o).to_vec(),
-                    value: It::value(b, o).to_vec(),
+                    key: It::key(b, o),
+                    value: It::value(b, o),
                     flags: It::flags(b, o),
                     ttl: if exp == 0 { 0 } else { exp.saturating_sub(now).max(1) },
                 };
-                taken += item.bytes();
-                out.push(item);
+                // An item's cost is per item as much as per byte: small items weigh more than
+                // their bytes, so a batch of them holds the owner for no longer than big ones.
+                taken += r.key.len() + r.value.len() + ITEM_WEIGHT;
+                f(r);
             });
             if cursor == 0 || taken >= max_bytes {
                 return Some(cursor);
@@ -78,16 +129,46 @@ impl WorkerStore {
         }
     }
 
+    /// Visit every live item of cachelet `cl` (`lru_crawler metadump`, `stats cachedump`) until
+    /// `f` returns false; false if it did (or the cachelet is not owned here).
+    pub fn scan_meta(&self, cl: u32, now: u32, mut f: impl FnMut(ItemMeta<'_>) -> bool) -> bool {
+        let Some(c) = self.cachelets.get(cl as usize).and_then(|c| c.as_deref()) else { return false };
+        let hash_of = |s: u32, o: u32| It::hash(&c.seg(s).buf, o as usize);
+        let mut go = true;
+        let mut cursor = 0;
+        loop {
+            // One pass (nothing can grow the index meanwhile: each entry once).
+            cursor = c.index.scan(cursor, hash_of, |s, o| {
+                if !go || c.liveness(s, o, now) != Liveness::Live {
+                    return;
+                }
+                let (b, o) = (&c.seg(s).buf, o as usize);
+                go = f(ItemMeta {
+                    key: It::key(b, o),
+                    vlen: It::vlen(b, o),
+                    exptime: It::exptime(b, o),
+                    last_access: It::last_access(b, o),
+                    cas: It::cas(b, o),
+                    fetched: It::bits(b, o) & crate::item::FETCHED != 0,
+                    size: It::size(b, o),
+                });
+            });
+            if cursor == 0 || !go {
+                return go;
+            }
+        }
+    }
+
     /// Store an exported item in cachelet `cl` unless the key is there already (then
     /// `NotStored`: what is there is newer). Its time to live counts from `now`.
     pub fn import(&mut self, cl: u32, item: &ExportedItem, now: u32) -> StoreResult {
-        let exptime = match i64::from(item.ttl) {
-            0 => 0,
-            t if t <= REALTIME_MAXDELTA => t,
-            // Longer than memcached's relative limit: as an absolute time.
-            t => self.m.cfg.start_unix as i64 + i64::from(now) + t,
-        };
-        self.store_with(cl, item.hash, &item.key, &item.value, item.flags, exptime, Mode::Add, CasOpts::default(), now)
+        self.import_ref(cl, item.as_ref(), now)
+    }
+
+    /// [`import`](Self::import) of a borrowed item.
+    pub fn import_ref(&mut self, cl: u32, item: ItemRef<'_>, now: u32) -> StoreResult {
+        let exptime = self.exptime_of(item.ttl, now);
+        self.store_with(cl, item.hash, item.key, item.value, item.flags, exptime, Mode::Add, CasOpts::default(), now)
     }
 }
 

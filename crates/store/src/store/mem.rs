@@ -10,6 +10,7 @@ impl Mem {
     /// segment is now empty.
     pub(super) fn mark_dead(&mut self, c: &mut Cachelet, s: u32, o: u32) -> bool {
         let before = c.seg(s).dead_bytes;
+        self.sizes_count(c, s, o, -1);
         let empty = c.mark_dead(s, o);
         let seg = c.seg(s);
         if !empty && seg.large_pages == 0 {

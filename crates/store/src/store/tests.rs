@@ -597,6 +597,38 @@ fn no_evict_never_drops_a_live_item_and_reuses_dead_room() {
     }
 }
 
+/// memcached -M keeps refusing once full: after the first refusal, every item as large is
+/// refused, whichever cachelet's open segment still has room for it, each refusal counted;
+/// a smaller item may still fit, and once room is made (a delete) the same size fits again.
+#[test]
+fn no_evict_keeps_refusing_once_full() {
+    let mut w = mk(16 * PAGE, |c| c.evict = false);
+    let val = "v".repeat(1000);
+    // Cachelet 0 fills twice as fast as the others: when it finds no page, their open
+    // segments have room left.
+    let cl = |i: usize| [0, 0, 1, 2, 3][i % 5];
+    let put = |w: &mut WorkerStore, i: usize, v: &str| {
+        let k = format!("k{i}");
+        w.store(cl(i), key_hash(k.as_bytes()), k.as_bytes(), v.as_bytes(), 0, 0, Mode::Set, None, 0)
+    };
+    let mut i = 0;
+    while matches!(put(&mut w, i, &val), StoreResult::Stored { .. }) {
+        i += 1;
+    }
+    assert_eq!(w.stats().out_of_memory, 1);
+    for j in 1..=40 {
+        assert_eq!(put(&mut w, i + j, &val), StoreResult::OutOfMemory, "k{} after the first refusal", i + j);
+    }
+    assert_eq!(w.stats().out_of_memory, 41, "each refusal counted");
+    assert!(matches!(put(&mut w, 10_000, "small"), StoreResult::Stored { .. }), "a smaller item fits a tail");
+    // a delete frees room: the same size fits again
+    for j in 0..8 {
+        let k = format!("k{j}");
+        w.delete(cl(j), key_hash(k.as_bytes()), k.as_bytes(), None, 0);
+    }
+    assert!(matches!(put(&mut w, 20_000, &val), StoreResult::Stored { .. }));
+}
+
 /// A `set` that cannot be stored removes the value it meant to replace (memcached: no stale
 /// data after a failed set); a failed `cas`, `add` or `append` leaves it.
 #[test]

@@ -231,6 +231,27 @@ mod tests {
     }
 
     #[test]
+    fn value_blocks_match_their_format_and_append() {
+        let mut out = b"before".to_vec();
+        let mut want = b"before".to_vec();
+        for (key, flags, data, cas) in [
+            (&b"key"[..], 0u32, &b"x"[..], None),
+            (b"k", u32::MAX, b"0123456789", Some(u64::MAX)),
+            (b"a-longer-key", 10, &[b'v'; 300][..], Some(0)),
+        ] {
+            write_value(&mut out, key, flags, data, cas);
+            want.extend_from_slice(format!("VALUE {} {flags} {}", String::from_utf8_lossy(key), data.len()).as_bytes());
+            if let Some(c) = cas {
+                want.extend_from_slice(format!(" {c}").as_bytes());
+            }
+            want.extend_from_slice(b"\r\n");
+            want.extend_from_slice(data);
+            want.extend_from_slice(b"\r\n");
+        }
+        assert_eq!(out, want);
+    }
+
+    #[test]
     fn number_stat_version() {
         let mut out = Vec::new();
         write_number(&mut out, 18446744073709551615);

@@ -94,8 +94,9 @@ pub enum TextCmd<'a> {
     Shutdown {
         args: &'a [u8],
     },
-    /// memcached's tuning commands for its slab allocator and LRU (`slabs`, `lru`,
-    /// `cache_memlimit`); `args` is the rest of the line, trimmed.
+    /// memcached's tuning and inspection commands for its slab allocator and LRU (`slabs`,
+    /// `lru`, `cache_memlimit`, `lru_crawler`, `watch`); `args` is the rest of the line,
+    /// trimmed.
     Tune {
         cmd: TuneCmd,
         args: &'a [u8],
@@ -147,6 +148,10 @@ pub enum TuneCmd {
     Slabs,
     Lru,
     CacheMemlimit,
+    /// `lru_crawler ...` (`metadump`, `crawl`, `tocrawl`, `sleep`, `enable`, `disable`).
+    LruCrawler,
+    /// `watch [fetchers] [mutations] [evictions] ...`: log streaming.
+    Watch,
 }
 
 /// The keys of a get line (validated, at least one except for gat/gats).
@@ -159,7 +164,7 @@ pub struct Keys<'a> {
 impl<'a> Keys<'a> {
     /// The keys in request order.
     pub fn iter(&self) -> impl Iterator<Item = &'a [u8]> + Clone + 'a {
-        split_spaces(self.raw)
+        KeyIter { rest: self.raw }
     }
     /// Number of keys.
     pub fn len(&self) -> usize {
@@ -171,6 +176,50 @@ impl<'a> Keys<'a> {
     /// The raw space-separated key list as sent.
     pub fn raw(&self) -> &'a [u8] {
         self.raw
+    }
+}
+
+/// The keys of a validated key list: the tokens between spaces.
+#[derive(Clone)]
+struct KeyIter<'a> {
+    rest: &'a [u8],
+}
+
+/// Where the first space of `s` is, eight bytes at a time (keys are short: a call to a
+/// vectorised search costs more than it finds).
+#[inline]
+fn first_space(s: &[u8]) -> Option<usize> {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    let mut at = 0;
+    while let Some(w) = s.get(at..at + 8) {
+        let y = u64::from_le_bytes(w.try_into().expect("8 bytes")) ^ (ONES * u64::from(b' '));
+        // The lowest byte flagged is the first zero byte of `y` (exact; only bytes above a
+        // zero byte can be flagged wrongly).
+        let zero = y.wrapping_sub(ONES) & !y & (ONES * 0x80);
+        if zero != 0 {
+            return Some(at + zero.trailing_zeros() as usize / 8);
+        }
+        at += 8;
+    }
+    s[at..].iter().position(|&b| b == b' ').map(|i| at + i)
+}
+
+impl<'a> Iterator for KeyIter<'a> {
+    type Item = &'a [u8];
+
+    #[inline]
+    fn next(&mut self) -> Option<&'a [u8]> {
+        while !self.rest.is_empty() {
+            let (key, rest) = match first_space(self.rest) {
+                Some(i) => (&self.rest[..i], &self.rest[i + 1..]),
+                None => (self.rest, &[][..]),
+            };
+            self.rest = rest;
+            if !key.is_empty() {
+                return Some(key);
+            }
+        }
+        None
     }
 }
 
@@ -424,11 +473,16 @@ pub fn parse<'a>(buf: &'a [u8], limits: &Limits) -> Parsed<'a> {
         b"slabs" => req(TextCmd::Tune { cmd: TuneCmd::Slabs, args: trim(rest) }),
         b"lru" => req(TextCmd::Tune { cmd: TuneCmd::Lru, args: trim(rest) }),
         b"cache_memlimit" => req(TextCmd::Tune { cmd: TuneCmd::CacheMemlimit, args: trim(rest) }),
+        b"lru_crawler" => req(TextCmd::Tune { cmd: TuneCmd::LruCrawler, args: trim(rest) }),
+        b"watch" => req(TextCmd::Tune { cmd: TuneCmd::Watch, args: trim(rest) }),
         b"mbal" => {
             let args = trim(rest);
-            match args.strip_prefix(b"rset ") {
-                Some(r) => mbal_rset(args, r, buf, line_len, limits),
-                None => req(TextCmd::Mbal { args, data: &[] }),
+            if let Some(r) = args.strip_prefix(b"rset ") {
+                mbal_rset(args, r, buf, line_len, limits)
+            } else if let Some(r) = args.strip_prefix(b"import data ") {
+                mbal_import(args, r, buf, line_len, limits)
+            } else {
+                req(TextCmd::Mbal { args, data: &[] })
             }
         }
         _ if looks_like_http(cmd, line) => Parsed::Err { reply: ErrReply::Silent, skip: line_len, close: true },
@@ -465,16 +519,60 @@ fn looks_like_http(cmd: &[u8], line: &[u8]) -> bool {
     split_spaces(line).take(23).last().is_some_and(|t| t.starts_with(b"HTTP/"))
 }
 
+/// A get line's key list: every key valid (`valid_key`), counted. One pass over the bytes,
+/// eight at a time where none of them is a space or a byte a key may not hold (a 100-key
+/// line is checked once here, and split again only as it is served).
 fn keys(rest: &[u8]) -> Result<Keys<'_>, ()> {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = ONES * 0x80;
     let raw = trim(rest);
-    let mut count = 0;
-    for k in split_spaces(raw) {
-        if !valid_key(k) {
-            return Err(());
+    let mut c = KeyCount::default();
+    let mut words = raw.chunks_exact(8);
+    for w in &mut words {
+        let x = u64::from_le_bytes(w.try_into().expect("8 bytes"));
+        // Is any byte below 0x21 (a space or a control byte), or 0x7f? (Exact for "any".)
+        let low = x.wrapping_sub(ONES * 0x21) & !x & HIGH;
+        let y = x ^ (ONES * 0x7f);
+        let del = y.wrapping_sub(ONES) & !y & HIGH;
+        if low | del == 0 {
+            // Eight key bytes (the length is checked at the key's end).
+            c.len += 8;
+        } else {
+            w.iter().try_for_each(|&b| c.byte(b))?;
         }
-        count += 1;
     }
-    Ok(Keys { raw, count })
+    words.remainder().iter().try_for_each(|&b| c.byte(b))?;
+    c.byte(b' ')?;
+    Ok(Keys { raw, count: c.count })
+}
+
+/// `keys`' state: keys ended so far, and the length of the one going on.
+#[derive(Default)]
+struct KeyCount {
+    count: usize,
+    len: usize,
+}
+
+impl KeyCount {
+    /// One byte: a space ends a key (one too long is an error), a control byte or DEL is an
+    /// error, anything else (0x80.. included) is part of a key.
+    #[inline]
+    fn byte(&mut self, b: u8) -> Result<(), ()> {
+        if b == b' ' {
+            if self.len > 0 {
+                if self.len > crate::MAX_KEY_LEN {
+                    return Err(());
+                }
+                self.count += 1;
+                self.len = 0;
+            }
+        } else if b < b' ' || b == 0x7f {
+            return Err(());
+        } else {
+            self.len += 1;
+        }
+        Ok(())
+    }
 }
 
 /// The least a piece of a long get line spans, whatever `max_line` is: room
@@ -618,7 +716,22 @@ fn mbal_rset<'a>(args: &'a [u8], r: &'a [u8], buf: &'a [u8], line_len: usize, li
     if n != 5 {
         return fail(E_ERROR, line_len);
     }
-    let Some(vlen) = num::<usize>(t[3]) else {
+    mbal_block(args, t[3], buf, line_len, limits)
+}
+
+/// `mbal import data <id> <bytes> [delta|final]` and its data block, a frame of a moving
+/// cachelet's records (at most the item size limit; docs/protocol.md "Cross-server migration").
+fn mbal_import<'a>(args: &'a [u8], r: &'a [u8], buf: &'a [u8], line_len: usize, limits: &Limits) -> Parsed<'a> {
+    let (t, n) = take::<3>(r);
+    if !(n == 2 || (n == 3 && (t[2] == b"final" || t[2] == b"delta"))) {
+        return fail(E_ERROR, line_len);
+    }
+    mbal_block(args, t[1], buf, line_len, limits)
+}
+
+/// An `mbal` command with a data block of `len` bytes (at most the item size limit).
+fn mbal_block<'a>(args: &'a [u8], len: &[u8], buf: &'a [u8], line_len: usize, limits: &Limits) -> Parsed<'a> {
+    let Some(vlen) = num::<usize>(len) else {
         return fail(E_FORMAT, line_len);
     };
     if vlen > limits.max_item_size {

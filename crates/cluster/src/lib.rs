@@ -19,15 +19,21 @@
 //! * [`Leases`] is the client side of Phase 1's hot-key replicas, with no
 //!   I/O and no clock: the leases granted by `RH hot` hints and the copy
 //!   each one reads. Shared likewise.
+//! * [`Health`] is the servers a caller could not reach, with no I/O and no
+//!   clock: each one's backoff (its keys are answered as misses or errors
+//!   meanwhile) and when to fetch the map from another server. Shared
+//!   likewise.
 //!
 //! No I/O and no TLS here: the cluster file, dialing a member and peer
 //! authentication live in `mbal-member`.
 
+mod health;
 mod leases;
 mod map;
 mod replica;
 mod router;
 
+pub use health::{closed_kind, unreachable_kind, Failed, Health, UNREACHABLE_BACKOFF_MAX, UNREACHABLE_BACKOFF_MIN};
 pub use leases::{Lease, Leases, COPY_RETRY, DEFAULT_MAX_LEASES};
 pub use map::{ClusterMap, MapDiff, ServerInfo};
 pub use replica::replica_location;

@@ -171,6 +171,72 @@ impl ClusterMap {
         self.epoch
     }
 
+    /// Change a cachelet's owner without bumping the epoch: a server's own
+    /// view of where its cachelets are, between two epochs of a map whose
+    /// epochs another process (the coordinator) numbers.
+    pub fn set_owner_local(&mut self, c: CacheletId, to: (u16, u16)) {
+        assert!(self.has_worker(to), "no worker {} on server {}", to.1, to.0);
+        self.owners[c as usize] = to;
+    }
+
+    /// Append a server (id = the next index); bumps the epoch. Returns its id.
+    /// It owns nothing until a [`ClusterMap::reassign`] gives it cachelets.
+    pub fn add_server(&mut self, info: ServerInfo) -> u16 {
+        assert!(self.servers.len() < u16::MAX as usize, "too many servers");
+        let id = self.servers.len() as u16;
+        self.update(&[(id, info)], &[]).expect("appending a server keeps the map valid");
+        id
+    }
+
+    /// Replace a server's addresses (e.g. it came back on new worker ports);
+    /// bumps the epoch. Refused if it would leave a cachelet on a worker the
+    /// server no longer has.
+    pub fn set_server(&mut self, id: u16, info: ServerInfo) -> Result<u64, String> {
+        if id as usize >= self.servers.len() {
+            return Err(format!("no server {id}"));
+        }
+        self.update(&[(id, info)], &[])
+    }
+
+    /// Many owner changes under ONE epoch bump. Checked first: every
+    /// cachelet exists and every new owner is a worker of the map;
+    /// nothing changes on an error.
+    pub fn reassign(&mut self, moves: &[(CacheletId, Owner)]) -> Result<u64, String> {
+        self.update(&[], moves)
+    }
+
+    /// Server changes (`(id, info)`: id < the server count replaces that
+    /// server, id == the count appends one) and owner changes, all checked
+    /// first, under one epoch bump. Nothing changes on an error.
+    pub fn update(&mut self, servers: &[(u16, ServerInfo)], moves: &[(CacheletId, Owner)]) -> Result<u64, String> {
+        let mut next = self.servers.clone();
+        for (id, info) in servers {
+            match (*id as usize).cmp(&next.len()) {
+                std::cmp::Ordering::Less => next[*id as usize] = info.clone(),
+                std::cmp::Ordering::Equal if next.len() < u16::MAX as usize => next.push(info.clone()),
+                _ => return Err(format!("server {id} is neither in the map nor the next one")),
+            }
+        }
+        let has = |(s, w): Owner| next.get(s as usize).is_some_and(|i| (w as usize) < i.workers.len());
+        let mut owners = self.owners.clone();
+        for &(c, to) in moves {
+            if c >= self.cachelet_count() {
+                return Err(format!("no cachelet {c}: the map has {}", self.cachelet_count()));
+            }
+            if !has(to) {
+                return Err(format!("cachelet {c} to server {} worker {}, which the map does not have", to.0, to.1));
+            }
+            owners[c as usize] = to;
+        }
+        if let Some((c, &(s, w))) = owners.iter().enumerate().find(|(_, &o)| !has(o)) {
+            return Err(format!("cachelet {c} would stay on server {s} worker {w}, which the map would not have"));
+        }
+        self.servers = next;
+        self.owners = owners;
+        self.epoch += 1;
+        Ok(self.epoch)
+    }
+
     /// The moves that turn `self` into `newer` (same geometry, newer epoch).
     pub fn diff(&self, newer: &ClusterMap) -> MapDiff {
         assert_eq!(self.keyspace, newer.keyspace, "maps of different clusters");
@@ -287,6 +353,35 @@ mod tests {
         let mut x = a.clone();
         assert!(x.apply(&d).is_err());
         assert_eq!(x, a, "nothing applied");
+    }
+
+    #[test]
+    fn membership_changes_bump_the_epoch_once_and_are_checked() {
+        let mut m = map(2, 2, 2);
+        let info = |p: u16| ServerInfo {
+            main: format!("127.0.0.1:{p}").parse().unwrap(),
+            workers: vec![format!("127.0.0.1:{}", p + 1).parse().unwrap(); 2],
+        };
+        assert_eq!(m.add_server(info(30000)), 2);
+        assert_eq!(m.epoch(), 2);
+        assert!(m.cachelets_of(2, 0).is_empty());
+        assert_eq!(m.reassign(&[(0, (2, 0)), (1, (2, 1)), (7, (2, 0))]).unwrap(), 3, "one bump for three moves");
+        assert_eq!(m.cachelets_of(2, 0), vec![0, 7]);
+        let before = m.clone();
+        assert!(m.reassign(&[(2, (2, 0)), (3, (2, 2))]).is_err(), "no worker 2");
+        assert!(m.reassign(&[(99, (0, 0))]).is_err(), "no cachelet 99");
+        assert!(m.reassign(&[(0, (3, 0))]).is_err(), "no server 3");
+        assert_eq!(m, before, "nothing changed by a refused reassign");
+        // New worker ports: fine; fewer workers while one still owns cachelets: refused.
+        let mut moved = info(31000);
+        assert_eq!(m.set_server(2, moved.clone()).unwrap(), 4);
+        assert_eq!(m.worker_addr(2, 1).port(), 31001);
+        moved.workers.pop();
+        assert!(m.set_server(2, moved).is_err());
+        assert!(m.set_server(9, info(1)).is_err());
+        assert!(m.update(&[(5, info(1))], &[]).is_err(), "a gap in the ids");
+        assert_eq!(m.epoch(), 4);
+        assert_eq!(ClusterMap::from_json(&m.to_json()).unwrap(), m);
     }
 
     proptest! {

@@ -307,10 +307,22 @@ impl Router {
 
     /// Replace the map by a newer one (of the same key space). Overrides
     /// not newer than it are forgotten. Returns whether the map was
-    /// replaced (an older or equal map is ignored).
+    /// replaced (an older or equal map is ignored). The same epoch again (a
+    /// refresh) drops the overrides older than the map: they came from
+    /// redirects of a server that had not installed it yet (it named the
+    /// owner of its older map, e.g. a server since declared dead), and the
+    /// map is the better word.
     pub fn install_map(&mut self, map: ClusterMap) -> Result<bool, String> {
         if map.keyspace() != self.map.keyspace() {
             return Err("the new map has another key space (a map of another cluster)".into());
+        }
+        if map.epoch() == self.map.epoch() {
+            let e = map.epoch();
+            for o in &mut self.overrides {
+                if o.is_some_and(|o| o.epoch < e) {
+                    *o = None;
+                }
+            }
         }
         if map.epoch() <= self.map.epoch() {
             return Ok(false);
@@ -402,6 +414,28 @@ mod tests {
         assert_eq!(r.owner_of(1), e5.owner(1), "the map rules again");
         // a map of another key space is refused
         assert!(r.install_map(map(1, 3)).is_err());
+    }
+
+    /// A server behind the map redirects to the owner of its older map (say, a server the
+    /// coordinator has since declared dead): followed until the map is fetched again, which
+    /// drops that override; a redirect of the map's own epoch stays.
+    #[test]
+    fn a_refreshed_map_drops_the_overrides_of_servers_behind_it() {
+        let mut m = map(2, 1);
+        m.move_cachelet(0, (1, 0));
+        assert_eq!(m.epoch(), 2);
+        let mut r = Router::new(m.clone());
+        let (a, b) = (key_of(m.keyspace(), 2, 0), key_of(m.keyspace(), 3, 0));
+        let (ca, cb) = (r.cachelet_of(a), r.cachelet_of(b));
+        r.learn((0, 0), Redirect { epoch: 1, to: (1, 0) }, [a]).unwrap();
+        r.learn((1, 0), Redirect { epoch: 2, to: (0, 0) }, [b]).unwrap();
+        assert_eq!((r.owner_of(ca), r.owner_of(cb)), ((1, 0), (0, 0)));
+        assert!(!r.install_map(m.clone()).unwrap(), "the same map: not installed");
+        assert_eq!(r.owner_of(ca), m.owner(ca), "the older redirect's override is gone");
+        assert_eq!(r.overrides().map(|(c, ..)| c).collect::<Vec<_>>(), vec![cb]);
+        // an older map changes nothing
+        assert!(!r.install_map(map(2, 1)).unwrap());
+        assert_eq!(r.overrides().count(), 1);
     }
 
     #[test]

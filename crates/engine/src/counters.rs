@@ -40,6 +40,19 @@ pub struct Counters {
     pub forwarded_servers: u64,
     /// Cachelets this worker took over from another worker.
     pub cachelets_adopted: u64,
+    /// Cachelets the coordinator's map took from this worker (their items dropped) and gave
+    /// it (empty).
+    pub cachelets_dropped: u64,
+    pub cachelets_claimed: u64,
+    /// Cachelets that arrived from another server with their items (a cross-server move).
+    pub migrations_in: u64,
+    /// Moves to this worker refused (no room) or cut off (out of memory).
+    pub migrations_refused: u64,
+    /// Frame bytes of moving cachelets taken in.
+    pub migrated_in_bytes: u64,
+    /// Requests answered as for another server's key because this server was fenced (its
+    /// lease from the coordinator ran out).
+    pub fenced_keys: u64,
     /// Times a connection stopped reading because the worker had
     /// `max_inflight` forwarded requests unanswered.
     pub inflight_stalls: u64,
@@ -150,6 +163,12 @@ impl Counters {
             foreign_keys,
             forwarded_servers,
             cachelets_adopted,
+            cachelets_dropped,
+            cachelets_claimed,
+            migrations_in,
+            migrations_refused,
+            migrated_in_bytes,
+            fenced_keys,
             inflight_stalls,
             capacity_stalls,
             idle_kicks,
@@ -204,4 +223,6 @@ pub struct WorkerSnapshot {
     pub curr_connections: u64,
     pub conns: Vec<ConnInfo>,
     pub cachelets: Vec<CacheletInfo>,
+    /// `lru_crawler metadump` / `stats cachedump`: this worker's lines, rendered.
+    pub dump: Vec<u8>,
 }

@@ -34,6 +34,10 @@ pub struct ClusterSpec {
     /// (docs/operations.md, "TLS"); `None`: plain TCP.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls: Option<TlsSpec>,
+    /// The coordinators that own the map (`mbal coordinator`; several share etcd): a server
+    /// started with this file registers with them unless `--coordinator` says otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub coordinators: Vec<SocketAddr>,
 }
 
 /// The cluster file's `[tls]` section. Paths are relative to the cluster
@@ -233,6 +237,7 @@ mod tests {
 
     fn spec(n: u16, w: u16, cpw: u32) -> ClusterSpec {
         ClusterSpec {
+            coordinators: Vec::new(),
             vn_count: 4096,
             cachelets_per_worker: cpw,
             workers: w,
@@ -286,6 +291,7 @@ mod tests {
         assert_eq!(a.epoch(), 1);
         assert_eq!(a.worker_addr(1, 1).port(), 20102);
         let no_ports = ClusterSpec {
+            coordinators: Vec::new(),
             servers: vec![ServerSpec { addr: "127.0.0.1:7".parse().unwrap(), worker_port_base: None }],
             ..spec(1, 2, 1)
         };

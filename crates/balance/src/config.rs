@@ -94,3 +94,63 @@ impl Default for Config {
         }
     }
 }
+
+/// Phase 3's knobs (MBal §3.4, Algorithm 2): the coordinator's policy,
+/// [`crate::Phase3`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Phase3Config {
+    /// T = (1 + margin) × the cluster's mean load per worker, times a
+    /// server's workers: above it a server is overloaded (a source), and no
+    /// destination is filled past it (default 0.10, as Phase 2's 1.10).
+    pub margin: f64,
+    /// Consecutive coordinator epochs a server must stay over T before
+    /// Phase 3 acts on its own view (default 3); an escalation from the
+    /// server's Phase 2 needs none.
+    pub persistence: u32,
+    /// Coordinator epochs a cachelet that just moved (or failed to) stays
+    /// where it is (default 5).
+    pub cooldown_epochs: u32,
+    /// Migrations in flight at once, cluster-wide (default 2); at most one
+    /// per source server in any case.
+    pub max_inflight: usize,
+    /// Algorithm 2's MAX_ITER: destinations tried per source per plan
+    /// (default 4).
+    pub max_iter: u32,
+    /// The ILP's budget per plan in branch-and-bound nodes (work, not
+    /// time), shared equally by its solves; 0: greedy only (default 2,000).
+    pub ilp_node_limit: u64,
+    pub planner: Planner,
+    /// Below this mean load per worker (requests per second) Phase 3 does
+    /// nothing (default 100, Phase 2's `min_load`).
+    pub min_load: f64,
+    /// With known worker capacities, a destination is also not filled past
+    /// this fraction of its summed capacity (default 0.90, Phase 2's
+    /// `saturated_util`).
+    pub saturated_util: f64,
+    /// Coordinator epochs after the one in which a server reported local
+    /// (Phase 2) moves during which Phase 3 leaves that server alone, as a
+    /// source or a destination (default 1: that epoch and the next).
+    pub after_local_epochs: u32,
+    /// A migration with no end (finished or failed) heard for this many
+    /// coordinator epochs is taken as failed, so that a lost answer does
+    /// not hold its source forever (default 20; 0: never).
+    pub migrate_timeout_epochs: u32,
+}
+
+impl Default for Phase3Config {
+    fn default() -> Self {
+        Phase3Config {
+            margin: 0.10,
+            persistence: 3,
+            cooldown_epochs: 5,
+            max_inflight: 2,
+            max_iter: 4,
+            ilp_node_limit: 2_000,
+            planner: Planner::Ilp,
+            min_load: 100.0,
+            saturated_util: 0.90,
+            after_local_epochs: 1,
+            migrate_timeout_epochs: 20,
+        }
+    }
+}

@@ -43,7 +43,7 @@ use crate::hot::{HotKeyStat, HotKeys, ReplicaDecision, SlotLedger};
 use crate::policy::{Balancer, Decision, Move, Why};
 use crate::snapshot::{Baseline, EpochSnapshot, WorkerSample};
 use crate::Config;
-use mbal_cluster::{CacheletId, ClusterMap};
+use mbal_cluster::{CacheletId, ClusterMap, Owner};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 
@@ -97,6 +97,11 @@ pub enum Event<R> {
     /// Another server's epoch record: its mean load per worker and its
     /// Phase 1 figures.
     PeerLoad { server: u16, mean: f64, hot: Option<PeerHot> },
+    /// The coordinator's map (`settings.coordinated`). Installed if its epoch is newer than
+    /// the last one installed; with `reset` (the coordinator had declared this server dead,
+    /// so whatever it held may have been given to others meanwhile) always, and every
+    /// cachelet this server held is given up first.
+    Map { map: ClusterMap, reset: bool },
 }
 
 /// An answer to a waiting client.
@@ -152,6 +157,12 @@ pub enum Command<R> {
     AskHeld { peer: u16 },
     /// Phase 1's figures changed.
     HotStatus(Box<HotStatus>),
+    /// The coordinator's map gives `cachelet` to `owner` (another server, or this one, whose
+    /// worker then takes it empty): tell every worker, the new owner first.
+    Reassign { cachelet: CacheletId, owner: Owner },
+    /// A move between this server's workers ended (`settings.coordinated`): tell the
+    /// coordinator, which numbers the map's epochs.
+    ReportMove { cachelet: CacheletId, worker: u16 },
 }
 
 /// An epoch closed: its snapshot, Phase 2's decision when it decided at
@@ -200,6 +211,10 @@ pub struct CoreSettings {
     pub epoch_ms: u64,
     /// Phase 1, when it runs.
     pub hot: Option<HotSettings>,
+    /// A coordinator owns the map and numbers its epochs (`Event::Map`): a move between this
+    /// server's workers changes the map here without a new epoch and is reported
+    /// (`Command::ReportMove`).
+    pub coordinated: bool,
 }
 
 /// A move under way.
@@ -249,6 +264,8 @@ pub struct ControlCore<R> {
     starting: Option<Vec<Option<usize>>>,
     /// When the lease from this server's start ends (then it stops asking).
     start_until: u64,
+    /// The epoch of the coordinator's map last installed (`Event::Map`).
+    coord_epoch: u64,
 }
 
 impl<R: Clone> ControlCore<R> {
@@ -279,6 +296,7 @@ impl<R: Clone> ControlCore<R> {
             debug_demand: 0,
             starting: None,
             start_until: 0,
+            coord_epoch: 0,
             round: 0,
             gathering: None,
             prev: Baseline::default(),
@@ -383,8 +401,61 @@ impl<R: Clone> ControlCore<R> {
                 o.push(Command::Reply { to: reply, answer });
             }
             Event::PeerLoad { server, mean, hot } => self.peers.heard(server, mean, hot, now),
+            Event::Map { map, reset } => self.install_map(map, reset, o),
         }
         out
+    }
+
+    /// The coordinator's map (see [`Event::Map`]). It decides which server owns each
+    /// cachelet; where this server's own cachelets sit among its workers is this server's to
+    /// say (its moves reach the coordinator as `ReportMove`, so a map may be a move behind).
+    fn install_map(&mut self, new: ClusterMap, reset: bool, out: &mut Vec<Command<R>>) {
+        let me = self.settings.server;
+        let fits = new.keyspace() == self.map.keyspace()
+            && new
+                .servers()
+                .get(usize::from(me))
+                .is_some_and(|s| s.workers.len() == usize::from(self.settings.workers));
+        if !fits || (!reset && new.epoch() <= self.coord_epoch) {
+            return;
+        }
+        let mut merged = new;
+        let mut claims = Vec::new();
+        let mut others = Vec::new();
+        let mut gone = Vec::new();
+        for c in 0..merged.cachelet_count() {
+            let old = self.map.owner(c);
+            let to = merged.owner(c);
+            if old.0 == me && to.0 == me && !reset {
+                if old != to {
+                    merged.set_owner_local(c, old);
+                }
+            } else if old != to || (reset && old.0 == me) {
+                if to.0 == me {
+                    claims.push((c, to));
+                } else {
+                    if old.0 == me {
+                        gone.push(c);
+                    }
+                    others.push((c, to));
+                }
+            }
+        }
+        // Gone from here first (their items are dropped), then what arrives (empty).
+        for &(cachelet, owner) in others.iter().chain(&claims) {
+            out.push(Command::Reassign { cachelet, owner });
+        }
+        if let Some(b) = &mut self.balancer {
+            for &(c, (_, w)) in &claims {
+                b.set_home(c, w);
+            }
+            for &c in &gone {
+                b.forget(c);
+            }
+        }
+        self.coord_epoch = merged.epoch();
+        self.map = merged;
+        out.push(Command::MapEpoch(self.map.epoch()));
     }
 
     /// Phase 1's policy, when it runs.
@@ -531,8 +602,15 @@ impl<R: Clone> ControlCore<R> {
             debug_assert!(false, "a move to cachelet {c} worker {worker}, which do not exist");
             return;
         }
-        let epoch = self.map.move_cachelet(c, (self.settings.server, worker));
-        out.push(Command::MapEpoch(epoch));
+        let epoch = if self.settings.coordinated {
+            self.map.set_owner_local(c, (self.settings.server, worker));
+            out.push(Command::ReportMove { cachelet: c, worker });
+            self.map.epoch()
+        } else {
+            let epoch = self.map.move_cachelet(c, (self.settings.server, worker));
+            out.push(Command::MapEpoch(epoch));
+            epoch
+        };
         match self.moving.remove(&c) {
             Some(m) if m.token == token => {
                 for r in m.waiters {

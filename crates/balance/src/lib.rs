@@ -10,6 +10,8 @@
 //! * [`plan`]: the Phase 2 planner (ILP objectives 1 and 2, greedy fallback).
 //! * [`policy`]: the [`Balancer`]: MBal's Figure 4 state machine,
 //!   persistence, leases; one [`Decision`] per epoch.
+//! * [`phase3`]: Phase 3, the coordinator's policy: [`Phase3`], Algorithm 2
+//!   (ILP of eqs. 8–13, greedy fallback), events in, migrations out.
 //! * [`config`]: every knob, with its default.
 //! * [`control`]: the controller's core, [`ControlCore`]: events in,
 //!   commands out (sampling rounds, Phase 2's cadence, moves, the map's
@@ -24,12 +26,13 @@ pub mod config;
 pub mod control;
 pub mod hot;
 pub mod measure;
+pub mod phase3;
 pub mod plan;
 pub mod policy;
 pub mod snapshot;
 pub mod tracker;
 
-pub use config::{Config, Planner};
+pub use config::{Config, Phase3Config, Planner};
 pub use control::{
     Answer, BalancerStatus, Command, ControlCore, CoreSettings, Event, HotCommand, HotSettings, HotStatus, PeerHot,
 };
@@ -38,6 +41,10 @@ pub use hot::{
     HotKeyStat, HotKeys, KeyState, KeyTransition, ReplicaDecision, Replicate, Retire, SlotHeat, SlotLedger,
 };
 pub use measure::{load_of, worker_loads, Imbalance};
+pub use phase3::{
+    CacheletReport, Method3, Migrate, Phase3, Phase3Event, Phase3Report, Phase3Stats, Plan3, ServerReport, Source,
+    WorkerReport,
+};
 pub use plan::{Method, Objective, Plan, Problem};
 pub use policy::{Balancer, Decision, EscalateWhy, Escalation, Lease, Move, State, Transition, Why};
 pub use snapshot::{Baseline, CacheletLoad, CacheletSample, EpochSnapshot, WorkerLoad, WorkerSample};

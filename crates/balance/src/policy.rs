@@ -471,6 +471,14 @@ impl Balancer {
         self.home.insert(cachelet, worker);
         self.leases.remove(&cachelet);
     }
+
+    /// The cluster map gave `cachelet` to another server (Phase 3): it is
+    /// no longer this server's to move or to bring home.
+    pub fn forget(&mut self, cachelet: u32) {
+        self.home.remove(&cachelet);
+        self.leases.remove(&cachelet);
+        self.pending.retain(|(m, _)| m.cachelet != cachelet);
+    }
 }
 
 #[cfg(test)]
@@ -806,6 +814,25 @@ mod tests {
         assert_eq!(b.leases(), vec![]);
         for _ in 0..5 {
             assert!(w.epoch(&mut b).moves.is_empty());
+        }
+        assert_eq!(b.state(), Normal);
+    }
+
+    #[test]
+    fn a_cachelet_given_to_another_server_is_forgotten() {
+        let mut w = World::new(2);
+        let mut b = Balancer::new(Config { lease_epochs: 1, ..Config::default() }, &w.homes());
+        w.rate.insert(0, 0.0);
+        w.owner.insert(0, 1);
+        w.epoch(&mut b);
+        assert_eq!(b.leases().len(), 1);
+        // Phase 3 gives it to another server: it leaves this one's snapshots.
+        b.forget(0);
+        w.owner.remove(&0);
+        w.rate.remove(&0);
+        assert_eq!(b.leases(), vec![]);
+        for _ in 0..4 {
+            assert!(w.epoch(&mut b).moves.is_empty(), "no return of a cachelet that is not here");
         }
         assert_eq!(b.state(), Normal);
     }

@@ -27,6 +27,7 @@ fn core(balance_every: u64, balancer: bool) -> ControlCore<u32> {
         balancer: balancer.then(|| Config { persistence: 2, ..Config::default() }),
         epoch_ms: 1000,
         hot: None,
+        coordinated: false,
     };
     ControlCore::new(settings, map(1), 0)
 }
@@ -192,7 +193,15 @@ fn moves_asked_for_a_moving_cachelet_wait_their_turn() {
 #[test]
 fn a_move_that_cannot_be_made_here_is_answered_at_once() {
     let mut c: ControlCore<u32> = ControlCore::new(
-        CoreSettings { server: 0, workers: WORKERS, balance_every: 1, balancer: None, epoch_ms: 1000, hot: None },
+        CoreSettings {
+            server: 0,
+            workers: WORKERS,
+            balance_every: 1,
+            balancer: None,
+            epoch_ms: 1000,
+            hot: None,
+            coordinated: false,
+        },
         map(2),
         0,
     );
@@ -224,8 +233,15 @@ fn hot_core() -> ControlCore<u32> {
             workers: (0..2u16).map(|w| format!("127.0.0.1:{}", 31001 + s * 10 + w).parse().unwrap()).collect(),
         })
         .collect();
-    let settings =
-        CoreSettings { server: 0, workers: 2, balance_every: 1, balancer: None, epoch_ms: 1000, hot: Some(hot) };
+    let settings = CoreSettings {
+        server: 0,
+        workers: 2,
+        balance_every: 1,
+        balancer: None,
+        epoch_ms: 1000,
+        hot: Some(hot),
+        coordinated: false,
+    };
     ControlCore::new(settings, ClusterMap::even(servers, 4, 1024), 0)
 }
 
@@ -366,8 +382,15 @@ fn a_lending_server_asks_the_others_what_they_hold_until_all_have_said() {
     let policy = HotConfig::default();
     let hot = HotSettings { policy, balance: Config::default(), copy_ttl_ms: 3_000, lend_slots: true };
     let m = hot_core().map().clone();
-    let settings =
-        CoreSettings { server: 2, workers: 2, balance_every: 1, balancer: None, epoch_ms: 500, hot: Some(hot) };
+    let settings = CoreSettings {
+        server: 2,
+        workers: 2,
+        balance_every: 1,
+        balancer: None,
+        epoch_ms: 500,
+        hot: Some(hot),
+        coordinated: false,
+    };
     let mut c: ControlCore<u32> = ControlCore::new(settings, m, 0);
     let out = c.step(0, Event::Start);
     let asked: Vec<u16> =
@@ -383,4 +406,82 @@ fn a_lending_server_asks_the_others_what_they_hold_until_all_have_said() {
     // Every one said: the next tick asks nobody what it holds.
     let out = c.step(500_000_000, Event::Tick);
     assert!(!out.iter().any(|c| matches!(c, Command::AskHeld { .. })), "{out:?}");
+}
+
+/// A coordinated core of server 1 of a 3-server map.
+fn coordinated_core() -> ControlCore<u32> {
+    let settings = CoreSettings {
+        server: 1,
+        workers: WORKERS,
+        balance_every: 1,
+        balancer: Some(Config::default()),
+        epoch_ms: 1000,
+        hot: None,
+        coordinated: true,
+    };
+    ControlCore::new(settings, map(3), 0)
+}
+
+fn reassigns(log: &[Command<u32>]) -> Vec<(u32, (u16, u16))> {
+    log.iter()
+        .filter_map(|c| match c {
+            Command::Reassign { cachelet, owner } => Some((*cachelet, *owner)),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn the_coordinators_map_gives_and_takes_cachelets_and_keeps_local_placement() {
+    let mut core = coordinated_core();
+    let start = core.map().clone();
+    let mine: Vec<u32> = start.cachelets_of(1, 0);
+    let dead: Vec<u32> = start.cachelets_of(2, 1);
+    // A local move (worker 0 -> 1 of this server) changes the map here without an epoch and
+    // is reported.
+    let c = mine[0];
+    let log = core.step(1, Event::MoveAsked { cachelet: c, to: 1, reply: 7 });
+    let token = match log[0] {
+        Command::Release { token, .. } => token,
+        ref other => panic!("{other:?}"),
+    };
+    let log = core.step(2, Event::Moved { token, cachelet: c, worker: 1 });
+    assert!(log.contains(&Command::ReportMove { cachelet: c, worker: 1 }));
+    assert!(log.contains(&Command::Reply { to: 7, answer: Answer::Moved { epoch: 1 } }));
+    assert_eq!(core.map().epoch(), 1, "the coordinator numbers epochs");
+    // The coordinator (not yet told of the move) gives server 2's worker-1 cachelets to
+    // server 1 worker 0 and server 0 worker 1.
+    let mut next = start.clone();
+    for (i, &d) in dead.iter().enumerate() {
+        next.move_cachelet(d, if i % 2 == 0 { (1, 0) } else { (0, 1) });
+    }
+    let epoch = next.epoch();
+    let log = core.step(3, Event::Map { map: next.clone(), reset: false });
+    let r = reassigns(&log);
+    assert_eq!(r.len(), dead.len(), "every cachelet of the dead worker, nothing else: {r:?}");
+    // Those leaving for another server come before those arriving here.
+    let first_here = r.iter().position(|(_, o)| o.0 == 1).unwrap();
+    assert!(r[first_here..].iter().all(|(_, o)| o.0 == 1));
+    assert_eq!(core.map().epoch(), epoch);
+    assert_eq!(core.map().owner(c), (1, 1), "the local move is kept over the coordinator's stale view");
+    assert!(log.contains(&Command::MapEpoch(epoch)));
+    // The same map again, or an older one: nothing.
+    assert!(core.step(4, Event::Map { map: next.clone(), reset: false }).is_empty());
+    assert!(core.step(4, Event::Map { map: start.clone(), reset: false }).is_empty());
+    // Declared dead and back (reset): everything held here is given up, even what comes back.
+    let log = core.step(5, Event::Map { map: next.clone(), reset: true });
+    let held: usize = (0..WORKERS).map(|w| next.cachelets_of(1, w).len()).sum();
+    let r = reassigns(&log);
+    assert_eq!(r.len(), held);
+    assert!(r.iter().all(|(_, o)| o.0 == 1));
+    assert_eq!(core.map().owner(c), next.owner(c), "after a reset the coordinator's placement holds");
+}
+
+#[test]
+fn a_map_of_another_geometry_is_refused() {
+    let mut core = coordinated_core();
+    let mut other = map(4);
+    other.move_cachelet(0, (3, 0));
+    assert!(core.step(1, Event::Map { map: other, reset: false }).is_empty());
+    assert_eq!(core.map().epoch(), 1);
 }

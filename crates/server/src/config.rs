@@ -81,6 +81,8 @@ pub struct Settings {
     /// `-o sock_cookie_id=N`: `SO_MARK` on every listening socket (Linux;
     /// needs CAP_NET_ADMIN), for firewall rules. 0: none.
     pub sock_cookie_id: u32,
+    /// `-o track_sizes`: start with the item size histogram on (`stats sizes_enable`).
+    pub track_sizes: bool,
     /// First per-worker port; worker `i` listens on `worker_port_base + i`
     /// (`Some(0)`: ephemeral ports). `None`: no worker ports, only the main
     /// port (routed clients are handed to their worker by `mbal hello`).
@@ -91,6 +93,22 @@ pub struct Settings {
     /// Cluster membership: the cluster description and this server's id in
     /// it. `None`: a stand-alone server (a cluster of one).
     pub cluster: Option<(mbal_member::ClusterSpec, u16)>,
+    /// The coordinator that owns the cluster map (`--coordinator`, or the cluster file's
+    /// `coordinator`): this server registers with it, keeps a heartbeat and serves its
+    /// cachelets under its lease (`beat.rs`). `None`: the cluster file's map, fixed.
+    /// Several (etcd mode): tried in turn; the one that leads answers (beat.rs).
+    /// Empty: none.
+    pub coordinator: Vec<std::net::SocketAddr>,
+    /// How long start-up keeps trying to reach the coordinator.
+    pub coordinator_wait_ms: u64,
+    /// On shutdown, leave the cluster (`mbal leave`): the coordinator gives the cachelets to
+    /// the other servers at once rather than after the failure timeout.
+    pub leave_on_shutdown: bool,
+    /// A join's share arrives warm (moved with its items by the coordinator) or cold (`--join`).
+    pub join_warm: bool,
+    /// The Prometheus endpoint's address (`--metrics-listen`): served by the `mbal` binary
+    /// (src/metrics.rs) through [`crate::StatsConnector`], not by the server's threads.
+    pub metrics_listen: Option<std::net::SocketAddr>,
     /// Requests one worker may have forwarded to others and not yet had
     /// answered; past it the worker stops reading its connections.
     pub max_inflight: usize,
@@ -248,6 +266,7 @@ impl Default for Settings {
             backlog: 1024,
             maxconns_fast: true,
             sock_cookie_id: 0,
+            track_sizes: false,
             worker_port_base: None,
             cachelets_per_worker: mbal_cluster::DEFAULT_CACHELETS_PER_WORKER,
             vn_count: mbal_cluster::DEFAULT_VN_COUNT,
@@ -271,9 +290,17 @@ impl Default for Settings {
             hot: HotSettings::default(),
             forward: false,
             forward_timeout_ms: 1000,
+            coordinator: Vec::new(),
+            coordinator_wait_ms: 10_000,
+            leave_on_shutdown: true,
+            join_warm: true,
+            metrics_listen: None,
         }
     }
 }
+
+/// The id of a server that joins through the coordinator, until it has registered.
+pub const JOIN: u16 = u16::MAX;
 
 impl Settings {
     /// Epochs per Phase 2 epoch: `balance_epoch_ms` over `epoch_ms`,
@@ -292,6 +319,18 @@ impl Settings {
             user: None,
             timeout,
         }
+    }
+
+    /// Join a cluster through its coordinator (`--coordinator` without `--id`): the key-space
+    /// geometry and the worker count come from the cluster file, the addresses from the
+    /// command line, the id from the coordinator when the server registers ([`JOIN`] until then).
+    pub fn apply_cluster_join(&mut self, spec: mbal_member::ClusterSpec) -> Result<(), String> {
+        spec.validate()?;
+        self.threads = spec.workers as usize;
+        self.cachelets_per_worker = spec.cachelets_per_worker;
+        self.vn_count = spec.vn_count;
+        self.cluster = Some((spec, JOIN));
+        Ok(())
     }
 
     /// Take this server's place in a cluster: its address, worker ports,

@@ -98,6 +98,14 @@ pub(crate) struct Controller {
     load_waiters: Vec<(u64, ReplyTo)>,
     /// The thread that asks other servers for REPL_high slots.
     slot_asks: Option<Sender<crate::msg::Ask>>,
+    /// The heartbeat thread (`--coordinator`): moves to report.
+    reports: Option<Sender<crate::beat::Report>>,
+    /// Cachelets that arrived from other servers since the last map install, at which worker.
+    arrived: std::collections::HashMap<u32, u16>,
+    /// Maps from the coordinator applied so far (`OwnMsg::Applied`), and the one a reset
+    /// waits for with the workers that have not yet applied it.
+    applied_seq: u64,
+    reset_wait: Option<(u64, usize)>,
 }
 
 impl Controller {
@@ -106,6 +114,7 @@ impl Controller {
         inbox: Receiver<CtlMsg>,
         map: ClusterMap,
         slot_asks: Option<Sender<crate::msg::Ask>>,
+        reports: Option<Sender<crate::beat::Report>>,
     ) -> Controller {
         let epoch_len = Duration::from_millis(shared.settings.epoch_ms.max(1));
         let settings = &shared.settings;
@@ -126,6 +135,7 @@ impl Controller {
             balancer: settings.balancer.then(|| hot_balance_config(settings)),
             epoch_ms: settings.epoch_ms,
             hot,
+            coordinated: !settings.coordinator.is_empty(),
         };
         Controller {
             core: ControlCore::new(core_settings, map, shared.clock_ns()),
@@ -138,6 +148,10 @@ impl Controller {
             history_len: history_len(shared.settings.epoch_ms),
             load_waiters: Vec::new(),
             slot_asks,
+            reports,
+            arrived: Default::default(),
+            applied_seq: 0,
+            reset_wait: None,
             shared,
         }
     }
@@ -145,7 +159,8 @@ impl Controller {
     pub(crate) fn run(mut self) {
         self.step(Event::Start);
         self.next_tick = Instant::now() + self.epoch_len;
-        while !self.shared.shutdown.load(Ordering::Relaxed) {
+        // Until the stop's drain is over: draining workers may still need the map or a move.
+        while !self.shared.stopped() {
             let wait = self.next_tick.saturating_duration_since(Instant::now());
             match self.inbox.recv_timeout(wait) {
                 Ok(msg) => self.handle(msg),
@@ -193,6 +208,17 @@ impl Controller {
                 Event::MoveAsked { cachelet, to: u16::try_from(to).unwrap_or(u16::MAX), reply }
             }
             CtlMsg::Moved { token, cachelet, worker } => Event::Moved { token, cachelet, worker: worker as u16 },
+            CtlMsg::Arrived { cachelet, worker } => {
+                // Until the map says so, a move of it from here knows where it is.
+                self.arrived.insert(cachelet, worker);
+                if let Some(tx) = &self.reports {
+                    let _ = tx.send(crate::beat::Report::BeatNow);
+                }
+                return;
+            }
+            CtlMsg::Migrate { cachelet, server, worker, addr, reply } => {
+                return self.migrate(cachelet, (server, worker), addr, reply)
+            }
             CtlMsg::Map { reply } => {
                 let map = self.core.map();
                 let json = map.to_json();
@@ -219,6 +245,40 @@ impl Controller {
             }
             CtlMsg::DebugSlots { demand, reply } => Event::DebugSlots { demand, reply },
             CtlMsg::PeerLoad { server, mean, hot } => Event::PeerLoad { server, mean, hot },
+            CtlMsg::CoordMap { map, reset } => {
+                self.step(Event::Map { map: *map, reset });
+                self.arrived.clear();
+                let addrs = self.core.map().servers().iter().map(|s| s.main).collect();
+                *self.shared.members.write().unwrap_or_else(|p| p.into_inner()) = addrs;
+                if let Some(f) = &self.shared.forward {
+                    f.new_map(self.core.map().clone());
+                }
+                // Every worker says when it applied the map's changes (they precede this on
+                // its channel); a reset waits for all of them before the lease is renewed.
+                self.applied_seq += 1;
+                let seq = self.applied_seq;
+                let now = self.now_ns();
+                for w in 0..self.shared.settings.threads {
+                    self.shared.peers().send_one(w, Envelope::Own(OwnMsg::Applied { seq }), now);
+                }
+                if reset {
+                    self.reset_wait = Some((seq, self.shared.settings.threads));
+                }
+                return;
+            }
+            CtlMsg::Applied { seq } => {
+                if let Some((want, left)) = &mut self.reset_wait {
+                    if seq == *want {
+                        *left -= 1;
+                        if *left == 0 {
+                            self.reset_wait = None;
+                            self.shared.resetting.store(false, Ordering::Release);
+                            tracing::info!(server = self.shared.server_id, "the map after the reset is applied");
+                        }
+                    }
+                }
+                return;
+            }
             CtlMsg::Wake => return,
         };
         self.step(event);
@@ -229,6 +289,31 @@ impl Controller {
     }
 
     /// Send reply bytes to a client connection's waiting slot.
+    /// `mbal migrate <cachelet> <server> <worker>`: move a cachelet of this server to
+    /// another one (`crate::migrate`); the answer comes when the move ends.
+    fn migrate(&mut self, c: u32, (server, worker): (u16, u16), addr: Option<std::net::SocketAddr>, reply: ReplyTo) {
+        let Some(coord) = self.reports.clone() else {
+            return self.answer(reply, b"CLIENT_ERROR moving a cachelet to another server needs a coordinator\r\n");
+        };
+        let map = self.core.map();
+        let me = self.shared.server_id;
+        let to_addr = match (map.has_worker((server, worker)), addr) {
+            (_, Some(a)) => a,
+            (true, None) => map.worker_addr(server, worker),
+            (false, None) => return self.answer(reply, b"CLIENT_ERROR no such worker on another server\r\n"),
+        };
+        if c >= map.cachelet_count() || server == me {
+            return self.answer(reply, b"CLIENT_ERROR no such cachelet, or the destination is this server\r\n");
+        }
+        let w = match (map.owner(c), self.arrived.get(&c)) {
+            ((s, w), _) if s == me => w,
+            (_, Some(&w)) => w,
+            _ => return self.answer(reply, b"CLIENT_ERROR cachelet is not on this server\r\n"),
+        };
+        let order = crate::migrate::Order { cachelet: c, worker: usize::from(w), to: (server, worker), to_addr, reply };
+        crate::migrate::spawn(self.shared.clone(), coord, order);
+    }
+
     fn answer(&self, to: ReplyTo, bytes: &[u8]) {
         let mut batch = ReplyBatch::default();
         batch.push(to, NO_CACHELET, |d| d.extend_from_slice(bytes));
@@ -287,6 +372,23 @@ impl Controller {
                         let _ = tx.send(crate::msg::Ask::Held { peer });
                     }
                 }
+                Command::Reassign { cachelet, owner: (server, worker) } => {
+                    // The new owner first, so that no request routed by the new owner reaches it
+                    // before it has the cachelet (every worker's channel is FIFO).
+                    let msg = || Envelope::Own(OwnMsg::Reassign { cachelet, server, worker });
+                    let first = (server == self.shared.server_id).then_some(usize::from(worker));
+                    if let Some(f) = first {
+                        self.shared.peers().send_one(f, msg(), now);
+                    }
+                    for w in (0..self.shared.settings.threads).filter(|&w| Some(w) != first) {
+                        self.shared.peers().send_one(w, msg(), now);
+                    }
+                }
+                Command::ReportMove { cachelet, worker } => {
+                    if let Some(tx) = &self.reports {
+                        let _ = tx.send(crate::beat::Report::Moved { cachelet, worker });
+                    }
+                }
                 Command::HotStatus(st) => {
                     *self.shared.hotkeys.lock().unwrap_or_else(|p| p.into_inner()) = Some(*st);
                 }
@@ -312,6 +414,21 @@ impl Controller {
     /// An epoch closed: publish it, answer `mbal load` callers waiting for
     /// it and keep it.
     fn epoch_closed(&mut self, snap: Arc<EpochSnapshot>, decided: Decided) {
+        if let Some(tx) = &self.reports {
+            // With a coordinator, this server's epoch goes to the others through it (the
+            // peer-load threads do not run).
+            let cfg = hot_balance_config(&self.shared.settings);
+            let mean = mbal_balance::control::phase1::mean_load(&snap, &cfg);
+            let hot = decided.hot.as_ref().map(|d| mbal_balance::PeerHot { spare: d.spare, heat: d.heat.clone() });
+            let _ = tx.send(crate::beat::Report::Load { mean, hot });
+            // And, for Phase 3, its cachelets' loads and memory, with Phase 2's escalation.
+            let mem_limit = self.shared.settings.memory_limit as u64;
+            let report = mbal_balance::ServerReport::from_snapshot(self.shared.server_id, &snap, &cfg, mem_limit);
+            let escalation = decided.balancer.as_ref().and_then(|d| d.escalate.clone());
+            let local_moves = decided.balancer.as_ref().is_some_and(|d| !d.moves.is_empty());
+            let r = mbal_balance::Phase3Report { report, escalation, local_moves };
+            let _ = tx.send(crate::beat::Report::Phase3(Box::new(r)));
+        }
         *self.shared.latest.lock().unwrap_or_else(|p| p.into_inner()) = Some(snap.clone());
         let ready: Vec<ReplyTo> = {
             let (ready, wait): (Vec<_>, Vec<_>) = self.load_waiters.drain(..).partition(|(a, _)| snap.seq > *a);

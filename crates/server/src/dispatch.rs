@@ -6,12 +6,14 @@
 //! commands (stats, flush_all, `mbal ...`) are handled or broadcast here.
 
 mod admin;
+mod ahead;
+mod fanout;
 use crate::counters::Counters;
 use crate::exec::{self, locate, Ctx, Loc};
-use crate::moves::{Parked, Tables};
+use crate::moves::{Parked, Tables, FENCED};
 use crate::msg::forward::{Job, Kind};
-use crate::msg::CtlCmd;
 use crate::msg::CtlMsg;
+use crate::msg::{CtlCmd, Dump, Want};
 use crate::msg::{Envelope, FwdKind, Outbox, ReplyTo, StoreFields};
 use crate::near::{Near, NearWorker};
 use crate::output::{Gather, Output, Slot, StatsFormat, MAX_PENDING_OUTPUT};
@@ -19,11 +21,13 @@ use crate::replica::Replicas;
 use crate::shared::Shared;
 use crate::worker::exec_ctx;
 use admin::admin;
+use ahead::{Ahead, Fetch};
+use fanout::{cachedump, flush_all, gather_stats, metadump, reset_stats, watch_mask};
 use mbal_cluster::KeySpace;
 use mbal_proto::binary::{opcode as op, status as st, write_response, BinReq};
 use mbal_proto::client::Expect;
 use mbal_proto::meta::{meta_key, MetaKind};
-use mbal_proto::text::{self, Line, LineState, TextCmd};
+use mbal_proto::text::{self, Line, LineState, TextCmd, TuneCmd};
 use mbal_proto::{Protocol, Request};
 use mbal_store::WorkerStore;
 use std::sync::atomic::Ordering;
@@ -51,6 +55,25 @@ pub(crate) enum Action {
         at: usize,
         rest: LineState,
     },
+    /// `watch`: the connection becomes a log stream of these categories (`mbal_store::log`).
+    Watch(u8),
+    /// `mbal import ...`: a cachelet arriving from another server, for the worker
+    /// (`worker/migrate.rs`); the connection is a member's, exempt from the capacity.
+    Import,
+}
+
+/// Does `req` name a key of cachelet `c`? (A frozen cachelet's requests wait: `worker/migrate.rs`.)
+pub(crate) fn touches(layout: &KeySpace, req: &Request, c: u32) -> bool {
+    let hit = |k: &[u8]| locate(layout, k).cachelet == c;
+    match req {
+        Request::Text(TextCmd::Get { keys, .. }) => keys.iter().any(hit),
+        Request::Text(cmd) => text_key(cmd).is_some_and(hit),
+        Request::Meta(m) => {
+            let mut scratch = [0u8; 256];
+            meta_key(m, &mut scratch).is_ok_and(hit)
+        }
+        Request::Bin(b) => !b.key.is_empty() && hit(b.key),
+    }
 }
 
 /// Routing state for one connection's request.
@@ -70,7 +93,7 @@ pub(crate) struct Route<'a, 'n> {
     /// Requests this worker forwarded and has no reply for yet.
     pub inflight: &'a mut usize,
     /// Stats gathers that still need this worker's own snapshot.
-    pub self_stats: &'a mut Vec<(usize, u64, bool)>,
+    pub self_stats: &'a mut Vec<(usize, u64, Want)>,
     /// Phase 1: hot keys homed here (hints) and copies of others' (reads).
     pub replicas: &'a mut Replicas,
     /// The connection's authentication (data and control plane).
@@ -103,7 +126,9 @@ impl<'n> Route<'_, 'n> {
         match d {
             Dest::Here => true,
             Dest::Worker(w) => *self.by_thread && self.near.hosts(w) && shared.routes_by_thread(),
-            Dest::Server(..) => false,
+            // A fenced server answers for its own keys as for another server's (no redirect:
+            // it does not know who owns them now).
+            Dest::Server(s, _) => s == FENCED,
         }
     }
 
@@ -169,6 +194,19 @@ impl<'n> Route<'_, 'n> {
         let reply = self.reply_to(output.push(Slot::Wait));
         *self.inflight += 1;
         shared.tell_controller(ask(reply));
+    }
+}
+
+/// Start loading what the lookup of a get's key at `at` will read, in this worker's store or,
+/// when a worker of its thread owns the key, in that one's (`ahead`). A hint: nothing if the
+/// key is elsewhere.
+#[inline]
+fn prefetch(store: &WorkerStore, near: &Near, at: Loc, f: Fetch) {
+    match (f, store.owns(at.cachelet)) {
+        (Fetch::Bucket, true) => store.prefetch(at.cachelet, at.hash),
+        (Fetch::Item, true) => store.prefetch_item(at.cachelet, at.hash),
+        (Fetch::Bucket, false) => near.prefetch(at.cachelet, at.hash),
+        (Fetch::Item, false) => near.prefetch_item(at.cachelet, at.hash),
     }
 }
 
@@ -272,8 +310,13 @@ pub(crate) fn handle(
                     None => {}
                 };
                 let mut run: Run = None;
-                for key in keys.iter() {
-                    let at = locate(layout, key);
+                // Each key is located once, a few keys ahead of the one served, and what its
+                // lookup will read starts loading then (`ahead`).
+                let mut ahead = Ahead::new(keys.iter());
+                loop {
+                    let near = &*rt.near;
+                    let fetch = |at: Loc, f| prefetch(store, near, at, f);
+                    let Some((key, at)) = ahead.next(layout, fetch) else { break };
                     match rt.dest(at) {
                         Dest::Here => {
                             send(rt, output, run.take());
@@ -307,6 +350,10 @@ pub(crate) fn handle(
                                 let rest = LineState::Keys { cas: *cas, touch: *touch, any: true };
                                 return Action::Pause { at, rest };
                             }
+                        }
+                        Dest::Server(FENCED, _) => {
+                            send(rt, output, run.take());
+                            rt.counters.fenced_keys += 1
                         }
                         Dest::Server(..) if !rt.forwarding => {
                             send(rt, output, run.take());
@@ -398,6 +445,18 @@ pub(crate) fn handle(
                         shared.detail.store(group == "detail on", Ordering::Relaxed);
                         output.buf().extend_from_slice(text::OK);
                     }
+                    g if g == "cachedump" || g.starts_with("cachedump ") => cachedump(shared, rt, output, g),
+                    g if matches!(g.split(' ').next(), Some("sizes" | "sizes_enable" | "sizes_disable")) => {
+                        let end = crate::stats::render_sizes(
+                            &shared.settings,
+                            store.global(),
+                            g,
+                            &mut crate::stats::TextSink(output.buf()),
+                        );
+                        if end {
+                            output.buf().extend_from_slice(text::END);
+                        }
+                    }
                     g if g == "detail" || g.starts_with("detail ") => {
                         output.buf().extend_from_slice(b"CLIENT_ERROR usage: stats detail on|off|dump\r\n")
                     }
@@ -430,6 +489,18 @@ pub(crate) fn handle(
                     Action::None
                 }
             }
+            TextCmd::Tune { cmd: TuneCmd::LruCrawler, args } if args.starts_with(b"metadump") => {
+                metadump(shared, rt, output, args);
+                Action::None
+            }
+            TextCmd::Tune { cmd: TuneCmd::Watch, args } => match watch_mask(args) {
+                // The worker answers OK once every worker logs for it (`Worker::announce_watch`).
+                Some(mask) => Action::Watch(mask),
+                None => {
+                    output.buf().extend_from_slice(b"ERROR\r\n");
+                    Action::None
+                }
+            },
             TextCmd::Tune { cmd, args } => {
                 crate::tune::tune(*cmd, args, output.buf());
                 Action::None
@@ -531,6 +602,10 @@ fn route_keyed(
                 Travel::Store(kind, f) => rt.forward(output, owner, at.cachelet, kind, |d| f.encode(d)),
             }
         }
+        Dest::Server(FENCED, _) => {
+            rt.counters.fenced_keys += 1;
+            foreign(output.buf())
+        }
         Dest::Server(..) if rt.forwarding => rt.forward_server(output, at.hash, remote, raw.to_vec()),
         Dest::Server(..) => {
             rt.counters.foreign_keys += 1;
@@ -551,11 +626,12 @@ fn after_near(shared: &Shared, w: &mut NearWorker, now: u32) {
 fn whole_remote<'k>(rt: &Route, layout: &KeySpace, mut keys: impl Iterator<Item = &'k [u8]>) -> bool {
     let Some(first) = keys.next() else { return false };
     let c = locate(layout, first).cachelet;
-    matches!(rt.dest(Loc { hash: 0, cachelet: c }), Dest::Server(..)) && keys.all(|k| locate(layout, k).cachelet == c)
+    matches!(rt.dest(Loc { hash: 0, cachelet: c }), Dest::Server(s, _) if s != FENCED)
+        && keys.all(|k| locate(layout, k).cachelet == c)
 }
 
 /// `get`/`gets`/`gat <exptime>`/`gats <exptime>` with these keys, as a request line.
-fn get_line(cas: bool, touch: Option<i64>, keys: &[u8]) -> Vec<u8> {
+pub(crate) fn get_line(cas: bool, touch: Option<i64>, keys: &[u8]) -> Vec<u8> {
     let mut req = Vec::with_capacity(keys.len() + 24);
     match (touch, cas) {
         (None, false) => req.extend_from_slice(b"get "),
@@ -753,6 +829,17 @@ pub(crate) fn handle_bin(
             if group == "reset" {
                 reset_stats(rt, store);
                 write_response(output.buf(), op::STAT, st::NO_ERROR, h.opaque, 0, &[], &[], &[]);
+            } else if group == "detail on" || group == "detail off" {
+                // memcached: the end packet alone.
+                shared.detail.store(group == "detail on", Ordering::Relaxed);
+                write_response(output.buf(), op::STAT, st::NO_ERROR, h.opaque, 0, &[], &[], &[]);
+            } else if matches!(group.split(' ').next(), Some("sizes" | "sizes_enable" | "sizes_disable")) {
+                let out = output.buf();
+                let sink = &mut crate::stats::BinSink { out: &mut *out, opaque: h.opaque };
+                // As in text: no end packet after `sizes_enable`/`sizes_disable` (memcached's).
+                if crate::stats::render_sizes(&shared.settings, store.global(), &group, sink) {
+                    write_response(out, op::STAT, st::NO_ERROR, h.opaque, 0, &[], &[], &[]);
+                }
             } else if group == "balancer" {
                 let out = output.buf();
                 crate::stats::render_balancer(
@@ -795,17 +882,6 @@ fn foreign_bin(req: &BinReq, out: &mut Vec<u8>) {
     }
 }
 
-/// `stats reset` on every worker of the server.
-fn reset_stats(rt: &mut Route, store: &mut WorkerStore) {
-    *rt.counters = Counters::default();
-    store.reset_stats();
-    for (w, ob) in rt.outbox.iter_mut().enumerate() {
-        if w != rt.worker {
-            ob.push(Envelope::Ctl(CtlCmd::ResetStats));
-        }
-    }
-}
-
 /// Delete a key wherever it lives in this server (no reply).
 pub(crate) fn unlink(
     layout: &KeySpace,
@@ -829,41 +905,4 @@ pub(crate) fn unlink(
         }
         Dest::Server(..) => {}
     }
-}
-
-/// flush_all [delay]: every worker invalidates items set at or before
-/// `now + delay`; peers get the order through the same FIFO channel as
-/// this connection's forwarded requests, so later requests see it.
-fn flush_all(shared: &Shared, rt: &mut Route, store: &mut WorkerStore, now: u32, delay: i64) {
-    rt.counters.cmd_flush += 1;
-    let at = if delay <= 0 {
-        now
-    } else {
-        mbal_store::rel_exptime(delay, now, shared.start_unix).filter(|&t| t != 0).unwrap_or(now)
-    };
-    store.flush_all(at);
-    if !rt.replicas.hot.is_empty() {
-        crate::worker::flush_hot(shared, rt.worker, store, &mut rt.replicas.hot);
-    }
-    for (w, ob) in rt.outbox.iter_mut().enumerate() {
-        if w != rt.worker {
-            ob.push(Envelope::Ctl(CtlCmd::Flush { at }));
-        }
-    }
-}
-
-fn gather_stats(shared: &Shared, rt: &mut Route, output: &mut Output, group: String, format: StatsFormat) {
-    let workers = shared.settings.threads;
-    let want_conns = group == "conns";
-    let g = Gather { group, format, remaining: workers, snaps: Vec::with_capacity(workers) };
-    let seq = output.push(Slot::Gather(Box::new(g)));
-    for (w, ob) in rt.outbox.iter_mut().enumerate() {
-        if w != rt.worker {
-            let to = ReplyTo { worker: rt.worker, conn: rt.conn, gen: rt.gen, seq };
-            ob.push(Envelope::Ctl(CtlCmd::StatsReq { to, want_conns }));
-        }
-    }
-    // This worker's own snapshot is taken once the request is routed
-    // (`finish_self_stats`), when the worker is no longer borrowed.
-    rt.self_stats.push((rt.conn, seq, want_conns));
 }

@@ -184,7 +184,10 @@ impl Policy {
 /// else within a tick of the shutdown flag (a `shutdown` command).
 pub(crate) fn spawn(shared: Arc<Shared>) -> std::io::Result<(JoinHandle<()>, Sender<()>)> {
     let (stop, stopped) = crossbeam_channel::bounded(0);
-    let t = std::thread::Builder::new().name("mbal-threads".into()).spawn(move || run(shared, stopped))?;
+    let t = std::thread::Builder::new().name("mbal-threads".into()).spawn(move || {
+        let _watch = shared.life.watch();
+        run(shared.clone(), stopped)
+    })?;
     Ok((t, stop))
 }
 

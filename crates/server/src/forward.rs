@@ -69,7 +69,14 @@ pub(crate) fn channel() -> io::Result<(ForwardHandle, Parts)> {
     let poll = Poll::new()?;
     let mailbox = Arc::new(Mailbox::new(Waker::new(poll.registry(), WAKER)?));
     let (tx, rx) = crossbeam_channel::unbounded();
-    Ok((ForwardHandle { tx, mailbox: mailbox.clone(), stats: ForwardStats::default() }, (poll, rx, mailbox)))
+    let handle = ForwardHandle {
+        tx,
+        mailbox: mailbox.clone(),
+        stats: ForwardStats::default(),
+        map: Default::default(),
+        has_map: Default::default(),
+    };
+    Ok((handle, (poll, rx, mailbox)))
 }
 
 /// A request on an upstream connection, waiting for its reply.
@@ -181,10 +188,24 @@ impl Forwarder {
         }
     }
 
+    /// A newer map from the coordinator (`ForwardHandle::new_map`): route by it from now on.
+    fn take_map(&mut self) {
+        let Some(h) = self.shared.forward.as_ref() else { return };
+        if !h.has_map.swap(false, Ordering::Acquire) {
+            return;
+        }
+        if let Some(m) = h.map.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            if let Err(e) = self.router.install_map(m) {
+                tracing::warn!("forwarder: the coordinator's map: {e}");
+            }
+        }
+    }
+
     pub(crate) fn run(mut self) {
         let mut events = Events::with_capacity(256);
         loop {
-            if self.shared.shutdown.load(Ordering::Relaxed) {
+            // Until the stop's drain is over: draining workers wait for its answers.
+            if self.shared.stopped() {
                 return;
             }
             let mut timeout = self
@@ -220,6 +241,7 @@ impl Forwarder {
                 }
             }
             self.take_dialed();
+            self.take_map();
             while let Ok(jobs) = self.jobs.try_recv() {
                 for job in jobs {
                     let sent = Sent {

@@ -32,6 +32,7 @@
 //! controller thread has no port, only a mailbox and a tick.
 
 pub mod auth;
+mod beat;
 pub mod config;
 // The shard engine's modules, under the names the server's modules use.
 pub use mbal_engine::counters;
@@ -41,6 +42,8 @@ pub mod credentials;
 mod dispatch;
 mod fold;
 mod forward;
+mod life;
+mod migrate;
 mod moves;
 mod msg;
 mod near;
@@ -80,8 +83,8 @@ pub struct ServerHandle {
     shared: Arc<Shared>,
     acceptor_waker: Arc<mio::Waker>,
     threads: Vec<JoinHandle<()>>,
-    /// Dropped to stop the thread policy's thread at once (`fold::spawn`).
-    policy_stop: Option<crossbeam_channel::Sender<()>>,
+    /// Every server thread's end (`life::Watch`), for `wait`.
+    ended: crossbeam_channel::Receiver<life::Ended>,
 }
 
 impl ServerHandle {
@@ -91,20 +94,50 @@ impl ServerHandle {
     }
 
     fn stop(&mut self) {
-        self.shared.shutdown.store(true, Ordering::Relaxed);
-        self.shared.wake_all();
+        self.shared.request_stop();
         let _ = self.acceptor_waker.wake();
-        self.policy_stop = None;
         for t in self.threads.drain(..) {
-            let _ = t.join();
+            let name = t.thread().name().unwrap_or("mbal").to_string();
+            if let Err(p) = t.join() {
+                tracing::error!(thread = %name, "panicked: {}", life::panic_text(&*p));
+            }
         }
     }
 
-    /// Block until the server stops (a `shutdown` command with `-A`).
-    pub fn wait(mut self) {
-        for t in self.threads.drain(..) {
-            let _ = t.join();
+    /// Block until the server stops (a `shutdown` command with `-A`, or a
+    /// [`StopToken`]) and its threads have ended: `Ok` then. `Err` (and the
+    /// server told to stop, its threads left to the process's exit) as soon
+    /// as a server thread panics or ends on its own before the stop: the
+    /// server is no longer whole, and its process should exit with an error
+    /// (so that a supervisor restarts it).
+    pub fn wait(mut self) -> Result<(), String> {
+        let mut left = self.threads.len();
+        let failed = loop {
+            if left == 0 {
+                break None;
+            }
+            let Ok(end) = self.ended.recv() else { break None };
+            if end.panicked || !self.shared.shutdown.load(Ordering::SeqCst) {
+                break Some(end);
+            }
+            if self.threads.iter().any(|t| t.thread().name() == Some(end.name.as_str())) {
+                left -= 1;
+            }
+        };
+        let Some(end) = failed else {
+            self.stop();
+            return Ok(());
+        };
+        let mut why = if end.panicked { "panicked".to_string() } else { "ended before the server stopped".to_string() };
+        if let Some(i) = self.threads.iter().position(|t| t.thread().name() == Some(end.name.as_str())) {
+            if let Err(p) = self.threads.swap_remove(i).join() {
+                why = format!("panicked: {}", life::panic_text(&*p));
+            }
         }
+        self.shared.request_stop();
+        // Not joined: the process exits with the error.
+        self.threads.clear();
+        Err(format!("server thread {} {why}", end.name))
     }
 
     /// Read the TLS certificate files again (SIGHUP, `refresh_certs`): new
@@ -119,10 +152,56 @@ impl ServerHandle {
         self.shared.shutdown.load(Ordering::Relaxed)
     }
 
+    /// Opens admin connections to this server from inside the process (see [`StatsConnector`]).
+    pub fn stats_connector(&self) -> StatsConnector {
+        StatsConnector(self.shared.clone())
+    }
+
     /// A token that can stop the server from another thread (a signal
     /// handler) without owning the handle.
     pub fn stop_token(&self) -> StopToken {
         StopToken(self.shared.clone(), self.acceptor_waker.clone())
+    }
+}
+
+/// Opens admin connections to a running server from inside its process (the metrics
+/// endpoint gathers `stats` through one, as a client would, without a listener's TLS or login).
+#[derive(Clone)]
+pub struct StatsConnector(Arc<Shared>);
+
+impl StatsConnector {
+    /// A new connection served by worker 0: plain text protocol, logged in. It is a loopback
+    /// socket pair, counted as a connection (`curr_connections`, `total_connections`) while open.
+    pub fn connect(&self, timeout: std::time::Duration) -> std::io::Result<std::net::TcpStream> {
+        let shared = &self.0;
+        if shared.shutdown.load(Ordering::SeqCst) {
+            return Err(std::io::Error::new(std::io::ErrorKind::NotConnected, "the server is stopping"));
+        }
+        let listener = std::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, 0))?;
+        let client = std::net::TcpStream::connect_timeout(&listener.local_addr()?, timeout)?;
+        let (served, _) = listener.accept()?;
+        served.set_nonblocking(true)?;
+        let peer = client.local_addr()?;
+        // As the acceptor counts one (`Shared::conn_closed` undoes it at the close).
+        shared.curr_conns.fetch_add(1, Ordering::SeqCst);
+        if shared.settings.max_conns_per_ip > 0 {
+            *shared.per_ip.lock().unwrap_or_else(|e| e.into_inner()).entry(peer.ip()).or_insert(0) += 1;
+        }
+        shared.worker_conns[0].fetch_add(1, Ordering::Relaxed);
+        let peers = shared.peers();
+        if peers.senders[0].send(Envelope::Conn(ConnMsg::Internal(served, peer))).is_err() {
+            return Err(std::io::Error::new(std::io::ErrorKind::NotConnected, "the server is stopping"));
+        }
+        peers.mailboxes[0].wake();
+        client.set_read_timeout(Some(timeout))?;
+        client.set_write_timeout(Some(timeout))?;
+        Ok(client)
+    }
+
+    /// The controller's latest epoch snapshot (per-worker load, busy fraction, queue waits and
+    /// lengths), as `mbal load` carries it; `None` before the first epoch.
+    pub fn latest_epoch(&self) -> Option<Arc<mbal_balance::snapshot::EpochSnapshot>> {
+        self.0.latest.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 }
 
@@ -138,9 +217,9 @@ fn reload_tls(shared: &Shared) -> Result<(), String> {
 pub struct StopToken(Arc<Shared>, Arc<mio::Waker>);
 
 impl StopToken {
+    /// Stop gracefully (see [`ServerHandle::wait`] and docs/operations.md "Stopping").
     pub fn stop(&self) {
-        self.0.shutdown.store(true, Ordering::Relaxed);
-        self.0.wake_all();
+        self.0.request_stop();
         let _ = self.1.wake();
     }
 
@@ -184,7 +263,14 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
     }
     let worker_addrs: Vec<SocketAddr> =
         owns.iter().flatten().map(|l| l.local_addr()).collect::<std::io::Result<_>>()?;
+    let mut registered = None;
     let (map, server_id) = match &settings.cluster {
+        Some((_, _)) if !settings.coordinator.is_empty() => {
+            let r = beat::register(&settings, main_addr, &worker_addrs)?;
+            let out = (r.map.clone(), r.id);
+            registered = Some(r);
+            out
+        }
         Some((spec, id)) => (spec.initial_map(), *id),
         None => {
             // Without worker ports every worker is reached at the main port
@@ -222,7 +308,13 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
 
     let start_unix = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let pool = GlobalPool::new(settings.memory_limit, settings.page_size);
+    if settings.track_sizes {
+        pool.sizes_enable(settings.threads, settings.max_item_size);
+    }
+    let start = Instant::now();
+    let (life, ended) = life::Life::new(workers);
     let shared = Arc::new(Shared {
+        members: std::sync::RwLock::new(map.servers().iter().map(|s| s.main).collect()),
         layout: layout.clone(),
         server_id,
         epoch: AtomicU64::new(epoch),
@@ -230,7 +322,7 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
         latest: Mutex::new(None),
         balancer: Mutex::new(None),
         hotkeys: Mutex::new(None),
-        start: Instant::now(),
+        start,
         start_unix,
         curr_conns: AtomicUsize::new(0),
         worker_conns: (0..workers).map(|_| AtomicUsize::new(0)).collect(),
@@ -238,6 +330,8 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
         per_ip: Mutex::new(Default::default()),
         rejected_per_ip: AtomicU64::new(0),
         shutdown: AtomicBool::new(false),
+        life,
+        log_gid: AtomicU64::new(0),
         detail: AtomicBool::new(false),
         peers: OnceLock::new(),
         main_addr,
@@ -249,6 +343,14 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
         replicator: replicating.then_some(rep_tx),
         forward,
         threads: threads::Threads::new(worker_threads(&settings), workers, settings.worker_threads == 0)?,
+        // Registration counts as a heartbeat: the lease runs from when it was sent.
+        lease_until_ns: AtomicU64::new(
+            registered
+                .as_ref()
+                .map_or(u64::MAX, |r| (r.sent + r.lease).saturating_duration_since(start).as_nanos() as u64),
+        ),
+        resetting: AtomicBool::new(false),
+        coord: Default::default(),
         settings: settings.clone(),
     });
     let _ = shared.worker_ports.set(worker_addrs.iter().map(|a| a.port()).collect());
@@ -294,41 +396,62 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
     let handoff = Arc::new(worker::Handoff::new(hosts));
     for (t, group) in groups.into_iter().enumerate() {
         let (shared, handoff) = (shared.clone(), handoff.clone());
-        threads.push(
-            std::thread::Builder::new()
-                .name(format!("mbal-worker-{t}"))
-                .spawn(move || worker::run_host(shared, handoff, t, group))?,
-        );
+        threads.push(std::thread::Builder::new().name(format!("mbal-worker-{t}")).spawn(move || {
+            let _watch = shared.life.watch();
+            worker::run_host(shared, handoff, t, group)
+        })?);
     }
     drop(handoff);
-    let mut policy_stop = None;
     if hosts > 1 {
         let (t, stop) = fold::spawn(shared.clone())?;
         threads.push(t);
-        policy_stop = Some(stop);
+        *shared.life.policy_stop.lock().unwrap_or_else(|p| p.into_inner()) = Some(stop);
     }
     let mut slot_asks = None;
     if replicating {
+        let r = replicate::Replicator::new(shared.clone(), rep_rx);
+        let watch = shared.clone();
+        threads.push(std::thread::Builder::new().name("mbal-replicate".into()).spawn(move || {
+            let _watch = watch.life.watch();
+            r.run()
+        })?);
         let servers = map.servers().iter().map(|s| s.main).collect();
-        let r = replicate::Replicator::new(shared.clone(), rep_rx, servers);
-        threads.push(std::thread::Builder::new().name("mbal-replicate".into()).spawn(move || r.run())?);
-        let servers = map.servers().iter().map(|s| s.main).collect();
-        peerload::spawn(shared.clone(), servers, control::hot_balance_config(&shared.settings))?;
-        let servers = map.servers().iter().map(|s| s.main).collect();
-        slot_asks = Some(slots::spawn(shared.clone(), servers)?);
+        if settings.coordinator.is_empty() {
+            // With a coordinator the servers' epochs travel through it (`beat.rs`).
+            peerload::spawn(shared.clone(), servers, control::hot_balance_config(&shared.settings))?;
+        }
+        slot_asks = Some(slots::spawn(shared.clone())?);
     }
     if let Some(parts) = forward_parts {
         let f = forward::Forwarder::new(shared.clone(), parts, map.clone());
-        threads.push(std::thread::Builder::new().name("mbal-forward".into()).spawn(move || f.run())?);
+        let watch = shared.clone();
+        threads.push(std::thread::Builder::new().name("mbal-forward".into()).spawn(move || {
+            let _watch = watch.life.watch();
+            f.run()
+        })?);
     }
-    let controller = control::Controller::new(shared.clone(), control_rx, map, slot_asks);
-    threads.push(std::thread::Builder::new().name("mbal-control".into()).spawn(move || controller.run())?);
+    let mut reports = None;
+    if let Some(r) = registered {
+        shared.coord.registrations.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = crossbeam_channel::unbounded();
+        reports = Some(tx);
+        threads.push(beat::spawn(shared.clone(), r, main_addr, worker_addrs.clone(), rx)?);
+    }
+    let controller = control::Controller::new(shared.clone(), control_rx, map, slot_asks, reports);
+    let watch = shared.clone();
+    threads.push(std::thread::Builder::new().name("mbal-control".into()).spawn(move || {
+        let _watch = watch.life.watch();
+        controller.run()
+    })?);
     let acceptor = Acceptor::new(main, shared.clone())?;
     let acceptor_waker = acceptor.waker.clone();
     let _ = shared.accept_waker.set(acceptor_waker.clone());
-    threads.push(std::thread::Builder::new().name("mbal-acceptor".into()).spawn(move || acceptor.run())?);
+    threads.push(std::thread::Builder::new().name("mbal-acceptor".into()).spawn(move || {
+        let _watch = acceptor.shared.life.watch();
+        acceptor.run()
+    })?);
     tracing::info!(%main_addr, ?worker_addrs, workers, "mbal server ready");
-    Ok(ServerHandle { main_addr, worker_addrs, shared, acceptor_waker, threads, policy_stop })
+    Ok(ServerHandle { main_addr, worker_addrs, shared, acceptor_waker, threads, ended })
 }
 
 /// How many host threads run the workers: `--worker-threads` if given, else one per worker
@@ -367,12 +490,16 @@ impl Acceptor {
 
     fn run(mut self) {
         let mut events = mio::Events::with_capacity(8);
-        while !self.shared.shutdown.load(Ordering::Relaxed) {
+        // Woken by a stop (`Shared::request_stop`); its listener closes as it returns.
+        while !self.shared.shutdown.load(Ordering::SeqCst) {
             if let Err(e) = self.poll.poll(&mut events, None) {
                 if e.kind() != std::io::ErrorKind::Interrupted {
                     tracing::error!("acceptor poll failed: {e}");
                     return;
                 }
+            }
+            if self.shared.shutdown.load(Ordering::SeqCst) {
+                return;
             }
             self.accept_all();
         }

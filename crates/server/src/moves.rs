@@ -34,6 +34,12 @@
 use crate::msg::{Envelope, FwdKind, Outbox, Peers, ReplyTo};
 use crate::msg::{Own, OwnMsg};
 use mbal_cluster::Owner;
+
+/// The server a fenced worker routes its own server's cachelets to: none. A server whose lease
+/// from the coordinator ran out serves none of its cachelets (docs/design-notes.md, "Fencing"):
+/// `Tables::route` names this server for them, so requests get the answer for a key another
+/// server holds (a miss, or an error for a write) until the lease is renewed.
+pub(crate) const FENCED: u16 = u16::MAX;
 use mbal_store::WorkerStore;
 use std::collections::{HashMap, VecDeque};
 
@@ -48,12 +54,20 @@ pub(crate) struct Parked {
 /// One worker's ownership tables. Only that worker touches them.
 pub(crate) struct Tables {
     me: u16,
+    /// This worker's server.
+    server: u16,
+    /// This server's lease from the coordinator ran out (`FENCED`); set by the worker at the
+    /// start of each round.
+    pub fenced: bool,
+    /// A cachelet of this worker in the last step of a move to another server
+    /// (`worker/migrate.rs`): its requests wait, nobody executes them here.
+    pub frozen: Option<u32>,
     /// The newest owner this worker knows of, per cachelet.
     pub owner: Vec<Own>,
-    /// The worker this worker sends a cachelet's requests to (itself: it
-    /// executes them) and the owner's version they are stamped with.
-    /// Follows `owner` when nothing is in flight.
-    route: Vec<(u16, u32)>,
+    /// The server and worker this worker sends a cachelet's requests to
+    /// (itself: it executes them) and the owner's version they are stamped
+    /// with. Follows `owner` when nothing is in flight.
+    route: Vec<(u16, u16, u32)>,
     /// This worker's forwarded requests in flight, per cachelet.
     inflight: Vec<u32>,
     /// Requests waiting for a route change, per cachelet (only while a
@@ -65,11 +79,20 @@ pub(crate) struct Tables {
 
 impl Tables {
     /// Tables from the cluster map's owners (by cachelet id).
-    pub fn new(owners: &[Owner], me: usize) -> Tables {
+    pub fn new(owners: &[Owner], server: u16, me: usize) -> Tables {
         let owner: Vec<Own> = owners.iter().map(|&(server, worker)| Own { server, worker, ver: 0 }).collect();
-        let route = owner.iter().map(|o| (o.worker, o.ver)).collect();
+        let route = owner.iter().map(|o| (o.server, o.worker, o.ver)).collect();
         let n = owner.len();
-        Tables { me: me as u16, owner, route, inflight: vec![0; n], parked: HashMap::new() }
+        Tables {
+            me: me as u16,
+            server,
+            fenced: false,
+            frozen: None,
+            owner,
+            route,
+            inflight: vec![0; n],
+            parked: HashMap::new(),
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -79,19 +102,23 @@ impl Tables {
     /// The server owning cachelet `c` and the worker to send its requests
     /// to now.
     pub fn route(&self, c: u32) -> (u16, u16) {
-        (self.owner[c as usize].server, self.route[c as usize].0)
+        let (s, w, _) = self.route[c as usize];
+        if self.fenced && s == self.server {
+            return (FENCED, w);
+        }
+        (s, w)
     }
 
     /// The owner version requests for `c` are stamped with now.
     pub fn stamp(&self, c: u32) -> u32 {
-        self.route[c as usize].1
+        self.route[c as usize].2
     }
 
     /// May this worker execute a request for `c` stamped `stamp`? (It owns
-    /// `c`, at that version.)
+    /// `c`, at that version, and its server is not fenced.)
     pub fn executes(&self, c: u32, stamp: u32) -> bool {
         let own = self.owner[c as usize];
-        own.worker == self.me && own.ver == stamp
+        own.server == self.server && own.worker == self.me && own.ver == stamp && !self.fenced && self.frozen != Some(c)
     }
 
     /// Must a new request for `c` wait behind parked ones?
@@ -119,13 +146,23 @@ impl Tables {
     /// Returns the parked requests to send again if the route changed.
     /// A claim that this worker owns `c` is ignored: only `adopted` makes it
     /// so, once the cachelet is in its store.
-    pub fn learn(&mut self, c: u32, worker: u16, ver: u32) -> Option<VecDeque<Parked>> {
+    pub fn learn(&mut self, c: u32, server: u16, worker: u16, ver: u32) -> Option<VecDeque<Parked>> {
         let own = &mut self.owner[c as usize];
-        if ver > own.ver && worker != self.me {
-            own.worker = worker;
-            own.ver = ver;
+        if ver > own.ver && (server, worker) != (self.server, self.me) {
+            *own = Own { server, worker, ver };
         }
         self.settle(c)
+    }
+
+    /// The coordinator gave `c` to `(server, worker)` (`OwnMsg::Reassign`, sent to every
+    /// worker in the same order, so their versions stay equal). Returns the new version and
+    /// the parked requests to send again if the route changed. The caller puts an empty
+    /// cachelet in its store first when `(server, worker)` is this worker (then it owns it).
+    pub fn reassign(&mut self, c: u32, server: u16, worker: u16) -> (u32, Option<VecDeque<Parked>>) {
+        let own = &mut self.owner[c as usize];
+        *own = Own { server, worker, ver: own.ver + 1 };
+        let ver = own.ver;
+        (ver, self.settle(c))
     }
 
     /// The answer to a request for `c` came back.
@@ -144,7 +181,7 @@ impl Tables {
         let n = &mut self.inflight[c as usize];
         debug_assert!(*n > 0, "a bounce nobody waits for");
         *n = n.saturating_sub(1);
-        self.learn(c, hint.worker, hint.ver)
+        self.learn(c, hint.server, hint.worker, hint.ver)
     }
 
     /// Nothing in flight for `c`: the route follows the newest owner, and
@@ -154,7 +191,7 @@ impl Tables {
             return None;
         }
         let own = self.owner[c as usize];
-        self.route[c as usize] = (own.worker, own.ver);
+        self.route[c as usize] = (own.server, own.worker, own.ver);
         if self.parked.is_empty() {
             // The common case, on every answered forward: no hashing.
             return None;
@@ -168,8 +205,7 @@ impl Tables {
     pub fn adopted(&mut self, c: u32, ver: u32) -> Option<VecDeque<Parked>> {
         let own = &mut self.owner[c as usize];
         debug_assert!(ver >= own.ver, "an adoption is the newest move of its cachelet");
-        own.worker = self.me;
-        own.ver = ver;
+        *own = Own { server: self.server, worker: self.me, ver };
         self.settle(c)
     }
 
@@ -232,10 +268,10 @@ pub(crate) fn release(
 }
 
 /// The notices an adopter sends: every worker but itself learns the owner.
-pub(crate) fn announce(me: usize, outbox: &mut [Outbox], c: u32, ver: u32) {
+pub(crate) fn announce(server: u16, me: usize, outbox: &mut [Outbox], c: u32, ver: u32) {
     for (w, ob) in outbox.iter_mut().enumerate() {
         if w != me {
-            ob.push(Envelope::Own(OwnMsg::Owner { cachelet: c, worker: me, ver }));
+            ob.push(Envelope::Own(OwnMsg::Owner { cachelet: c, server, worker: me, ver }));
         }
     }
 }
@@ -247,7 +283,7 @@ mod tests {
     fn tables(me: usize) -> Tables {
         // One server, 2 workers x 2 cachelets, dealt round-robin: 0 and 2 on
         // worker 0, 1 and 3 on worker 1.
-        Tables::new(&mbal_cluster::even_owners(1, 2, 2), me)
+        Tables::new(&mbal_cluster::even_owners(1, 2, 2), 0, me)
     }
 
     fn p(seq: u64) -> Parked {
@@ -268,13 +304,13 @@ mod tests {
         let c = 1;
         assert_eq!(t.route(c), (0, 1));
         // Worker 1 moved c to worker 2 (of a larger server, in this table).
-        assert!(t.learn(c, 5, 1).is_none());
+        assert!(t.learn(c, 0, 5, 1).is_none());
         assert_eq!(t.route(c), (0, 5), "sent to the new owner at once");
         // A stale notice (older move) changes nothing.
-        assert!(t.learn(c, 1, 0).is_none());
+        assert!(t.learn(c, 0, 1, 0).is_none());
         assert_eq!(t.route(c), (0, 5));
         // Nor does a claim that this worker owns it: only an adoption does.
-        assert!(t.learn(c, 0, 7).is_none());
+        assert!(t.learn(c, 0, 0, 7).is_none());
         assert_eq!(t.route(c), (0, 5));
         assert!(!t.executes(c, 7));
         assert!(t.adopted(c, 7).is_none());
@@ -311,7 +347,7 @@ mod tests {
         let mut t = tables(0);
         let c = 1;
         t.sent(c);
-        assert!(t.learn(c, 4, 3).is_none());
+        assert!(t.learn(c, 0, 4, 3).is_none());
         assert_eq!(t.route(c), (0, 1));
         assert!(t.answered(c).is_none(), "nothing parked");
         assert_eq!(t.route(c), (0, 4));
@@ -332,5 +368,51 @@ mod tests {
         assert_eq!(v2, 2);
         assert!(t0.adopted(0, v2).is_none());
         assert_eq!(t0.route(0), (0, 0));
+    }
+
+    #[test]
+    fn a_fenced_worker_routes_its_servers_cachelets_nowhere_and_executes_none() {
+        let mut t = tables(0);
+        assert_eq!(t.route(0), (0, 0));
+        assert!(t.executes(0, 0));
+        t.fenced = true;
+        assert_eq!(t.route(0), (FENCED, 0), "its own");
+        assert_eq!(t.route(1), (FENCED, 1), "a neighbour's, of the same server");
+        assert!(!t.executes(0, 0));
+        // Another server's cachelet is routed there as before.
+        let (ver, q) = t.reassign(1, 3, 1);
+        assert!(q.is_none());
+        assert_eq!(ver, 1);
+        assert_eq!(t.route(1), (3, 1));
+        t.fenced = false;
+        assert!(t.executes(0, 0));
+        assert_eq!(t.route(1), (3, 1));
+    }
+
+    #[test]
+    fn a_reassigned_cachelet_comes_back_empty_at_a_newer_version() {
+        let mut t0 = tables(0);
+        let mut t1 = tables(1);
+        // The coordinator gives cachelet 0 (worker 0's) to server 2 ...
+        for t in [&mut t0, &mut t1] {
+            let (v, _) = t.reassign(0, 2, 0);
+            assert_eq!(v, 1);
+            assert_eq!(t.route(0), (2, 0));
+        }
+        assert!(!t0.executes(0, 0) && !t0.executes(0, 1));
+        // ... and back to this server's worker 1, which takes it (adopted) at version 2.
+        let (v, _) = t1.reassign(0, 0, 1);
+        assert!(t1.adopted(0, v).is_none());
+        assert!(t1.executes(0, 2));
+        let (v0, _) = t0.reassign(0, 0, 1);
+        assert_eq!(v0, 2, "every worker numbers the changes alike");
+        assert_eq!(t0.route(0), (0, 1));
+        // A request worker 0 stamped before the cachelet left bounces at worker 1 ...
+        assert!(!t1.executes(0, 0));
+        // ... and a bounce's hint naming another server is followed.
+        let mut t = tables(1);
+        t.sent(2);
+        assert!(t.bounced(2, Own { server: 4, worker: 0, ver: 3 }, p(1)).is_some());
+        assert_eq!(t.route(2), (4, 0));
     }
 }

@@ -12,7 +12,8 @@
 //!
 //! The planes, each in its own module with its payload types: [`data`] (request and reply
 //! batches), [`conn`] (connections changing worker), [`own`] (the move protocol) and
-//! [`ctl`] (samples, stats, flush_all, Phase 1). Beside them, the other threads' messages:
+//! [`ctl`] (samples, stats, flush_all, Phase 1), [`mig`] (a cachelet moving to another
+//! server). Beside them, the other threads' messages:
 //! [`controller`] (the controller's mailbox and its asks to the slot thread), [`replica`]
 //! (the replicator's jobs), [`forward`] (the forwarder's).
 //!
@@ -27,14 +28,16 @@ pub(crate) mod controller;
 pub(crate) mod ctl;
 pub(crate) mod data;
 pub(crate) mod forward;
+pub(crate) mod mig;
 pub(crate) mod own;
 pub(crate) mod replica;
 
 pub(crate) use conn::{ConnAuth, ConnMsg, HandOff, Peer};
 pub(crate) use controller::{Ask, CtlMsg};
-pub(crate) use ctl::{CtlCmd, HotCmd};
+pub(crate) use ctl::{CtlCmd, Dump, HotCmd, Want};
 pub(crate) use data::*;
 pub(crate) use forward::ForwardHandle;
+pub(crate) use mig::{MigMsg, MigReply};
 pub(crate) use own::{Own, OwnMsg};
 pub(crate) use replica::Job as ReplicaJob;
 
@@ -56,6 +59,8 @@ pub(crate) enum Envelope {
     Own(OwnMsg),
     /// Samples, stats, flush_all, Phase 1 ([`ctl`]).
     Ctl(CtlCmd),
+    /// A cachelet moving to another server ([`mig`]).
+    Mig(MigMsg),
 }
 
 impl Envelope {

@@ -92,4 +92,15 @@ impl<'a> Near<'a> {
             }
         }
     }
+
+    /// Start loading the item of a key of cachelet `c` that its index line names, if a worker
+    /// here owns it (`WorkerStore::prefetch_item`; a hint, like `prefetch`).
+    pub fn prefetch_item(&self, c: u32, hash: u64) {
+        for w in &self.workers {
+            if w.store.owns(c) {
+                w.store.prefetch_item(c, hash);
+                return;
+            }
+        }
+    }
 }

@@ -37,7 +37,10 @@ pub(crate) fn spawn(shared: Arc<Shared>, servers: Vec<SocketAddr>, cfg: Config) 
             continue;
         }
         let (shared, cfg) = (shared.clone(), cfg.clone());
-        std::thread::Builder::new().name(format!("mbal-peerload-{id}")).spawn(move || poll(shared, id, addr, cfg))?;
+        std::thread::Builder::new().name(format!("mbal-peerload-{id}")).spawn(move || {
+            let _watch = shared.life.watch();
+            poll(shared.clone(), id, addr, cfg)
+        })?;
     }
     Ok(())
 }

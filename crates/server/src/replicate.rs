@@ -27,8 +27,6 @@ use crossbeam_channel::{Receiver, RecvTimeoutError};
 use mbal_proto::client::{Expect, Reply, ReplyReader};
 use std::collections::HashMap;
 use std::io::Write;
-use std::net::SocketAddr;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -42,8 +40,6 @@ struct Peer {
 pub(crate) struct Replicator {
     shared: Arc<Shared>,
     jobs: Receiver<Job>,
-    /// Each server's main address, by server id.
-    servers: Vec<SocketAddr>,
     peers: HashMap<Loc, Peer>,
     /// Shadow servers that could not be reached, and until when not to try.
     down: HashMap<u16, Instant>,
@@ -55,13 +51,14 @@ pub(crate) struct Replicator {
 const BATCH: usize = 512;
 
 impl Replicator {
-    pub(crate) fn new(shared: Arc<Shared>, jobs: Receiver<Job>, servers: Vec<SocketAddr>) -> Replicator {
+    pub(crate) fn new(shared: Arc<Shared>, jobs: Receiver<Job>) -> Replicator {
         let timeout = Duration::from_millis(shared.settings.hot.timeout_ms.max(1));
-        Replicator { shared, jobs, servers, peers: HashMap::new(), down: HashMap::new(), timeout, deferred: Vec::new() }
+        Replicator { shared, jobs, peers: HashMap::new(), down: HashMap::new(), timeout, deferred: Vec::new() }
     }
 
     pub(crate) fn run(mut self) {
-        while !self.shared.shutdown.load(Ordering::Relaxed) {
+        // Until the stop's drain is over: a drained write may wait for its copies.
+        while !self.shared.stopped() {
             let wait = self
                 .deferred
                 .iter()
@@ -179,7 +176,7 @@ impl Replicator {
     }
 
     fn connect(&self, (server, worker): Loc) -> std::io::Result<Peer> {
-        let addr = *self.servers.get(server as usize).ok_or_else(|| std::io::Error::other("no such server"))?;
+        let addr = self.shared.member_addr(server).ok_or_else(|| std::io::Error::other("no such server"))?;
         // TLS when the cluster uses it; copies are control commands: the
         // dialer proves this is a cluster member (`mbal peer`) when there is
         // a cluster secret.

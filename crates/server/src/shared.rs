@@ -3,6 +3,7 @@
 //! the leaves' (`msg`, `config`, `threads`): nothing here names a module that uses it.
 
 use crate::config::Settings;
+use crate::life::Life;
 use crate::msg::{CtlMsg, ForwardHandle, Peers, ReplicaJob};
 use crate::threads::Threads;
 use crossbeam_channel::Sender;
@@ -18,6 +19,11 @@ use std::time::Instant;
 /// close and shutdown only.
 pub(crate) struct Shared {
     pub settings: Settings,
+    /// Each server's main address, by id, as the newest map has them (servers join under a
+    /// coordinator): for the threads that dial other servers (the replicator, the slot asks).
+    /// A lock, not a message: only those threads read it, once per connection they open, and
+    /// the controller writes it when it installs a map.
+    pub members: std::sync::RwLock<Vec<std::net::SocketAddr>>,
     /// VN -> cachelet (fixed for the cluster's life). Owners are in `map`
     /// (and each worker's `Tables`).
     pub layout: KeySpace,
@@ -51,6 +57,10 @@ pub(crate) struct Shared {
     pub per_ip: Mutex<std::collections::HashMap<std::net::IpAddr, usize>>,
     pub rejected_per_ip: AtomicU64,
     pub shutdown: AtomicBool,
+    /// The stop and its drain, and the threads' ends (`life`).
+    pub life: Life,
+    /// The last `gid` of a `watch` log line (memcached's global line id).
+    pub log_gid: AtomicU64,
     /// `stats detail on`: workers count gets, sets and deletes per key prefix.
     pub detail: AtomicBool,
     pub peers: OnceLock<Peers>,
@@ -69,6 +79,43 @@ pub(crate) struct Shared {
     pub forward: Option<ForwardHandle>,
     /// The threads that run the workers and how many are in use (`worker/group.rs`).
     pub threads: Threads,
+    /// Fencing (`--coordinator`): until when (`clock_ns`) this server may serve its
+    /// cachelets. The heartbeat thread (`beat.rs`) moves it forward each time the coordinator
+    /// answers a heartbeat: to the time that heartbeat was sent plus the lease. Each worker
+    /// reads it once per round (one relaxed load) and stops serving past it. `u64::MAX`
+    /// without a coordinator.
+    pub lease_until_ns: AtomicU64,
+    /// The server was declared dead and is installing the map it got when it registered
+    /// again: no lease is renewed until every worker has applied it (`beat.rs`).
+    pub resetting: AtomicBool,
+    /// The heartbeat thread's figures (`stats`).
+    pub coord: CoordFigures,
+}
+
+/// What the heartbeat thread counts (`stats`: `coordinator_*`).
+#[derive(Default)]
+pub(crate) struct CoordFigures {
+    pub beats: AtomicU64,
+    pub beat_failures: AtomicU64,
+    pub maps_installed: AtomicU64,
+    pub registrations: AtomicU64,
+    /// The coordinator said this server was declared dead (`GONE`).
+    pub gone: AtomicU64,
+    /// Other servers' load reports relayed by the coordinator (`mbal report`).
+    pub peer_reports: AtomicU64,
+    /// Cachelets moved from this server to others (`crate::migrate`), moves that failed,
+    /// the frame bytes sent, and how long the last move took.
+    pub migrations_out: AtomicU64,
+    pub migrations_failed: AtomicU64,
+    pub migrated_out_bytes: AtomicU64,
+    pub migration_last_ms: AtomicU64,
+}
+
+impl Shared {
+    /// Server `id`'s main address in the newest map.
+    pub fn member_addr(&self, id: u16) -> Option<std::net::SocketAddr> {
+        self.members.read().unwrap_or_else(|p| p.into_inner()).get(usize::from(id)).copied()
+    }
 }
 
 impl Shared {
@@ -118,6 +165,27 @@ impl Shared {
 
     pub fn peers(&self) -> &Peers {
         self.peers.get().expect("peers are set before workers start")
+    }
+
+    /// Stop the server gracefully (`shutdown`, SIGTERM/SIGINT, the handle): see `life`.
+    pub fn request_stop(&self) {
+        if self.life.ask_stop(self.clock_ns()) {
+            tracing::warn!("stopping: answering what was read, then closing the connections");
+        }
+        // In this order: a thread that sees the flag finds the drain's bound set, and
+        // `ServerHandle::wait` sees the flag before the policy's thread ends.
+        self.shutdown.store(true, Ordering::SeqCst);
+        self.life.policy_stop.lock().unwrap_or_else(|p| p.into_inner()).take();
+        self.wake_all();
+        if let Some(w) = self.accept_waker.get() {
+            let _ = w.wake();
+        }
+    }
+
+    /// Is the stop's drain over (every worker drained, or its bound passed)? The threads
+    /// that serve the workers (the controller, the forwarder, the replicator) run until it is.
+    pub fn stopped(&self) -> bool {
+        self.shutdown.load(Ordering::Relaxed) && self.life.over(self.clock_ns())
     }
 
     pub fn wake_all(&self) {

@@ -26,13 +26,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// Start the thread; the controller sends it asks.
-pub(crate) fn spawn(shared: Arc<Shared>, servers: Vec<SocketAddr>) -> std::io::Result<Sender<Ask>> {
+pub(crate) fn spawn(shared: Arc<Shared>) -> std::io::Result<Sender<Ask>> {
     let (tx, rx) = crossbeam_channel::unbounded();
-    std::thread::Builder::new().name("mbal-slots".into()).spawn(move || run(shared, servers, rx))?;
+    std::thread::Builder::new().name("mbal-slots".into()).spawn(move || {
+        let _watch = shared.life.watch();
+        run(shared.clone(), rx)
+    })?;
     Ok(tx)
 }
 
-fn run(shared: Arc<Shared>, servers: Vec<SocketAddr>, rx: Receiver<Ask>) {
+fn run(shared: Arc<Shared>, rx: Receiver<Ask>) {
     // Short: a renewal that waits on one lender delays the others'.
     let timeout = Duration::from_millis((shared.settings.epoch_ms / 4).clamp(50, 1000));
     let mut conns: HashMap<u16, (BlockingStream, ReplyReader)> = HashMap::new();
@@ -50,7 +53,7 @@ fn run(shared: Arc<Shared>, servers: Vec<SocketAddr>, rx: Receiver<Ask>) {
         }
         for ask in asks.into_values() {
             let peer = ask.peer();
-            let Some(&addr) = servers.get(usize::from(peer)) else { continue };
+            let Some(addr) = shared.member_addr(peer) else { continue };
             let asked_at = shared.clock_ns();
             let line = match ask {
                 Ask::Lend { slots, lease_ms, .. } => format!("mbal slots {} {slots} {lease_ms}\r\n", shared.server_id),

@@ -53,6 +53,8 @@ pub struct ProcessInfo<'a> {
     pub detail_enabled: bool,
     /// The forwarder's figures, when it runs (`--forward`).
     pub forward: Option<ForwardFigures>,
+    /// The heartbeat thread's figures, with a coordinator (`--coordinator`).
+    pub coordinator: Option<CoordinatorFigures>,
     /// The threads running the workers: started, in use, whether the thread policy chooses,
     /// and its changes and trials so far.
     pub worker_threads: WorkerThreads,
@@ -66,6 +68,24 @@ pub struct WorkerThreads {
     pub auto: bool,
     pub changes: u64,
     pub trials: u64,
+}
+
+/// The heartbeat thread's counters and the lease (`--coordinator`), for `stats`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CoordinatorFigures {
+    pub id: u16,
+    pub beats: u64,
+    pub beat_failures: u64,
+    pub maps_installed: u64,
+    pub registrations: u64,
+    pub gone: u64,
+    pub peer_reports: u64,
+    pub migrations_out: u64,
+    pub migrations_failed: u64,
+    pub migrated_out_bytes: u64,
+    pub migration_last_ms: u64,
+    /// Milliseconds left of the lease (0: fenced).
+    pub lease_left_ms: u64,
 }
 
 /// The forwarder's counters (`--forward`), for `stats`.
@@ -237,8 +257,6 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
             sink.stat("reclaimed", &reclaimed);
             sink.stat("expired_unfetched", &expired_unfetched);
             sink.stat("evicted_unfetched", &evicted_unfetched);
-            // memcached's name for stores refused with -M (or too big for the budget)
-            sink.stat("store_no_memory", &st.out_of_memory);
             // memcached mechanisms mbal does not have (listener throttling, slab page
             // moves, the LRU crawler and maintainer, segmented LRU queues, the logger, NAPI):
             // their counters exist for exporters and stay 0 (docs/protocol.md).
@@ -258,6 +276,26 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
                 sink.stat("forward_connects", &f.connects);
             }
             sink.stat("cachelets_moved", &c.cachelets_adopted);
+            if let Some(f) = &p.coordinator {
+                sink.stat("coordinator_server_id", &f.id);
+                sink.stat("coordinator_beats", &f.beats);
+                sink.stat("coordinator_beat_failures", &f.beat_failures);
+                sink.stat("coordinator_maps_installed", &f.maps_installed);
+                sink.stat("coordinator_registrations", &f.registrations);
+                sink.stat("coordinator_declared_dead", &f.gone);
+                sink.stat("coordinator_peer_reports", &f.peer_reports);
+                sink.stat("migrations_out", &f.migrations_out);
+                sink.stat("migrations_failed", &f.migrations_failed);
+                sink.stat("migrated_out_bytes", &f.migrated_out_bytes);
+                sink.stat("migration_last_ms", &f.migration_last_ms);
+                sink.stat("coordinator_lease_left_ms", &f.lease_left_ms);
+                sink.stat("cachelets_dropped", &c.cachelets_dropped);
+                sink.stat("cachelets_claimed", &c.cachelets_claimed);
+                sink.stat("migrations_in", &c.migrations_in);
+                sink.stat("migrations_refused", &c.migrations_refused);
+                sink.stat("migrated_in_bytes", &c.migrated_in_bytes);
+                sink.stat("fenced_keys", &c.fenced_keys);
+            }
             sink.stat("hot_replications", &c.hot_replications);
             sink.stat("hot_hints", &c.hot_hints);
             sink.stat("replica_reads", &c.replica_reads);
@@ -288,7 +326,8 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
             sink.stat("auth_enabled_ascii", &if s.auth.is_some() { "yes" } else { "no" });
             sink.stat("maxconns_fast", &"yes");
             sink.stat("dump_enabled", &"no");
-            sink.stat("track_sizes", &"no");
+            let on = snaps.iter().any(|w| w.store.track_sizes);
+            sink.stat("track_sizes", &if on { "yes" } else { "no" });
             match &s.tls {
                 None => sink.stat("ssl_enabled", &"no"),
                 Some(t) => {
@@ -356,7 +395,8 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
                 sink.stat(&format!("{n}:chunk_size"), &s.page_size);
                 sink.stat(&format!("{n}:total_pages"), &w.store.pages_held);
                 sink.stat(&format!("{n}:used_chunks"), &w.store.curr_items);
-                sink.stat(&format!("{n}:mem_requested"), &w.store.bytes);
+                // No `N:mem_requested` here: memcached 1.6 reports it in `stats items` only,
+                // and memcached_exporter, which maps both to one metric, fails on having both.
                 sink.stat(&format!("{n}:get_hits"), &w.store.get_hits);
                 sink.stat(&format!("{n}:cmd_set"), &w.store.cmd_set);
                 sink.stat(&format!("{n}:delete_hits"), &w.store.delete_hits);
@@ -452,6 +492,47 @@ pub(crate) fn render_balancer(settings: &Settings, st: &mbal_balance::BalancerSt
     }
 }
 
+/// `stats sizes`, `stats sizes_enable`, `stats sizes_disable` (`group`'s first word): memcached's
+/// item size histogram (`mbal_store`'s `store/sizes.rs`), summed over the workers. True when
+/// the answer ends with `END` as memcached's does: `sizes_enable` and `sizes_disable` answer
+/// their status line alone (memcached 1.6 sends no `END` after them).
+pub(crate) fn render_sizes(
+    settings: &Settings,
+    pool: &mbal_store::GlobalPool,
+    group: &str,
+    sink: &mut dyn StatSink,
+) -> bool {
+    match group.split(' ').next() {
+        Some("sizes_enable") => {
+            if settings.cas_enabled {
+                pool.sizes_enable(settings.threads, settings.max_item_size);
+                sink.stat("sizes_status", &"enabled");
+            } else {
+                // memcached counts only items newer than the enabling, by CAS.
+                sink.stat("sizes_status", &"error");
+                sink.stat("sizes_error", &"cas_support_disabled");
+            }
+            false
+        }
+        Some("sizes_disable") => {
+            pool.sizes_disable();
+            sink.stat("sizes_status", &"disabled");
+            false
+        }
+        _ => {
+            match pool.sizes() {
+                None => sink.stat("sizes_status", &"disabled"),
+                Some(buckets) => {
+                    for (size, n) in buckets {
+                        sink.stat(&size.to_string(), &n);
+                    }
+                }
+            }
+            true
+        }
+    }
+}
+
 /// `stats hotkeys`: Phase 1's last epoch and its hottest tracked keys (by
 /// estimated requests per second over all copies), with their replica
 /// counts and states (`on`: Phase 1 runs here).
@@ -527,5 +608,65 @@ impl StatSink for BinSink<'_> {
             name.as_bytes(),
             v.as_bytes(),
         );
+    }
+}
+
+/// One item's line in a dump, as memcached 1.6 writes it: `lru_crawler metadump`'s
+/// (`key=<key, %-encoded> exp=<unix time, or -1> la=<unix time> cas=<n> fetch=<yes|no>
+/// cls=<class> size=<bytes>`, ending in a bare `\n`) or `stats cachedump`'s (`ITEM <key>
+/// [<value bytes> b; <expiry, unix time, or 0> s]`). `class` is the worker + 1 (`stats
+/// items`); `start_unix` turns the store's times into unix times.
+pub(crate) fn dump_item(meta: bool, it: &mbal_store::ItemMeta, class: usize, start_unix: u64, out: &mut Vec<u8>) {
+    use std::io::Write;
+    let exp = (it.exptime != 0).then(|| start_unix + u64::from(it.exptime));
+    if !meta {
+        out.extend_from_slice(b"ITEM ");
+        out.extend_from_slice(it.key);
+        let _ = write!(out, " [{} b; {} s]\r\n", it.vlen, exp.unwrap_or(0));
+        return;
+    }
+    out.extend_from_slice(b"key=");
+    for &b in it.key {
+        // memcached's uriencode: all but the unreserved characters as %XX.
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+            out.push(b);
+        } else {
+            let _ = write!(out, "%{b:02X}");
+        }
+    }
+    let exp = exp.map_or(-1, |e| e as i64);
+    let la = start_unix + u64::from(it.last_access);
+    let fetch = if it.fetched { "yes" } else { "no" };
+    let _ = writeln!(out, " exp={exp} la={la} cas={} fetch={fetch} cls={class} size={}", it.cas, it.size);
+}
+
+#[cfg(test)]
+mod dump_tests {
+    use super::dump_item;
+
+    #[test]
+    fn dump_lines_are_memcacheds() {
+        let it = mbal_store::ItemMeta {
+            key: b"baz:1",
+            vlen: 2,
+            exptime: 100,
+            last_access: 4,
+            cas: 2,
+            fetched: true,
+            size: 56,
+        };
+        let mut out = Vec::new();
+        dump_item(true, &it, 1, 1_000, &mut out);
+        assert_eq!(out, b"key=baz%3A1 exp=1100 la=1004 cas=2 fetch=yes cls=1 size=56\n");
+        out.clear();
+        dump_item(false, &it, 1, 1_000, &mut out);
+        assert_eq!(out, b"ITEM baz:1 [2 b; 1100 s]\r\n");
+        let it = mbal_store::ItemMeta { exptime: 0, fetched: false, key: b"foo", ..it };
+        out.clear();
+        dump_item(true, &it, 2, 1_000, &mut out);
+        assert_eq!(out, b"key=foo exp=-1 la=1004 cas=2 fetch=no cls=2 size=56\n");
+        out.clear();
+        dump_item(false, &it, 2, 1_000, &mut out);
+        assert_eq!(out, b"ITEM foo [2 b; 0 s]\r\n");
     }
 }

@@ -11,6 +11,7 @@ use std::net::TcpListener;
 pub fn loopback_spec(n: usize, workers: u16) -> ClusterSpec {
     let ls: Vec<TcpListener> = (0..n).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
     ClusterSpec {
+        coordinators: Vec::new(),
         vn_count: 1024,
         cachelets_per_worker: 4,
         workers,

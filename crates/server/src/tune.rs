@@ -19,10 +19,46 @@ pub(crate) fn tune(cmd: TuneCmd, args: &[u8], out: &mut Vec<u8>) {
         TuneCmd::Slabs => slabs(&t),
         TuneCmd::Lru => lru(&t),
         TuneCmd::CacheMemlimit => cache_memlimit(&t),
+        TuneCmd::LruCrawler => lru_crawler(&t),
+        // The server serves `watch` itself (`crate::watch`); here only its refusal.
+        TuneCmd::Watch => ERROR,
     };
     // memcached's `slabs reassign` does not look for noreply.
     if !noreply || matches!(t.first(), Some(&"reassign")) {
         out.extend_from_slice(reply);
+    }
+}
+
+/// A class list of `lru_crawler crawl|metadump`: `all` (`None`), or ids `1,2,...`, each a
+/// memcached slab class id (1..=63; mbal's classes are its workers, `stats items`); `Err`
+/// (memcached's `BADCLASS invalid class id`) otherwise.
+pub(crate) fn crawler_classes(arg: &str, hash_ok: bool) -> Result<Option<Vec<u32>>, ()> {
+    if arg == "all" || (hash_ok && arg == "hash") {
+        return Ok(None);
+    }
+    arg.split(',')
+        .map(|id| u32_arg(id).filter(|&id| (1..64).contains(&id)).ok_or(()))
+        .collect::<Result<_, _>>()
+        .map(Some)
+}
+
+pub(crate) const BADCLASS: &[u8] = b"BADCLASS invalid class id\r\n";
+
+/// `lru_crawler crawl|tocrawl|sleep|enable|disable` (`metadump` is the server's: a dump of
+/// the items). mbal's crawler is each worker's expiry sweep, which always runs: the valid
+/// forms answer OK and change nothing.
+fn lru_crawler(t: &[&str]) -> &'static [u8] {
+    match t {
+        ["crawl", classes] => match crawler_classes(classes, false) {
+            Ok(_) => OK,
+            Err(()) => BADCLASS,
+        },
+        ["tocrawl" | "sleep", n] => match u32_arg(n) {
+            Some(_) => OK,
+            None => BAD_FORMAT,
+        },
+        ["enable" | "disable"] => OK,
+        _ => ERROR,
     }
 }
 

@@ -31,10 +31,13 @@ mod conn;
 mod group;
 mod hot;
 mod inbox;
+mod migrate;
+mod watch;
 
 pub(crate) use group::{run_host, Handoff};
 pub(crate) use hot::{copy_writes, flush_hot};
 pub(crate) use inbox::exec_ctx;
+pub(crate) use migrate::EXPORT_BUDGET;
 
 use crate::capacity::Capacity;
 use crate::config::Binding;
@@ -128,6 +131,18 @@ struct Conn {
     /// When (`Shared::clock_ns`) the connection last stopped short of a
     /// complete request (0: it has none pending), for `--request-timeout-ms`.
     partial_since: u64,
+    /// After the stop (`crate::life`): the bytes it may still read, those that had arrived
+    /// when the worker saw the stop (`None`: running, or not counted yet).
+    budget: Option<usize>,
+    /// After the stop, answered in full with input left unread: half-closed, its input
+    /// read and dropped until the client closes (a close with input unread would reset the
+    /// connection and could lose the replies still in flight).
+    half_closed: bool,
+    /// `watch`: a log stream of these categories (`mbal_store::log`); its input is ignored.
+    watching: Option<u8>,
+    /// `watch`: the workers that have not yet said they log for it; its `OK` waits for
+    /// them, so that every event after the `OK` reaches it.
+    watch_pending: usize,
 }
 
 pub(crate) struct Worker {
@@ -157,7 +172,7 @@ pub(crate) struct Worker {
     limits: Limits,
     next_gen: u64,
     now: u32,
-    self_stats: Vec<(usize, u64, bool)>,
+    self_stats: Vec<(usize, u64, crate::msg::Want)>,
     /// For the controller's samples (`WorkerSample`): time spent working
     /// (outside the poll wait), batches taken in from peers and how long
     /// they waited in the inbox, the longest wait since the last sample.
@@ -188,6 +203,17 @@ pub(crate) struct Worker {
     /// Requests for keys other servers own, for the forwarder (`--forward`),
     /// handed over at the end of the round.
     fwd: Vec<crate::msg::forward::Job>,
+    /// The stop was seen (`drain`), and this worker has drained.
+    stopping: bool,
+    drained: bool,
+    /// Every watching connection of the server (`watch`): where this worker's log lines go.
+    watchers: Vec<watch::Watcher>,
+    /// The cachelet this worker is moving to another server (`migrate`).
+    outgoing: Option<migrate::Outgoing>,
+    /// Cachelets arriving from other servers, by id (`migrate`).
+    staged: std::collections::HashMap<u32, migrate::Staged>,
+    /// The last moves whose cachelet arrived here (their `mbal import commit` is answered OK).
+    arrived: VecDeque<u64>,
 }
 
 /// A listening socket; `mark` (`-o sock_cookie_id`, 0: none) is set as its
@@ -221,7 +247,7 @@ impl Worker {
         if let Some(l) = &mut own_listener {
             poll.registry().register(l, OWN_LISTENER, Interest::READABLE)?;
         }
-        let tables = Tables::new(owners, id);
+        let tables = Tables::new(owners, shared.server_id, id);
         let workers = shared.settings.threads;
         let limits = Limits { max_item_size: shared.settings.max_item_size, ..Limits::default() };
         let mut store = store;
@@ -265,6 +291,12 @@ impl Worker {
             held_pos: 0,
             replicas,
             fwd: Vec::new(),
+            stopping: false,
+            drained: false,
+            watchers: Vec::new(),
+            outgoing: None,
+            staged: Default::default(),
+            arrived: VecDeque::new(),
             input_cap: match shared.settings.max_input_buffer {
                 0 => limits.max_item_size + limits.max_line + READ_CHUNK,
                 n => n,
@@ -326,6 +358,9 @@ impl Worker {
         let worked = !events.is_empty() || !self.ready.is_empty() || !self.inbox.is_empty();
         let round_start = self.shared.clock_ns();
         self.now = (round_start / 1_000_000_000) as u32;
+        // Fencing: past the lease from the coordinator, this worker serves none of the
+        // server's cachelets until the lease is renewed (checked before anything is read).
+        self.tables.fenced = round_start >= self.shared.lease_until_ns.load(Ordering::Relaxed);
         if self.capacity.limited() {
             self.refill(round_start);
         }
@@ -356,6 +391,9 @@ impl Worker {
         // After the connections: what `drain_inbox` sends at once (a released cachelet's
         // `Adopt`) must not reach a neighbour whose inbox this round's `near` saw empty.
         self.drain_inbox();
+        if !self.store.log().is_empty() {
+            self.ship_log();
+        }
         if self.store.watch().has_dirty() {
             let (shared, store, hot) = (&self.shared, &mut self.store, &mut self.replicas.hot);
             hot::copy_writes(shared, self.id, store, hot, self.now, None);
@@ -371,7 +409,7 @@ impl Worker {
                 f.send(std::mem::take(&mut self.fwd));
             }
         }
-        if self.shared.shutdown.load(Ordering::Relaxed) {
+        if self.shared.shutdown.load(Ordering::Relaxed) && !self.drain() {
             return None;
         }
         if round_end.saturating_sub(*last_sweep) >= 50_000_000 {
@@ -380,6 +418,60 @@ impl Worker {
             self.check_alarm();
         }
         Some(worked)
+    }
+
+    /// The stop's drain (`crate::life`), once a round after the stop: each connection reads
+    /// what had arrived when this worker first saw the stop, and closes once all of it is
+    /// answered and written; false once the drain is over (every worker drained, or its
+    /// bound passed).
+    fn drain(&mut self) -> bool {
+        use std::os::fd::AsRawFd;
+        if !self.stopping {
+            self.stopping = true;
+            if let Some(mut l) = self.own_listener.take() {
+                let _ = self.poll.registry().deregister(&mut l);
+            }
+        }
+        let ids: Vec<usize> = self.conns.iter().map(|(ci, _)| ci).collect();
+        for ci in ids {
+            let c = &mut self.conns[ci];
+            let fd = c.sock.sock().as_raw_fd();
+            if c.budget.is_none() {
+                c.budget = Some(crate::life::unread(fd));
+                self.requeue(ci);
+                continue;
+            }
+            let answered = c.budget == Some(0)
+                && !c.queued
+                && !c.read_blocked
+                && !c.throttled
+                && !c.output.waiting()
+                && c.output.sent == c.output.out.len()
+                && !c.sock.wants_write();
+            if c.half_closed || !answered {
+                continue;
+            }
+            if crate::life::unread(fd) == 0 {
+                self.close(ci);
+            } else {
+                c.half_closed = true;
+                c.sock.close_notify();
+                let _ = c.sock.sock().shutdown(std::net::Shutdown::Write);
+                self.discard(ci);
+            }
+        }
+        if !self.drained && self.conns.is_empty() && self.inflight == 0 && self.fwd.is_empty() {
+            self.drained = true;
+            if self.shared.life.drained() {
+                self.shared.wake_all();
+            }
+        }
+        if self.shared.life.over(self.shared.clock_ns()) {
+            // The last to drain woke the others; at the bound, the first to see it does.
+            self.shared.wake_all();
+            return false;
+        }
+        true
     }
 
     /// Periodic work off the request path: expiry sweep, idle timeouts.

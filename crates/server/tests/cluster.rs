@@ -183,6 +183,7 @@ fn three_server_cluster_serves_only_its_partition() {
     // Ports: main, worker0, worker1 per server.
     let ports = free_ports(9);
     let spec = ClusterSpec {
+        coordinators: Vec::new(),
         vn_count: 1024,
         cachelets_per_worker: 4,
         workers: 2,

@@ -122,6 +122,7 @@ fn tls_cluster() -> TlsCluster {
     std::fs::write(pki.dir.join("users"), "app:pw\n").unwrap();
     let ls: Vec<_> = (0..2).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap()).collect();
     let spec = ClusterSpec {
+        coordinators: Vec::new(),
         vn_count: 1024,
         cachelets_per_worker: 4,
         workers: WORKERS,
@@ -310,6 +311,7 @@ fn a_silent_member_does_not_stall_the_forwarder() {
     let ls: Vec<_> = (0..2).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap()).collect();
     let addrs = [ls[0].local_addr().unwrap(), silent.local_addr().unwrap(), ls[1].local_addr().unwrap()];
     let spec = ClusterSpec {
+        coordinators: Vec::new(),
         vn_count: 1024,
         cachelets_per_worker: 4,
         workers: 1,

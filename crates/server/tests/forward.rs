@@ -41,6 +41,7 @@ fn cluster_with_silent(
 ) -> (Vec<ServerHandle>, ClusterMap, Vec<std::net::TcpListener>) {
     let listeners: Vec<_> = (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap()).collect();
     let spec = ClusterSpec {
+        coordinators: Vec::new(),
         vn_count: 1024,
         cachelets_per_worker: 4,
         workers: 2,

@@ -19,6 +19,9 @@ pub(super) fn admin(shared: &Shared, rt: &mut Route, output: &mut Output, args: 
             return Action::None;
         }
     }
+    if word == "import" {
+        return Action::Import;
+    }
     if word == "replicator" {
         output.buf().extend_from_slice(text::OK);
         return Action::Exempt;
@@ -105,6 +108,22 @@ pub(super) fn admin(shared: &Shared, rt: &mut Route, output: &mut Output, args: 
             rt.ask_controller(shared, output, |reply| CtlMsg::Move { cachelet: c, to, reply });
             Action::None
         }
+        (Some("migrate"), Some(c), Some(s), Some(w)) => {
+            // A fifth word: the destination worker's address (a server this one's map may not
+            // show yet: a coordinator's order for a server that just joined).
+            let addr = it.next().map(str::parse::<std::net::SocketAddr>);
+            let (Ok(cachelet), Ok(server), Ok(worker), None | Some(Ok(_))) =
+                (c.parse::<u32>(), s.parse::<u16>(), w.parse::<u16>(), &addr)
+            else {
+                output.buf().extend_from_slice(
+                    b"CLIENT_ERROR usage: mbal migrate <cachelet> <server> <worker> [<address>]\r\n",
+                );
+                return Action::None;
+            };
+            let addr = addr.and_then(Result::ok);
+            rt.ask_controller(shared, output, |reply| CtlMsg::Migrate { cachelet, server, worker, addr, reply });
+            Action::None
+        }
         (Some("threads"), n, None, None) => {
             // How many threads run the workers (`worker/group.rs`): `<n>` fixes it, `auto`
             // hands it back to the thread policy (`fold.rs`).
@@ -164,6 +183,11 @@ pub(super) fn admin(shared: &Shared, rt: &mut Route, output: &mut Output, args: 
                 _ => output.buf().extend_from_slice(b"CLIENT_ERROR usage: mbal debug stall <other worker> <ms>\r\n"),
             }
             Action::None
+        }
+        // A worker that panics (`life`: the process must not carry on without it).
+        #[cfg(feature = "test-hooks")]
+        (Some("debug"), Some("panic"), None, None) if shared.settings.debug_commands => {
+            panic!("mbal debug panic on worker {}", rt.worker)
         }
         _ => {
             output.buf().extend_from_slice(

@@ -11,6 +11,9 @@ pub(crate) enum ConnMsg {
     /// A routed connection handed over by the worker that had it (`mbal
     /// hello <epoch> <worker>`): serve it here, answer its hello first.
     HandOff(Box<HandOff>),
+    /// The server's own admin connection (`StatsConnector`, the metrics endpoint): plain
+    /// even with `-Z`, logged in even with `-Y`; counted in `curr_conns` by its maker.
+    Internal(std::net::TcpStream, std::net::SocketAddr),
 }
 
 /// Where a connection is in the control-plane handshake.

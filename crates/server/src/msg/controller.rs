@@ -24,6 +24,11 @@ pub(crate) enum CtlMsg {
     HotAlarm { worker: u16, keys: Vec<(Box<[u8]>, bool)>, secs: f64, home: Vec<(Box<[u8]>, u64)>, home_secs: f64 },
     /// `mbal move <cachelet> <worker>`: answer `reply` once it is done.
     Move { cachelet: u32, to: usize, reply: ReplyTo },
+    /// A cachelet arrived from another server at `worker` (`mbal import commit`): this
+    /// server's map shows it at the next install, which this hastens.
+    Arrived { cachelet: u32, worker: u16 },
+    /// `mbal migrate`: move a cachelet to worker `worker` of server `server`.
+    Migrate { cachelet: u32, server: u16, worker: u16, addr: Option<std::net::SocketAddr>, reply: ReplyTo },
     /// Move `token` finished: `worker` owns `cachelet` now.
     Moved { token: u64, cachelet: u32, worker: usize },
     /// `mbal map`: `MAP <epoch> <len>` and the map as JSON.
@@ -54,6 +59,11 @@ pub(crate) enum CtlMsg {
     /// Another server's epoch record (`crate::peerload`): its mean load
     /// per worker and its Phase 1 figures.
     PeerLoad { server: u16, mean: f64, hot: Option<PeerHot> },
+    /// The coordinator's map (`crate::beat`); with `reset` after this server was declared
+    /// dead (`Event::Map`).
+    CoordMap { map: Box<mbal_cluster::ClusterMap>, reset: bool },
+    /// A worker applied every `Reassign` sent before `OwnMsg::Applied` (`seq`).
+    Applied { seq: u64 },
     /// Look at the shutdown flag.
     Wake,
 }

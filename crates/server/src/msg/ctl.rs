@@ -4,12 +4,35 @@
 use super::ReplyTo;
 use crate::counters::WorkerSnapshot;
 
+/// What a stats request wants beside the counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Want {
+    /// `stats conns`: the worker's connections.
+    pub conns: bool,
+    /// `lru_crawler metadump` / `stats cachedump`: its items.
+    pub dump: Option<Dump>,
+}
+
+/// A dump of items: which, how many, in which format (`stats::dump_item`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Dump {
+    /// `metadump`'s lines (else `cachedump`'s).
+    pub meta: bool,
+    /// Only these workers' items (bit `w`: worker `w`, memcached's slab class `w + 1`);
+    /// `None`: every worker's.
+    pub workers: Option<u64>,
+    /// At most this many items (0: no limit but the size bound).
+    pub limit: usize,
+    /// At most this many bytes of lines from one worker.
+    pub max_bytes: usize,
+}
+
 /// A control message to a worker.
 pub(crate) enum CtlCmd {
     /// `flush_all` at this time.
     Flush { at: u32 },
-    /// Send this worker's stats (and its connections when asked) to `to`.
-    StatsReq { to: ReplyTo, want_conns: bool },
+    /// Send this worker's stats (and what else `want` asks for) to `to`.
+    StatsReq { to: ReplyTo, want: Want },
     /// A worker's stats, for the connection at `to`.
     StatsResp { to: ReplyTo, snap: Box<WorkerSnapshot> },
     /// `stats reset`.
@@ -18,6 +41,14 @@ pub(crate) enum CtlCmd {
     Sample { seq: u64 },
     /// Phase 1 (hot-key replication).
     Hot(HotCmd),
+    /// `watch`: connection `conn` (generation `gen`) of `worker` wants the log lines of the
+    /// categories in `mask` (`mbal_store::log`); `None`: it stopped watching.
+    Watch { worker: usize, conn: usize, gen: u64, mask: Option<u8> },
+    /// The sender now logs for the watching connection `conn` (generation `gen`) of this
+    /// worker: the answer to a `Watch` with a mask.
+    WatchAck { conn: usize, gen: u64 },
+    /// Log lines for the watching connection `conn` (generation `gen`) of this worker.
+    WatchLog { conn: usize, gen: u64, bytes: Vec<u8> },
     /// Test hook (`--enable-debug-commands`, only in a build with the
     /// `test-hooks` feature): stop serving for this long.
     #[cfg(feature = "test-hooks")]
@@ -32,7 +63,13 @@ impl CtlCmd {
             CtlCmd::Flush { .. } | CtlCmd::ResetStats => true,
             #[cfg(feature = "test-hooks")]
             CtlCmd::Stall { .. } => true,
-            CtlCmd::StatsReq { .. } | CtlCmd::StatsResp { .. } | CtlCmd::Sample { .. } | CtlCmd::Hot(_) => false,
+            CtlCmd::StatsReq { .. }
+            | CtlCmd::StatsResp { .. }
+            | CtlCmd::Sample { .. }
+            | CtlCmd::Hot(_)
+            | CtlCmd::Watch { .. }
+            | CtlCmd::WatchAck { .. }
+            | CtlCmd::WatchLog { .. } => false,
         }
     }
 }

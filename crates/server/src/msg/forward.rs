@@ -52,6 +52,11 @@ pub(crate) struct ForwardHandle {
     pub(crate) tx: Sender<Vec<Job>>,
     pub(crate) mailbox: Arc<Mailbox>,
     pub stats: ForwardStats,
+    /// A newer cluster map for the forwarder's router (the coordinator's, installed by the
+    /// controller): taken by the forwarder's loop. Written once per map change, never on the
+    /// data path; the flag spares the loop the lock.
+    pub(crate) map: std::sync::Mutex<Option<mbal_cluster::ClusterMap>>,
+    pub(crate) has_map: std::sync::atomic::AtomicBool,
 }
 
 impl ForwardHandle {
@@ -62,6 +67,13 @@ impl ForwardHandle {
     }
 
     pub fn wake(&self) {
+        self.mailbox.wake();
+    }
+
+    /// Give the forwarder a newer map.
+    pub fn new_map(&self, map: mbal_cluster::ClusterMap) {
+        *self.map.lock().unwrap_or_else(|p| p.into_inner()) = Some(map);
+        self.has_map.store(true, std::sync::atomic::Ordering::Release);
         self.mailbox.wake();
     }
 }

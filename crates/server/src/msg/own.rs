@@ -21,6 +21,13 @@ pub(crate) enum OwnMsg {
     /// Take ownership of a cachelet (its items come along, nothing is
     /// copied), then tell the controller.
     Adopt { cachelet: Box<Cachelet>, ver: u32, token: u64 },
-    /// Cachelet `cachelet` is now owned by worker `worker` (move number `ver`).
-    Owner { cachelet: u32, worker: usize, ver: u32 },
+    /// Cachelet `cachelet` is now owned by worker `worker` of server `server` (move number `ver`).
+    Owner { cachelet: u32, server: u16, worker: usize, ver: u32 },
+    /// The coordinator's map gives cachelet `cachelet` to `(server, worker)` (the controller
+    /// sends it to every worker, the new owner first): a worker holding it drops its items
+    /// (nothing moves between servers yet: the new owner starts empty), the new owner puts an
+    /// empty cachelet in its store, every table learns the owner.
+    Reassign { cachelet: u32, server: u16, worker: u16 },
+    /// Sent to every worker after a map's `Reassign`s: answer `CtlMsg::Applied`.
+    Applied { seq: u64 },
 }

@@ -134,6 +134,10 @@ impl Worker {
             throttled: false,
             auth: crate::auth::ConnAuth::new(&self.shared.settings),
             partial_since: 0,
+            budget: None,
+            half_closed: false,
+            watching: None,
+            watch_pending: 0,
         });
         tracing::debug!(worker = self.id, %peer, "accepted");
         // Bytes may have arrived before the registration.
@@ -164,6 +168,15 @@ impl Worker {
     }
 
     pub(super) fn close(&mut self, ci: usize) {
+        if let Some(c) = self.conns.get(ci) {
+            let gen = c.gen;
+            if c.watching.is_some() {
+                self.announce_watch(ci, gen, None);
+            }
+            if !self.staged.is_empty() {
+                self.staged_conn_closed(ci, gen);
+            }
+        }
         if let Some(mut c) = self.conns.try_remove(ci) {
             c.sock.close_notify();
             let _ = self.poll.registry().deregister(c.sock.sock_mut());
@@ -171,9 +184,29 @@ impl Worker {
         }
     }
 
+    /// A half-closed connection after the stop (`Worker::drain`): read and drop its input
+    /// until the client closes.
+    pub(super) fn discard(&mut self, ci: usize) {
+        let Some(conn) = self.conns.get_mut(ci) else { return };
+        let mut scratch = [0u8; 4096];
+        loop {
+            match conn.sock.read(&mut scratch) {
+                Ok(0) => break,
+                Ok(_) => continue,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(_) => break,
+            }
+        }
+        self.close(ci);
+    }
+
     /// Read everything available, then process.
     pub(super) fn on_readable(&mut self, ci: usize, near: &mut Near) {
         let Some(conn) = self.conns.get_mut(ci) else { return };
+        if conn.half_closed {
+            return self.discard(ci);
+        }
         if conn.output.unsent() > MAX_PENDING_OUTPUT {
             // Back-pressure: do not read more until the client drains
             // replies; `flush` queues the connection again when it has.
@@ -197,14 +230,23 @@ impl Worker {
                 more = true;
                 break;
             }
-            match conn.rbuf.read_from(&mut conn.sock, READ_CHUNK) {
+            // After the stop: only what had arrived then (`Worker::drain`).
+            let chunk = conn.budget.map_or(READ_CHUNK, |b| b.min(READ_CHUNK));
+            if chunk == 0 {
+                break;
+            }
+            match conn.rbuf.read_from(&mut conn.sock, chunk) {
                 Ok(0) => {
                     eof = true;
                     break;
                 }
                 Ok(n) => {
                     self.counters.bytes_read += n as u64;
-                    if n < READ_CHUNK {
+                    if let Some(b) = &mut conn.budget {
+                        // A short read drained the socket: all that had arrived is read.
+                        *b = if n < chunk { 0 } else { b.saturating_sub(n) };
+                    }
+                    if n < chunk {
                         break;
                     }
                     // Do not buffer more than one big request's worth ahead.
@@ -215,7 +257,12 @@ impl Worker {
                 }
                 Err(e) => {
                     match e.kind() {
-                        io::ErrorKind::WouldBlock => break,
+                        io::ErrorKind::WouldBlock => {
+                            if let Some(b) = &mut conn.budget {
+                                *b = 0;
+                            }
+                            break;
+                        }
                         io::ErrorKind::Interrupted => continue,
                         kind => {
                             if kind == io::ErrorKind::InvalidData && conn.sock.is_tls() {
@@ -292,7 +339,12 @@ impl Worker {
             let before = line;
             let parsed = mbal_proto::parse_stream(&mut line, proto, &buf[at..], &self.limits);
             let Parsed::Req { req, consumed } = &parsed else { break };
-            prefetch_keys(&self.store, near, &self.shared.layout, req);
+            // A get of several keys prefetches its own, a few keys ahead of each lookup, as
+            // dispatch serves it (`dispatch::ahead`): hashing them here too would cost more
+            // than it hides.
+            if !matches!(req, Request::Text(TextCmd::Get { keys, .. }) if keys.len() > 1) {
+                prefetch_keys(&self.store, near, &self.shared.layout, req);
+            }
             let next = at + consumed;
             ahead.push(Ahead { at, before, after: line, parsed });
             at = next;
@@ -314,11 +366,21 @@ impl Worker {
         let mut pos = 0usize;
         let worker = self.id;
         let mut hand_off = None;
+        let mut watch = None;
+        // Stopped at a request for a frozen cachelet (`migrate`), or at an `mbal import`.
+        let mut frozen_stop = false;
+        let mut import_at = None;
         // Stopped short of a complete request (`--request-timeout-ms`).
         let mut partial = false;
+        self.store.log().cfd = self.conns[ci].id;
         loop {
             let conn = &mut self.conns[ci];
             if conn.closing {
+                break;
+            }
+            if conn.watching.is_some() {
+                // A log stream: what the client sends is ignored.
+                pos = rbuf.len();
                 break;
             }
             if conn.skip > 0 {
@@ -404,6 +466,7 @@ impl Worker {
                 near: &mut *near,
             };
             let fresh = matches!(line, LineState::Start);
+            let line_before = *line;
             // What was parsed ahead at this position in this state, else parse now. (By
             // reference: a parsed request is large, a meta request's flags are inline.)
             while ahead.get(next).is_some_and(|a| a.at < pos) {
@@ -456,6 +519,12 @@ impl Worker {
                     }
                 }
                 Parsed::Req { ref req, consumed } => {
+                    if rt.tables.frozen.is_some_and(|c| dispatch::touches(&self.shared.layout, req, c)) {
+                        // Its cachelet is on its way to another server: wait, input unread.
+                        *line = line_before;
+                        frozen_stop = true;
+                        break;
+                    }
                     let raw = &buf[..consumed];
                     let forwarded_before = *rt.inflight;
                     let reply_at = output.buf().len();
@@ -502,14 +571,31 @@ impl Worker {
                         Action::Close => conn.closing = true,
                         Action::Shutdown => {
                             conn.closing = true;
-                            self.shared.shutdown.store(true, Ordering::Relaxed);
-                            self.shared.wake_all();
+                            self.shared.request_stop();
+                        }
+                        Action::Watch(mask) => {
+                            conn.watching = Some(mask);
+                            watch = Some((conn.gen, mask));
+                            pos = rbuf.len();
+                            break;
+                        }
+                        Action::Import => {
+                            conn.exempt = true;
+                            import_at = Some((pos - consumed, consumed));
+                            break;
                         }
                     }
                 }
             }
         }
         drop(ahead);
+        if let Some((at, n)) = import_at {
+            self.import_request(ci, &rbuf[at..at + n]);
+            self.requeue(ci);
+        }
+        if frozen_stop {
+            self.frozen_conn(ci);
+        }
         if let Some(conn) = self.conns.get_mut(ci) {
             conn.rbuf = rbuf;
         }
@@ -518,6 +604,9 @@ impl Worker {
         if let Some((to, by_thread)) = hand_off {
             self.hand_off(ci, pos, to, by_thread);
             return;
+        }
+        if let Some((gen, mask)) = watch {
+            self.announce_watch(ci, gen, Some(mask));
         }
         let Some(conn) = self.conns.get_mut(ci) else { return };
         if (partial || conn.skip > 0) && self.shared.settings.request_timeout_ms > 0 {

@@ -176,7 +176,8 @@ fn host(shared: &Shared, handoff: &Handoff, t: usize, initial: Vec<Worker>) -> i
                 h.w.mailbox.awake();
             }
         }
-        if shared.shutdown.load(Ordering::Relaxed) {
+        // After a stop, the workers drain first (`Worker::drain`).
+        if shared.stopped() {
             return Ok(());
         }
         // Workers handed to us, and those that belong elsewhere now.

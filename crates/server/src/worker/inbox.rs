@@ -3,7 +3,7 @@
 //! emulated capacity's hold queue, and the executor of forwarded requests.
 
 use super::*;
-use crate::msg::{ConnMsg, CtlCmd, OwnMsg};
+use crate::msg::{ConnMsg, CtlCmd, Dump, OwnMsg, Want};
 
 impl Worker {
     /// Handle what peers sent: as many envelopes as were queued when the
@@ -58,6 +58,12 @@ impl Worker {
                     self.register(stream, peer, listen);
                 }
             }
+            Envelope::Conn(ConnMsg::Internal(sock, peer)) => {
+                let listen = self.shared.main_addr;
+                if let Some(ci) = self.register(ConnStream::Plain(TcpStream::from_std(sock)), peer, listen) {
+                    self.conns[ci].auth.authenticated = true;
+                }
+            }
             Envelope::Conn(ConnMsg::HandOff(h)) => {
                 let HandOff { sock, peer, listen_addr, id, unread, auth, exempt, fresh, by_thread } = *h;
                 if let Some(ci) = self.register(sock.map_sock(TcpStream::from_std), peer, listen_addr) {
@@ -86,7 +92,7 @@ impl Worker {
             Envelope::Own(OwnMsg::Adopt { cachelet, ver, token }) => {
                 let c = cachelet.id();
                 self.store.insert_cachelet(cachelet);
-                moves::announce(self.id, &mut self.outbox, c, ver);
+                moves::announce(self.shared.server_id, self.id, &mut self.outbox, c, ver);
                 if let Some(q) = self.tables.adopted(c, ver) {
                     self.resend(c, q);
                 }
@@ -102,17 +108,19 @@ impl Worker {
                 self.restart_alarm();
             }
             Envelope::Ctl(CtlCmd::Hot(cmd)) => self.hot(cmd),
-            Envelope::Own(OwnMsg::Owner { cachelet, worker, ver }) => {
-                if let Some(q) = self.tables.learn(cachelet, worker as u16, ver) {
+            Envelope::Own(OwnMsg::Owner { cachelet, server, worker, ver }) => {
+                if let Some(q) = self.tables.learn(cachelet, server, worker as u16, ver) {
                     self.resend(cachelet, q);
                 }
             }
+            Envelope::Own(OwnMsg::Reassign { cachelet, server, worker }) => self.reassign(cachelet, server, worker),
+            Envelope::Own(OwnMsg::Applied { seq }) => self.shared.tell_controller(CtlMsg::Applied { seq }),
             Envelope::Ctl(CtlCmd::Flush { at }) => {
                 self.store.flush_all(at);
                 hot::flush_hot(&self.shared, self.id, &mut self.store, &mut self.replicas.hot);
             }
-            Envelope::Ctl(CtlCmd::StatsReq { to, want_conns }) => {
-                let snap = Box::new(self.snapshot(want_conns));
+            Envelope::Ctl(CtlCmd::StatsReq { to, want }) => {
+                let snap = Box::new(self.snapshot(want));
                 self.outbox[to.worker].push(Envelope::Ctl(CtlCmd::StatsResp { to, snap }));
             }
             Envelope::Ctl(CtlCmd::StatsResp { to, snap }) => {
@@ -124,6 +132,15 @@ impl Worker {
                 self.counters = Counters::default();
                 self.store.reset_stats();
             }
+            Envelope::Ctl(CtlCmd::Watch { worker, conn, gen, mask }) => {
+                self.set_watcher(worker, conn, gen, mask);
+                if mask.is_some() {
+                    self.outbox[worker].push(Envelope::Ctl(CtlCmd::WatchAck { conn, gen }));
+                }
+            }
+            Envelope::Ctl(CtlCmd::WatchAck { conn, gen }) => self.watch_acked(conn, gen),
+            Envelope::Mig(m) => self.migration_step(m),
+            Envelope::Ctl(CtlCmd::WatchLog { conn, gen, bytes }) => self.deliver_log(conn, gen, &bytes),
             #[cfg(feature = "test-hooks")]
             Envelope::Ctl(CtlCmd::Stall { ms }) => std::thread::sleep(Duration::from_millis(ms)),
         }
@@ -133,6 +150,8 @@ impl Worker {
     /// cap, only as many as the credit pays for: the rest of the batch
     /// waits at the front of `held` (`held_pos` says where it resumes).
     pub(super) fn exec_batch(&mut self, batch: ReqBatch, from: usize, now_ns: u64) {
+        // Another worker's connections: `watch` lines show no `cfd` (0).
+        self.store.log().cfd = 0;
         if from == 0 {
             self.waited(now_ns, batch.sent_ns);
         }
@@ -176,7 +195,7 @@ impl Worker {
     pub(super) fn hold(&mut self, env: &Envelope) -> bool {
         let hold = match env {
             Envelope::Reqs(_) => !self.held.is_empty() || !self.capacity.has_credit(),
-            Envelope::Replies(_) | Envelope::Conn(_) => false,
+            Envelope::Replies(_) | Envelope::Conn(_) | Envelope::Mig(_) => false,
             // The move protocol acts on the tables the held requests route by.
             Envelope::Own(_) => !self.held.is_empty(),
             Envelope::Ctl(c) => c.ordered() && !self.held.is_empty(),
@@ -231,8 +250,15 @@ impl Worker {
     /// its cachelet is not here (it moved on since the sender looked).
     pub(super) fn exec_forwarded(&mut self, req: &FwdReq, bytes: &[u8]) {
         debug_assert_ne!(req.to.worker, self.id, "a worker never forwards to itself");
+        if self.tables.frozen.is_some() && self.frozen_forwarded(req, bytes) {
+            return;
+        }
         if !self.tables.executes(req.cachelet, req.stamp) {
-            debug_assert!(!self.store.owns(req.cachelet) || self.tables.owner[req.cachelet as usize].ver > req.stamp);
+            debug_assert!(
+                self.tables.fenced
+                    || !self.store.owns(req.cachelet)
+                    || self.tables.owner[req.cachelet as usize].ver > req.stamp
+            );
             let hint = self.tables.owner[req.cachelet as usize];
             self.outbox[req.to.worker].replies().bounce(req, bytes, hint);
             return;
@@ -258,12 +284,58 @@ impl Worker {
         self.outbox[req.to.worker].replies().push(req.to, req.cachelet, run);
     }
 
+    /// The coordinator's map gave cachelet `c` to `(server, worker)`: drop what this worker
+    /// holds of it (its items do not travel between servers yet), take it empty if it is
+    /// ours now, and follow the new owner.
+    fn reassign(&mut self, c: u32, server: u16, worker: u16) {
+        let mine = server == self.shared.server_id && worker as usize == self.id;
+        let resetting = self.shared.resetting.load(Ordering::Acquire);
+        // A cachelet that arrived from another server (`migrate`) stays: the map only says
+        // what its move already did. A reset (this server was declared dead) drops it all.
+        let own = self.tables.owner[c as usize];
+        let arrived = mine && !resetting && (own.server, own.worker) == (server, worker) && self.store.owns(c);
+        if !arrived {
+            if let Some(old) = self.store.take_cachelet(c) {
+                self.drop_hot_of(c);
+                self.counters.cachelets_dropped += 1;
+                drop(old);
+            }
+            if mine {
+                let cachelet = self.take_staged(c).unwrap_or_else(|| mbal_store::Cachelet::new(c));
+                self.store.insert_cachelet(cachelet);
+                self.counters.cachelets_claimed += 1;
+            } else if server != self.shared.server_id {
+                self.drop_staged(c);
+            }
+        }
+        let (ver, q) = self.tables.reassign(c, server, worker);
+        let q = if mine { self.tables.adopted(c, ver).or(q) } else { q };
+        if let Some(q) = q {
+            self.resend(c, q);
+        }
+        if self.outgoing.as_ref().is_some_and(|o| o.cachelet() == c) {
+            // The move's commit reached this server: what waited for the cachelet now goes
+            // where the map says.
+            self.end_outgoing();
+        }
+    }
+
     /// Send requests parked for cachelet `c` again, in order, on its new
-    /// route (or execute them here if this worker owns it now).
+    /// route (or execute them here if this worker owns it now). If another
+    /// server owns it now (or this one is fenced), they are answered with
+    /// an error: they were sent before the cachelet left.
     pub(super) fn resend(&mut self, c: u32, parked: VecDeque<Parked>) {
-        let (_, w) = self.tables.route(c);
+        let (s, w) = self.tables.route(c);
         for p in parked {
-            if w as usize == self.id {
+            if s != self.shared.server_id && s != crate::moves::FENCED && self.forward_parked(&p) {
+                continue;
+            }
+            if s != self.shared.server_id {
+                self.counters.foreign_keys += 1;
+                let mut out = Vec::new();
+                left_answer(p.kind, &p.bytes, &mut out);
+                self.deliver(p.to, &out);
+            } else if w as usize == self.id {
                 self.capacity.spend(1);
                 let mut out = Vec::new();
                 let mut ctx = exec_ctx(&mut self.store, &self.shared, &mut self.counters, self.now);
@@ -353,8 +425,8 @@ impl Worker {
         self.flush(ci);
     }
 
-    pub(super) fn snapshot(&mut self, want_conns: bool) -> WorkerSnapshot {
-        let conns = if want_conns {
+    pub(super) fn snapshot(&mut self, want: Want) -> WorkerSnapshot {
+        let conns = if want.conns {
             self.conns
                 .iter()
                 .map(|(_, c)| ConnInfo {
@@ -388,14 +460,47 @@ impl Worker {
             curr_connections: self.conns.len() as u64,
             conns,
             cachelets,
+            dump: want.dump.map(|d| self.dump(&d)).unwrap_or_default(),
         }
+    }
+
+    /// This worker's lines of a dump (`lru_crawler metadump`, `stats cachedump`), within its
+    /// bounds.
+    fn dump(&self, d: &Dump) -> Vec<u8> {
+        let mut out = Vec::new();
+        let listed = match d.workers {
+            None => true,
+            Some(m) => self.id < 64 && m & (1 << self.id) != 0,
+        };
+        if !listed {
+            return out;
+        }
+        let (class, start) = (self.id + 1, self.shared.start_unix);
+        let mut line = Vec::with_capacity(512);
+        let mut n = 0usize;
+        for cl in self.store.cachelet_ids() {
+            let more = self.store.scan_meta(cl, self.now, |it| {
+                line.clear();
+                stats::dump_item(d.meta, &it, class, start, &mut line);
+                if out.len() + line.len() > d.max_bytes || (d.limit > 0 && n >= d.limit) {
+                    return false;
+                }
+                out.extend_from_slice(&line);
+                n += 1;
+                true
+            });
+            if !more {
+                break;
+            }
+        }
+        out
     }
 
     /// Complete the local part of stats gathers started this round.
     pub(super) fn finish_self_stats(&mut self) {
         let pending = std::mem::take(&mut self.self_stats);
-        for (ci, seq, want_conns) in pending {
-            let snap = self.snapshot(want_conns);
+        for (ci, seq, want) in pending {
+            let snap = self.snapshot(want);
             self.gathered(ci, seq, snap);
         }
     }
@@ -489,6 +594,15 @@ pub(super) fn render_stats(
     snaps: &mut [WorkerSnapshot],
     out: &mut Vec<u8>,
 ) {
+    if group == "dump" {
+        // `lru_crawler metadump`, `stats cachedump`: the workers' lines in worker order.
+        snaps.sort_by_key(|s| s.worker);
+        for s in snaps.iter() {
+            out.extend_from_slice(&s.dump);
+        }
+        out.extend_from_slice(b"END\r\n");
+        return;
+    }
     let now_unix = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     if group == "cachelets" {
         // Rates over the controller's last epoch (0 before the first).
@@ -521,6 +635,24 @@ pub(super) fn render_stats(
             changes: shared.threads.changes.load(Ordering::Relaxed),
             trials: shared.threads.trials.load(Ordering::Relaxed),
         },
+        coordinator: (!shared.settings.coordinator.is_empty()).then(|| {
+            let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
+            let c = &shared.coord;
+            stats::CoordinatorFigures {
+                id: shared.server_id,
+                beats: n(&c.beats),
+                beat_failures: n(&c.beat_failures),
+                maps_installed: n(&c.maps_installed),
+                registrations: n(&c.registrations),
+                gone: n(&c.gone),
+                peer_reports: n(&c.peer_reports),
+                migrations_out: n(&c.migrations_out),
+                migrations_failed: n(&c.migrations_failed),
+                migrated_out_bytes: n(&c.migrated_out_bytes),
+                migration_last_ms: n(&c.migration_last_ms),
+                lease_left_ms: n(&shared.lease_until_ns).saturating_sub(shared.clock_ns()) / 1_000_000,
+            }
+        }),
         forward: shared.forward.as_ref().map(|f| {
             let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
             let s = &f.stats;
@@ -534,6 +666,14 @@ pub(super) fn render_stats(
         }),
     };
     match format {
+        StatsFormat::Binary { opaque } if group == "detail dump" => {
+            // memcached's binary answer: the text dump as the value of one stat, `detailed`.
+            let mut text = Vec::new();
+            stats::render(group, &p, snaps, &mut TextSink(&mut text));
+            text.extend_from_slice(b"END\r\n");
+            write_response(out, op::STAT, st::NO_ERROR, *opaque, 0, &[], b"detailed", &text);
+            write_response(out, op::STAT, st::NO_ERROR, *opaque, 0, &[], &[], &[]);
+        }
         StatsFormat::Text => {
             if stats::render(group, &p, snaps, &mut TextSink(out)) {
                 out.extend_from_slice(b"END\r\n");
@@ -551,3 +691,47 @@ pub(super) fn render_stats(
         }
     }
 }
+
+/// The answer to a request that was on its way to a cachelet when the cachelet went to another
+/// server (or this server was fenced).
+const LEFT_THE_SERVER: &[u8] = b"SERVER_ERROR the key's cachelet left this mbal server; retry\r\n";
+
+/// The answer to a request that was on its way to a cachelet when the cachelet went to another
+/// server (or this one was fenced): a read is a miss, a write an error, a quiet one nothing,
+/// each in its protocol's form.
+fn left_answer(kind: FwdKind, bytes: &[u8], out: &mut Vec<u8>) {
+    use mbal_proto::binary::{opcode as op, status as st, write_response};
+    let first_line = || {
+        let end = bytes.windows(2).position(|w| w == b"\r\n").unwrap_or(bytes.len());
+        &bytes[..end]
+    };
+    match kind {
+        // A run of a multi-get: its keys are misses (the origin writes END).
+        FwdKind::Values { .. } | FwdKind::Store { noreply: true, .. } => {}
+        FwdKind::Store { .. } => out.extend_from_slice(LEFT_THE_SERVER),
+        FwdKind::Raw(Protocol::Binary, _) if bytes.len() >= 24 => {
+            let opcode = bytes[1];
+            let opaque = u32::from_be_bytes([bytes[12], bytes[13], bytes[14], bytes[15]]);
+            match opcode {
+                op::GETQ | op::GETKQ | op::GATQ | op::GATKQ => {}
+                op::GET | op::GETK | op::GAT | op::GATK => {
+                    write_response(out, opcode, st::KEY_ENOENT, opaque, 0, &[], &[], b"Not found")
+                }
+                _ => write_response(out, opcode, st::NOT_STORED, opaque, 0, &[], &[], LEFT_BIN),
+            }
+        }
+        FwdKind::Raw(Protocol::Binary, _) => {}
+        FwdKind::Raw(_, _) => {
+            let line = first_line();
+            let word = line.split(|&b| b == b' ').next().unwrap_or_default();
+            match word {
+                b"get" | b"gets" | b"gat" | b"gats" => out.extend_from_slice(b"END\r\n"),
+                b"mg" => out.extend_from_slice(b"EN\r\n"),
+                _ if line.ends_with(b" noreply") => {}
+                _ => out.extend_from_slice(LEFT_THE_SERVER),
+            }
+        }
+    }
+}
+
+const LEFT_BIN: &[u8] = b"The key's cachelet left this mbal server";

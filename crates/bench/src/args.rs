@@ -95,6 +95,10 @@ pub struct BenchArgs {
     /// Key length in bytes (`k` + zero-padded index).
     #[arg(long, default_value_t = 10)]
     pub key_size: usize,
+    /// Variable key lengths: each key's length is in [--key-size, --key-size-max], fixed per
+    /// key (a hash of its index), so loads and reads agree.
+    #[arg(long)]
+    pub key_size_max: Option<usize>,
     /// Value length in bytes for SETs (the minimum when --value-size-max is given).
     #[arg(long, default_value_t = 20)]
     pub value_size: usize,
@@ -239,6 +243,11 @@ pub(crate) fn validate(args: &BenchArgs) -> Result<()> {
     if args.key_size < min || args.key_size > 250 {
         bail!("--key-size must be in {min}..=250 for {} keys", args.keys);
     }
+    if let Some(m) = args.key_size_max {
+        if m < args.key_size || m > 250 {
+            bail!("--key-size-max ({m}) must be in --key-size ({})..=250", args.key_size);
+        }
+    }
     if let Some(m) = args.value_size_max {
         if m < args.value_size {
             bail!("--value-size-max ({m}) must be >= --value-size ({})", args.value_size);
@@ -294,4 +303,11 @@ pub fn parse_sweep(s: &str) -> Result<Vec<f64>> {
         bail!("--rate-sweep {s:?} has {n} rates; at most 100");
     }
     Ok((0..n).map(|i| from + step * i as f64).collect())
+}
+
+impl BenchArgs {
+    /// The key lengths `--key-size` and `--key-size-max` ask for.
+    pub fn key_sizes(&self) -> crate::workload::KeySize {
+        crate::workload::KeySize { min: self.key_size, max: self.key_size_max.unwrap_or(self.key_size) }
+    }
 }

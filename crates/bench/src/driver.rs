@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::{bail, Result};
 
 use crate::conns::{connect_std, Conns};
-use crate::workload::write_key;
+use crate::workload::{write_key, KeySize};
 use mbal_proto::client::{Expect, Frame};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -89,7 +89,7 @@ pub(crate) fn write_set(out: &mut Vec<u8>, key: &[u8], value: &[u8], n: usize) {
 
 /// Append `get <k1> <k2> ..\r\n` to `out`.
 #[inline]
-pub(crate) fn write_get(out: &mut Vec<u8>, keys: impl Iterator<Item = u32>, key_size: usize) {
+pub(crate) fn write_get(out: &mut Vec<u8>, keys: impl Iterator<Item = u32>, key_size: KeySize) {
     out.extend_from_slice(b"get");
     for k in keys {
         out.push(b' ');
@@ -121,7 +121,7 @@ pub struct PlainDriver {
     /// Connection `slot * servers + server`; each request waits as (op token, reply kind).
     conns: Conns<(u32, Expect)>,
     servers: Vec<SocketAddr>,
-    key_size: usize,
+    key_size: KeySize,
     value: Vec<u8>,
     ops: Vec<OpState>,
     target_reqs: Vec<u64>,
@@ -136,7 +136,7 @@ impl PlainDriver {
         servers: &[SocketAddr],
         slots: usize,
         max_in_flight: usize,
-        key_size: usize,
+        key_size: KeySize,
         value_size_max: usize,
     ) -> Result<PlainDriver> {
         PlainDriver::connect_tls(servers, None, slots, max_in_flight, key_size, value_size_max)
@@ -148,7 +148,7 @@ impl PlainDriver {
         tls: Option<&mbal_tls::ClientTls>,
         slots: usize,
         max_in_flight: usize,
-        key_size: usize,
+        key_size: KeySize,
         value_size_max: usize,
     ) -> Result<PlainDriver> {
         if servers.is_empty() || servers.len() > u16::MAX as usize {

@@ -342,7 +342,7 @@ impl DriverFactory for PlainFactory {
             self.tls.as_ref(),
             spec.slots,
             spec.max_in_flight,
-            spec.args.key_size,
+            spec.args.key_sizes(),
             spec.args.value_size_max.unwrap_or(spec.args.value_size).max(spec.args.value_size),
         )?))
     }
@@ -382,7 +382,7 @@ pub fn run_with(args: BenchArgs, factory: &dyn DriverFactory) -> Result<BenchRep
             .context("the hot-partition workload needs the cluster map of an mbal server")?
             .context("the hot-partition workload needs an mbal server (its cluster map)")?;
         hot_cachelets = choose_hot(&map, &args)?;
-        Some(Arc::new(workload::hot_partition_keys(map.keyspace(), &hot_cachelets, args.keys, args.key_size)))
+        Some(Arc::new(workload::hot_partition_keys(map.keyspace(), &hot_cachelets, args.keys, args.key_sizes())))
     } else {
         None
     };

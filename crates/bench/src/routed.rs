@@ -60,7 +60,7 @@ use mbal_proto::client::{Expect, Frame, Reply, ReplyReader};
 
 use crate::conns::{connect_std, Conns, Pending, IO_TIMEOUT};
 use crate::driver::{value_buffer, write_get, write_set, Completion, Driver, OpKind, Request};
-use crate::workload::write_key;
+use crate::workload::{write_key, KeySize};
 use crate::{DriverFactory, DriverSpec};
 use mbal_tls::{BlockingStream, ClientTls};
 
@@ -160,7 +160,7 @@ impl DriverFactory for RoutedFactory {
             self.tls.as_ref(),
             spec.slots,
             spec.max_in_flight,
-            a.key_size,
+            a.key_sizes(),
             a.value_size_max.unwrap_or(a.value_size).max(a.value_size),
         )?))
     }
@@ -234,7 +234,7 @@ struct State {
     now: Instant,
     replica_reads: u64,
     replica_fallbacks: u64,
-    key_size: usize,
+    key_size: KeySize,
     value: Vec<u8>,
     ops: Vec<OpState>,
     target_reqs: Vec<u64>,
@@ -258,7 +258,7 @@ impl RoutedDriver {
         map: &ClusterMap,
         slots: usize,
         max_in_flight: usize,
-        key_size: usize,
+        key_size: KeySize,
         value_size_max: usize,
     ) -> Result<RoutedDriver> {
         RoutedDriver::connect_tls(map, None, slots, max_in_flight, key_size, value_size_max)
@@ -270,7 +270,7 @@ impl RoutedDriver {
         tls: Option<&ClientTls>,
         slots: usize,
         max_in_flight: usize,
-        key_size: usize,
+        key_size: KeySize,
         value_size_max: usize,
     ) -> Result<RoutedDriver> {
         let mut targets = Vec::new();

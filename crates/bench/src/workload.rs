@@ -238,27 +238,57 @@ impl KeyGen {
     }
 }
 
-/// Format key `idx` into `out` as `k` + zero-padded decimal, exactly `key_size` bytes.
+/// Key lengths: `min` bytes, or when `max > min`, a length in `min..=max` fixed per key index
+/// (a hash of the index: the same key always has the same length; `--key-size-max`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KeySize {
+    pub min: usize,
+    pub max: usize,
+}
+
+impl KeySize {
+    pub fn fixed(n: usize) -> KeySize {
+        KeySize { min: n, max: n }
+    }
+
+    /// The length of key `idx`.
+    #[inline]
+    pub fn of(self, idx: u32) -> usize {
+        if self.max <= self.min {
+            return self.min;
+        }
+        let h = (u64::from(idx).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) as usize;
+        self.min + h % (self.max - self.min + 1)
+    }
+}
+
+impl From<usize> for KeySize {
+    fn from(n: usize) -> KeySize {
+        KeySize::fixed(n)
+    }
+}
+
+/// Format key `idx` into `out` as `k` + zero-padded decimal, exactly `key_size.of(idx)` bytes.
 #[inline]
-pub fn write_key(out: &mut Vec<u8>, idx: u32, key_size: usize) {
+pub fn write_key(out: &mut Vec<u8>, idx: u32, key_size: impl Into<KeySize>) {
     let mut b = itoa::Buffer::new();
     let d = b.format(idx).as_bytes();
     out.push(b'k');
-    let pad = key_size.saturating_sub(1 + d.len());
+    let pad = key_size.into().of(idx).saturating_sub(1 + d.len());
     out.extend(std::iter::repeat_n(b'0', pad));
     out.extend_from_slice(d);
 }
 
 /// Which of keys `0..keys` (formatted as `write_key` does) fall in one of `hot` cachelets of
 /// `space`: the hot partition's keys.
-pub fn hot_partition_keys(space: &KeySpace, hot: &[u32], keys: u32, key_size: usize) -> Vec<bool> {
+pub fn hot_partition_keys(space: &KeySpace, hot: &[u32], keys: u32, key_size: KeySize) -> Vec<bool> {
     let mut is_hot = vec![false; space.cachelet_count() as usize];
     for &c in hot {
         if let Some(h) = is_hot.get_mut(c as usize) {
             *h = true;
         }
     }
-    let mut buf = Vec::with_capacity(key_size);
+    let mut buf = Vec::with_capacity(key_size.max);
     (0..keys)
         .map(|i| {
             buf.clear();
@@ -290,10 +320,33 @@ mod tests {
     }
 
     #[test]
+    fn variable_key_sizes_are_fixed_per_key_and_cover_the_range() {
+        let ks = KeySize { min: 10, max: 24 };
+        let mut seen = [0u32; 25];
+        let mut buf = Vec::new();
+        for i in 0..100_000u32 {
+            buf.clear();
+            write_key(&mut buf, i, ks);
+            assert_eq!(buf.len(), ks.of(i));
+            assert!((10..=24).contains(&buf.len()));
+            let again = {
+                let mut b = Vec::new();
+                write_key(&mut b, i, ks);
+                b
+            };
+            assert_eq!(buf, again, "the same key every time");
+            seen[buf.len()] += 1;
+        }
+        // Every length occurs, none far from its share (100,000 / 15).
+        assert!(seen[10..=24].iter().all(|&n| (5_000..8_500).contains(&n)), "{seen:?}");
+        assert_eq!(KeySize::fixed(10).of(7), 10);
+    }
+
+    #[test]
     fn hot_partition_keys_are_those_of_the_hot_cachelets() {
         let space = KeySpace::even(64, 16_384);
         let n = 50_000;
-        let marks = hot_partition_keys(&space, &[3, 40], n, 10);
+        let marks = hot_partition_keys(&space, &[3, 40], n, KeySize::fixed(10));
         let mut buf = Vec::new();
         for i in 0..n {
             buf.clear();

@@ -183,6 +183,7 @@ fn free_port() -> u16 {
 #[test]
 fn routed_three_server_cluster() {
     let spec = ClusterSpec {
+        coordinators: Vec::new(),
         vn_count: 1024,
         cachelets_per_worker: 4,
         workers: 2,

@@ -14,6 +14,25 @@ pub(crate) struct Conn {
     parser: ReplyReader,
     pub addr: SocketAddr,
     pub peer: Peer,
+    /// Taken from a pool (it served earlier requests): a server that restarted or closed it
+    /// idle shows as a closed connection, which says nothing about the server until a fresh
+    /// connection is tried.
+    pub reused: bool,
+}
+
+/// Did a request fail because the server could not be reached (refused, reset, closed,
+/// timed out; not a bad reply, a refusal or a TLS error)?
+pub(crate) fn unreachable(e: &Error) -> bool {
+    match e {
+        Error::Timeout { .. } | Error::Unreachable { .. } => true,
+        Error::Io { source, .. } => mbal_cluster::unreachable_kind(source.kind()),
+        _ => false,
+    }
+}
+
+/// Did a request fail because its connection was closed or reset by the server?
+pub(crate) fn was_closed(e: &Error) -> bool {
+    matches!(e, Error::Io { source, .. } if mbal_cluster::closed_kind(source.kind()))
 }
 
 fn io_err(addr: SocketAddr, peer: Peer, e: io::Error) -> Error {
@@ -35,12 +54,12 @@ impl Conn {
     ) -> Result<Conn> {
         let stream =
             mbal_tls::dial_timeouts(addr, tls, connect_timeout, io_timeout).map_err(|e| io_err(addr, peer, e))?;
-        Ok(Conn { stream, parser: ReplyReader::new(), addr, peer })
+        Ok(Conn { stream, parser: ReplyReader::new(), addr, peer, reused: false })
     }
 
     /// Over a stream already connected (and logged in) to `addr`.
     pub fn from_stream(stream: BlockingStream, addr: SocketAddr, peer: Peer) -> Conn {
-        Conn { stream, parser: ReplyReader::new(), addr, peer }
+        Conn { stream, parser: ReplyReader::new(), addr, peer, reused: false }
     }
 
     /// Authenticate first, if the client has a login (memcached's ASCII auth).

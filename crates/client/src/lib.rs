@@ -31,7 +31,7 @@
 //!   more threads), that server's keys go to their owners' own connections; the
 //!   client then asks again with `mbal hello` ([`Client::server_threads`]). A connection that
 //!   sees an I/O error, a timeout or a malformed reply is dropped; the next
-//!   call reconnects.
+//!   call reconnects (see "A dead server" for a server that cannot be reached).
 //! * **Redirects.** On `RD` the router records an override for the key's
 //!   cachelet; when the redirect's epoch is newer than the map's, the client
 //!   refetches the whole map (`mbal map`, from the redirecting worker) and
@@ -75,6 +75,21 @@
 //!   [`mbal_cluster::COPY_RETRY`]) and the key is read at home: the caller
 //!   sees no error.
 //!   [`Client::replica_reads`] and [`Client::replica_fallbacks`] count both.
+//! * **A dead server.** A server the client cannot reach (a connect refused or not done
+//!   within `connect_timeout`, a connection reset or closed, a reply not read within
+//!   `io_timeout`) costs misses, not errors or hangs: a read of its keys (`get`, `gets`, and
+//!   its keys of a `get_multi`) is a miss, a write or any other command an
+//!   [`Error::Unreachable`] naming it (`set_multi`: the call's error, after the other
+//!   servers' items are stored). The server then has a backoff (100 ms, doubling to 1 s on
+//!   every failed retry, [`mbal_cluster::Health`], shared with the proxy) during which its
+//!   keys are answered that way without touching the network; after it the next request
+//!   dials it, and a server that answers is used again. A pooled connection found closed is
+//!   not a failure by itself (the server may have restarted): a fresh connection decides,
+//!   and a read is resent on it once. The first failure, and each failed retry, also asks
+//!   another server of the map (one not in its backoff) for the map (`mbal map`) and installs
+//!   it if it is newer: when the cluster gave the dead server's cachelets to others, its
+//!   keys go there, the failed request included. [`Client::stats`] counts `unreachable`,
+//!   `unreachable_misses`, `unreachable_errors`, `map_refreshes` and `maps_installed`.
 //! * **Stats.** [`cluster_stats`] reads `stats` and `stats workers` from each
 //!   server's main port; [`render_stats_table`] renders a per-server and
 //!   per-worker table (ops/s from two samples, hit ratio, items, bytes,
@@ -84,6 +99,7 @@
 //! 1..=250 bytes, no spaces or control characters ([`Error::InvalidKey`]).
 
 mod conn;
+mod down;
 mod multi;
 mod stats;
 
@@ -92,7 +108,7 @@ pub use mbal_member::ClusterSpec;
 pub use stats::{cluster_stats, cluster_stats_dialed, render_stats_table, ServerStats, WorkerStats};
 
 use conn::Conn;
-use mbal_cluster::{Leases, Owner, Redirect, Router};
+use mbal_cluster::{Health, Leases, Owner, Redirect, Router};
 use mbal_proto::client::{Expect, OwnedValue, Reply};
 use std::collections::HashMap;
 use std::fmt;
@@ -111,7 +127,7 @@ pub const MAX_KEY_LEN: usize = 250;
 /// Client settings.
 #[derive(Clone, Debug)]
 pub struct Config {
-    /// Timeout of one TCP connect.
+    /// Timeout of one TCP connect (a server that does not accept in time is unreachable).
     pub connect_timeout: Duration,
     /// Timeout of one read or write on a connection.
     pub io_timeout: Duration,
@@ -155,7 +171,7 @@ impl Login {
 impl Default for Config {
     fn default() -> Config {
         Config {
-            connect_timeout: Duration::from_secs(2),
+            connect_timeout: Duration::from_secs(1),
             io_timeout: Duration::from_secs(5),
             max_redirects: u32::from(mbal_cluster::MAX_REDIRECTS),
             conns_per_worker: 1,
@@ -223,6 +239,12 @@ pub enum Error {
     },
     #[error("timed out talking to {peer} at {addr}")]
     Timeout { addr: SocketAddr, peer: Peer },
+    /// The server could not be reached (a connect refused or timed out, a connection reset
+    /// or closed, a request unanswered for `io_timeout`), now or within its backoff: a write
+    /// or other command for its keys fails with this (a read is a miss instead). See the
+    /// crate docs, "A dead server".
+    #[error("mbal {peer} at {addr} unreachable: {reason}")]
+    Unreachable { addr: SocketAddr, peer: Peer, reason: String },
     /// `ERROR`, `CLIENT_ERROR ...` or `SERVER_ERROR ...`.
     #[error("{peer} at {addr} refused the request: {line}")]
     Server { addr: SocketAddr, peer: Peer, line: String },
@@ -284,8 +306,37 @@ pub struct Client {
     pools: HashMap<Owner, Pool>,
     /// Workers that redirected to another worker of their server (see `refresh_threads`).
     stale_threads: Vec<Owner>,
-    replica_reads: u64,
-    replica_fallbacks: u64,
+    /// Servers that could not be reached, their backoff, when to refresh the map (shared
+    /// with the proxy).
+    health: Health,
+    /// Per server: why it was last found unreachable (for the errors of its backoff).
+    down_reason: Vec<String>,
+    /// A map refresh is running (it dials, and a failed dial asks for another refresh).
+    refreshing: bool,
+    stats: ClientStats,
+}
+
+/// The client's counters ([`Client::stats`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ClientStats {
+    /// Redirects followed.
+    pub redirects: u64,
+    /// Reads served by a copy of a hot key (not its home).
+    pub replica_reads: u64,
+    /// Reads that went to a copy and fell back to the home.
+    pub replica_fallbacks: u64,
+    /// Times a server could not be reached (each starts or extends its backoff).
+    pub unreachable: u64,
+    /// Keys read (`get`, `gets`, `get_multi`) of a server that could not be reached,
+    /// answered as misses.
+    pub unreachable_misses: u64,
+    /// Writes and other commands for keys of a server that could not be reached, answered
+    /// [`Error::Unreachable`] (per key for `set_multi`).
+    pub unreachable_errors: u64,
+    /// `mbal map` fetches from another server after one could not be reached.
+    pub map_refreshes: u64,
+    /// Newer maps installed (from a refresh or a redirect naming a newer epoch).
+    pub maps_installed: u64,
 }
 
 /// A seed that differs between clients (and processes), so that clients
@@ -306,8 +357,10 @@ impl Client {
             cfg,
             pools: HashMap::new(),
             stale_threads: Vec::new(),
-            replica_reads: 0,
-            replica_fallbacks: 0,
+            health: Health::new(),
+            down_reason: Vec::new(),
+            refreshing: false,
+            stats: ClientStats::default(),
         }
     }
 
@@ -351,13 +404,23 @@ impl Client {
 
     /// Reads served by a copy of a hot key (not its home).
     pub fn replica_reads(&self) -> u64 {
-        self.replica_reads
+        self.stats.replica_reads
+    }
+
+    /// The client's counters.
+    pub fn stats(&self) -> ClientStats {
+        ClientStats { redirects: self.router.redirects(), ..self.stats }
+    }
+
+    /// Is server `s` in its backoff now (its keys answered without the network)?
+    pub fn is_down(&self, s: u16) -> bool {
+        self.health.is_down(s, Instant::now())
     }
 
     /// Reads that went to a copy and fell back to the home (the copy
     /// answered `RD` or an error, or its connection failed).
     pub fn replica_fallbacks(&self) -> u64 {
-        self.replica_fallbacks
+        self.stats.replica_fallbacks
     }
 
     /// How many threads run server `s`'s workers, as its last `mbal hello` said (0: not
@@ -409,20 +472,20 @@ impl Client {
         });
         match res {
             Ok(Reply::Values(mut vs)) if vs.len() <= 1 && vs.first().is_none_or(|v| v.key == key) => {
-                self.replica_reads += 1;
+                self.stats.replica_reads += 1;
                 Some(vs.pop().map(Value::from))
             }
             Ok(Reply::Redirect { .. } | Reply::Error(_)) => {
                 // RD (the copy is gone or not there yet) or an error line
                 self.leases.end(hash);
-                self.replica_fallbacks += 1;
+                self.stats.replica_fallbacks += 1;
                 None
             }
             Ok(_) | Err(_) => {
                 // other keys (not trusted), or the connection failed: every lease at that copy ends
                 self.leases.copy_failed(copy, Instant::now(), mbal_cluster::COPY_RETRY);
                 self.leases.end(hash);
-                self.replica_fallbacks += 1;
+                self.stats.replica_fallbacks += 1;
                 None
             }
         }
@@ -438,8 +501,15 @@ impl Client {
         (c, s, w)
     }
 
-    /// A pooled connection to (s, w), or a new one (after `mbal hello`).
+    /// A pooled connection to (s, w), or a new one (after `mbal hello`). A server in its
+    /// backoff is not dialed: [`Error::Unreachable`] at once.
     fn take_conn(&mut self, s: u16, w: u16) -> Result<Conn> {
+        if self.health.any_down() && self.health.is_down(s, Instant::now()) {
+            if self.health.refresh_due(Instant::now()) {
+                self.refresh_map(s);
+            }
+            return Err(self.in_backoff(s, w));
+        }
         let addr = self.router.map().worker_addr(s, w);
         let n = self.cfg.conns_per_worker;
         let pool = self.pools.entry((s, w)).or_default();
@@ -448,15 +518,30 @@ impl Client {
         }
         let i = pool.next % n;
         pool.next = pool.next.wrapping_add(1);
-        if let Some(c) = pool.slots[i].take() {
+        if let Some(mut c) = pool.slots[i].take() {
             if c.addr == addr {
+                c.reused = true;
                 return Ok(c);
             }
         }
+        self.dial(s, w)
+    }
+
+    /// A new connection to (s, w) (after `mbal hello`). A server that cannot be reached is
+    /// marked down ([`Client::server_failed`]); one that answers is used again.
+    fn dial(&mut self, s: u16, w: u16) -> Result<Conn> {
+        let addr = self.router.map().worker_addr(s, w);
         let peer = Peer::Worker { server: s, worker: w };
-        let mut c = Conn::open(addr, peer, self.cfg.connect_timeout, self.cfg.io_timeout, self.cfg.tls.as_ref())?;
-        c.login(self.cfg.login.as_ref())?;
-        self.hello(c, s, w)
+        let opened = Conn::open(addr, peer, self.cfg.connect_timeout, self.cfg.io_timeout, self.cfg.tls.as_ref())
+            .and_then(|mut c| c.login(self.cfg.login.as_ref()).map(|()| c))
+            .and_then(|c| self.hello(c, s, w));
+        match opened {
+            Ok(c) => {
+                self.health.reachable(s);
+                Ok(c)
+            }
+            Err(e) => Err(self.server_failed(s, w, e)),
+        }
     }
 
     /// `mbal hello` on a connection to (s, w): it becomes routed (or stays so), and the
@@ -535,9 +620,12 @@ impl Client {
             }
             if let Some((s, w)) = learned.fetch_map_from {
                 let mut c = self.take_conn(s, w)?;
-                let map = fetch_map(&mut c)?;
+                let map = match fetch_map(&mut c) {
+                    Ok(m) => m,
+                    Err(e) => return Err(self.conn_failed(c, e)),
+                };
                 self.put_conn(c);
-                self.router.install_map(map).map_err(|detail| Error::Protocol {
+                self.install_map(map).map_err(|detail| Error::Protocol {
                     addr: self.router.map().worker_addr(s, w),
                     peer: Peer::Worker { server: s, worker: w },
                     detail,
@@ -562,22 +650,56 @@ impl Client {
     /// [`Error::Server`].
     /// Anything but a retrieval is a write: it ends this client's lease on
     /// the key (read-your-writes).
+    ///
+    /// A server that cannot be reached gives [`Error::Unreachable`] (counted as an error for
+    /// a write; the caller of a read makes it a miss), unless the map refresh it caused moved
+    /// the key to another server: then the request goes there (at most `max_redirects`
+    /// times). A pooled connection the server closed is replaced and a read resent on the new
+    /// one, once.
     fn keyed(&mut self, key: &[u8], req: &[u8], expect: Expect) -> Result<(Reply, SocketAddr, Peer)> {
         let hash = key_hash(key);
         if expect != Expect::Values {
             self.leases.end(hash);
         }
         let mut followed = 0;
+        let mut resent = false;
         loop {
             // The owner's thread's connection (the owner's own unless its server's threads
             // are known).
             let (_, owner) = self.router.route_hash(hash);
             let (s, w) = self.router.conn_of(owner);
-            let mut conn = self.take_conn(s, w)?;
-            let reply = conn.call(req, expect)?; // on error `conn` is dropped
+            let epoch = self.router.map().epoch();
+            let called = match self.take_conn(s, w) {
+                Ok(mut conn) => match conn.call(req, expect) {
+                    Ok(reply) => Ok((conn, reply)),
+                    Err(e) => Err(self.conn_failed(conn, e)),
+                },
+                Err(e) => Err(e),
+            };
+            let (mut conn, reply) = match called {
+                Ok(x) => x,
+                Err(e @ Error::Unreachable { .. }) => {
+                    let moved = self.router.map().epoch() != epoch
+                        && self.router.conn_of(self.router.route_hash(hash).1) != (s, w);
+                    if moved && followed < self.cfg.max_redirects {
+                        followed += 1; // the refreshed map moved the key: try its new owner
+                        continue;
+                    }
+                    if expect != Expect::Values {
+                        self.stats.unreachable_errors += 1;
+                    }
+                    return Err(e);
+                }
+                Err(e) if conn::was_closed(&e) && expect == Expect::Values && !resent => {
+                    resent = true; // a closed pooled connection, replaced: the read again
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
             let (addr, peer) = (conn.addr, conn.peer);
             self.record_hints(&mut conn, true);
             self.put_conn(conn);
+            self.health.reachable(s);
             match reply {
                 Reply::Redirect { epoch, server, worker } => {
                     if followed == self.cfg.max_redirects {
@@ -611,7 +733,15 @@ impl Client {
                 return Ok(v);
             }
         }
-        match self.keyed(key, &req, Expect::Values)? {
+        let answer = match self.keyed(key, &req, Expect::Values) {
+            Err(Error::Unreachable { .. }) => {
+                // a cache that cannot reach a key's server misses
+                self.stats.unreachable_misses += 1;
+                return Ok(None);
+            }
+            r => r?,
+        };
+        match answer {
             (Reply::Values(mut vs), addr, peer) => {
                 if vs.len() > 1 || vs.first().is_some_and(|v| v.key != key) {
                     return Err(Error::Protocol { addr, peer, detail: format!("{cmd} returned other keys") });

@@ -2,7 +2,7 @@
 //! destination worker ([`mbal_cluster::Router::split`]), every destination's requests written
 //! before any reply is read, processed in windows of [`MULTI_WINDOW`] keys (see the crate docs).
 
-use crate::conn::Conn;
+use crate::conn::{self, Conn};
 use crate::{check_key, show_key, store_request, Client, Error, Peer, Result, Seen, Value, GET_BATCH, MULTI_WINDOW};
 use mbal_cluster::{key_hash, Owner, Redirect, Split};
 use mbal_proto::client::{Expect, OwnedValue, Reply};
@@ -54,6 +54,12 @@ impl Client {
                 }
             }
             let mut first_err: Option<Error> = None;
+            let epoch = self.router.map().epoch();
+            // Keys to read again (redirected, or sent on a pooled connection the server had
+            // closed), and keys of servers that could not be reached.
+            let mut next = Vec::new();
+            let mut lost: Vec<usize> = Vec::new();
+            let mut lost_err = None;
             // Write phase: every worker's requests before any reply is read.
             let mut sent: Vec<(Conn, Vec<Vec<usize>>)> = Vec::new();
             for ((s, w), batches) in groups {
@@ -66,47 +72,65 @@ impl Client {
                     }
                     req.extend_from_slice(b"\r\n");
                 }
-                let res = self.take_conn(s, w).and_then(|mut c| c.send(&req).map(|()| c));
+                let res = match self.take_conn(s, w) {
+                    Ok(mut c) => match c.send(&req) {
+                        Ok(()) => Ok(c),
+                        Err(e) => Err(self.conn_failed(c, e)),
+                    },
+                    Err(e) => Err(e),
+                };
                 match res {
                     Ok(c) => sent.push((c, batches)),
-                    Err(e) => {
-                        first_err.get_or_insert(e);
-                    }
+                    Err(e) => failed_keys(e, batches.concat(), &mut next, &mut lost, &mut lost_err, &mut first_err),
                 }
             }
             // Read phase.
-            let mut next = Vec::new();
             let mut seen = Vec::new();
             for (mut conn, batches) in sent {
                 let Peer::Worker { server: s, worker: w } = conn.peer else { unreachable!() };
-                let mut healthy = true;
-                for b in batches {
+                let mut failed = None;
+                for (bi, b) in batches.iter().enumerate() {
                     let reply = conn.read_reply(Expect::Values);
                     self.record_hints(&mut conn, true);
                     match reply {
                         Ok(Reply::Values(vs)) => {
-                            if let Err(detail) = assign(keys, &b, vs, out) {
+                            if let Err(detail) = assign(keys, b, vs, out) {
                                 first_err.get_or_insert(Error::Protocol { addr: conn.addr, peer: conn.peer, detail });
                             }
                         }
                         Ok(Reply::Redirect { epoch, server, worker }) => {
                             let rd = Redirect { epoch, to: (server, worker) };
                             seen.push(Seen { from: (s, w), rd, hashes: b.iter().map(|&i| hashes[i]).collect() });
-                            next.extend_from_slice(&b);
+                            next.extend_from_slice(b);
                         }
                         Ok(Reply::Error(line)) => {
                             first_err.get_or_insert(Error::Server { addr: conn.addr, peer: conn.peer, line });
                         }
                         other => {
                             // The connection is in an unknown state: not reused.
-                            first_err.get_or_insert(conn.failure("get", other));
-                            healthy = false;
+                            failed = Some((conn.failure("get", other), bi));
                             break;
                         }
                     }
                 }
-                if healthy {
-                    self.put_conn(conn);
+                match failed {
+                    None => {
+                        self.put_conn(conn);
+                        self.health.reachable(s);
+                    }
+                    Some((e, bi)) => {
+                        let e = self.conn_failed(conn, e);
+                        failed_keys(e, batches[bi..].concat(), &mut next, &mut lost, &mut lost_err, &mut first_err);
+                    }
+                }
+            }
+            if !lost.is_empty() {
+                if self.router.map().epoch() != epoch {
+                    // a refreshed map may have given them to live servers: once more
+                    next.append(&mut lost);
+                } else {
+                    // a cache that cannot reach a key's server misses
+                    self.stats.unreachable_misses += lost.len() as u64;
                 }
             }
             next.sort_unstable();
@@ -152,7 +176,7 @@ impl Client {
                 Ok(c) => sent.push((c, copy, idx)),
                 Err(_) => {
                     self.leases.copy_failed(copy, Instant::now(), mbal_cluster::COPY_RETRY);
-                    self.replica_fallbacks += idx.len() as u64;
+                    self.stats.replica_fallbacks += idx.len() as u64;
                     home.extend(idx);
                 }
             }
@@ -162,18 +186,18 @@ impl Client {
             for (n, &i) in idx.iter().enumerate() {
                 match conn.read_reply(Expect::Values) {
                     Ok(Reply::Values(vs)) if vs.len() <= 1 && vs.first().is_none_or(|v| v.key == keys[i]) => {
-                        self.replica_reads += 1;
+                        self.stats.replica_reads += 1;
                         out[i] = vs.into_iter().next().map(Value::from);
                     }
                     Ok(Reply::Redirect { .. } | Reply::Error(_)) => {
                         self.leases.end(hashes[i]);
-                        self.replica_fallbacks += 1;
+                        self.stats.replica_fallbacks += 1;
                         home.push(i);
                     }
                     _ => {
                         // a broken stream or a dead copy: everything still unread goes home
                         self.leases.copy_failed(copy, Instant::now(), mbal_cluster::COPY_RETRY);
-                        self.replica_fallbacks += (idx.len() - n) as u64;
+                        self.stats.replica_fallbacks += (idx.len() - n) as u64;
                         home.extend_from_slice(&idx[n..]);
                         healthy = false;
                         break;
@@ -229,25 +253,35 @@ impl Client {
                 .map(|g| (g.owner, split.positions(g).iter().map(|&p| pending[p as usize]).collect()))
                 .collect();
             let mut first_err: Option<Error> = None;
+            // Items to send again (redirected, or sent on a pooled connection the server had
+            // closed: `set` may be repeated), and items of servers that could not be reached.
+            let epoch = self.router.map().epoch();
+            let mut next = Vec::new();
+            let mut lost = Vec::new();
+            let mut lost_err = None;
             let mut sent: Vec<(Conn, Vec<usize>)> = Vec::new();
             for ((s, w), group) in groups {
                 let mut req = Vec::new();
                 for &i in &group {
                     store_request(&mut req, "set", items[i].0, items[i].1, flags, exptime, None);
                 }
-                match self.take_conn(s, w).and_then(|mut c| c.send(&req).map(|()| c)) {
+                let res = match self.take_conn(s, w) {
+                    Ok(mut c) => match c.send(&req) {
+                        Ok(()) => Ok(c),
+                        Err(e) => Err(self.conn_failed(c, e)),
+                    },
+                    Err(e) => Err(e),
+                };
+                match res {
                     Ok(c) => sent.push((c, group)),
-                    Err(e) => {
-                        first_err.get_or_insert(e);
-                    }
+                    Err(e) => failed_keys(e, group, &mut next, &mut lost, &mut lost_err, &mut first_err),
                 }
             }
-            let mut next = Vec::new();
             let mut seen = Vec::new();
             for (mut conn, group) in sent {
                 let Peer::Worker { server: s, worker: w } = conn.peer else { unreachable!() };
-                let mut healthy = true;
-                for i in group {
+                let mut failed = None;
+                for (n, &i) in group.iter().enumerate() {
                     match conn.read_reply(Expect::Line) {
                         Ok(Reply::Stored) => out[i] = true,
                         Ok(Reply::NotStored) => out[i] = false,
@@ -261,21 +295,59 @@ impl Client {
                         }
                         other => {
                             // The connection is in an unknown state: not reused.
-                            first_err.get_or_insert(conn.failure("set", other));
-                            healthy = false;
+                            failed = Some((conn.failure("set", other), n));
                             break;
                         }
                     }
                 }
-                if healthy {
-                    self.put_conn(conn);
+                match failed {
+                    None => {
+                        self.put_conn(conn);
+                        self.health.reachable(s);
+                    }
+                    Some((e, n)) => {
+                        let e = self.conn_failed(conn, e);
+                        failed_keys(e, group[n..].to_vec(), &mut next, &mut lost, &mut lost_err, &mut first_err);
+                    }
                 }
             }
+            if !lost.is_empty() {
+                if self.router.map().epoch() != epoch {
+                    // a refreshed map may have given them to live servers: once more
+                    next.append(&mut lost);
+                } else if let Some(e) = lost_err {
+                    // a write to a server that cannot be reached fails (the call's error names it)
+                    self.stats.unreachable_errors += lost.len() as u64;
+                    first_err.get_or_insert(e);
+                }
+            }
+            next.sort_unstable();
             let first = next.first().map(|&i| items[i].0);
             self.end_round(first_err, first, seen, &mut rounds)?;
             pending = next;
         }
         Ok(())
+    }
+}
+
+/// Where the keys of a request that failed with `e` go: to be sent again when their pooled
+/// connection had been closed by the server (a fresh one is pooled), to `lost` when their
+/// server could not be reached (its error kept in `lost_err`), else the error is the round's.
+fn failed_keys(
+    e: Error,
+    keys: Vec<usize>,
+    next: &mut Vec<usize>,
+    lost: &mut Vec<usize>,
+    lost_err: &mut Option<Error>,
+    first_err: &mut Option<Error>,
+) {
+    if matches!(e, Error::Unreachable { .. }) {
+        lost.extend(keys);
+        lost_err.get_or_insert(e);
+    } else if conn::was_closed(&e) {
+        next.extend(keys);
+    } else {
+        first_err.get_or_insert(e);
     }
 }
 

@@ -13,6 +13,7 @@ use std::sync::Arc;
 
 fn spec_map(servers: u16, workers: u16) -> ClusterMap {
     let spec = ClusterSpec {
+        coordinators: Vec::new(),
         vn_count: 1024,
         cachelets_per_worker: 4,
         workers,
@@ -219,9 +220,8 @@ fn hello_from_the_wrong_worker_is_refused() {
 }
 
 #[test]
-fn timeout_names_the_worker_and_the_connection_is_replaced() {
-    // First connection: answers hello, then never answers `get`. Later
-    // connections answer normally.
+fn a_timeout_is_a_miss_for_a_read_and_an_error_naming_the_worker_for_a_write() {
+    // First connection: answers hello, then never answers. Later connections answer normally.
     let first = Arc::new(AtomicUsize::new(0));
     let f = first.clone();
     let (a, accepted) = fake(4, move |l| {
@@ -231,21 +231,41 @@ fn timeout_names_the_worker_and_the_connection_is_replaced() {
         }
         if f.load(Ordering::SeqCst) == 1 {
             Some(String::new()) // silence
+        } else if l.starts_with("set") {
+            Some("STORED\r\n".into())
         } else {
             Some("VALUE k 3 2\r\nhi\r\nEND\r\n".into())
         }
     });
     let cfg = Config { io_timeout: Duration::from_millis(200), ..quick() };
     let mut c = Client::from_map(one_server_map(a, vec![a]), cfg);
-    let e = c.get(b"k").unwrap_err();
-    assert!(matches!(e, Error::Timeout { addr, peer: Peer::Worker { server: 0, worker: 0 } } if addr == a), "{e:?}");
-    assert!(e.to_string().contains(&a.to_string()));
-    let v = c.get(b"k").unwrap().unwrap();
+    // the read times out: a miss, counted, and the server is in its backoff
+    assert_eq!(c.get(b"k").unwrap(), None);
+    assert_eq!((c.stats().unreachable, c.stats().unreachable_misses), (1, 1));
+    // a write for it during the backoff: an error naming the worker, without the network
+    match c.set(b"k", b"v", 0, 0) {
+        Err(Error::Unreachable { addr, peer: Peer::Worker { server: 0, worker: 0 }, reason }) => {
+            assert_eq!(addr, a);
+            assert!(reason.contains("timed out"), "{reason}");
+        }
+        Ok(_) if !c.is_down(0) => {} // (a slow machine: the backoff ended first)
+        r => panic!("{r:?}"),
+    }
+    assert_eq!(accepted.load(Ordering::SeqCst), 1, "not redialed during the backoff");
+    // after the backoff the next call dials again, and the new connection is used and kept
+    let t0 = Instant::now();
+    let v = loop {
+        if let Some(v) = c.get(b"k").unwrap() {
+            break v;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "never retried");
+        std::thread::sleep(Duration::from_millis(10)); // the backoff is time, not an event
+    };
     assert_eq!((v.data.as_slice(), v.flags), (&b"hi"[..], 3));
     assert_eq!(accepted.load(Ordering::SeqCst), 2, "the timed-out connection was replaced");
-    // And kept: a third call does not reconnect.
     c.get(b"k").unwrap();
     assert_eq!(accepted.load(Ordering::SeqCst), 2);
+    assert!(!c.is_down(0));
 }
 
 #[test]

@@ -80,6 +80,7 @@ fn free_spec(n: usize) -> ClusterSpec {
         held.extend([l, a, b]);
     }
     ClusterSpec {
+        coordinators: Vec::new(),
         vn_count: 1024,
         cachelets_per_worker: 4,
         workers: WORKERS,

@@ -6,7 +6,7 @@ mod upstream;
 
 use crate::stats::{Counters, Shared, UpDelta};
 use crate::Config;
-use mbal_cluster::{key_hash, ClusterMap, Leases, Owner, Redirect, Router, Split};
+use mbal_cluster::{key_hash, ClusterMap, Health, Leases, Owner, Redirect, Router, Split};
 use mbal_proto::client::{Decoder, Expect, Frame};
 use mbal_proto::meta::{meta_key, MetaKind};
 use mbal_proto::text::TextCmd;
@@ -235,6 +235,9 @@ pub(crate) struct Engine {
     dirty_ups: Vec<usize>,
     resume: Vec<usize>,
     fetching_map: bool,
+    /// Servers that could not be reached, their backoff, and when to refresh the map
+    /// (shared with the routing client).
+    health: Health,
     counters: Counters,
     split: Split,
     hashes: Vec<u64>,
@@ -309,6 +312,7 @@ impl Engine {
             dirty_ups: Vec::new(),
             resume: Vec::new(),
             fetching_map: false,
+            health: Health::new(),
             counters: Counters::default(),
             split: Split::new(),
             hashes: Vec::new(),

@@ -49,12 +49,22 @@
 //!   blocking connect, handshake and login (ASCII auth on text upstreams,
 //!   SASL PLAIN on binary ones), bounded by the dialer's timeout, while the
 //!   upstream's requests queue; then the socket joins the event loop.
-//! * **Failure.** An upstream that closes, sends a reply the codec rejects,
-//!   or leaves its oldest request unanswered for `--upstream-timeout-ms` is
-//!   dropped: every request in flight on it is answered
-//!   `SERVER_ERROR upstream ...`; requests routed to it during its backoff
-//!   (starting at 10 ms, doubling up to 1 s) are answered the same at once,
-//!   and the first request after the backoff reconnects.
+//! * **A dead server.** An upstream whose connect is refused or times out,
+//!   whose connection is reset or closed, or whose oldest request waits
+//!   longer than `--upstream-timeout-ms` has a server that cannot be reached:
+//!   the connection is dropped, the server is down for a backoff
+//!   ([`mbal_cluster::Health`], shared with the routing client: 100 ms
+//!   doubling to 1 s), and every request in flight on it or routed to it
+//!   meanwhile is answered at once, without the network: reads as misses,
+//!   anything else `SERVER_ERROR mbal server <addr> unreachable`. The first
+//!   failure and each failed retry fetch the map from another server
+//!   (`mbal map`, on its upstream: nothing blocks the loop; one fetch at a
+//!   time per thread) and install it if it is newer.
+//! * **Failure.** An upstream that sends a reply the codec rejects, or whose
+//!   TLS handshake or login is refused, is dropped: every request in flight
+//!   on it is answered `SERVER_ERROR upstream ...`; requests routed to it
+//!   during its backoff (starting at 10 ms, doubling up to 1 s) are answered
+//!   the same at once, and the first request after the backoff reconnects.
 
 mod engine;
 pub mod stats;

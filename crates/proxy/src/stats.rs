@@ -134,6 +134,17 @@ pub struct Counters {
     /// Gets answered by a hot key's copy, and gets sent to a copy that went home instead.
     pub replica_reads: u64,
     pub replica_fallbacks: u64,
+    /// Times a server could not be reached (each starts or extends its backoff).
+    pub unreachable: u64,
+    /// Reads of a server that could not be reached answered as misses (per request, or per
+    /// part of a multi-get), and other requests answered `SERVER_ERROR mbal server <addr>
+    /// unreachable`.
+    pub unreachable_misses: u64,
+    pub unreachable_errors: u64,
+    /// Map fetches after a server could not be reached (also in `map_fetches`), and newer maps
+    /// installed (from those or from redirects).
+    pub map_refreshes: u64,
+    pub maps_installed: u64,
     pub bytes_read: u64,
     pub bytes_written: u64,
 }
@@ -151,6 +162,11 @@ impl Counters {
         self.map_fetches += o.map_fetches;
         self.replica_reads += o.replica_reads;
         self.replica_fallbacks += o.replica_fallbacks;
+        self.unreachable += o.unreachable;
+        self.unreachable_misses += o.unreachable_misses;
+        self.unreachable_errors += o.unreachable_errors;
+        self.map_refreshes += o.map_refreshes;
+        self.maps_installed += o.maps_installed;
         self.bytes_read += o.bytes_read;
         self.bytes_written += o.bytes_written;
     }
@@ -254,6 +270,11 @@ impl Shared {
         stat("proxy_map_fetches", &c.map_fetches);
         stat("proxy_replica_reads", &c.replica_reads);
         stat("proxy_replica_fallbacks", &c.replica_fallbacks);
+        stat("proxy_unreachable", &c.unreachable);
+        stat("proxy_unreachable_misses", &c.unreachable_misses);
+        stat("proxy_unreachable_errors", &c.unreachable_errors);
+        stat("proxy_map_refreshes", &c.map_refreshes);
+        stat("proxy_maps_installed", &c.maps_installed);
         stat("proxy_map_epoch", &all.map_epoch);
         out.extend_from_slice(s.as_bytes());
         out.extend_from_slice(b"END\r\n");

@@ -98,6 +98,7 @@ fn free_spec(n: usize) -> ClusterSpec {
     let held: Vec<TcpListener> = (0..n).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
     let servers = held.iter().map(|l| ServerSpec { addr: l.local_addr().unwrap(), worker_port_base: None }).collect();
     ClusterSpec {
+        coordinators: Vec::new(),
         vn_count: 1024,
         cachelets_per_worker: 4,
         workers: WORKERS,
@@ -185,6 +186,12 @@ impl Conn {
             let d = self.exact(n + 2);
             out.push((p[1].to_string(), d[..n].to_vec()));
         }
+    }
+
+    /// Send a get request and read its values.
+    fn cmd_values(&mut self, c: &str) -> Result<Vec<(String, Vec<u8>)>, String> {
+        self.send(c.as_bytes());
+        self.values()
     }
 
     /// Send `script` then a sentinel (a miss no script has), and read
@@ -522,7 +529,7 @@ fn cachelet_moves_mid_pipeline_lose_and_reorder_nothing() {
 }
 
 #[test]
-fn an_upstream_killed_mid_pipeline_gets_server_errors_then_recovers() {
+fn an_upstream_killed_mid_pipeline_gets_misses_then_recovers() {
     let _serial = serial();
     let mut cl = Cluster::start(3);
     let map = cl.map();
@@ -550,24 +557,22 @@ fn an_upstream_killed_mid_pipeline_gets_server_errors_then_recovers() {
         let mut w = w;
         w.write_all(&rest).unwrap();
     });
-    let (mut ok, mut errors) = (0, 0);
+    let (mut ok, mut misses) = (0, 0);
     for _ in 0..rounds {
         for k in &keys {
-            match c.values() {
-                Ok(v) => {
-                    assert_eq!(v, vec![(k.clone(), b"1".to_vec())]);
-                    ok += 1;
-                }
-                Err(l) => {
-                    assert!(l.starts_with("SERVER_ERROR "), "{l}");
-                    assert_eq!(on(k), 2, "only server 2's keys fail: {k} {l}");
-                    errors += 1;
-                }
+            // a dead server's keys are misses (reads), never errors
+            let v = c.values().unwrap();
+            if v.is_empty() {
+                assert_eq!(on(k), 2, "only server 2's keys miss: {k}");
+                misses += 1;
+            } else {
+                assert_eq!(v, vec![(k.clone(), b"1".to_vec())]);
+                ok += 1;
             }
         }
     }
     writer.join().unwrap();
-    assert!(errors > 0, "server 2 was killed mid-pipeline");
+    assert!(misses > 0, "server 2 was killed mid-pipeline");
     assert!(ok >= rounds * 6 * 2, "servers 0 and 1 answered all their keys: {ok}");
     let st = stats(&mut c, "proxy");
     assert!(stat_or0(&st, "upstream:2:0:errors") + stat_or0(&st, "upstream:2:1:errors") > 0, "{st:?}");
@@ -582,7 +587,7 @@ fn an_upstream_killed_mid_pipeline_gets_server_errors_then_recovers() {
             if l == "STORED\r\n" {
                 break;
             }
-            assert!(l.starts_with("SERVER_ERROR "), "{l}");
+            assert_eq!(l, format!("SERVER_ERROR mbal server {} unreachable\r\n", cl.addr(2)));
             assert!(t0.elapsed() < Duration::from_secs(20), "no recovery");
             std::thread::sleep(Duration::from_millis(5)); // the proxy's backoff is time, not an event
         }
@@ -605,19 +610,22 @@ fn with_a_stalled_server() -> (Cluster, TcpListener, ClusterMap) {
 }
 
 #[test]
-fn a_stalled_upstream_times_out_with_server_error() {
+fn a_stalled_upstream_times_out_into_misses_and_errors() {
     let _serial = serial();
     let (cl, stall, map) = with_a_stalled_server();
     let p = proxy(map.clone(), 1, 300);
     let k0 = (0..).map(|i| format!("a{i}")).find(|k| map.route(key_hash(k.as_bytes())).1 == 0).unwrap();
     let k1 = (0..).map(|i| format!("b{i}")).find(|k| map.route(key_hash(k.as_bytes())).1 == 1).unwrap();
     let mut c = Conn::open(p.addr);
+    assert_eq!(c.cmd(&format!("set {k0} 0 0 1\r\nx\r\n")), "STORED\r\n");
     let t0 = Instant::now();
-    c.send(format!("get {k1}\r\nmg {k1} v\r\nget {k0}\r\nget {k0} {k1}\r\n").as_bytes());
-    assert!(c.line().starts_with("SERVER_ERROR upstream"));
-    assert!(c.line().starts_with("SERVER_ERROR upstream"));
-    assert_eq!(c.values(), Ok(vec![]), "server 0 answers");
-    assert!(c.line().starts_with("SERVER_ERROR upstream"), "a multi-get with a failed part fails");
+    c.send(format!("get {k1}\r\nmg {k1} v\r\nget {k0}\r\nget {k0} {k1}\r\nset {k1} 0 0 1\r\ny\r\n").as_bytes());
+    // a request older than the timeout: reads are misses, writes errors naming the server
+    assert_eq!(c.values(), Ok(vec![]), "a miss");
+    assert_eq!(c.line(), "EN\r\n");
+    assert_eq!(c.values(), Ok(vec![(k0.clone(), b"x".to_vec())]), "server 0 answers");
+    assert_eq!(c.values(), Ok(vec![(k0.clone(), b"x".to_vec())]), "a multi-get with a failed part: its keys miss");
+    assert_eq!(c.line(), format!("SERVER_ERROR mbal server {} unreachable\r\n", stall.local_addr().unwrap()));
     assert!(t0.elapsed() < Duration::from_secs(8), "answered, not hung");
     let st = stats(&mut c, "proxy");
     assert!(stat_or0(&st, "upstream:1:0:timeouts") + stat_or0(&st, "upstream:1:1:timeouts") > 0, "{st:?}");
@@ -641,14 +649,11 @@ fn a_read_batch_is_answered_in_one_write() {
     let mut c = Conn::open(p.addr);
     assert_eq!(c.cmd(&format!("set {k0} 0 0 1\r\nx\r\n")), "STORED\r\n");
     let mut first = vec![0u8; 1 << 16];
-    // one write, one read batch: server 0's reply waits for server 1's (an error, later)
+    // one write, one read batch: server 0's reply waits for server 1's (a miss, at the timeout)
     c.send(format!("get {k0}\r\nget {k1}\r\nmn\r\n").as_bytes());
     let n = c.r.read(&mut first).unwrap();
     let got = String::from_utf8_lossy(&first[..n]).into_owned();
-    assert!(
-        got.starts_with(&format!("VALUE {k0} 0 1\r\nx\r\nEND\r\nSERVER_ERROR upstream")) && got.ends_with("MN\r\n"),
-        "one write with all three replies: {got:?}"
-    );
+    assert_eq!(got, format!("VALUE {k0} 0 1\r\nx\r\nEND\r\nEND\r\nMN\r\n"), "one write with all three replies");
     // past EARLY_FLUSH, the complete replies go out without waiting for the rest (a
     // new proxy: this one refuses server 1 at once during its backoff)
     let p = proxy(map.clone(), 1, 1000);
@@ -663,12 +668,10 @@ fn a_read_batch_is_answered_in_one_write() {
         let n = c.r.read(&mut first).unwrap();
         assert!(n > 0);
         early.extend_from_slice(&first[..n]);
-        assert!(
-            !String::from_utf8_lossy(&early).contains("SERVER_ERROR"),
-            "the two values came before the timed-out request's error"
-        );
     }
-    assert!(c.line().starts_with("SERVER_ERROR upstream"));
+    let ends = early.windows(5).filter(|w| w == b"END\r\n").count();
+    assert_eq!(ends, 2, "the two values came before the timed-out request's miss");
+    assert_eq!(c.line(), "END\r\n", "the timed-out get: a miss");
     drop(stall);
     drop(p);
     cl.stop();
@@ -768,5 +771,151 @@ fn binary_replies_equal_a_single_servers() {
     assert!(st.iter().any(|(k, v)| k.ends_with(":main:requests") && v != "0"), "{st:?}");
     drop(p);
     reference.shutdown();
+    cl.stop();
+}
+
+/// One binary request; the response's (status, body after extras and key).
+fn bin_call(c: &mut Conn, opcode: u8, extras: &[u8], key: &str, value: &[u8]) -> (u16, Vec<u8>) {
+    let mut r = Vec::new();
+    bin(&mut r, opcode, 7, extras, key, value);
+    c.send(&r);
+    let h = c.exact(24);
+    let status = u16::from_be_bytes([h[6], h[7]]);
+    let body = c.exact(u32::from_be_bytes([h[8], h[9], h[10], h[11]]) as usize);
+    let skip = h[4] as usize + u16::from_be_bytes([h[2], h[3]]) as usize;
+    (status, body[skip..].to_vec())
+}
+
+/// A dead server (its sockets closed) costs the proxy's clients misses, not errors or hangs:
+/// reads of its keys miss, at once, writes get `SERVER_ERROR mbal server <addr> unreachable`
+/// (binary: a miss is `KEY_ENOENT`, a write status 0x86), the other server's keys are served
+/// throughout, it is not redialed for every request, and once back it is used again.
+#[test]
+fn a_dead_servers_keys_are_misses_and_its_writes_errors() {
+    use mbal_proto::binary::opcode as op;
+    let _serial = serial();
+    let mut cl = Cluster::start(2);
+    let map = cl.map();
+    let timeout = Duration::from_millis(3000);
+    let p = proxy(map.clone(), 1, timeout.as_millis() as u64);
+    let on = |s: u16, p: &str| -> Vec<String> {
+        (0..).map(|i| format!("{p}{i}")).filter(|k| map.route(key_hash(k.as_bytes())).1 == s).take(4).collect()
+    };
+    let (k0, k1) = (on(0, "a"), on(1, "b"));
+    let mut c = Conn::open(p.addr);
+    for k in k0.iter().chain(&k1) {
+        assert_eq!(c.cmd(&format!("set {k} 0 0 1\r\n1\r\n")), "STORED\r\n");
+    }
+    cl.kill(1);
+    let err = format!("SERVER_ERROR mbal server {} unreachable\r\n", cl.addr(1));
+    let bounded = |t0: Instant, what: &str| assert!(t0.elapsed() < timeout, "{what}: {:?}", t0.elapsed());
+    for k in &k1 {
+        let t0 = Instant::now();
+        assert_eq!(c.cmd_values(&format!("get {k}\r\n")), Ok(vec![]), "{k}");
+        bounded(t0, "get");
+    }
+    let t0 = Instant::now();
+    assert_eq!(c.cmd_values(&format!("gets {}\r\n", k1[0])), Ok(vec![]));
+    let both = c.cmd_values(&format!("get {} {} {}\r\n", k0[0], k1[0], k0[1]));
+    assert_eq!(both, Ok(vec![(k0[0].clone(), b"1".to_vec()), (k0[1].clone(), b"1".to_vec())]));
+    assert_eq!(c.cmd(&format!("mg {} v\r\n", k1[0])), "EN\r\n");
+    assert_eq!(c.cmd(&format!("mg {} v q\r\nmn\r\n", k1[0])), "MN\r\n", "a quiet miss says nothing");
+    assert_eq!(c.cmd(&format!("set {} 0 0 1\r\n2\r\n", k1[0])), err);
+    assert_eq!(c.cmd(&format!("delete {}\r\n", k1[0])), err);
+    assert_eq!(c.cmd(&format!("ms {} 1\r\n2\r\n", k1[0])), err);
+    assert_eq!(c.cmd(&format!("set {} 0 0 1 noreply\r\n2\r\nmn\r\n", k1[0])), "MN\r\n", "noreply: silent");
+    bounded(t0, "the text requests");
+    // binary, on another connection (the protocol is the connection's)
+    let mut b = Conn::open(p.addr);
+    assert_eq!(
+        bin_call(&mut b, op::GET, &[], &k1[0], b""),
+        (mbal_proto::binary::status::KEY_ENOENT, b"Not found".to_vec())
+    );
+    let (st, body) = bin_call(&mut b, op::SET, &[0; 8], &k1[0], b"v");
+    assert_eq!(
+        (st, String::from_utf8_lossy(&body).into_owned()),
+        (0x86, format!("mbal server {} unreachable", cl.addr(1)))
+    );
+    assert_eq!(bin_call(&mut b, op::GET, &[], &k0[0], b"").0, 0, "the live server's key");
+    // the live server's keys: served throughout
+    for k in &k0 {
+        assert_eq!(c.cmd(&format!("set {k} 0 0 1\r\n3\r\n")), "STORED\r\n");
+        assert_eq!(c.cmd_values(&format!("get {k}\r\n")), Ok(vec![(k.clone(), b"3".to_vec())]));
+    }
+    let g = stats(&mut c, "");
+    assert!(stat(&g, "proxy_unreachable_misses") >= k1.len() as u64 + 4, "{g:?}");
+    assert!(stat(&g, "proxy_unreachable_errors") >= 4, "{g:?}");
+    // the first failure asked server 0 for the map (the same epoch: not installed)
+    assert!(stat(&g, "proxy_map_refreshes") >= 1, "{g:?}");
+    assert_eq!((stat(&g, "proxy_maps_installed"), stat(&g, "proxy_map_epoch")), (0, 1), "{g:?}");
+    // not redialed for every request
+    let failures = stat(&g, "proxy_unreachable");
+    assert!(failures >= 1 && failures < stat(&g, "proxy_unreachable_misses"), "{g:?}");
+
+    // it comes back: after the backoff the next request dials it, and it is used again
+    cl.restart(1);
+    let t0 = Instant::now();
+    loop {
+        let l = c.cmd(&format!("set {} 0 0 1\r\n4\r\n", k1[0]));
+        if l == "STORED\r\n" {
+            break;
+        }
+        assert_eq!(l, err);
+        assert!(t0.elapsed() < Duration::from_secs(20), "never used again");
+        std::thread::sleep(Duration::from_millis(20)); // the backoff is time, not an event
+    }
+    assert_eq!(c.cmd_values(&format!("get {}\r\n", k1[0])), Ok(vec![(k1[0].clone(), b"4".to_vec())]));
+    drop(p);
+    cl.stop();
+}
+
+/// After a server cannot be reached, the proxy asks another server of its map for the map and
+/// installs it once it is newer: the dead server's keys go where it says. The live server here
+/// is a cluster of one that owns every cachelet (its map moves a cachelet so its epoch grows);
+/// the proxy's map gives half of the cachelets to a second server where nothing listens.
+#[test]
+fn after_a_failure_the_proxy_refreshes_the_map_from_another_server() {
+    let _serial = serial();
+    let cl = Cluster::start(1);
+    let live = cl.map();
+    let dead = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap(); // closed again
+    let owners = live.owners().iter().enumerate().map(|(c, &o)| if c % 2 == 1 { (1, 0) } else { o }).collect();
+    let mut servers = live.servers().to_vec();
+    servers.push(mbal_cluster::ServerInfo { main: dead, workers: vec![dead; WORKERS as usize] });
+    let map = ClusterMap::new(live.keyspace().clone(), owners, servers);
+    let p = proxy(map.clone(), 1, 2000);
+    let kd: Vec<String> =
+        (0..).map(|i| format!("d{i}")).filter(|k| map.route(key_hash(k.as_bytes())).1 == 1).take(4).collect();
+    let mut c = Conn::open(p.addr);
+    assert_eq!(c.cmd_values(&format!("get {}\r\n", kd[0])), Ok(vec![]), "a miss");
+    let g = stats(&mut c, "");
+    assert_eq!((stat(&g, "proxy_unreachable"), stat(&g, "proxy_map_refreshes")), (1, 1), "{g:?}");
+    // the cluster reassigns: the live server's map gets newer
+    let c0 = live.cachelets_of(0, 0)[0];
+    let mut admin = Conn::open(cl.addr(0));
+    assert_eq!(admin.cmd(&format!("mbal move {c0} 1\r\n")), "MOVED 2\r\n");
+    // the failed retry after the backoff refreshes again and installs it
+    let t0 = Instant::now();
+    loop {
+        let l = c.cmd(&format!("set {} 0 0 1\r\n5\r\n", kd[0]));
+        if l == "STORED\r\n" {
+            break;
+        }
+        assert_eq!(l, format!("SERVER_ERROR mbal server {dead} unreachable\r\n"));
+        assert!(t0.elapsed() < Duration::from_secs(20), "the newer map was never installed");
+        std::thread::sleep(Duration::from_millis(20)); // the backoff is time, not an event
+    }
+    let g = stats(&mut c, "");
+    assert_eq!((stat(&g, "proxy_maps_installed"), stat(&g, "proxy_map_epoch")), (1, 2), "{g:?}");
+    for k in &kd {
+        assert_eq!(c.cmd(&format!("set {k} 0 0 1\r\n6\r\n")), "STORED\r\n");
+        assert_eq!(c.cmd_values(&format!("get {k}\r\n")), Ok(vec![(k.clone(), b"6".to_vec())]));
+    }
+    assert_eq!(
+        admin.cmd(&format!("get {}\r\n", kd[1])),
+        format!("VALUE {} 0 1\r\n", kd[1]),
+        "stored by the live server"
+    );
+    drop(p);
     cl.stop();
 }

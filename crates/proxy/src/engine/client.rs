@@ -378,6 +378,11 @@ impl Engine {
                 TextCmd::Shutdown { .. } => self.local(ci, b"ERROR: shutdown not enabled\r\n"),
                 // the proxy listens without TLS: no certificates to refresh
                 TextCmd::RefreshCerts => self.local(ci, b"ERROR TLS is not enabled\r\n"),
+                // memcached's item dump and log stream would take over an upstream
+                // connection: not through the proxy (ask the servers themselves)
+                TextCmd::Tune {
+                    cmd: mbal_proto::text::TuneCmd::Watch | mbal_proto::text::TuneCmd::LruCrawler, ..
+                } => self.local(ci, b"ERROR\r\n"),
                 TextCmd::Tune { .. } => {
                     // the servers' answer (memcached's argument checks), from server 0
                     let (cid, seq) = self.open_slot(ci, 1, false);

@@ -74,6 +74,16 @@ impl Engine {
         if !known {
             return self.fail(inf, "SERVER_ERROR upstream not in the cluster map");
         }
+        if self.health.any_down() && self.health.is_down(owner.0, self.now) {
+            // the server could not be reached: its keys are answered here during its backoff
+            if self.health.refresh_due(self.now) {
+                self.refresh_map(owner.0);
+            }
+            if inf.copy.is_some() {
+                self.copy_failed(owner, self.now);
+            }
+            return self.answer_unreachable(inf, owner.0);
+        }
         let ui = self.upstream(owner);
         let now = self.now;
         match self.ups[ui].state {
@@ -89,6 +99,13 @@ impl Engine {
                 if let Err(e) = self.connect(ui) {
                     tracing::debug!("proxy: connect to {}: {e}", self.ups[ui].addr);
                     self.ups[ui].delta.errors += 1;
+                    if mbal_cluster::unreachable_kind(e.kind()) {
+                        self.unreachable(ui);
+                        if inf.copy.is_some() {
+                            self.copy_failed(owner, now);
+                        }
+                        return self.answer_unreachable(inf, owner.0);
+                    }
                     self.down(ui);
                     if inf.copy.is_some() {
                         self.copy_failed(owner, now);
@@ -194,7 +211,12 @@ impl Engine {
                 Err(e) => {
                     tracing::debug!("proxy: connect to {}: {e}", self.ups[ui].addr);
                     self.ups[ui].delta.errors += 1;
-                    self.down_with(ui, "SERVER_ERROR upstream unavailable");
+                    if mbal_cluster::unreachable_kind(e.kind()) {
+                        self.unreachable(ui);
+                    } else {
+                        // a refused login or handshake: the server is there, and wrong
+                        self.down_with(ui, "SERVER_ERROR upstream unavailable");
+                    }
                 }
             }
         }
@@ -238,18 +260,142 @@ impl Engine {
         }
     }
 
-    /// Answer a request with an error line (its slot's whole reply); a read
-    /// at a hot key's copy is resent home instead (the client sees no error).
-    pub(super) fn fail(&mut self, mut inf: Inflight, msg: &'static str) {
+    /// The server of upstream `ui` could not be reached (a connect refused or timed out, the
+    /// connection reset or closed, a request unanswered for `--upstream-timeout-ms`): drop the
+    /// connection, answer what was in flight on it as [`Engine::answer_unreachable`] does, and
+    /// mark the server down for its backoff (`mbal_cluster::Health`: its keys are answered so
+    /// without the network meanwhile; after it the next request dials again). The first
+    /// failure, and each failed retry, fetch the map from another server.
+    pub(super) fn unreachable(&mut self, ui: usize) {
+        let u = &mut self.ups[ui];
+        u.gen += 1;
+        if let Some(mut s) = u.sock.take() {
+            let _ = self.poll.registry().deregister(s.sock_mut());
+        }
+        // the server's backoff decides when it is dialed again, not this upstream's
+        u.state = UpState::Idle;
+        u.wbuf.clear();
+        u.wpos = 0;
+        u.rpos = 0;
+        u.rend = 0;
+        u.dec = Decoder::new();
+        let lost: Vec<Inflight> = u.inflight.drain(..).collect();
+        let owner = u.owner;
+        self.counters.unreachable += 1;
+        let f = self.health.failed(owner.0, self.now);
+        if lost.iter().any(|i| i.copy.is_some()) {
+            self.copy_failed(owner, self.now);
+        }
+        for inf in lost {
+            if inf.cid != 0 {
+                self.ups[ui].delta.errors += 1;
+            }
+            self.answer_unreachable(inf, owner.0);
+        }
+        if f.refresh {
+            self.refresh_map(owner.0);
+        }
+    }
+
+    /// What every failed request goes through first: a read at a hot key's copy is resent
+    /// home, a map fetch is over, a request of the proxy's own (no client) needs no answer.
+    /// `Some`: a client's request, still to be answered.
+    fn settle_failed(&mut self, mut inf: Inflight) -> Option<Inflight> {
         if let Some(hash) = inf.copy.take() {
-            return self.copy_fallback(hash, inf);
+            self.copy_fallback(hash, inf);
+            return None;
         }
         if matches!(inf.what, What::Map) {
             self.fetching_map = false;
         }
-        if inf.cid == 0 {
+        (inf.cid != 0).then_some(inf)
+    }
+
+    /// Answer a request for a key of `server`, which could not be reached: a read as a miss
+    /// (text `get` family: no VALUE; `mg`: `EN`; binary get family: `KEY_ENOENT`; quiet ones:
+    /// nothing), anything else `SERVER_ERROR mbal server <addr> unreachable` (binary: status
+    /// 0x86 with that text). A read at a hot key's copy goes home instead.
+    pub(super) fn answer_unreachable(&mut self, inf: Inflight, server: u16) {
+        use mbal_proto::binary::{opcode as op, status};
+        let Some(inf) = self.settle_failed(inf) else { return };
+        let miss: Option<Vec<u8>> = match inf.what {
+            // the whole request: its reply so far (whole VALUE blocks) and the END not received
+            What::Get { positions: None, .. } => Some(b"END\r\n".to_vec()),
+            // a part of a multi-get: its keys stay misses
+            What::Get { positions: Some(_), .. } => Some(Vec::new()),
+            What::Keyed { expect: Expect::Meta, .. } if inf.req.starts_with(b"mg ") => {
+                Some(if inf.quiet { Vec::new() } else { b"EN\r\n".to_vec() })
+            }
+            What::Bin if inf.req.len() >= 24 => {
+                let opc = inf.req[1];
+                let keylen = u16::from_be_bytes([inf.req[2], inf.req[3]]) as usize;
+                let key_at = 24 + inf.req[4] as usize;
+                let key = inf.req.get(key_at..key_at + keylen).unwrap_or(&[]);
+                let opaque = u32::from_be_bytes([inf.req[12], inf.req[13], inf.req[14], inf.req[15]]);
+                match opc {
+                    op::GETQ | op::GETKQ | op::GATQ | op::GATKQ => Some(Vec::new()),
+                    op::GET | op::GETK | op::GAT | op::GATK => {
+                        let with_key = matches!(opc, op::GETK | op::GATK);
+                        let mut out = Vec::new();
+                        let k = if with_key { key } else { &[] };
+                        mbal_proto::binary::write_response(
+                            &mut out,
+                            opc,
+                            status::KEY_ENOENT,
+                            opaque,
+                            0,
+                            &[],
+                            k,
+                            b"Not found",
+                        );
+                        Some(out)
+                    }
+                    _ => None,
+                }
+            }
+            _ => None,
+        };
+        match miss {
+            Some(reply) => {
+                self.counters.unreachable_misses += 1;
+                if let Some(s) = slot_mut(&mut self.clients, inf.client, inf.cid, inf.seq) {
+                    s.buf.extend_from_slice(&reply);
+                }
+                self.part_done(inf.client, inf.cid, inf.seq);
+                recycle(&mut self.bufs, inf.req);
+            }
+            None => {
+                self.counters.unreachable_errors += 1;
+                let msg = match self.router.map().servers().get(server as usize) {
+                    Some(info) => format!("SERVER_ERROR mbal server {} unreachable", info.main),
+                    None => format!("SERVER_ERROR mbal server {server} unreachable"),
+                };
+                self.fail(inf, &msg);
+            }
+        }
+    }
+
+    /// Server `failed` could not be reached: ask another server of the map (one not in its
+    /// backoff) for the map (`mbal map`, on that server's worker 0 upstream, so it never
+    /// blocks the loop: a dial that needs more than a TCP connect runs on a helper thread),
+    /// installed if newer. At most one fetch at a time per thread (shared with the fetches
+    /// that redirects ask for).
+    pub(super) fn refresh_map(&mut self, failed: u16) {
+        if self.fetching_map {
             return;
         }
+        let Some(src) = self.health.map_source(self.router.map(), failed, self.now) else { return };
+        self.fetching_map = true;
+        self.counters.map_fetches += 1;
+        self.counters.map_refreshes += 1;
+        let inf = self.inflight(usize::MAX, 0, 0, b"mbal map\r\n".to_vec(), What::Map, false);
+        self.send((src, 0), inf);
+    }
+
+    /// Answer a request with an error line (its slot's whole reply); a read
+    /// at a hot key's copy is resent home instead (the client sees no error).
+    pub(super) fn fail(&mut self, inf: Inflight, msg: &str) {
+        let Some(inf) = self.settle_failed(inf) else { return };
         if let Some(s) = slot_mut(&mut self.clients, inf.client, inf.cid, inf.seq) {
             if s.err.is_none() {
                 let mut e = Vec::new();
@@ -286,7 +432,7 @@ impl Engine {
             if late {
                 tracing::debug!("proxy: upstream {} timed out", self.ups[ui].addr);
                 self.ups[ui].delta.timeouts += 1;
-                self.down(ui);
+                self.unreachable(ui);
             }
         }
     }
@@ -304,7 +450,7 @@ impl Engine {
             u.dirty = false;
             let Some(sock) = u.sock.as_mut() else { continue };
             if sock.write_pending(&mut u.wbuf, &mut u.wpos).is_err() {
-                self.down(ui);
+                self.unreachable(ui);
             }
         }
     }
@@ -334,7 +480,8 @@ impl Engine {
         }
         self.decode_upstream(ui);
         if broken && self.ups[ui].sock.is_some() {
-            self.down(ui);
+            // closed, reset or refused (a non-blocking connect's failure shows here)
+            self.unreachable(ui);
         }
     }
 
@@ -408,6 +555,7 @@ impl Engine {
                         break 'frames;
                     }
                     u.backoff = BACKOFF_MIN;
+                    self.health.reachable(owner.0);
                 }
                 Frame::Map { json, .. } if matches!(front.what, What::Map) => {
                     after.push(After::InstallMap(json.to_vec()));
@@ -482,8 +630,14 @@ impl Engine {
                     self.fetching_map = false;
                     match ClusterMap::from_json(&String::from_utf8_lossy(&json)) {
                         Ok(m) => {
-                            if let Err(e) = self.router.install_map(m) {
-                                tracing::warn!("proxy: map from {}: {e}", self.ups[ui].addr);
+                            let old = self.router.map().servers().to_vec();
+                            match self.router.install_map(m) {
+                                Ok(true) => {
+                                    self.counters.maps_installed += 1;
+                                    self.health.map_changed(&old, self.router.map().servers());
+                                }
+                                Ok(false) => {}
+                                Err(e) => tracing::warn!("proxy: map from {}: {e}", self.ups[ui].addr),
                             }
                         }
                         Err(e) => tracing::warn!("proxy: bad map from {}: {e}", self.ups[ui].addr),
@@ -549,6 +703,9 @@ impl Engine {
         let u = &mut self.ups[ui];
         u.rbuf = rbuf_all;
         u.rpos = rpos;
+        if !done.is_empty() {
+            self.health.reachable(u.owner.0);
+        }
         for (ci, cid, seq) in done {
             self.part_done(ci, cid, seq);
         }

@@ -67,6 +67,70 @@ pub struct UpArgs {
     /// Extra arguments passed to every `mbal server` (e.g. "-v")
     #[arg(long, allow_hyphen_values = true)]
     pub server_arg: Vec<String>,
+    /// Start a coordinator beside the servers (`mbal coordinator`, on the port after the
+    /// servers', its state in <file>.coordinator/): the servers register with it and serve
+    /// under its lease; a server that dies has its cachelets given to the others, and the
+    /// cluster keeps running
+    #[arg(long)]
+    pub coordinator: bool,
+    /// Extra arguments passed to the coordinator (e.g. "--failure-timeout-ms=1000")
+    #[arg(long, allow_hyphen_values = true, requires = "coordinator")]
+    pub coordinator_arg: Vec<String>,
+    /// How many coordinators (more than 1 needs --store etcd://...: one leads, the others
+    /// stand by and take over when it dies)
+    #[arg(long, default_value_t = 1, requires = "coordinator")]
+    pub coordinators: u16,
+    /// The coordinators' store (`mbal coordinator --store`, e.g. etcd://127.0.0.1:2379)
+    /// [default: the file store in <file>.coordinator/]
+    #[arg(long, requires = "coordinator")]
+    pub store: Option<String>,
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct LeaveArgs {
+    /// The coordinator (HOST:PORT)
+    #[arg(long)]
+    pub coordinator: SocketAddr,
+    /// The server's id
+    #[arg(long)]
+    pub id: u16,
+    /// The cluster file: its secret (leaving is a control command) and its `[tls]`
+    #[arg(long)]
+    pub cluster: PathBuf,
+}
+
+/// `mbal cluster leave`: `mbal leave <id>` at the coordinator.
+pub fn leave(a: LeaveArgs) -> Result<()> {
+    use std::io::{BufRead, BufReader, Write};
+    let file = mbal_member::ClusterFile::load(&a.cluster).map_err(anyhow::Error::msg)?;
+    let dialer = mbal_member::dial::Dialer {
+        tls: file.client_tls.clone(),
+        secret: file.secret.clone(),
+        user: None,
+        timeout: Duration::from_secs(5),
+    };
+    let mut s = dialer
+        .dial(a.coordinator, mbal_member::dial::Proto::Text)
+        .with_context(|| format!("coordinator {}", a.coordinator))?;
+    s.write_all(format!("mbal leave {}\r\n", a.id).as_bytes())?;
+    s.flush()?;
+    let mut line = String::new();
+    BufReader::new(s).read_line(&mut line)?;
+    let line = line.trim_end();
+    match line.strip_prefix("OK ") {
+        Some(epoch) => {
+            println!("server {} left the cluster; its cachelets went to the others (map epoch {epoch})", a.id);
+            Ok(())
+        }
+        None => bail!("coordinator: {line}"),
+    }
+}
+
+/// Where `mbal cluster up --coordinator` keeps the coordinator's state.
+pub fn coordinator_dir(file: &std::path::Path) -> PathBuf {
+    let mut d = file.as_os_str().to_owned();
+    d.push(".coordinator");
+    PathBuf::from(d)
 }
 
 fn port_free(p: u16) -> bool {
@@ -136,6 +200,7 @@ pub fn spec_for(a: &UpArgs, base: u16) -> Result<ClusterSpec> {
         None => None,
     };
     Ok(ClusterSpec {
+        coordinators: Vec::new(),
         vn_count: a.vn_count,
         cachelets_per_worker: a.cachelets_per_worker,
         workers: a.workers,
@@ -177,7 +242,14 @@ pub fn run(a: UpArgs) -> Result<()> {
     if a.servers == 0 || a.workers == 0 {
         bail!("--servers and --workers must be at least 1");
     }
-    let count = a.servers as u32;
+    let ncoord = if a.coordinator { a.coordinators } else { 0 };
+    if a.coordinator && ncoord == 0 {
+        bail!("--coordinators must be at least 1");
+    }
+    if ncoord > 1 && !a.store.as_deref().is_some_and(|s| s.starts_with("etcd://")) {
+        bail!("--coordinators {ncoord} needs --store etcd://HOST:PORT (coordinators share their state there)");
+    }
+    let count = a.servers as u32 + u32::from(ncoord);
     let base = match a.base_port {
         Some(b) => b,
         None => find_base(count)?,
@@ -185,7 +257,10 @@ pub fn run(a: UpArgs) -> Result<()> {
     if base as u32 + count > 65535 {
         bail!("ports {base}..{} do not fit", base as u32 + count);
     }
-    let spec = spec_for(&a, base)?;
+    let mut spec = spec_for(&a, base)?;
+    // The cluster file names its coordinators (a server started by hand with this file alone
+    // registers with them).
+    spec.coordinators = (0..ncoord).map(|i| SocketAddr::from(([127, 0, 0, 1], base + a.servers + i))).collect();
     spec.validate().map_err(|e| anyhow::anyhow!(e))?;
     // Check the secret and the TLS files now: one clear error, not N servers failing.
     let dir = a.file.parent().filter(|d| !d.as_os_str().is_empty());
@@ -202,13 +277,39 @@ pub fn run(a: UpArgs) -> Result<()> {
         ctrlc::set_handler(move || stop.store(true, Ordering::SeqCst))?;
     }
     let mut children = Children(Vec::new());
+    if a.coordinator && a.store.is_none() {
+        // The cluster file is new (new ports): so is the coordinator's state.
+        let dir = coordinator_dir(&a.file);
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
+        }
+    }
+    let coordinators: Vec<SocketAddr> =
+        (0..ncoord).map(|i| SocketAddr::from(([127, 0, 0, 1], base + a.servers + i))).collect();
+    let mut coord_children = Vec::new();
+    for (i, coordinator) in coordinators.iter().enumerate() {
+        let mut cmd = Command::new(&exe);
+        cmd.arg("coordinator").arg("--cluster").arg(&a.file).arg("--listen").arg(coordinator.to_string());
+        match &a.store {
+            Some(url) => cmd.arg("--store").arg(url),
+            None => cmd.arg("--data-dir").arg(coordinator_dir(&a.file)),
+        };
+        let child = cmd
+            .args(&a.coordinator_arg)
+            .stdin(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting coordinator {i}"))?;
+        coord_children.push((*coordinator, child.id()));
+        children.0.push((u16::MAX - i as u16, child));
+    }
+    let coord_list = coordinators.iter().map(|c| c.to_string()).collect::<Vec<_>>().join(",");
     for id in 0..a.servers {
-        let child = Command::new(&exe)
-            .arg("server")
-            .arg("--cluster")
-            .arg(&a.file)
-            .arg("--id")
-            .arg(id.to_string())
+        let mut cmd = Command::new(&exe);
+        cmd.arg("server").arg("--cluster").arg(&a.file).arg("--id").arg(id.to_string());
+        if a.coordinator {
+            cmd.arg("--coordinator").arg(&coord_list);
+        }
+        let child = cmd
             .arg("-m")
             .arg(a.memory.to_string())
             .arg("--worker-capacity")
@@ -219,20 +320,35 @@ pub fn run(a: UpArgs) -> Result<()> {
             .with_context(|| format!("starting server {id}"))?;
         children.0.push((id, child));
     }
-    // Ready when every main port accepts (bounded wait).
+    // Ready when every main port answers `version` (a server answers once it has started,
+    // after its registration with the coordinator) and every coordinator accepts (bounded wait).
     let deadline = Instant::now() + Duration::from_secs(20);
-    for s in &spec.servers {
+    let ready = |addr: &SocketAddr, ask: bool| -> bool {
+        use std::io::{Read, Write};
+        let Ok(mut c) = TcpStream::connect_timeout(addr, Duration::from_millis(200)) else { return false };
+        if !ask {
+            return true;
+        }
+        let _ = c.set_read_timeout(Some(Duration::from_millis(500)));
+        let mut b = [0u8; 64];
+        c.write_all(b"version\r\n").is_ok() && c.read(&mut b).is_ok_and(|n| b[..n].starts_with(b"VERSION"))
+    };
+    let waits = coordinators.iter().map(|c| (*c, false)).chain(spec.servers.iter().map(|s| (s.addr, true)));
+    for (addr, ask) in waits {
         loop {
-            if TcpStream::connect_timeout(&s.addr, Duration::from_millis(200)).is_ok() {
+            if ready(&addr, ask && spec.tls.is_none()) {
                 break;
             }
             for (id, c) in children.0.iter_mut() {
                 if let Ok(Some(st)) = c.try_wait() {
+                    if *id > u16::MAX - ncoord {
+                        bail!("coordinator {} exited during start-up ({st})", u16::MAX - *id);
+                    }
                     bail!("server {id} exited during start-up ({st})");
                 }
             }
             if Instant::now() > deadline || stop.load(Ordering::SeqCst) {
-                bail!("server at {} did not come up", s.addr);
+                bail!("{addr} did not come up");
             }
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -248,9 +364,18 @@ pub fn run(a: UpArgs) -> Result<()> {
         a.servers as u32 * a.workers as u32 * a.cachelets_per_worker,
         a.file.display()
     );
-    for (id, (_, c)) in children.0.iter().enumerate() {
-        let s = &spec.servers[id];
-        println!("  server {id}: {} (pid {}), {} workers", s.addr, c.id(), a.workers);
+    for (id, c) in &children.0 {
+        if let Some(s) = spec.servers.get(usize::from(*id)) {
+            println!("  server {id}: {} (pid {}), {} workers", s.addr, c.id(), a.workers);
+        }
+    }
+    for (coordinator, pid) in &coord_children {
+        match &a.store {
+            Some(url) => println!("  coordinator: {coordinator} (pid {pid}), state in {url}"),
+            None => {
+                println!("  coordinator: {coordinator} (pid {pid}), state in {}", coordinator_dir(&a.file).display())
+            }
+        }
     }
     match &spec.tls {
         None => println!("try: mbal bench --routed --server {} --load --workload a", spec.servers[0].addr),
@@ -272,7 +397,27 @@ pub fn run(a: UpArgs) -> Result<()> {
     while !stop.load(Ordering::SeqCst) {
         for (id, c) in children.0.iter_mut() {
             if let Ok(Some(st)) = c.try_wait() {
-                eprintln!("server {id} exited ({st}); stopping the cluster");
+                if *id > u16::MAX - ncoord && ncoord > 1 {
+                    // The others take over (etcd leadership); the cluster goes on.
+                    eprintln!("coordinator {} exited ({st})", u16::MAX - *id);
+                } else if *id > u16::MAX - ncoord {
+                    eprintln!("the coordinator exited ({st}); stopping the cluster");
+                    stop.store(true, Ordering::SeqCst);
+                } else if a.coordinator {
+                    // The coordinator gives its cachelets to the others; the cluster goes on.
+                    eprintln!("server {id} exited ({st}); the coordinator reassigns its cachelets");
+                } else {
+                    eprintln!("server {id} exited ({st}); stopping the cluster");
+                    stop.store(true, Ordering::SeqCst);
+                }
+            }
+        }
+        if a.coordinator {
+            children
+                .0
+                .retain_mut(|(id, c)| (*id > u16::MAX - ncoord && ncoord == 1) || !matches!(c.try_wait(), Ok(Some(_))));
+            if ncoord > 1 && !children.0.iter().any(|(id, _)| *id > u16::MAX - ncoord) {
+                eprintln!("every coordinator exited; stopping the cluster");
                 stop.store(true, Ordering::SeqCst);
             }
         }

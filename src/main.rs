@@ -1,6 +1,10 @@
-//! `mbal`: the one binary. Subcommands: `server`, `proxy`, `bench`, `cluster up`, `stats`, `top`.
+//! `mbal`: the one binary. Subcommands: `server`, `coordinator`, `proxy`, `bench`, `cluster up`,
+//! `cluster members`, `sim`, `stats`, `top`.
 
+mod cluster_moves;
 mod cluster_up;
+mod coordinator_args;
+mod metrics;
 mod proxy_args;
 mod server_args;
 mod top;
@@ -21,8 +25,13 @@ enum Cmd {
     Server(Box<server_args::ServerArgs>),
     /// Route unmodified memcached clients (text, meta, binary) to an mbal cluster (memcached's -p -l -t -c -I)
     Proxy(Box<proxy_args::ProxyArgs>),
+    /// Own the cluster map: servers register and beat; a silent server's cachelets are reassigned
+    Coordinator(coordinator_args::CoordinatorArgs),
     /// Generate load against memcached-protocol servers and report throughput and latency
     Bench(Box<mbal_bench::BenchArgs>),
+    /// Simulate S servers x W workers, each running the servers' own policy core, and report
+    /// per-epoch load, imbalance and delay, balancer off and on
+    Sim(Box<mbal_sim::SimArgs>),
     /// Local clusters
     #[command(subcommand)]
     Cluster(ClusterCmd),
@@ -54,7 +63,22 @@ struct StatsArgs {
 #[derive(Subcommand)]
 enum ClusterCmd {
     /// Start N servers x W workers on loopback, write the cluster file, stop them all on Ctrl-C
-    Up(cluster_up::UpArgs),
+    Up(Box<cluster_up::UpArgs>),
+    /// The members table of a cluster's coordinator (id, address, up/down/left, cachelets, last beat)
+    Members(coordinator_args::MembersArgs),
+    /// Take a server out of the cluster: the coordinator gives its cachelets to the others
+    /// (empty; the server drops them and serves nothing)
+    Leave(cluster_up::LeaveArgs),
+    /// Move a cachelet to another server with its items (SERVER:WORKER), and wait for the end
+    Move(cluster_moves::MoveArgs),
+    /// The moves the coordinator runs or queued, and the last ones (in flight, done, failed)
+    Moves(cluster_moves::Target),
+    /// Move every cachelet of a server to the others with their items, then take it out
+    RemoveServer(cluster_moves::RemoveArgs),
+    /// Give every server its share of the cachelets, moved with their items (after adding servers)
+    Rebalance(cluster_moves::RebalanceArgs),
+    /// Start a server on this host that joins the cluster warm (its share moves to it with the items)
+    AddServer(cluster_moves::AddArgs),
 }
 
 /// An error that stops the program is one line on stderr (`mbal: ...`, the
@@ -88,6 +112,10 @@ fn one_line(e: &anyhow::Error) -> String {
 fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Server(args) => {
+            if args.print_config {
+                print!("{}", server_args::default_config_file());
+                return Ok(());
+            }
             let (settings, notes) = args.resolve()?;
             let level = match settings.verbosity {
                 0 => "warn",
@@ -105,7 +133,12 @@ fn run(cli: Cli) -> Result<()> {
             // With TLS, SIGHUP reloads the certificates: block it in every thread (the mask is
             // inherited, so start no thread before this) and take it in one of our own.
             let sighup = if settings.tls.is_some() { Some(block_sighup()?) } else { None };
+            let metrics_listen = settings.metrics_listen;
             let handle = mbal_server::start(settings)?;
+            let metrics = match metrics_listen {
+                Some(addr) => Some(metrics::Metrics::serve(addr, handle.stats_connector())?),
+                None => None,
+            };
             if let Some(set) = sighup {
                 let token = handle.stop_token();
                 std::thread::Builder::new().name("mbal-sighup".into()).spawn(move || loop {
@@ -121,13 +154,20 @@ fn run(cli: Cli) -> Result<()> {
                 })?;
             }
             if args.print_ports {
-                let ports = serde_json::json!({ "main": handle.main_addr, "workers": handle.worker_addrs });
+                let mut ports = serde_json::json!({ "main": handle.main_addr, "workers": handle.worker_addrs });
+                if let Some(m) = metrics {
+                    ports["metrics"] = serde_json::json!(m);
+                }
                 println!("{ports}");
+                std::io::Write::flush(&mut std::io::stdout())?;
             }
             let stopper = handle_stopper(&handle);
             ctrlc::set_handler(stopper)?;
-            handle.wait();
-            Ok(())
+            // Under systemd (Type=notify): ready once every listener is bound.
+            notify(&[sd_notify::NotifyState::Ready]);
+            // A server thread that panicked (or ended on its own): exit non-zero, so that a
+            // supervisor (systemd's Restart=on-failure) starts a whole server again.
+            handle.wait().map_err(anyhow::Error::msg)
         }
         Cmd::Proxy(args) => {
             tracing_subscriber::fmt()
@@ -170,9 +210,28 @@ fn run(cli: Cli) -> Result<()> {
             mbal_bench::run(*args)?;
             Ok(())
         }
-        Cmd::Cluster(ClusterCmd::Up(args)) => cluster_up::run(args),
+        Cmd::Sim(args) => mbal_sim::run(*args),
+        Cmd::Coordinator(args) => coordinator_args::run(args),
+        Cmd::Cluster(ClusterCmd::Up(args)) => cluster_up::run(*args),
+        Cmd::Cluster(ClusterCmd::Members(args)) => coordinator_args::members(args),
+        Cmd::Cluster(ClusterCmd::Leave(args)) => cluster_up::leave(args),
+        Cmd::Cluster(ClusterCmd::Move(args)) => cluster_moves::move_one(args),
+        Cmd::Cluster(ClusterCmd::Moves(args)) => cluster_moves::moves(args),
+        Cmd::Cluster(ClusterCmd::RemoveServer(args)) => cluster_moves::remove_server(args),
+        Cmd::Cluster(ClusterCmd::Rebalance(args)) => cluster_moves::rebalance(args),
+        Cmd::Cluster(ClusterCmd::AddServer(args)) => cluster_moves::add_server(args),
         Cmd::Stats(a) => stats(a),
         Cmd::Top(a) => top::run(a),
+    }
+}
+
+/// Tell systemd (`Type=notify`) about the service's state; only when started by it
+/// (`NOTIFY_SOCKET` set), and an error is only logged.
+fn notify(state: &[sd_notify::NotifyState]) {
+    if std::env::var_os("NOTIFY_SOCKET").is_some() {
+        if let Err(e) = sd_notify::notify(state) {
+            tracing::warn!("sd_notify: {e}");
+        }
     }
 }
 
@@ -192,10 +251,21 @@ fn block_sighup() -> Result<libc::sigset_t> {
     }
 }
 
-/// A closure that asks the server to stop (for SIGINT/SIGTERM).
+/// A closure that asks the server to stop (for SIGINT/SIGTERM): the first signal stops it
+/// gracefully (docs/operations.md "Stopping"), a second one exits at once (status 1).
 fn handle_stopper(h: &mbal_server::ServerHandle) -> impl Fn() + Send + 'static {
     let h = h.stop_token();
-    move || h.stop()
+    let signals = std::sync::atomic::AtomicUsize::new(0);
+    move || {
+        if signals.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+            tracing::warn!("signal: stopping (a second signal exits at once)");
+            notify(&[sd_notify::NotifyState::Stopping]);
+            h.stop();
+        } else {
+            eprintln!("mbal: a second signal: exiting at once");
+            std::process::exit(1);
+        }
+    }
 }
 
 fn stats(a: StatsArgs) -> Result<()> {

@@ -34,7 +34,8 @@ pub(crate) struct ProxyArgs {
     /// Largest value accepted (bytes; k and m suffixes), as the servers' -I
     #[arg(short = 'I', long = "max-item-size", default_value = "1m")]
     pub max_item_size: String,
-    /// An upstream request unanswered this long fails (SERVER_ERROR) and drops its connection
+    /// An upstream request unanswered this long drops its connection: its server is
+    /// unreachable (reads miss, writes get SERVER_ERROR) for a backoff; also bounds connects
     #[arg(long, default_value_t = 1000)]
     pub upstream_timeout_ms: u64,
     /// Print the listening address as JSON on stdout once listening

@@ -31,6 +31,22 @@ use std::str::FromStr;
 #[serde(try_from = "SizeRepr", into = "u64")]
 pub struct Size(pub usize);
 
+/// `coordinator` in a config file: one address (the form from before lists) or a list.
+fn one_or_many<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<Option<Vec<std::net::SocketAddr>>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Addrs {
+        One(std::net::SocketAddr),
+        Many(Vec<std::net::SocketAddr>),
+    }
+    Ok(Option::<Addrs>::deserialize(d)?.map(|a| match a {
+        Addrs::One(a) => vec![a],
+        Addrs::Many(v) => v,
+    }))
+}
+
 #[derive(Deserialize)]
 #[serde(untagged)]
 enum SizeRepr {
@@ -112,10 +128,10 @@ pub struct ServerArgs {
     #[arg(short = 'F', long = "disable-flush-all")]
     #[serde(default, skip_serializing_if = "is_false")]
     pub disable_flush_all: bool,
-    /// UDP port; only 0 (off) is supported
+    /// UDP port; only 0 (off) is supported [default: 0]
     #[arg(short = 'U', long = "udp-port")]
     pub udp_port: Option<u16>,
-    /// Binding protocol: ascii, binary or auto
+    /// Binding protocol: ascii, binary or auto [default: auto]
     #[arg(short = 'B', long = "protocol")]
     pub protocol: Option<Binding>,
     /// Max requests processed per connection per event-loop round [default: 20]
@@ -125,7 +141,7 @@ pub struct ServerArgs {
     #[arg(short = 'A', long = "enable-shutdown")]
     #[serde(default, skip_serializing_if = "is_false")]
     pub enable_shutdown: bool,
-    /// Verbose logging (-v, -vv, -vvv); `verbosity = N` in the config file
+    /// Verbose logging (-v, -vv, -vvv); `verbosity = N` in the config file [default: 0]
     #[arg(short = 'v', action = clap::ArgAction::Count)]
     #[serde(default, skip_serializing_if = "is_zero")]
     pub verbosity: u8,
@@ -146,6 +162,9 @@ pub struct ServerArgs {
     /// `-o sock_cookie_id=N`
     #[arg(skip)]
     pub sock_cookie_id: Option<u32>,
+    /// `-o track_sizes`
+    #[arg(skip)]
+    pub track_sizes: Option<bool>,
     /// Speak TLS on every listener, main and worker ports (memcached's -Z; the certificate comes
     /// from `-o ssl_chain_cert=FILE,ssl_key=FILE`, client certificates are checked with
     /// `-o ssl_ca_cert=FILE,ssl_verify_mode=N`; see docs/operations.md "TLS")
@@ -311,6 +330,30 @@ pub struct ServerArgs {
     /// (and every other waiting on that server) with SERVER_ERROR [default: 1000]
     #[arg(long = "forward-timeout-ms")]
     pub forward_timeout_ms: Option<u64>,
+    /// The coordinator that owns the cluster map (`mbal coordinator`): with --cluster/--id, the
+    /// server registers there, keeps a heartbeat, takes its map from it and serves its cachelets
+    /// under its lease (docs/operations.md "Coordinator"). Several, comma-separated (coordinators
+    /// sharing etcd): the server talks to the one that leads
+    #[arg(long = "coordinator", value_delimiter = ',')]
+    #[serde(default, deserialize_with = "one_or_many")]
+    pub coordinator: Option<Vec<std::net::SocketAddr>>,
+    /// Milliseconds start-up keeps trying to reach the coordinator before it gives up
+    /// [default: 10000]
+    #[arg(long = "coordinator-wait-ms")]
+    pub coordinator_wait_ms: Option<u64>,
+    /// With a coordinator, leave the cluster on shutdown (its cachelets go to the other servers at
+    /// once, instead of after the failure timeout): on, off [default: on]
+    #[arg(long = "leave-on-shutdown", value_parser = parse_on_off)]
+    pub leave_on_shutdown: Option<bool>,
+    /// A new server joining a coordinator's cluster: warm (its share of the cachelets moves to
+    /// it with their items, one move at a time) or cold (it gets its share at once, empty)
+    /// [default: warm]
+    #[arg(long = "join", value_parser = ["warm", "cold"])]
+    pub join: Option<String>,
+    /// Serve Prometheus metrics over HTTP at http://ADDR/metrics (HOST:PORT; port 0: chosen by
+    /// the OS, see --print-ports); docs/operations.md "Metrics" [default: off]
+    #[arg(long = "metrics-listen", value_name = "ADDR")]
+    pub metrics_listen: Option<std::net::SocketAddr>,
 
     /// TOML file with any of the settings above (long names, with '_' for '-')
     #[arg(long = "config")]
@@ -318,10 +361,11 @@ pub struct ServerArgs {
     pub config: Option<PathBuf>,
     /// Cluster description (TOML: vn_count, cachelets_per_worker, workers, [[servers]] addr,
     /// worker_port_base); with --id, this server serves its part of the cluster's key space
-    #[arg(long = "cluster", requires = "id")]
+    #[arg(long = "cluster")]
     #[serde(skip)]
     pub cluster: Option<PathBuf>,
-    /// This server's index in the cluster file's servers list
+    /// This server's index in the cluster file's servers list (without it, with --coordinator,
+    /// the server joins the cluster: the coordinator gives it an id and a share of the cachelets)
     #[arg(long = "id", requires = "cluster")]
     #[serde(skip)]
     pub id: Option<u16>,
@@ -329,6 +373,10 @@ pub struct ServerArgs {
     #[arg(long = "print-ports")]
     #[serde(skip)]
     pub print_ports: bool,
+    /// Print a config file (`--config`) with every option commented out at its default, and exit
+    #[arg(long = "print-config")]
+    #[serde(skip)]
+    pub print_config: bool,
     /// Accept the `mbal debug` test hooks (stall a worker); for tests only
     #[arg(long = "enable-debug-commands", hide = true)]
     #[serde(skip)]
@@ -625,6 +673,17 @@ impl ServerArgs {
         if let Some(v) = o.forward_timeout_ms {
             s.forward_timeout_ms = v.max(1);
         }
+        s.coordinator = o.coordinator.clone().unwrap_or_default();
+        if let Some(v) = o.coordinator_wait_ms {
+            s.coordinator_wait_ms = v;
+        }
+        if let Some(v) = o.leave_on_shutdown {
+            s.leave_on_shutdown = v;
+        }
+        if let Some(j) = &o.join {
+            s.join_warm = j == "warm";
+        }
+        s.metrics_listen = o.metrics_listen;
         s.debug_commands = self.debug_commands;
         if let Some(d) = &self.x_delimiter {
             // memcached takes the first character of -D.
@@ -647,6 +706,9 @@ impl ServerArgs {
         if let Some(v) = o.sock_cookie_id {
             s.sock_cookie_id = v;
         }
+        if let Some(v) = o.track_sizes {
+            s.track_sizes = v;
+        }
         s.worker_port_base = o.worker_port_base;
         s.tls = o.tls_files()?;
         if let Some(v) = o.cachelets_per_worker {
@@ -662,8 +724,15 @@ impl ServerArgs {
         if (s.vn_count as u64) < cachelets {
             bail!("--vn-count ({}) must be at least threads x cachelets-per-worker ({cachelets})", s.vn_count);
         }
-        if let (Some(path), Some(id)) = (&self.cluster, self.id) {
+        if let Some(path) = &self.cluster {
             let file = mbal_member::ClusterFile::load(path).map_err(anyhow::Error::msg)?;
+            if s.coordinator.is_empty() {
+                // The cluster file names its coordinators; --coordinator overrides them.
+                s.coordinator.clone_from(&file.spec.coordinators);
+            }
+            if self.id.is_none() && s.coordinator.is_empty() {
+                bail!("--cluster needs --id (this server's index in the file), or a coordinator (--coordinator, or the file's coordinators) to join the cluster");
+            }
             if let Some(secret) = file.secret {
                 if s.control_secret.is_some() {
                     bail!("the cluster file has a secret: give the control secret in one place, not also --control-secret-file");
@@ -682,10 +751,24 @@ impl ServerArgs {
                 s.peer_tls = file.client_tls;
             }
             let spec = file.spec;
-            s.apply_cluster(spec, id).map_err(anyhow::Error::msg)?;
-            if self.threads.is_some_and(|t| t != s.threads) || self.port.is_some_and(|p| p != s.port) {
-                bail!("-t and -p come from the cluster file when --cluster is given");
+            match self.id {
+                // Joins through the coordinator: the addresses from -l/-p, the id from the coordinator.
+                None => {
+                    if self.threads.is_some_and(|t| t != spec.workers as usize) {
+                        bail!("-t must be the cluster's worker count ({}) for a server that joins it", spec.workers);
+                    }
+                    s.apply_cluster_join(spec).map_err(anyhow::Error::msg)?;
+                }
+                Some(id) => {
+                    s.apply_cluster(spec, id).map_err(anyhow::Error::msg)?;
+                    if self.threads.is_some_and(|t| t != s.threads) || self.port.is_some_and(|p| p != s.port) {
+                        bail!("-t and -p come from the cluster file when --cluster is given");
+                    }
+                }
             }
+        }
+        if !s.coordinator.is_empty() && s.cluster.is_none() {
+            bail!("--coordinator needs --cluster and --id (the cluster file gives the key space and the secret)");
         }
         s.balancer = o.balancer.unwrap_or(s.cluster.is_some());
         let servers = s.cluster.as_ref().map_or(1, |(spec, _)| spec.servers.len());
@@ -806,3 +889,8 @@ impl ServerArgs {
 
 #[cfg(test)]
 mod tests;
+
+mod config_file;
+#[cfg(test)]
+use config_file::config_keys;
+pub use config_file::default_config_file;

@@ -81,3 +81,20 @@ fn missing_or_bad_config_file() {
     assert_one_line(&["--config", f.to_str().unwrap()], "unknown field `bogus`");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_coordinator_that_cannot_be_reached_or_refuses_is_one_line() {
+    let dir = std::env::temp_dir().join(format!("mbal-startup-coord-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("cluster.toml");
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    std::fs::write(&file, format!("workers = 1\n[[servers]]\naddr = \"127.0.0.1:{port}\"\n")).unwrap();
+    let f = file.to_str().unwrap();
+    // Nothing listens at the coordinator's address.
+    let closed = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+    let args = ["--cluster", f, "--id", "0", "--coordinator", &closed, "--coordinator-wait-ms", "300"];
+    assert_one_line(&args, "coordinator");
+    // --coordinator without a cluster file.
+    assert_one_line(&["--coordinator", &closed], "--coordinator needs --cluster");
+    let _ = std::fs::remove_dir_all(&dir);
+}

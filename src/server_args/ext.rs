@@ -61,6 +61,10 @@ pub fn extended_option(layer: &mut ServerArgs, opt: &str) -> Result<(ExtKind, Op
             layer.sock_cookie_id = Some(ext_num(name, value)?);
             return Ok((ExtKind::Implemented, None));
         }
+        "track_sizes" => {
+            layer.track_sizes = Some(true);
+            return Ok((ExtKind::Implemented, None));
+        }
         // memcached 1.6: `modern` sets nothing new, the ascii-response options are no-ops, and
         // mbal never drops privileges: the same as asking for nothing, here as there.
         "modern" | "inline_ascii_resp" | "no_inline_ascii_resp" | "no_drop_privileges" => {
@@ -158,7 +162,6 @@ pub fn extended_option(layer: &mut ServerArgs, opt: &str) -> Result<(ExtKind, Op
             ext_num::<u32>(name, value)?;
             LOGBUF
         }
-        "track_sizes" => "mbal keeps no item-size histogram; `stats sizes` is not provided",
         "resp_obj_mem_limit" => "deprecated in memcached 1.6 as well",
         "read_buf_mem_limit" => {
             ext_num::<u32>(name, value)?;

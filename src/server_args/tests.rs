@@ -217,7 +217,7 @@ const MEMCACHED_EXTENDED: &[(&str, Expect)] = {
         ("worker_logbuf_size=64", NoEffect),
         ("slab_sizes=96-192-384", NoEffect),
         ("slab_chunk_max=16384", NoEffect),
-        ("track_sizes", NoEffect),
+        ("track_sizes", Implemented),
         ("no_inline_ascii_resp", Implemented),
         ("inline_ascii_resp", Implemented),
         ("modern", Implemented),
@@ -288,9 +288,10 @@ fn every_memcached_extended_option() {
 
 #[test]
 fn extended_options_take_effect() {
-    let s = parse(&["-o", "modern,idle_timeout=7,sock_cookie_id=42", "-o", "no_maxconns_fast"]).unwrap();
-    assert_eq!((s.idle_timeout, s.sock_cookie_id, s.maxconns_fast), (7, 42, false));
+    let s = parse(&["-o", "modern,idle_timeout=7,sock_cookie_id=42,track_sizes", "-o", "no_maxconns_fast"]).unwrap();
+    assert_eq!((s.idle_timeout, s.sock_cookie_id, s.maxconns_fast, s.track_sizes), (7, 42, false, true));
     assert!(parse(&[]).unwrap().maxconns_fast, "memcached's default");
+    assert!(!parse(&[]).unwrap().track_sizes, "memcached's default");
     // no_modern is a bundle: its one part mbal has is the connection limit's behaviour
     let (s, notes) = parse_noted(&["-o", "no_modern"]).unwrap();
     assert!(!s.maxconns_fast);
@@ -524,4 +525,48 @@ fn replica_writes_per_server_or_per_key_prefix() {
     for bad in ["sync:", "sync:,", "maybe"] {
         assert!(parse(&["--replica-writes", bad]).is_err(), "{bad}");
     }
+}
+
+#[test]
+fn coordinators_are_a_list_on_the_command_line_and_in_the_config_file() {
+    let a: std::net::SocketAddr = "127.0.0.1:7001".parse().unwrap();
+    let b: std::net::SocketAddr = "127.0.0.1:7002".parse().unwrap();
+    let cli = Cli::try_parse_from(["mbal", "--coordinator", "127.0.0.1:7001,127.0.0.1:7002"]).unwrap();
+    assert_eq!(cli.a.coordinator, Some(vec![a, b]));
+    let one: ServerArgs = toml::from_str("coordinator = \"127.0.0.1:7001\"").unwrap();
+    assert_eq!(one.coordinator, Some(vec![a]));
+    let many: ServerArgs = toml::from_str("coordinator = [\"127.0.0.1:7001\", \"127.0.0.1:7002\"]").unwrap();
+    assert_eq!(many.coordinator, Some(vec![a, b]));
+    // Layers merge through their TOML form.
+    assert_eq!(many.merged(&ServerArgs::default()).unwrap().coordinator, Some(vec![a, b]));
+    assert_eq!(ServerArgs::default().merged(&one).unwrap().coordinator, Some(vec![a]));
+    assert!(parse(&["--coordinator", "127.0.0.1:7001"]).unwrap_err().to_string().contains("--cluster"));
+}
+
+#[test]
+fn the_generated_config_file_has_every_option_and_its_defaults_parse() {
+    let text = super::default_config_file();
+    let keys = super::config_keys();
+    assert!(keys.len() > 50 && keys.contains(&"port".to_string()), "{keys:?}");
+    for k in &keys {
+        assert!(text.lines().any(|l| l.starts_with(&format!("#{k} ="))), "{k} missing from\n{text}");
+    }
+    // As shipped (all commented out): the defaults.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("mbal.toml");
+    std::fs::write(&path, &text).unwrap();
+    let args = ServerArgs { config: Some(path.clone()), ..ServerArgs::default() };
+    let (shipped, _) = args.resolve().unwrap();
+    // Every stated default uncommented: the same settings.
+    let uncommented: String = text
+        .lines()
+        .map(|l| match l.strip_prefix('#') {
+            Some(kv) if !kv.starts_with(' ') && !kv.trim_end().ends_with('=') => kv,
+            _ => l,
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    std::fs::write(&path, &uncommented).unwrap();
+    let (explicit, _) = args.resolve().unwrap_or_else(|e| panic!("{e:#}\n{uncommented}"));
+    assert_eq!(format!("{shipped:?}"), format!("{explicit:?}"), "a stated default is not the default");
 }

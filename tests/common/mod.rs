@@ -1,5 +1,7 @@
 //! Helpers for the root package's integration tests, which run the `mbal` binary.
 
+pub mod cluster;
+
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 
@@ -19,6 +21,7 @@ pub fn mbal() -> Command {
     Command::new(env!("CARGO_BIN_EXE_mbal"))
 }
 
+#[allow(dead_code)] // not every test file uses it
 /// Spawn `mbal cluster up ...` (`up`, its arguments set) and wait for its report: the main
 /// address of each of its `servers` once they listen.
 pub fn cluster_up(mut up: Command, servers: usize) -> (Kill, Vec<String>) {

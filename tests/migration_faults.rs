@@ -1,0 +1,213 @@
+//! A cross-server move cut off by a kill -9 (issue 34, "Faults"; the seeded runs are
+//! scripts/fault-migrate.py), as real processes: a coordinator and two servers (`mbal cluster
+//! up --coordinator`).
+//!
+//! - The destination dies in the middle of the move: the move aborts (`mbal migrate` answers
+//!   `SERVER_ERROR migration failed`), the coordinator's map still gives the cachelet to the
+//!   source, and the source serves it again with every item it acknowledged, those written
+//!   during the move among them.
+//! - The source dies in the middle of the move: after the failure detection the cachelet's
+//!   new owner (the destination, the only server left) serves its keys as misses, never a value
+//!   older than one the source acknowledged (what arrived of the move is not kept).
+
+mod common;
+
+use common::cluster::{keys_of, signal, up_mem, wait_map, wait_servers, Cluster, Conn};
+use mbal_cluster::ClusterMap;
+use std::collections::HashMap;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Values of 10 KB: the 12 MB cachelet moves in many frames, so the kill lands in the middle.
+const VALUE: usize = 10 << 10;
+const ITEMS: usize = 1200;
+
+fn value(k: &str, v: u64) -> String {
+    let head = format!("{k}:{v}:");
+    let pad = VALUE - head.len();
+    head + &"x".repeat(pad)
+}
+
+/// A cluster of two servers with a cachelet of server 0 (worker `w`) filled: the cachelet,
+/// its items.
+fn filled(c: &Cluster) -> (ClusterMap, u32, Vec<String>) {
+    let map0 = Conn::new(c.coordinator).map();
+    let cl = map0.cachelets_of(0, 0)[0];
+    let items = keys_of(&map0, cl, ITEMS, "item");
+    let mut conn = Conn::new(c.servers[0].0);
+    for k in &items {
+        assert_eq!(conn.set(k, &value(k, 1)), "STORED");
+    }
+    (map0, cl, items)
+}
+
+/// `mbal migrate <c> 1 0` sent to `src`, answered on the returned connection.
+fn start_move(src: SocketAddr, cl: u32) -> Conn {
+    let mut conn = Conn::new(src);
+    conn.s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    conn.s.write_all(format!("mbal migrate {cl} 1 0\r\n").as_bytes()).unwrap();
+    conn
+}
+
+/// Poll the destination's `stats` until the first frame of the move arrived (bounded).
+fn until_bytes_arrive(dst: SocketAddr) {
+    let mut d = Conn::new(dst);
+    let until = Instant::now() + Duration::from_secs(20);
+    while d.stat("migrated_in_bytes").parse::<u64>().unwrap() == 0 {
+        assert!(Instant::now() < until, "no byte of the move arrived");
+    }
+}
+
+/// A writer of new versions of `keys` through `addr` until `stop`: the last version each key
+/// was acknowledged with (an answer other than STORED ends it: the server died).
+fn writer(addr: SocketAddr, keys: Vec<String>, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<HashMap<String, u64>> {
+    std::thread::spawn(move || {
+        let mut acked = HashMap::new();
+        let mut conn = Conn::new(addr);
+        let t0 = Instant::now();
+        for v in 2u64.. {
+            for k in &keys {
+                if stop.load(Ordering::Relaxed) || t0.elapsed() > Duration::from_secs(30) {
+                    return acked;
+                }
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| conn.set(k, &value(k, v))));
+                match r {
+                    Ok(a) if a == "STORED" => {
+                        acked.insert(k.clone(), v);
+                    }
+                    Ok(a) => panic!("a write of {k} during the move: {a}"),
+                    Err(_) => return acked, // the connection died with the server
+                }
+            }
+        }
+        acked
+    })
+}
+
+/// The version in a value of key `k`.
+fn version(k: &str, v: &str) -> u64 {
+    let rest = v.strip_prefix(&format!("{k}:")).unwrap_or_else(|| panic!("{k}: a foreign value {:?}", &v[..40]));
+    assert_eq!(v.len(), VALUE, "{k}: a torn value");
+    rest.split(':').next().unwrap().parse().unwrap()
+}
+
+#[test]
+fn a_killed_destination_aborts_the_move_and_the_source_serves_every_item() {
+    let c = up_mem(2, 48, &[]);
+    let (src, dst) = (c.servers[0].0, c.servers[1].0);
+    let (map0, cl, items) = filled(&c);
+    let stop = Arc::new(AtomicBool::new(false));
+    let w = writer(src, items[..50].to_vec(), stop.clone());
+    let mut mv = start_move(src, cl);
+    until_bytes_arrive(dst);
+    signal(c.servers[1].1, libc::SIGKILL);
+    let answer = mv.line();
+    assert!(answer.starts_with("SERVER_ERROR migration failed"), "the move was not cut off: {answer}");
+    // The coordinator finds the destination dead: its own cachelets go to the source; the
+    // moving one never left it.
+    let map1 = wait_map(c.coordinator, "the dead destination's cachelets to move", |m| {
+        (0..m.cachelet_count()).all(|x| m.owner(x).0 == 0)
+    });
+    assert_eq!(map1.owner(cl), map0.owner(cl), "the map still gives the cachelet to the source");
+    wait_servers(&[src], map1.epoch());
+    stop.store(true, Ordering::Relaxed);
+    let acked = w.join().expect("a write during the move was refused");
+    assert!(!acked.is_empty());
+    // Every acknowledged item is served by the source, at its last acknowledged version.
+    let mut s = Conn::new(src);
+    for k in &items {
+        let got = s.get(k).unwrap_or_else(|e| panic!("{k}: {e}")).unwrap_or_else(|| panic!("{k}: lost"));
+        assert_eq!(version(k, &got), acked.get(k).copied().unwrap_or(1), "{k}");
+    }
+    assert_eq!(s.set(&items[0], "after"), "STORED");
+    assert_eq!(s.get(&items[0]).unwrap().as_deref(), Some("after"));
+    assert_eq!(s.stat("migrations_failed"), "1");
+    assert_eq!(s.stat("migrations_out"), "0");
+}
+
+#[test]
+fn a_killed_source_leaves_misses_at_the_new_owner_never_an_old_value() {
+    let c = up_mem(2, 48, &[]);
+    let (src, dst) = (c.servers[0].0, c.servers[1].0);
+    let (_, cl, items) = filled(&c);
+    let stop = Arc::new(AtomicBool::new(false));
+    let w = writer(src, items[..50].to_vec(), stop.clone());
+    let _mv = start_move(src, cl);
+    until_bytes_arrive(dst);
+    signal(c.servers[0].1, libc::SIGKILL);
+    let acked = w.join().expect("a write during the move was refused");
+    assert!(!acked.is_empty());
+    // The failure detection gives every cachelet to the destination.
+    let map1 = wait_map(c.coordinator, "the dead source's cachelets to move", |m| {
+        (0..m.cachelet_count()).all(|x| m.owner(x).0 == 1)
+    });
+    wait_servers(&[dst], map1.epoch());
+    // On the owning worker's routed connection (a redirect would say it does not own it).
+    let mut d = Conn::new(dst);
+    d.s.write_all(format!("mbal hello 0 {}\r\n", map1.owner(cl).1).as_bytes()).unwrap();
+    assert!(d.line().starts_with("MBAL "));
+    let mut hits = 0;
+    for k in &items {
+        match d.get(k) {
+            Ok(None) => {}
+            Ok(Some(v)) => {
+                // Only the source's newest state could be whole (the move's last frame).
+                assert_eq!(version(k, &v), acked.get(k).copied().unwrap_or(1), "{k}: an old value");
+                hits += 1;
+            }
+            Err(e) => panic!("{k}: {e}"),
+        }
+    }
+    assert_eq!(hits, 0, "the move was cut off before its last frame: its items are not kept");
+    // The new owner takes the cachelet's keys (once its lease covers the new map).
+    let until = Instant::now() + Duration::from_secs(10);
+    while d.set(&items[0], "again") != "STORED" {
+        assert!(Instant::now() < until, "the new owner never took the cachelet");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(d.get(&items[0]).unwrap().as_deref(), Some("again"));
+}
+
+/// Finding (issue 34, scripts/fault-migrate.py seed 316): a proxy whose map predates a move's
+/// commit, when the old owner then dies, answers the moved cachelet's reads as misses
+/// (`unreachable`) although the new owner is alive and holds them; a client that read the
+/// value before reads it back as a miss. Ignored until the proxy learns the owner first
+/// (`cargo test --test migration_faults -- --ignored` shows it).
+#[test]
+#[ignore = "finding: the proxy answers a moved cachelet as unreachable when its old owner dies"]
+fn a_proxy_behind_a_commit_finds_the_moved_cachelet_when_the_old_owner_dies() {
+    use std::io::{BufRead, BufReader};
+    let c = up_mem(2, 16, &[]);
+    let file = c._dir.path().join("cluster.toml");
+    let mut child = common::mbal()
+        .args(["proxy", "--cluster", file.to_str().unwrap(), "-l", "127.0.0.1", "-p", "0", "-t", "1", "--print-ports"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("mbal proxy");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let _proxy = common::Kill(child);
+    let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"));
+    let proxy: SocketAddr = v["main"].as_str().unwrap().parse().unwrap();
+    let map0 = Conn::new(c.coordinator).map();
+    let cl = map0.cachelets_of(0, 0)[0];
+    let keys = keys_of(&map0, cl, 20, "p");
+    let mut p = Conn::new(proxy);
+    for k in &keys {
+        assert_eq!(p.set(k, "v1"), "STORED");
+        assert_eq!(p.get(k).unwrap().as_deref(), Some("v1"));
+    }
+    let answer = start_move(c.servers[0].0, cl).line();
+    assert!(answer.starts_with(&format!("MIGRATED {cl} ")), "{answer}");
+    // The old owner dies before the proxy sent it anything of the moved cachelet.
+    signal(c.servers[0].1, libc::SIGKILL);
+    let mut d = Conn::new(c.servers[1].0);
+    assert_eq!(d.get(&keys[0]).unwrap().as_deref(), Some("v1"), "the new owner holds it");
+    for k in &keys {
+        assert_eq!(p.get(k).unwrap().as_deref(), Some("v1"), "{k} through the proxy: the new owner is alive");
+    }
+}

@@ -16,6 +16,11 @@ HOT=$((DURATION * 2))
 CAP="${CAP:-2500}"
 RATE="${RATE:-6000}"
 mkdir -p results
+# protoc: the etcd client crate (crates/coordinator) compiles etcd's .proto files at build time.
+if ! command -v protoc >/dev/null; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq protobuf-compiler >/dev/null
+fi
 cargo build --release --bin mbal
 BIN=${CARGO_TARGET_DIR:-$PWD/target}/release/mbal
 rm -f results/cluster.toml

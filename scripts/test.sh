@@ -7,9 +7,17 @@ cd "$(dirname "$0")/.."
 
 step() { printf '\n==> %s\n' "$*"; }
 
-step "installing test dependencies (memcached, libmemcached-tools, libsasl2-modules, pytest, pymemcache, pylibmc, cryptography)"
+step "installing build and test dependencies (protobuf-compiler, memcached, libmemcached-tools, libsasl2-modules, etcd-server, iproute2, openssl, procps, pytest, pymemcache, pylibmc, cryptography)"
 need_apt=()
+# protoc: the etcd client crate (crates/coordinator) compiles etcd's .proto files at build time.
+command -v protoc >/dev/null || need_apt+=(protobuf-compiler)
+# etcd: the coordinator's etcd store and fail-over tests (tests/coordinator_etcd.rs) start one.
+command -v etcd >/dev/null || need_apt+=(etcd-server)
 command -v memcached >/dev/null || need_apt+=(memcached)
+# scripts/multihost.sh: network namespaces, certificates, process states.
+command -v ip >/dev/null || need_apt+=(iproute2)
+command -v openssl >/dev/null || need_apt+=(openssl)
+command -v ps >/dev/null || need_apt+=(procps)
 command -v memccapable >/dev/null || need_apt+=(libmemcached-tools)
 # Cyrus SASL's PLAIN plugin: pylibmc's SASL test (tests/clients/test_auth.py) loads it.
 compgen -G '/usr/lib/*/sasl2/libplain.so*' >/dev/null || need_apt+=(libsasl2-modules)
@@ -39,7 +47,7 @@ memcached "${mc_user[@]}" -l 127.0.0.1 -p "$MC_PORT" -U 0 -t 1 -m 64 &
 MC_PID=$!
 trap 'kill $MC_PID 2>/dev/null || true' EXIT
 for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/$MC_PORT) 2>/dev/null && break; sleep 0.05; done
-MBAL_MEMCACHED_ADDR="127.0.0.1:$MC_PORT" MBAL_REQUIRE_MEMCACHED=1 cargo test --workspace
+MBAL_MEMCACHED_ADDR="127.0.0.1:$MC_PORT" MBAL_REQUIRE_MEMCACHED=1 MBAL_REQUIRE_ETCD=1 cargo test --workspace
 kill $MC_PID 2>/dev/null || true
 
 step "the YCSB driver's generators against YCSB's (scripts/lib/ycsb_driver.py selftest)"
@@ -48,6 +56,9 @@ python3 scripts/lib/ycsb_driver.py selftest
 step "real client libraries against a real server (pytest)"
 cargo build --release --bin mbal
 MBAL_BIN="$PWD/target/release/mbal" python3 -m pytest -q tests/clients
+
+step "a cluster across hosts: network namespaces, coordinator, TLS, proxy, a server killed (scripts/multihost.sh)"
+scripts/multihost.sh target/release/mbal
 
 FUZZ_SECONDS="${FUZZ_SECONDS:-20}"
 if [ "$FUZZ_SECONDS" -gt 0 ]; then

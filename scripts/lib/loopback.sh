@@ -31,6 +31,7 @@ start_server() {
     case $sys in
       memcached) "${pre[@]}" memcached "${MC_USER[@]}" -l 127.0.0.1 -p "$PORT" -U 0 -t "$threads" -m "$MEM" 2>/dev/null & ;;
       mbal) "${pre[@]}" "$BIN" server -l 127.0.0.1 -p "$PORT" -t "$threads" -m "$MEM" 2>/dev/null & ;;
+      mbal-base) "${pre[@]}" "$MBAL_BASE" server -l 127.0.0.1 -p "$PORT" -t "$threads" -m "$MEM" 2>/dev/null & ;;
       memcached-tls) "${pre[@]}" memcached "${MC_USER[@]}" -l 127.0.0.1 -p "$PORT" -U 0 -t "$threads" -m "$MEM" \
         -Z -o "ssl_chain_cert=$TLS_DIR/server.pem,ssl_key=$TLS_DIR/server.key" 2>/dev/null & ;;
       mbal-tls) "${pre[@]}" "$BIN" server -l 127.0.0.1 -p "$PORT" -t "$threads" -m "$MEM" \

@@ -331,6 +331,18 @@ impl Worker {
         }
     }
 
+    /// Fencing judged again after input was read (`on_readable`) or taken from the inbox: the
+    /// round's check came before, and a process paused in between (SIGSTOP, a long preemption)
+    /// reads bytes that arrived after its lease ran out, when the coordinator may already have
+    /// given the cachelets away. What is executed is judged at a time after it was received.
+    /// Without a coordinator the lease never ends (`u64::MAX`) and no clock is read.
+    pub(super) fn refence(&mut self, now_ns: Option<u64>) {
+        let until = self.shared.lease_until_ns.load(Ordering::Relaxed);
+        if until != u64::MAX && !self.tables.fenced {
+            self.tables.fenced = now_ns.unwrap_or_else(|| self.shared.clock_ns()) >= until;
+        }
+    }
+
     /// One round of the event loop: poll for `poll` at most (`None`: do not poll, the
     /// caller knows there are no socket events), handle the events, the connections left
     /// ready, the inbox, write the connections that got replies, send the peers their

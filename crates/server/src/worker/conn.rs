@@ -278,6 +278,7 @@ impl Worker {
             }
         }
         conn.last_active = self.now;
+        self.refence(None);
         self.process(ci, near);
         if eof {
             // Flush what we have, then close.

@@ -13,6 +13,9 @@ impl Worker {
     pub(super) fn drain_inbox(&mut self) {
         let n = self.inbox.len();
         let now_ns = if n > 0 { self.shared.clock_ns() } else { 0 };
+        if n > 0 {
+            self.refence(Some(now_ns));
+        }
         for _ in 0..n {
             let Ok(env) = self.inbox.try_recv() else { break };
             if self.capacity.limited() && self.hold(&env) {

@@ -171,13 +171,11 @@ fn a_killed_source_leaves_misses_at_the_new_owner_never_an_old_value() {
     assert_eq!(d.get(&items[0]).unwrap().as_deref(), Some("again"));
 }
 
-/// Finding (issue 34, scripts/fault-migrate.py seed 316): a proxy whose map predates a move's
-/// commit, when the old owner then dies, answers the moved cachelet's reads as misses
-/// (`unreachable`) although the new owner is alive and holds them; a client that read the
-/// value before reads it back as a miss. Ignored until the proxy learns the owner first
-/// (`cargo test --test migration_faults -- --ignored` shows it).
+/// Issue 34's finding (scripts/fault-migrate.py seed 316): a proxy whose map predates a move's
+/// commit, when the old owner then dies, must not answer the moved cachelet's reads as misses
+/// (`unreachable`) while the new owner is alive and holds them: the failed requests wait for
+/// the map fetch the failure starts and go to the new owner (`proxy_unreachable_waits`).
 #[test]
-#[ignore = "finding: the proxy answers a moved cachelet as unreachable when its old owner dies"]
 fn a_proxy_behind_a_commit_finds_the_moved_cachelet_when_the_old_owner_dies() {
     use std::io::{BufRead, BufReader};
     let c = up_mem(2, 16, &[]);

@@ -157,6 +157,9 @@ struct Inflight {
     /// A single-key `get` sent to a hot key's copy (not its home): the
     /// key's hash. On `RD`, an error or a failed upstream it is resent home.
     copy: Option<u64>,
+    /// It waited once for a map fetch after its server could not be reached
+    /// (`Engine::wait_for_map`); the next time it is answered as unreachable.
+    waited_map: bool,
 }
 
 impl Inflight {
@@ -235,6 +238,9 @@ pub(crate) struct Engine {
     dirty_ups: Vec<usize>,
     resume: Vec<usize>,
     fetching_map: bool,
+    /// Requests for a server that could not be reached, waiting for the map fetch in
+    /// flight (`wait_for_map`): sent again on the map it brings, or answered as unreachable.
+    waiting_map: Vec<Inflight>,
     /// Servers that could not be reached, their backoff, and when to refresh the map
     /// (shared with the routing client).
     health: Health,
@@ -312,6 +318,7 @@ impl Engine {
             dirty_ups: Vec::new(),
             resume: Vec::new(),
             fetching_map: false,
+            waiting_map: Vec::new(),
             health: Health::new(),
             counters: Counters::default(),
             split: Split::new(),

@@ -141,6 +141,9 @@ pub struct Counters {
     /// unreachable`.
     pub unreachable_misses: u64,
     pub unreachable_errors: u64,
+    /// Requests for a server that could not be reached that waited for a map fetch before
+    /// they were sent again (to a new owner) or answered as unreachable.
+    pub unreachable_waits: u64,
     /// Map fetches after a server could not be reached (also in `map_fetches`), and newer maps
     /// installed (from those or from redirects).
     pub map_refreshes: u64,
@@ -165,6 +168,7 @@ impl Counters {
         self.unreachable += o.unreachable;
         self.unreachable_misses += o.unreachable_misses;
         self.unreachable_errors += o.unreachable_errors;
+        self.unreachable_waits += o.unreachable_waits;
         self.map_refreshes += o.map_refreshes;
         self.maps_installed += o.maps_installed;
         self.bytes_read += o.bytes_read;
@@ -273,6 +277,7 @@ impl Shared {
         stat("proxy_unreachable", &c.unreachable);
         stat("proxy_unreachable_misses", &c.unreachable_misses);
         stat("proxy_unreachable_errors", &c.unreachable_errors);
+        stat("proxy_unreachable_waits", &c.unreachable_waits);
         stat("proxy_map_refreshes", &c.map_refreshes);
         stat("proxy_maps_installed", &c.maps_installed);
         stat("proxy_map_epoch", &all.map_epoch);

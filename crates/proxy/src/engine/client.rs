@@ -227,7 +227,19 @@ impl Engine {
         what: What,
         quiet: bool,
     ) -> Inflight {
-        Inflight { client, cid, seq, req, what, quiet, sent: self.now, hops: 0, rd: None, copy: None }
+        Inflight {
+            client,
+            cid,
+            seq,
+            req,
+            what,
+            quiet,
+            sent: self.now,
+            hops: 0,
+            rd: None,
+            copy: None,
+            waited_map: false,
+        }
     }
 
     /// Open a reply slot waiting for `parts` upstream replies; its sequence number.

@@ -178,6 +178,7 @@ impl Engine {
             hops: 0,
             rd: None,
             copy: None,
+            waited_map: false,
         });
         Ok(())
     }
@@ -286,14 +287,15 @@ impl Engine {
         if lost.iter().any(|i| i.copy.is_some()) {
             self.copy_failed(owner, self.now);
         }
+        // The fetch first: what was lost waits for the map it brings (`wait_for_map`).
+        if f.refresh {
+            self.refresh_map(owner.0);
+        }
         for inf in lost {
             if inf.cid != 0 {
                 self.ups[ui].delta.errors += 1;
             }
             self.answer_unreachable(inf, owner.0);
-        }
-        if f.refresh {
-            self.refresh_map(owner.0);
         }
     }
 
@@ -307,8 +309,98 @@ impl Engine {
         }
         if matches!(inf.what, What::Map) {
             self.fetching_map = false;
+            // The fetch failed: what waited for it is answered on the map there is.
+            self.resume_waiting_map();
         }
         (inf.cid != 0).then_some(inf)
+    }
+
+    /// A client's request for a server that could not be reached waits, once, for the map
+    /// fetch in flight (the failure started one, or one was under way; it is bounded by the
+    /// upstream timeout): the map may be behind the cluster's (a move committed, then its
+    /// old owner died before this thread heard of it), and the new map sends the request to
+    /// the live owner that holds its data instead of answering it as a miss. `Some`: answer
+    /// it here now.
+    fn wait_for_map(&mut self, mut inf: Inflight) -> Option<Inflight> {
+        if inf.waited_map || !self.fetching_map || !matches!(inf.what, What::Keyed { .. } | What::Get { .. }) {
+            return Some(inf);
+        }
+        // A whole get whose first values are in its reply already is finished as it is.
+        if matches!(inf.what, What::Get { positions: None, .. })
+            && slot_mut(&mut self.clients, inf.client, inf.cid, inf.seq).is_some_and(|s| !s.buf.is_empty())
+        {
+            return Some(inf);
+        }
+        inf.waited_map = true;
+        self.counters.unreachable_waits += 1;
+        self.waiting_map.push(inf);
+        None
+    }
+
+    /// The map fetch ended (installed, the same, or failed): what waited for it is routed
+    /// again on the map there is now (a server still down answers it as unreachable).
+    fn resume_waiting_map(&mut self) {
+        if self.waiting_map.is_empty() {
+            return;
+        }
+        for inf in std::mem::take(&mut self.waiting_map) {
+            self.reroute(inf);
+        }
+    }
+
+    /// Split a text get (the whole request, or a part of one: `positions`, the client's
+    /// positions of its keys) by owner on the router's map, after learning a redirect if
+    /// there is one, and send each part.
+    fn resplit_learning(&mut self, inf: Inflight, positions: Option<Vec<u32>>, learn: Option<(Owner, Redirect)>) {
+        // the keys of this request, and their positions in the client's
+        let Parsed::Req { req: Request::Text(TextCmd::Get { keys, cas, touch, .. }), .. } =
+            mbal_proto::parse(Protocol::Text, &inf.req, &self.limits)
+        else {
+            return self.fail(inf, "SERVER_ERROR proxy lost a request");
+        };
+        let key_list: Vec<&[u8]> = keys.iter().collect();
+        let positions = positions.unwrap_or_else(|| (0..key_list.len() as u32).collect());
+        self.hashes.clear();
+        self.hashes.extend(key_list.iter().map(|k| key_hash(k)));
+        if let Some((from, rd)) = learn {
+            match self.router.learn(from, rd, self.hashes.iter().copied()) {
+                Ok(l) => self.maybe_fetch_map(l.fetch_map_from),
+                Err(_) => return self.fail(inf, "SERVER_ERROR bad redirect"),
+            }
+        }
+        let Some(s) = slot_mut(&mut self.clients, inf.client, inf.cid, inf.seq) else { return };
+        if s.multi.is_none() {
+            // it was the whole request: from now on, values go by position
+            s.multi = Some(Box::new(Multi { spans: vec![(0, 0); key_list.len()], arena: Vec::new() }));
+        }
+        let mut split = std::mem::take(&mut self.split);
+        self.router.split(self.hashes.iter().copied(), true, &mut split);
+        s.parts += split.groups().len() as u32 - 1;
+        let prefix = get_prefix(cas, touch);
+        for g in split.groups() {
+            let idx = split.positions(g);
+            let (req, cursor) = get_line(&prefix, idx.iter().map(|&i| key_list[i as usize]));
+            let pos: Vec<u32> = idx.iter().map(|&i| positions[i as usize]).collect();
+            let mut next =
+                self.inflight(inf.client, inf.cid, inf.seq, req, What::Get { positions: Some(pos), cursor }, false);
+            next.hops = inf.hops;
+            next.waited_map = inf.waited_map;
+            self.send(g.owner, next);
+        }
+        self.split = split;
+    }
+
+    /// Send a request again on the router's current map: a keyed one by its hash, a get
+    /// split again by owner (its parts answered by position).
+    fn reroute(&mut self, mut inf: Inflight) {
+        match inf.what {
+            What::Keyed { hash, .. } => self.send_hash(hash, inf),
+            What::Get { ref mut positions, .. } => {
+                let positions = positions.take();
+                self.resplit_learning(inf, positions, None);
+            }
+            _ => self.fail(inf, "SERVER_ERROR proxy lost a request"),
+        }
     }
 
     /// Answer a request for a key of `server`, which could not be reached: a read as a miss
@@ -318,6 +410,7 @@ impl Engine {
     pub(super) fn answer_unreachable(&mut self, inf: Inflight, server: u16) {
         use mbal_proto::binary::{opcode as op, status};
         let Some(inf) = self.settle_failed(inf) else { return };
+        let Some(inf) = self.wait_for_map(inf) else { return };
         let miss: Option<Vec<u8>> = match inf.what {
             // the whole request: its reply so far (whole VALUE blocks) and the END not received
             What::Get { positions: None, .. } => Some(b"END\r\n".to_vec()),
@@ -642,6 +735,7 @@ impl Engine {
                         }
                         Err(e) => tracing::warn!("proxy: bad map from {}: {e}", self.ups[ui].addr),
                     }
+                    self.resume_waiting_map();
                 }
                 After::UpstreamBroken(why) => {
                     tracing::debug!("proxy: upstream {}: {why}", self.ups[ui].addr);
@@ -736,45 +830,7 @@ impl Engine {
             }
             What::Get { ref mut positions, .. } => {
                 let positions = positions.take();
-                // the keys of this request, and their positions in the client's
-                let Parsed::Req { req: Request::Text(TextCmd::Get { keys, cas, touch, .. }), .. } =
-                    mbal_proto::parse(Protocol::Text, &inf.req, &self.limits)
-                else {
-                    return self.fail(inf, "SERVER_ERROR proxy lost a request");
-                };
-                let key_list: Vec<&[u8]> = keys.iter().collect();
-                let positions = positions.unwrap_or_else(|| (0..key_list.len() as u32).collect());
-                self.hashes.clear();
-                self.hashes.extend(key_list.iter().map(|k| key_hash(k)));
-                match self.router.learn(from, rd, self.hashes.iter().copied()) {
-                    Ok(l) => self.maybe_fetch_map(l.fetch_map_from),
-                    Err(_) => return self.fail(inf, "SERVER_ERROR bad redirect"),
-                }
-                let Some(s) = slot_mut(&mut self.clients, inf.client, inf.cid, inf.seq) else { return };
-                if s.multi.is_none() {
-                    // it was the whole request: from now on, values go by position
-                    s.multi = Some(Box::new(Multi { spans: vec![(0, 0); key_list.len()], arena: Vec::new() }));
-                }
-                let mut split = std::mem::take(&mut self.split);
-                self.router.split(self.hashes.iter().copied(), true, &mut split);
-                s.parts += split.groups().len() as u32 - 1;
-                let prefix = get_prefix(cas, touch);
-                for g in split.groups() {
-                    let idx = split.positions(g);
-                    let (req, cursor) = get_line(&prefix, idx.iter().map(|&i| key_list[i as usize]));
-                    let pos: Vec<u32> = idx.iter().map(|&i| positions[i as usize]).collect();
-                    let mut next = self.inflight(
-                        inf.client,
-                        inf.cid,
-                        inf.seq,
-                        req,
-                        What::Get { positions: Some(pos), cursor },
-                        false,
-                    );
-                    next.hops = inf.hops;
-                    self.send(g.owner, next);
-                }
-                self.split = split;
+                self.resplit_learning(inf, positions, Some((from, rd)));
             }
             _ => self.fail(inf, "SERVER_ERROR unexpected redirect"),
         }

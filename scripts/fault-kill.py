@@ -6,7 +6,7 @@ Usage (a load run: hold the bench lock):
     cargo build --release -p mbal-client --example routed_load
     flock /tmp/bench.lock python3 scripts/fault-kill.py [--runs 20] [--seed 1] [--rate 2000]
         [--routed-rate 500] [--routed-threads 4] [--settle 3] [--dead 5] [--after 3]
-        [--proxy-threads 2] [--keep DIR]
+        [--proxy-threads 2] [--server-arg=ARG ...] [--keep DIR]
 
 Each run starts, as processes of its own on loopback: `mbal coordinator` (default flags: beat
 100 ms, lease 400, failure timeout 600), 4 x `mbal server --cluster F --id i --coordinator C`
@@ -289,7 +289,7 @@ class Cluster:
         wait_for("the proxy", lambda: socket.create_connection(("127.0.0.1", self.proxy_port), timeout=1).close() or True)
 
     def server_cmd(self, i):
-        return [MBAL, "server", "--cluster", self.file, "--id", str(i), "--coordinator", self.coord]
+        return [MBAL, "server", "--cluster", self.file, "--id", str(i), "--coordinator", self.coord] + ARGS.server_arg
 
     def start_server(self, i):
         self.start(f"server{i}", self.server_cmd(i))
@@ -577,6 +577,8 @@ def main():
     ap.add_argument("--routed-rate", type=float, default=500,
                     help="ops/s of routing clients (crates/client, examples/routed_load) besides the proxy's; 0: none")
     ap.add_argument("--routed-threads", type=int, default=4)
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="one more `mbal server` argument (repeatable), e.g. --server-arg=--balancer=off")
     ap.add_argument("--keep", help="keep each run's logs and ops.csv under this directory")
     ARGS = ap.parse_args()
     if not (1 <= ARGS.runs <= 100 and 100 <= ARGS.rate <= 20000 and ARGS.dead >= 2 and ARGS.settle >= 2.5):

@@ -1,6 +1,6 @@
 //! SVG plot of one or more runs: throughput (top) and p90/p99 latency (bottom) against seconds;
-//! with the servers' per-worker load (`mbal load`) a third panel of requests/s per worker with
-//! the balancer's moves marked. A `--rate-sweep` report is drawn as throughput and p99 against
+//! with the servers' per-worker load (`mbal load`) a panel per run of requests/s per worker with
+//! the balancer's moves marked (the runs overlaid above, their workers one panel each below). A `--rate-sweep` report is drawn as throughput and p99 against
 //! the offered rate instead.
 
 use std::path::Path;
@@ -9,6 +9,9 @@ use anyhow::{anyhow, Result};
 use plotters::prelude::*;
 
 use crate::BenchReport;
+
+/// Runs whose per-worker load gets a panel of its own.
+const MAX_WORKER_PANELS: usize = 4;
 
 /// Draw `reports` (label, report) into an SVG at `out`: two stacked panels sharing x = seconds;
 /// top: ops/s, bottom: p99 (solid) and p90 (thin) latency in µs, one colour per run.
@@ -19,14 +22,22 @@ pub fn plot(reports: &[(String, BenchReport)], out: &Path) -> Result<()> {
     if reports.iter().all(|(_, r)| r.sweep.is_some()) {
         return plot_sweep(reports, out);
     }
-    let workers = reports[0].1.server_load.as_ref().filter(|l| !l.epochs.is_empty());
-    let height = if workers.is_some() { 1050 } else { 700 };
+    // A per-worker panel for each run that has the servers' load (at most MAX_WORKER_PANELS:
+    // e.g. the balancer off and on of the main job, one above the other).
+    let workers: Vec<(&String, &crate::ServerLoad)> = reports
+        .iter()
+        .filter_map(|(label, r)| r.server_load.as_ref().filter(|l| !l.epochs.is_empty()).map(|l| (label, l)))
+        .take(MAX_WORKER_PANELS)
+        .collect();
+    let height = 700 + 350 * workers.len() as u32;
     let root = SVGBackend::new(out, (1000, height)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| anyhow!("{e:?}"))?;
     let (top, rest) = root.split_vertically(350);
-    let (bottom, third) = rest.split_vertically(350);
-    if let Some(load) = workers {
-        plot_workers(&reports[0].0, load, &third)?;
+    let (bottom, mut rest) = rest.split_vertically(350);
+    for (label, load) in &workers {
+        let (panel, below) = rest.split_vertically(350);
+        plot_workers(label, load, &panel)?;
+        rest = below;
     }
     let max_t = reports.iter().map(|(_, r)| r.timeline.len()).max().unwrap_or(1).max(1) as f64;
     let max_ops = reports.iter().flat_map(|(_, r)| r.timeline.iter().map(|s| s.ops_per_sec)).fold(1.0f64, f64::max);

@@ -201,8 +201,13 @@ fn a_proxy_behind_a_commit_finds_the_moved_cachelet_when_the_old_owner_dies() {
     }
     let answer = start_move(c.servers[0].0, cl).line();
     assert!(answer.starts_with(&format!("MIGRATED {cl} ")), "{answer}");
+    let committed = Conn::new(c.coordinator).map().epoch();
     // The old owner dies before the proxy sent it anything of the moved cachelet.
     signal(c.servers[0].1, libc::SIGKILL);
+    // The new owner serves the cachelet from its adoption (the source's `mbal import commit`)
+    // and its map says so from its next beat (one at once, `Report::BeatNow`): the proxy's
+    // fetch must find the commit there, not the few milliseconds before it.
+    wait_servers(&[c.servers[1].0], committed);
     let mut d = Conn::new(c.servers[1].0);
     assert_eq!(d.get(&keys[0]).unwrap().as_deref(), Some("v1"), "the new owner holds it");
     for k in &keys {

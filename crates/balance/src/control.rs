@@ -113,6 +113,10 @@ pub enum Answer {
     },
     /// The cachelet is not on this server, or there is no such worker.
     NotHere,
+    /// The move ended with the cachelet where it was (`Event::Moved` named another worker
+    /// than the move's: the owning worker refused it, e.g. while the cachelet migrates to
+    /// another server).
+    Stayed,
     Ok,
     /// Phase 1 is off.
     HotOff,
@@ -613,11 +617,17 @@ impl<R: Clone> ControlCore<R> {
         };
         match self.moving.remove(&c) {
             Some(m) if m.token == token => {
+                let stayed = worker != m.to;
                 for r in m.waiters {
-                    out.push(Command::Reply { to: r, answer: Answer::Moved { epoch } });
+                    let answer = if stayed { Answer::Stayed } else { Answer::Moved { epoch } };
+                    out.push(Command::Reply { to: r, answer });
                 }
                 if let Some(bal) = &mut self.balancer {
                     match m.by_balancer {
+                        Some(bm) if stayed => {
+                            self.status.moves_failed += 1;
+                            bal.applied(&bm, false);
+                        }
                         Some(bm) => {
                             bal.applied(&bm, true);
                             self.status.moves += 1;

@@ -71,10 +71,14 @@ pub(crate) enum Report {
     /// answer line back.
     Call { line: String, reply: crossbeam_channel::Sender<io::Result<String>> },
     /// A move's commit (`crate::migrate`): like `Call`, and if it is answered OK, no new map
-    /// is installed until `BeatNow` (the destination must have the cachelet before this
+    /// is installed until its `Committed` (the destination must have the cachelet before this
     /// server sends it the cachelet's requests), for at most `HOLD_MAPS`.
     Commit { line: String, reply: crossbeam_channel::Sender<io::Result<String>> },
-    /// Beat now (a move was committed: fetch the map at once rather than at the next beat).
+    /// A move that `Commit` held maps for is through (its destination adopted the cachelet, or
+    /// will from the map): that hold ends, and a beat goes now.
+    Committed,
+    /// Beat now (a cachelet arrived here: fetch the map at once rather than at the next beat).
+    /// Holds of this server's own commits stay.
     BeatNow,
     /// An epoch's report for Phase 3 at the coordinator (`mbal phase3`).
     Phase3(Box<mbal_balance::Phase3Report>),
@@ -375,6 +379,8 @@ pub(crate) fn spawn(
         register_line: line,
         left: false,
         hold_maps: None,
+        holds: 0,
+        reset_pending: false,
     };
     std::thread::Builder::new().name("mbal-beat".into()).spawn(move || {
         // A beat thread that panics leaves the server fenced for good: the process ends
@@ -399,8 +405,15 @@ struct Beat {
     register_line: String,
     /// Taken out of the cluster: no more beats.
     left: bool,
-    /// A committed move holds back new maps until then (`Report::Commit`).
+    /// Committed moves hold back new maps until then (`Report::Commit`), while `holds` (the
+    /// commits not yet `Committed`) is not 0.
     hold_maps: Option<Instant>,
+    holds: u32,
+    /// Declared dead (`GONE`) and the map to start over from not yet given to the controller
+    /// (the registration's answer or the map's fetch failed): the next beat the coordinator
+    /// answers installs its map with `reset`, whatever its epoch, or the server would stay
+    /// fenced (`Shared::resetting`) and keep what it held before.
+    reset_pending: bool,
 }
 
 impl Beat {
@@ -501,7 +514,14 @@ impl Beat {
                 self.shared.coord.beats.fetch_add(1, Ordering::Relaxed);
                 self.lease = Duration::from_millis(lease);
                 self.renew(sent);
-                if epoch > self.epoch && self.hold_maps.is_none_or(|t| Instant::now() >= t) {
+                if self.reset_pending {
+                    // The registration after a GONE went through, but its answer or the map
+                    // was lost: start over from the map now.
+                    let map = self.connection()?.map()?;
+                    self.install(map, true);
+                    return Ok(());
+                }
+                if epoch > self.epoch && (self.holds == 0 || self.hold_maps.is_none_or(|t| Instant::now() >= t)) {
                     let map = self.connection()?.map()?;
                     self.install(map, false);
                 }
@@ -524,6 +544,7 @@ impl Beat {
                 self.shared.coord.gone.fetch_add(1, Ordering::Relaxed);
                 self.shared.resetting.store(true, Ordering::Release);
                 self.shared.lease_until_ns.store(0, Ordering::Relaxed);
+                self.reset_pending = true;
                 tracing::warn!(server = self.id, "the coordinator declared this server dead: registering again");
                 let line = self.register_line.clone();
                 let (id, beat, lease) = registered(&self.connection()?.call(&line)?)?;
@@ -542,6 +563,9 @@ impl Beat {
     }
 
     fn install(&mut self, map: ClusterMap, reset: bool) {
+        if reset {
+            self.reset_pending = false;
+        }
         self.epoch = self.epoch.max(map.epoch());
         self.shared.coord.maps_installed.fetch_add(1, Ordering::Relaxed);
         tracing::info!(server = self.id, epoch = map.epoch(), reset, "the coordinator's map");
@@ -569,7 +593,10 @@ impl Beat {
             Report::Commit { line, reply } => {
                 let answer = self.connection().and_then(|c| c.call(&line));
                 match &answer {
-                    Ok(a) if a.starts_with("OK") => self.hold_maps = Some(Instant::now() + HOLD_MAPS),
+                    Ok(a) if a.starts_with("OK") => {
+                        self.holds += 1;
+                        self.hold_maps = Some(Instant::now() + HOLD_MAPS);
+                    }
                     Ok(_) => {}
                     Err(_) => self.conn = None,
                 }
@@ -589,8 +616,17 @@ impl Beat {
                 }
                 return;
             }
+            Report::Committed => {
+                self.holds = self.holds.saturating_sub(1);
+                if self.holds == 0 {
+                    self.hold_maps = None;
+                }
+                if !self.left {
+                    self.sweep();
+                }
+                return;
+            }
             Report::BeatNow => {
-                self.hold_maps = None;
                 if !self.left {
                     self.sweep();
                 }

@@ -529,6 +529,7 @@ fn answer_bytes(answer: Answer) -> Vec<u8> {
     match answer {
         Answer::Moved { epoch } => ext::write_moved(&mut b, epoch),
         Answer::NotHere => b.extend_from_slice(b"CLIENT_ERROR cachelet is not on this server\r\n"),
+        Answer::Stayed => b.extend_from_slice(b"SERVER_ERROR cachelet is moving to another server; it stayed\r\n"),
         Answer::Ok => b.extend_from_slice(b"OK\r\n"),
         Answer::HotOff => b.extend_from_slice(b"CLIENT_ERROR hot-key replication is off\r\n"),
         Answer::KeyElsewhere => b.extend_from_slice(b"CLIENT_ERROR key is served by another mbal server\r\n"),

@@ -13,7 +13,7 @@
 //!    goes as the `final` frame: the destination now holds exactly what the source holds.
 //! 5. The commit (`mbal migrate commit`) changes the map at the coordinator, at one epoch;
 //!    the destination adopts the cachelet (`mbal import commit`, or the map itself); this
-//!    server installs the new map at once (`Report::BeatNow`): the owner drops the cachelet
+//!    server installs the new map at once (`Report::Committed`): the owner drops the cachelet
 //!    and what waited for it goes to the destination (redirects, forwards).
 //!
 //! Any failure before the commit aborts: the coordinator forgets the move (a commit arriving
@@ -298,7 +298,13 @@ impl Mover<'_> {
                 return Err(format!("the coordinator refused the commit: {a}"));
             }
             // Lost: ask until the coordinator says which (the cachelet stays frozen).
-            Err(_) => self.resolve(),
+            Err(_) => match self.resolve() {
+                Some(committed) => committed,
+                // Stopping with the outcome unknown: neither side may serve it (the commit may
+                // stand), so it stays frozen here, unanswered, until the process ends, and the
+                // destination keeps its copy for the map that may give it the cachelet.
+                None => return Err("stopping before the commit's outcome was known: the cachelet stays frozen".into()),
+            },
         };
         if !committed {
             self.abort(Some(&mut dest));
@@ -309,21 +315,21 @@ impl Mover<'_> {
             // The map gives it to the destination anyway (it adopts it then).
             tracing::warn!(cachelet = self.order.cachelet, "the destination did not confirm the move: {e}");
         }
-        let _ = self.coord.send(Report::BeatNow);
+        let _ = self.coord.send(Report::Committed);
         Ok(moved)
     }
 
     /// The commit's answer was lost: ask the coordinator until it says whether the move
-    /// committed (true) or is aborted now (false).
-    fn resolve(&self) -> bool {
+    /// committed (true) or is aborted now (false); `None` if the server stops first.
+    fn resolve(&self) -> Option<bool> {
         let (c, to) = (self.order.cachelet, self.order.to.0);
         loop {
             match self.call(&format!("mbal migrate abort {} {c} {to}", self.id)) {
-                Ok(a) if a.starts_with("COMMITTED") => return true,
-                Ok(a) if a.starts_with("ABORTED") => return false,
+                Ok(a) if a.starts_with("COMMITTED") => return Some(true),
+                Ok(a) if a.starts_with("ABORTED") => return Some(false),
                 _ => {
                     if self.shared.shutdown.load(Ordering::Relaxed) {
-                        return false;
+                        return None;
                     }
                     // A retry's pause: the coordinator is failing over or restarting.
                     std::thread::sleep(Duration::from_millis(100));
@@ -349,7 +355,7 @@ impl Mover<'_> {
         self.call_as(line, false)
     }
 
-    /// `commit`: the commit itself (new maps wait for `Report::BeatNow`).
+    /// `commit`: the commit itself (new maps wait for `Report::Committed`).
     fn call_as(&self, line: &str, commit: bool) -> Result<String, String> {
         let (tx, rx) = bounded(1);
         let line = line.to_string();

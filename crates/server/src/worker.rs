@@ -489,6 +489,7 @@ impl Worker {
     /// Periodic work off the request path: expiry sweep, idle timeouts.
     fn housekeeping(&mut self) {
         self.store.sweep(self.now, 256);
+        self.expire_staged();
         if !self.replicas.shadow.is_empty() {
             self.replicas.shadow.sweep(self.shared.clock_ns());
         }

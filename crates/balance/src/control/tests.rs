@@ -191,6 +191,19 @@ fn moves_asked_for_a_moving_cachelet_wait_their_turn() {
 }
 
 #[test]
+fn a_move_the_owner_refused_is_answered_as_stayed_and_the_map_keeps_the_owner() {
+    let mut c = core(1, false);
+    let cachelet = c.map().cachelets_of(0, 0)[0];
+    let out = c.step(0, Event::MoveAsked { cachelet, to: 1, reply: 10 });
+    let [Command::Release { token, from: 0, to: 1, .. }] = out[..] else { panic!("{out:?}") };
+    // The owning worker kept it (it was migrating to another server): `Moved` names worker 0.
+    let out = c.step(0, Event::Moved { token, cachelet, worker: 0 });
+    assert!(out.contains(&Command::Reply { to: 10, answer: Answer::Stayed }), "{out:?}");
+    assert!(!out.iter().any(|o| matches!(o, Command::Reply { answer: Answer::Moved { .. }, .. })), "{out:?}");
+    assert_eq!(c.map().owner(cachelet), (0, 0));
+}
+
+#[test]
 fn a_move_that_cannot_be_made_here_is_answered_at_once() {
     let mut c: ControlCore<u32> = ControlCore::new(
         CoreSettings {

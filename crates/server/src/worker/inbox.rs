@@ -83,6 +83,15 @@ impl Worker {
                 }
             }
             Envelope::Own(OwnMsg::Release { cachelet, to, token }) => {
+                if self.outgoing.as_ref().is_some_and(|o| o.cachelet() == cachelet) {
+                    // It is moving to another server (frozen, perhaps, with its commit under
+                    // way): handing it to a thread-mate now would serve it in two places and
+                    // lose what the thread-mate acknowledged. The local move is over as it
+                    // stands; the cachelet stays here until its migration ends.
+                    tracing::debug!(worker = self.id, cachelet, "a local move of a migrating cachelet: it stays");
+                    self.shared.tell_controller(CtlMsg::Moved { token, cachelet, worker: self.id });
+                    return;
+                }
                 self.drop_hot_of(cachelet);
                 let peers = self.shared.peers();
                 let now_ns = self.shared.clock_ns();

@@ -15,15 +15,31 @@
 //! connection: the items arrive in a cachelet kept out of its store (`staged`) and so out of
 //! every table, then, at `mbal import commit` (or when the map gives it the cachelet first),
 //! the staged cachelet becomes its own. A staged cachelet whose connection closes before
-//! its last frame is dropped.
+//! its last frame is dropped; a complete one waits at most `STAGED_TTL_NS` for its commit.
 
 use super::*;
 use crate::msg::{MigMsg, MigReply, Own, OwnMsg};
 use mbal_store::{wire, StoreResult};
 
-/// Bytes per export batch: about 0.1-0.3 ms of the worker's time, so the requests behind it
-/// wait little.
-pub(crate) const EXPORT_BUDGET: usize = 256 << 10;
+/// Bytes the mover asks for per `MigMsg::Export`: one answer holds at most this much.
+pub(crate) const EXPORT_BUDGET: usize = 4 << 20;
+
+/// The worker exports in steps of this many bytes and stops after the step in which
+/// `EXPORT_TIME` ran out, so one answer costs the requests behind it at most ~0.2 ms plus a
+/// step. Large values fill the answer (4 MB in ~0.3 ms at memory speed): a move of big items
+/// takes few round trips through this worker's inbox, each of which waits for its next round
+/// (up to a millisecond when the worker is busy or throttled by `--worker-capacity`); small
+/// items stop on time, as a fixed 256 KB batch did (~2,600 of them).
+const EXPORT_STEP: usize = 256 << 10;
+const EXPORT_TIME: std::time::Duration = std::time::Duration::from_micros(200);
+
+/// How long a complete staged cachelet waits for its commit. A move commits at the
+/// coordinator right after its last frame, and the map that says so reaches this server
+/// within a beat or two, so a copy that waited longer belongs to a move that was aborted
+/// (its `mbal import abort` lost with the connection): adopting it later, when a map gives
+/// the cachelet here for another reason, would bring back values older than what the
+/// source served after the abort.
+const STAGED_TTL_NS: u64 = 3_000_000_000;
 
 /// The cachelet this worker is moving to another server.
 pub(crate) struct Outgoing {
@@ -40,6 +56,9 @@ pub(crate) struct Staged {
     cachelet: Option<Box<mbal_store::Cachelet>>,
     /// Its last frame arrived: it holds everything the source had.
     complete: bool,
+    /// When it became complete (`Shared::clock_ns`): kept for `STAGED_TTL` after that, for
+    /// a commit whose `mbal import commit` never came (`take_staged`), then dropped.
+    complete_ns: u64,
     /// The connection it arrives on.
     conn: (usize, u64),
     pub items: u64,
@@ -70,15 +89,27 @@ impl Worker {
                 // Encoded here, straight from the items' memory, into frames of at most the
                 // item size limit (an item always fits one).
                 let max = self.limits.max_item_size;
-                let (mut frames, mut items) = (vec![Vec::with_capacity(budget.min(max) + 4096)], 0u64);
-                let exported = self.store.export_with(cachelet, cursor, budget, self.now, |r| {
-                    let last = frames.last_mut().expect("one frame at least");
-                    if !last.is_empty() && last.len() + wire::item_len(r.key.len(), r.value.len()) > max {
-                        frames.push(Vec::with_capacity(budget.min(max) + 4096));
+                let frame_cap = EXPORT_STEP.min(max) + 4096;
+                let (mut frames, mut items, mut bytes) = (vec![Vec::with_capacity(frame_cap)], 0u64, 0usize);
+                let started = std::time::Instant::now();
+                let mut exported = Some(cursor);
+                // Steps until the budget is full, the time is up or the scan is done (cursor 0).
+                while let Some(at) = exported {
+                    let step = EXPORT_STEP.min(budget.saturating_sub(bytes)).max(1);
+                    exported = self.store.export_with(cachelet, at, step, self.now, |r| {
+                        let len = wire::item_len(r.key.len(), r.value.len());
+                        let last = frames.last_mut().expect("one frame at least");
+                        if !last.is_empty() && last.len() + len > max {
+                            frames.push(Vec::with_capacity(frame_cap));
+                        }
+                        wire::encode_ref(wire::Record::Put(r), frames.last_mut().expect("just pushed"));
+                        items += 1;
+                        bytes += len;
+                    });
+                    if exported == Some(0) || bytes >= budget || started.elapsed() >= EXPORT_TIME {
+                        break;
                     }
-                    wire::encode_ref(wire::Record::Put(r), frames.last_mut().expect("just pushed"));
-                    items += 1;
-                });
+                }
                 frames.retain(|f| !f.is_empty());
                 let answer = match self.store.moving() == Some(cachelet) {
                     true => match exported {
@@ -150,7 +181,10 @@ impl Worker {
     /// committed before its `mbal import commit` arrived), else nothing (it starts empty).
     pub(super) fn take_staged(&mut self, c: u32) -> Option<Box<mbal_store::Cachelet>> {
         let s = self.staged.remove(&c)?;
-        if s.complete {
+        // A reset (this server was declared dead) starts from nothing; a copy past its wait
+        // belongs to a move that did not commit (`STAGED_TTL_NS`).
+        let fresh = self.shared.clock_ns().saturating_sub(s.complete_ns) <= STAGED_TTL_NS;
+        if s.complete && fresh && !self.shared.resetting.load(Ordering::Acquire) {
             self.counters.migrations_in += 1;
             if self.arrived.len() == 16 {
                 self.arrived.pop_front();
@@ -170,6 +204,22 @@ impl Worker {
     /// Connection `ci` closed: the incomplete cachelets arriving on it will not complete.
     pub(super) fn staged_conn_closed(&mut self, ci: usize, gen: u64) {
         self.staged.retain(|_, s| s.complete || s.conn != (ci, gen));
+    }
+
+    /// Complete staged cachelets whose commit did not come in `STAGED_TTL_NS` (housekeeping):
+    /// their moves were aborted; their memory goes back.
+    pub(super) fn expire_staged(&mut self) {
+        if self.staged.is_empty() {
+            return;
+        }
+        let now = self.shared.clock_ns();
+        self.staged.retain(|c, s| {
+            let keep = !s.complete || now.saturating_sub(s.complete_ns) <= STAGED_TTL_NS;
+            if !keep {
+                tracing::info!(cachelet = c, id = s.id, "a moved-in cachelet whose commit never came: dropped");
+            }
+            keep
+        });
     }
 
     /// `mbal import <...>` (destination side): `begin <id> <cachelet> <bytes>`, `data <id>
@@ -210,6 +260,7 @@ impl Worker {
         if c as usize >= self.tables.len() {
             return Err(format!("CLIENT_ERROR no cachelet {c}"));
         }
+        self.expire_staged();
         if self.store.owns(c) || self.staged.contains_key(&c) {
             return Err(format!("SERVER_ERROR cachelet {c} is already here"));
         }
@@ -221,7 +272,7 @@ impl Worker {
             return Err(format!("SERVER_ERROR out of memory: the cachelet needs {bytes} bytes, {free} are free"));
         }
         let cachelet = Some(mbal_store::Cachelet::new(c));
-        self.staged.insert(c, Staged { id, cachelet, complete: false, conn, items: 0, bytes: 0 });
+        self.staged.insert(c, Staged { id, cachelet, complete: false, complete_ns: 0, conn, items: 0, bytes: 0 });
         Ok(())
     }
 
@@ -270,6 +321,7 @@ impl Worker {
         }
         if last {
             s.complete = true;
+            s.complete_ns = self.shared.clock_ns();
         }
         Ok(())
     }

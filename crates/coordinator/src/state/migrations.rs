@@ -112,6 +112,7 @@ impl Coord {
         let m = self.migrations.live[i].clone();
         if self.map.owner(m.cachelet).0 != m.from {
             self.migrations.end(i, "aborted: the owner changed", now);
+            self.counters.migrations_aborted += 1;
             return Err(format!("cachelet {} changed owner during the move", m.cachelet));
         }
         let epoch = self.map.reassign(&[(m.cachelet, m.to)])?;

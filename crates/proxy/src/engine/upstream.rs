@@ -223,6 +223,22 @@ impl Engine {
         }
     }
 
+    /// Drop upstream `ui`'s connection and its buffers (a new generation: late events for the
+    /// old socket are ignored); what was in flight on it, to be answered, and its owner.
+    fn drop_connection(&mut self, ui: usize) -> (Vec<Inflight>, Owner) {
+        let u = &mut self.ups[ui];
+        u.gen += 1;
+        if let Some(mut s) = u.sock.take() {
+            let _ = self.poll.registry().deregister(s.sock_mut());
+        }
+        u.wbuf.clear();
+        u.wpos = 0;
+        u.rpos = 0;
+        u.rend = 0;
+        u.dec = Decoder::new();
+        (u.inflight.drain(..).collect(), u.owner)
+    }
+
     /// Take the upstream down: drop its connection, fail what is in flight,
     /// and refuse requests to it for the backoff.
     pub(super) fn down(&mut self, ui: usize) {
@@ -236,20 +252,10 @@ impl Engine {
     }
 
     pub(super) fn down_with(&mut self, ui: usize, msg: &'static str) {
+        let (lost, owner) = self.drop_connection(ui);
         let u = &mut self.ups[ui];
-        u.gen += 1;
-        if let Some(mut s) = u.sock.take() {
-            let _ = self.poll.registry().deregister(s.sock_mut());
-        }
         u.state = UpState::Down { until: self.now + u.backoff };
         u.backoff = (u.backoff * 2).min(BACKOFF_MAX);
-        u.wbuf.clear();
-        u.wpos = 0;
-        u.rpos = 0;
-        u.rend = 0;
-        u.dec = Decoder::new();
-        let lost: Vec<Inflight> = u.inflight.drain(..).collect();
-        let owner = u.owner;
         if lost.iter().any(|i| i.copy.is_some()) {
             self.copy_failed(owner, self.now);
         }
@@ -268,20 +274,9 @@ impl Engine {
     /// without the network meanwhile; after it the next request dials again). The first
     /// failure, and each failed retry, fetch the map from another server.
     pub(super) fn unreachable(&mut self, ui: usize) {
-        let u = &mut self.ups[ui];
-        u.gen += 1;
-        if let Some(mut s) = u.sock.take() {
-            let _ = self.poll.registry().deregister(s.sock_mut());
-        }
+        let (lost, owner) = self.drop_connection(ui);
         // the server's backoff decides when it is dialed again, not this upstream's
-        u.state = UpState::Idle;
-        u.wbuf.clear();
-        u.wpos = 0;
-        u.rpos = 0;
-        u.rend = 0;
-        u.dec = Decoder::new();
-        let lost: Vec<Inflight> = u.inflight.drain(..).collect();
-        let owner = u.owner;
+        self.ups[ui].state = UpState::Idle;
         self.counters.unreachable += 1;
         let f = self.health.failed(owner.0, self.now);
         if lost.iter().any(|i| i.copy.is_some()) {

@@ -94,6 +94,60 @@ fn version(k: &str, v: &str) -> u64 {
     rest.split(':').next().unwrap().parse().unwrap()
 }
 
+/// A local move (`mbal move`, as Phase 2 makes) of a cachelet that is migrating to another
+/// server is refused while the migration runs: the worker keeps it (a thread-mate given it
+/// would serve it beside the destination, and what it acknowledged would be lost when the
+/// destination adopts the frozen copy). Every write the source acknowledged is at the
+/// destination afterwards.
+#[test]
+fn a_local_move_of_a_migrating_cachelet_is_refused_and_no_write_is_lost() {
+    let c = up_mem(2, 48, &[]);
+    let (src, dst) = (c.servers[0].0, c.servers[1].0);
+    let (map0, cl, items) = filled(&c);
+    // A writer on the source until it answers otherwise than STORED (the commit).
+    let w = {
+        let keys = items[..50].to_vec();
+        std::thread::spawn(move || {
+            let (mut acked, mut conn, t0) = (HashMap::new(), Conn::new(src), Instant::now());
+            for v in 2u64.. {
+                for k in &keys {
+                    if t0.elapsed() > Duration::from_secs(30) || conn.set(k, &value(k, v)) != "STORED" {
+                        return acked;
+                    }
+                    acked.insert(k.clone(), v);
+                }
+            }
+            acked
+        })
+    };
+    let mut mv = start_move(src, cl);
+    until_bytes_arrive(dst);
+    let other = 1 - map0.owner(cl).1;
+    let mut ctl = Conn::new(src);
+    ctl.s.write_all(format!("mbal move {cl} {other}\r\n").as_bytes()).unwrap();
+    let local = ctl.line();
+    let answer = mv.line();
+    assert!(answer.starts_with(&format!("MIGRATED {cl} ")), "{answer}");
+    // Refused while it moves (or, had the migration ended first, not here any more): never done.
+    assert!(
+        local.starts_with("SERVER_ERROR cachelet is moving to another server")
+            || local.starts_with("CLIENT_ERROR cachelet is not on this server"),
+        "the local move of a migrating cachelet: {local}"
+    );
+    let acked = w.join().expect("the writer");
+    assert!(!acked.is_empty());
+    let map1 = wait_map(c.coordinator, "the move's commit", |m| m.owner(cl).0 == 1);
+    wait_servers(&[src, dst], map1.epoch());
+    // On the new owner's routed connection: every item, at its last acknowledged version.
+    let mut d = Conn::new(dst);
+    d.s.write_all(format!("mbal hello 0 {}\r\n", map1.owner(cl).1).as_bytes()).unwrap();
+    assert!(d.line().starts_with("MBAL "));
+    for k in &items {
+        let got = d.get(k).unwrap_or_else(|e| panic!("{k}: {e}")).unwrap_or_else(|| panic!("{k}: lost"));
+        assert_eq!(version(k, &got), acked.get(k).copied().unwrap_or(1), "{k}");
+    }
+}
+
 #[test]
 fn a_killed_destination_aborts_the_move_and_the_source_serves_every_item() {
     let c = up_mem(2, 48, &[]);

@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::cluster::{keys, owner, signal, up, wait_map, wait_servers, Conn};
+use common::cluster::{keys, owner, signal, up, up_args, wait_map, wait_servers, Conn};
 use common::{mbal, Kill};
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -215,6 +215,41 @@ fn a_server_joins_takes_a_share_and_leaves_again() {
             }
         }
     }
+}
+
+/// A server taken out of the cluster (`mbal cluster leave`) idles until it is stopped (its
+/// heartbeat thread once spun, waiting for the stop with a timeout that had run out).
+#[test]
+fn a_server_that_left_idles() {
+    // The defaults (the balancers on): a controller that keeps the heartbeat thread's channel
+    // open after the leave, as a server in production has.
+    let c = up_args(2, &[]);
+    let file = c._dir.path().join("cluster.toml");
+    let out = mbal()
+        .args(["cluster", "leave", "--id", "1", "--coordinator", &c.coordinator.to_string(), "--cluster"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let map = wait_map(c.coordinator, "the leaver's cachelets to move", |m| {
+        (0..m.cachelet_count()).all(|cl| m.owner(cl).0 != 1)
+    });
+    wait_servers(&[c.servers[0].0], map.epoch());
+    let pid = c.servers[1].1;
+    let cpu_ticks = || {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+        let f: Vec<&str> = stat.rsplit_once(')').unwrap().1.split_whitespace().collect();
+        assert_ne!(f[0], "Z", "the server that left exited");
+        f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap() // utime + stime
+    };
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    // Idle, it uses next to nothing (a tick or two); the spin used 0.15-0.85 s of CPU a second.
+    let (t0, c0) = (Instant::now(), cpu_ticks());
+    std::thread::sleep(Duration::from_secs(2));
+    let used = (cpu_ticks() - c0) as f64 / hz as f64;
+    let secs = t0.elapsed().as_secs_f64();
+    assert!(used < 0.1 * secs, "the server that left used {used:.2} s of CPU in {secs:.1} s");
 }
 
 fn free_port() -> u16 {

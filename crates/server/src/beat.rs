@@ -84,6 +84,10 @@ pub(crate) enum Report {
     Phase3(Box<mbal_balance::Phase3Report>),
 }
 
+/// The heartbeat thread looks at the stop at least this often. (It waited at most 10 ms, and
+/// not at all once the server had left the cluster: a left server's beat thread spun on a core.)
+const STOP_POLL: Duration = Duration::from_millis(50);
+
 /// How long a committed move may hold back new maps (`Report::Commit`).
 const HOLD_MAPS: Duration = Duration::from_secs(2);
 
@@ -420,8 +424,10 @@ impl Beat {
     fn run(&mut self, reports: Receiver<Report>) {
         let mut next = Instant::now();
         while !self.shared.shutdown.load(Ordering::Relaxed) {
-            // Wait for the next beat; a report in between goes at once.
-            match reports.recv_timeout(next.saturating_duration_since(Instant::now()).min(Duration::from_millis(10))) {
+            // Wait for the next beat (a server that left waits for the stop); a report in
+            // between goes at once. At most `STOP_POLL`, so that the stop is seen soon.
+            let wait = if self.left { STOP_POLL } else { next.saturating_duration_since(Instant::now()) };
+            match reports.recv_timeout(wait.min(STOP_POLL)) {
                 Ok(r) => {
                     self.report(r);
                     continue;

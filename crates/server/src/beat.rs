@@ -382,8 +382,7 @@ pub(crate) fn spawn(
         shared,
         register_line: line,
         left: false,
-        hold_maps: None,
-        holds: 0,
+        hold: None,
         reset_pending: false,
     };
     std::thread::Builder::new().name("mbal-beat".into()).spawn(move || {
@@ -409,10 +408,9 @@ struct Beat {
     register_line: String,
     /// Taken out of the cluster: no more beats.
     left: bool,
-    /// Committed moves hold back new maps until then (`Report::Commit`), while `holds` (the
-    /// commits not yet `Committed`) is not 0.
-    hold_maps: Option<Instant>,
-    holds: u32,
+    /// Commits that hold back new maps (`Report::Commit`): how many are not yet `Committed`,
+    /// and until when at most.
+    hold: Option<(u32, Instant)>,
     /// Declared dead (`GONE`) and the map to start over from not yet given to the controller
     /// (the registration's answer or the map's fetch failed): the next beat the coordinator
     /// answers installs its map with `reset`, whatever its epoch, or the server would stay
@@ -527,7 +525,7 @@ impl Beat {
                     self.install(map, true);
                     return Ok(());
                 }
-                if epoch > self.epoch && (self.holds == 0 || self.hold_maps.is_none_or(|t| Instant::now() >= t)) {
+                if epoch > self.epoch && self.hold.is_none_or(|(_, until)| Instant::now() >= until) {
                     let map = self.connection()?.map()?;
                     self.install(map, false);
                 }
@@ -600,8 +598,8 @@ impl Beat {
                 let answer = self.connection().and_then(|c| c.call(&line));
                 match &answer {
                     Ok(a) if a.starts_with("OK") => {
-                        self.holds += 1;
-                        self.hold_maps = Some(Instant::now() + HOLD_MAPS);
+                        let n = self.hold.map_or(0, |(n, _)| n);
+                        self.hold = Some((n + 1, Instant::now() + HOLD_MAPS));
                     }
                     Ok(_) => {}
                     Err(_) => self.conn = None,
@@ -623,10 +621,10 @@ impl Beat {
                 return;
             }
             Report::Committed => {
-                self.holds = self.holds.saturating_sub(1);
-                if self.holds == 0 {
-                    self.hold_maps = None;
-                }
+                self.hold = match self.hold {
+                    Some((n, until)) if n > 1 => Some((n - 1, until)),
+                    _ => None,
+                };
                 if !self.left {
                     self.sweep();
                 }

@@ -169,25 +169,16 @@ cluster_up() {
 # server in a cluster file, as one JSON object per server.
 stats_balancer() { # cluster.toml out.json
   python3 - "$1" "$2" <<'PY'
-import json, re, socket, sys
+import json, sys
+sys.path.insert(0, "scripts/lib")
+from mcstats import cluster_addrs, stats
 out = []
-for addr in re.findall(r'addr\s*=\s*"([^"]+)"', open(sys.argv[1]).read()):
-    host, port = addr.rsplit(":", 1)
-    s = socket.create_connection((host, int(port)), timeout=5)
+for addr in cluster_addrs(sys.argv[1]):
     one = {}
-    for group, prefix in ((b"balancer", ""), (b"hotkeys", "hk_"), (b"", "")):
-        s.sendall(b"stats " + group + b"\r\n")
-        buf = b""
-        while not buf.endswith(b"END\r\n"):
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            buf += chunk
-        for l in buf.decode(errors="replace").splitlines():
-            t = l.split(None, 2)
-            if len(t) == 3 and t[0] == "STAT" and (group or t[1].startswith(("replica_", "hot_"))):
-                one.setdefault(prefix + t[1], t[2])
-    s.close()
+    for group, prefix in (("balancer", ""), ("hotkeys", "hk_"), ("", "")):
+        for k, v in stats(addr, group).items():
+            if group or k.startswith(("replica_", "hot_")):
+                one.setdefault(prefix + k, v)
     out.append(one)
 json.dump(out, open(sys.argv[2], "w"))
 PY
@@ -299,19 +290,7 @@ if [ "$MODE" = proxy ]; then
         --seed "$run" --distribution "$YCSB_DIST" --cluster "$OUT/$tag.cluster.toml" --json "$OUT/$tag.json"
       stats_balancer "$OUT/$tag.cluster.toml" "$OUT/$tag.stats.json"
       # The proxy's own counters (replica reads, upstream errors and timeouts).
-      python3 - "$PROXY" "$OUT/$tag.proxystats.json" <<'PY'
-import json, socket, sys
-host, port = sys.argv[1].rsplit(":", 1)
-s = socket.create_connection((host, int(port)), timeout=5)
-s.sendall(b"stats\r\n")
-buf = b""
-while not buf.endswith(b"END\r\n"):
-    chunk = s.recv(65536)
-    if not chunk:
-        break
-    buf += chunk
-json.dump({l.split()[1]: l.split()[2] for l in buf.decode().splitlines() if l.startswith("STAT ")}, open(sys.argv[2], "w"))
-PY
+      python3 scripts/lib/mcstats.py "$PROXY" "" "$OUT/$tag.proxystats.json"
       cleanup
     done
   done

@@ -13,9 +13,10 @@ balancer got). Then every move and escalation of each run, with its time.
 """
 import json
 import os
-import re
-import socket
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mcstats import cluster_addrs, stats as mc_stats  # noqa: E402
 
 
 def spread(eps):
@@ -96,18 +97,8 @@ def summary(paths):
 def stats(cluster_file):
     print("\nstats balancer (the balancer's run):")
     keys = ["state", "plans", "moves", "moves_home", "moves_failed", "escalations", "leases", "planner_us_max"]
-    for i, addr in enumerate(re.findall(r'addr\s*=\s*"([^"]+)"', open(cluster_file).read())):
-        host, port = addr.rsplit(":", 1)
-        s = socket.create_connection((host, int(port)), timeout=5)
-        s.sendall(b"stats balancer\r\n")
-        buf = b""
-        while not buf.endswith(b"END\r\n"):
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            buf += chunk
-        s.close()
-        st = {l.split()[1]: l.split()[2] for l in buf.decode().splitlines() if l.startswith("STAT ")}
+    for i, addr in enumerate(cluster_addrs(cluster_file)):
+        st = mc_stats(addr, "balancer")
         print(f"  server {i}: " + ", ".join(f"{k} {st.get(k, '-')}" for k in keys))
 
 

@@ -30,6 +30,19 @@
 # otherwise), and the summary adds how much of its quota each proxy used and
 # how many quota periods ended throttled (near 100%: the proxy was the
 # bottleneck); per-core throughput = ops/s / cores used.
+# Fan-out: BACKENDS=N (N > 1) puts each proxy in front of N servers (`-t 1`
+# each, all on $SERVER_CPU): mbal proxy in front of an N-server mbal cluster
+# (`mbal cluster up --workers 1`, its cluster file), twemproxy in front of N
+# standalone mbal servers started with the same flags (a cluster member
+# answers a key another member owns as a miss, and twemproxy's ketama does not
+# follow mbal's map, so the two proxies cannot share the N processes). "direct"
+# is then mbal's routed client against the cluster. Each store is loaded
+# through the target that reads it (the cluster by the routed client, the
+# standalone servers through twemproxy), again whenever a scenario's key or
+# value shape (--key-size* / --value-size*) differs from the last one loaded.
+# The default scenarios then are the two multi-get configurations of issue 37
+# (mget_8x4: 8 connections x 4 100-key gets in flight, 16 B keys; mget_fanout:
+# 4 x 2 with 10-24 B keys and 20-64 B values).
 # JSON reports land in $OUT (default results/proxy). Loopback only; kills
 # only the processes it started, by pid.
 set -euo pipefail
@@ -44,23 +57,49 @@ OUT=${OUT:-results/proxy}
 [ -n "${QUOTA:-}" ] && OUT=${OUT%/}-quota
 KEYS=${KEYS:-100000}
 ONLY=${ONLY:-}
+BACKENDS=${BACKENDS:-1}
+[ "$BACKENDS" -gt 1 ] && OUT=${OUT%/}-x$BACKENDS
+[ "$BACKENDS" -gt 1 ] && [ -z "$ONLY" ] && ONLY=mget_8x4,mget_fanout
 [ -n "${QUOTA:-}" ] && [ -z "$ONLY" ] && ONLY=get,mget100,set
+[ -z "$ONLY" ] && ONLY=get,mget100,set,lat_get,lat_mget100,lat_set
 source scripts/lib/loopback.sh
 source scripts/lib/cpu_quota.sh
 command -v nutcracker >/dev/null || { echo "nutcracker is not installed (apt-get install nutcracker)" >&2; exit 1; }
 mkdir -p "$OUT"
 
-start_server mbal 1 "$SERVER_CPU"
-SPID=$PID SPORT=$PORT
-PID=""
-
+# SPIDS: every server process started here (the standalone servers, and `cluster up`);
+# SPORT: the one server (BACKENDS=1); TWEM_PORTS: twemproxy's servers; CLUSTER, FIRST: the cluster.
+SPIDS=() TWEM_PORTS=() CLUSTER="" FIRST="" SPORT=""
 PPID_=""
 stop_proxy() { if [ -n "$PPID_" ]; then kill "$PPID_" 2>/dev/null && { wait "$PPID_" 2>/dev/null || true; }; fi; PPID_=""; return 0; }
 cleanup() {
-  stop_proxy; kill "$SPID" 2>/dev/null && wait "$SPID" 2>/dev/null
+  stop_proxy
+  local p
+  for p in "${SPIDS[@]}"; do kill -INT "$p" 2>/dev/null && wait "$p" 2>/dev/null; done
   quota_cleanup
 }
 trap cleanup EXIT
+
+if [ "$BACKENDS" = 1 ]; then
+  start_server mbal 1 "$SERVER_CPU"
+  SPIDS+=("$PID") SPORT=$PORT TWEM_PORTS=("$PORT")
+  PID=""
+else
+  for _ in $(seq "$BACKENDS"); do
+    start_server mbal 1 "$SERVER_CPU"
+    SPIDS+=("$PID") TWEM_PORTS+=("$PORT")
+    PID=""
+  done
+  CLUSTER=$OUT/cluster.toml
+  : >"$OUT/cluster.log"
+  # `cluster up` and every server it starts run on $SERVER_CPU (taskset's mask is inherited)
+  taskset -c "$SERVER_CPU" "$BIN" cluster up --servers "$BACKENDS" --workers 1 -m "$MEM" --file "$CLUSTER" \
+    >"$OUT/cluster.log" 2>&1 &
+  SPIDS+=("$!")
+  for _ in $(seq 300); do grep -q "Ctrl-C stops" "$OUT/cluster.log" && break; sleep 0.1; done
+  grep -q "Ctrl-C stops" "$OUT/cluster.log" || { cat "$OUT/cluster.log" >&2; echo "the cluster did not come up" >&2; exit 1; }
+  FIRST=$(sed -n 's/^  server 0: \([0-9.:]*\) .*/\1/p' "$OUT/cluster.log")
+fi
 
 quota_setup
 
@@ -72,7 +111,8 @@ start_proxy() { # kind, cpu -> sets PPID_ and TPORT
     TPORT=$((21000 + RANDOM % 20000))
     case $kind in
       mbal)
-        taskset -c "$cpu" "$BIN" proxy --server 127.0.0.1:"$SPORT" -l 127.0.0.1 -p "$TPORT" -t 1 2>/dev/null & ;;
+        local up=(--server 127.0.0.1:"$SPORT"); [ -n "$CLUSTER" ] && up=(--cluster "$CLUSTER")
+        taskset -c "$cpu" "$BIN" proxy "${up[@]}" -l 127.0.0.1 -p "$TPORT" -t 1 2>/dev/null & ;;
       twemproxy)
         local conf="$OUT/nutcracker.yml"
         cat >"$conf" <<EOF
@@ -83,7 +123,7 @@ mbal:
   timeout: 1000
   auto_eject_hosts: false
   servers:
-   - 127.0.0.1:$SPORT:1
+$(for p in "${TWEM_PORTS[@]}"; do echo "   - 127.0.0.1:$p:1"; done)
 EOF
         local sport=$((TPORT + 1))
         taskset -c "$cpu" nutcracker -c "$conf" -s "$sport" -a 127.0.0.1 -o "$OUT/nutcracker.log" \
@@ -101,7 +141,25 @@ EOF
 
 proxy_ticks() { awk '{print $14+$15}' "/proc/$PPID_/stat"; }
 
-taskset -c "$CLIENT_CPU" "$BIN" bench --server 127.0.0.1:"$SPORT" --keys "$KEYS" --load-only --quiet >/dev/null
+# The generator's arguments for a target: where it sends (sets ADDR).
+target_args() { # target port
+  if [ "$1" = direct ] && [ -n "$CLUSTER" ]; then ADDR=(--routed --server "$FIRST")
+  else ADDR=(--server 127.0.0.1:"$2"); fi
+}
+LOADED=unloaded
+load_shape() { # shape args...: loads every store with KEYS keys of this shape, unless it is the last loaded
+  local shape="$*"
+  [ "$shape" = "$LOADED" ] && return 0
+  if [ -z "$CLUSTER" ]; then
+    taskset -c "$CLIENT_CPU" "$BIN" bench --server 127.0.0.1:"$SPORT" --keys "$KEYS" --load-only --quiet "$@" >/dev/null
+  else
+    taskset -c "$CLIENT_CPU" "$BIN" bench --routed --server "$FIRST" --keys "$KEYS" --load-only --quiet "$@" >/dev/null
+    start_proxy twemproxy "${PROXY_CPUS%% *}"
+    taskset -c "$CLIENT_CPU" "$BIN" bench --server 127.0.0.1:"$TPORT" --keys "$KEYS" --load-only --quiet "$@" >/dev/null
+    stop_proxy
+  fi
+  LOADED=$shape
+}
 
 # Targets: direct, then mbal and twemproxy once per placement; with one
 # placement they are named mbal/twemproxy (as before), else mbal-cpuN/twemproxy-cpuN.
@@ -115,13 +173,19 @@ scenario() { # name, bench args...
   local name=$1; shift
   [ -n "$ONLY" ] && [[ ",$ONLY," != *",$name,"* ]] && return 0
   echo "== $name: $*" >&2
+  local shape=() a=("$@") i
+  for ((i = 0; i < ${#a[@]}; i++)); do
+    case ${a[i]} in --key-size|--key-size-max|--value-size|--value-size-max) shape+=("${a[i]}" "${a[i+1]}");; esac
+  done
+  load_shape "${shape[@]}"
   for r in $(seq "$RUNS"); do
     for t in "${TARGETS[@]}"; do
       local target=${t%%:*} cpu=${t#*:} port=$SPORT
       if [ "$target" != direct ]; then start_proxy "${target%%-cpu*}" "$cpu"; port=$TPORT; fi
       local c0=0; [ "$target" != direct ] && c0=$(proxy_ticks)
       local g0; g0=$(quota_periods)
-      taskset -c "$CLIENT_CPU" "$BIN" bench --server 127.0.0.1:"$port" --keys "$KEYS" --duration "$SECS" --quiet \
+      target_args "$target" "$port"
+      taskset -c "$CLIENT_CPU" "$BIN" bench "${ADDR[@]}" --keys "$KEYS" --duration "$SECS" --quiet \
         --json "$OUT/$name.$target.$r.json" "$@" >/dev/null
       local c1=0; [ "$target" != direct ] && c1=$(proxy_ticks)
       local g1; g1=$(quota_periods)
@@ -141,6 +205,10 @@ scenario set        --workload uniform --read-ratio 0 --conns 8 --pipeline 16
 scenario lat_get     --workload uniform --read-ratio 1 --conns 1 --pipeline 1
 scenario lat_mget100 --workload uniform --read-ratio 1 --multiget 100 --conns 1 --pipeline 1
 scenario lat_set     --workload uniform --read-ratio 0 --conns 1 --pipeline 1
+# issue 37's two multi-get configurations (the default with BACKENDS > 1)
+scenario mget_8x4    --workload uniform --read-ratio 1 --multiget 100 --conns 8 --pipeline 4 --key-size 16
+scenario mget_fanout --workload uniform --read-ratio 1 --multiget 100 --conns 4 --pipeline 2 \
+  --key-size 10 --key-size-max 24 --value-size 20 --value-size-max 64
 
 QUOTA=$QUOTA SECS=$SECS python3 - "$OUT" "$RUNS" "$HZ" $PROXY_CPUS <<'PY'
 import json, statistics, sys, os
@@ -163,7 +231,8 @@ def periods(n, t, r):
     return [int(x) for x in open(p).read().split()] if os.path.exists(p) else [0, 0]
 for sfx, label in places:
     M, W = "mbal" + sfx, "twemproxy" + sfx
-    if quota and any(load(n, M) for n in ("get", "mget100", "set")):
+    tput = ("get", "mget100", "set", "mget_8x4", "mget_fanout")
+    if quota and any(load(n, M) for n in tput):
         print(f"PER PROXY CORE: each proxy held to {quota}% of one core (CFS quota), medians{label}")
         print("  per core = the client's rate / the proxy's cores used (utime+stime over the run);")
         print("  throttled = quota periods that ended with the proxy throttled; only runs with >= 90% (the proxy")
@@ -171,7 +240,7 @@ for sfx, label in places:
         print("  of mbal/twemproxy per core over the rounds where both runs count (adjacent in time)")
         print(f"{'scenario':10} {'direct':>10} {'mbal':>9} {'twemproxy':>9} {'used mbal':>9} {'twem':>5} "
               f"{'n mbal':>6} {'twem':>4} {'per core mbal':>13} {'twem':>9} {'mbal/twem':>9} {'same-round ratio (range)':>25}")
-        for n in ("get", "mget100", "set"):
+        for n in tput:
             key = "keys_per_sec" if n.startswith("mget") else "ops_per_sec"
             row = {}
             for t in ("direct", M, W):
@@ -201,10 +270,10 @@ for sfx, label in places:
                 print(f"{n:10} {d[0]:10.0f} {m[0]:9.0f} {w[0]:9.0f} {m[1]:9.3f} {w[1]:5.3f} "
                       f"{m[3]:>6} {w[3]:>4} {m[2]:13.0f} {w[2]:9.0f} {m[2]/w[2]:9.2f} {pr}")
         print()
-    if any(load(n, M) for n in ("get", "mget100", "set")):
+    if any(load(n, M) for n in tput):
         print(f"throughput (keys/s for mget100, ops/s otherwise), medians; proxy CPU us per client request{label}")
         print(f"{'scenario':10} {'direct':>10} {'mbal':>10} {'twemproxy':>10} {'mbal/twem':>9} {'cpu us mbal':>11} {'twem':>7} {'per-core ratio':>14}")
-    for n in ("get", "mget100", "set"):
+    for n in tput:
         v, cpu = {}, {}
         for t in ("direct", M, W):
             rows = load(n, t)
@@ -215,7 +284,7 @@ for sfx, label in places:
             cpu[t] = med([ticks / hz / max(d["totals"]["requests"], 1) * 1e6 for d, ticks in rows])
         if len(v) == 3:
             pc = cpu[W] / cpu[M] if cpu[M] else 0
-            print(f"{n:10} {v['direct']:10.0f} {v[M]:10.0f} {v[W]:10.0f} {v[M]/v[W]:9.2f} "
+            print(f"{n:11} {v['direct']:10.0f} {v[M]:10.0f} {v[W]:10.0f} {v[M]/v[W]:9.2f} "
                   f"{cpu[M]:11.2f} {cpu[W]:7.2f} {pc:14.2f}")
     print()
     if not any(load(n, M) for n in ("lat_get", "lat_mget100", "lat_set")):

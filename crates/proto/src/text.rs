@@ -188,7 +188,7 @@ struct KeyIter<'a> {
 /// Where the first space of `s` is, eight bytes at a time (keys are short: a call to a
 /// vectorised search costs more than it finds).
 #[inline]
-fn first_space(s: &[u8]) -> Option<usize> {
+pub fn first_space(s: &[u8]) -> Option<usize> {
     const ONES: u64 = 0x0101_0101_0101_0101;
     let mut at = 0;
     while let Some(w) = s.get(at..at + 8) {

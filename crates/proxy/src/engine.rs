@@ -253,6 +253,10 @@ pub(crate) struct Engine {
     /// again for the next ones, so that a single-key request allocates nothing
     /// in the steady state.
     bufs: Vec<Vec<u8>>,
+    /// Spare multi-get reassemblies (empty, capacity kept), as `bufs`.
+    multis: Vec<Multi>,
+    /// A multi-get's keys as (offset, length) in its key list: the list is parsed once.
+    key_spans: Vec<(u32, u32)>,
     /// The time the last poll returned: request times are taken at round
     /// granularity (one clock read per round).
     now: Instant,
@@ -268,6 +272,29 @@ pub(crate) struct Engine {
 fn lease_seed(thread: usize) -> u64 {
     use std::hash::BuildHasher;
     std::collections::hash_map::RandomState::new().hash_one((std::process::id(), thread))
+}
+
+/// Spare multi-get reassemblies kept for reuse: at most this many, each arena of at most
+/// `SPARE_ARENA` bytes.
+const SPARE_MULTIS: usize = 64;
+const SPARE_ARENA: usize = 256 << 10;
+
+impl Multi {
+    /// A reassembly for `keys` keys, from the spares if there is one.
+    fn take(spares: &mut Vec<Multi>, keys: usize) -> Box<Multi> {
+        let mut m = spares.pop().unwrap_or(Multi { spans: Vec::new(), arena: Vec::new() });
+        m.spans.resize(keys, (0, 0));
+        Box::new(m)
+    }
+
+    /// Keep a finished reassembly for the next multi-get if it is not large.
+    fn recycle(spares: &mut Vec<Multi>, mut m: Multi) {
+        if m.arena.capacity() <= SPARE_ARENA && spares.len() < SPARE_MULTIS {
+            m.spans.clear();
+            m.arena.clear();
+            spares.push(m);
+        }
+    }
 }
 
 /// Keep `b` in `bufs` for reuse if it is small and there is room.
@@ -325,6 +352,8 @@ impl Engine {
             hashes: Vec::new(),
             after: Vec::new(),
             bufs: Vec::new(),
+            multis: Vec::new(),
+            key_spans: Vec::new(),
             now: Instant::now(),
         };
         Ok((e, waker))

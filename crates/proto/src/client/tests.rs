@@ -132,6 +132,9 @@ fn malformed_streams_are_errors() {
         (b"VALUE  \r\n", Expect::Values),
         (b"VALUE a 0 1\r\nx\r\n", Expect::Line),
         (b"VALUE k 0 x\r\n", Expect::Hits),
+        (b"VALUE a 0\r\nx\r\nEND\r\n", Expect::Values),
+        (b"VALUE a 4294967296 1\r\nx\r\nEND\r\n", Expect::Values),
+        (b"VALUE a -1 1\r\nx\r\nEND\r\n", Expect::Values),
         (b"END\r\n", Expect::Line),
         (b"STAT a b\r\n", Expect::Values),
         (b"HELLO\r\n", Expect::Line),
@@ -159,6 +162,12 @@ fn malformed_streams_are_errors() {
         p.feed(&vec![b'x'; MAX_LINE + 1]);
         assert!(p.next(e).is_err(), "endless line");
     }
+}
+
+#[test]
+fn value_lines_take_runs_of_spaces_as_one() {
+    let got = parse_all(b"VALUE  a   4294967295  1  7 \r\nx\r\nVALUE b 0 0\r\n\r\nEND\r\n", &[Expect::Values]);
+    assert_eq!(got, vec![Reply::Values(vec![v("a", u32::MAX, b"x", Some(7)), v("b", 0, b"", None)])]);
 }
 
 #[test]

@@ -109,15 +109,15 @@ impl Engine {
             }
             let r = fill(&mut c.sock, &mut c.rbuf, &mut c.rpos, &mut c.rend);
             match r {
-                Ok(0) => {
+                Ok((0, _)) => {
                     // the client is gone (or half-closed): its replies can no longer matter
                     self.close_client(ci);
                     return;
                 }
-                Ok(n) => {
+                Ok((n, drained)) => {
                     self.counters.bytes_read += n as u64;
                     self.handle_input(ci);
-                    if n < READ_CHUNK / 2 {
+                    if drained {
                         // a short read emptied the socket: the next edge says when there is more
                         return;
                     }
@@ -257,6 +257,13 @@ impl Engine {
         self.mark_client(ci);
     }
 
+    /// A spare buffer (empty) with room for `room` bytes.
+    pub(super) fn spare(&mut self, room: usize) -> Vec<u8> {
+        let mut b = self.bufs.pop().unwrap_or_default();
+        b.reserve(room);
+        b
+    }
+
     /// A copy of `raw` in a spare buffer if there is one.
     pub(super) fn copy_of(&mut self, raw: &[u8]) -> Vec<u8> {
         let mut b = self.bufs.pop().unwrap_or_default();
@@ -293,8 +300,15 @@ impl Engine {
                         }
                         return self.send_hash(hash, inf);
                     }
+                    // one pass over the key list: each key's place in it, and its hash
+                    let all = keys.raw();
                     self.hashes.clear();
-                    self.hashes.extend(keys.iter().map(key_hash));
+                    self.key_spans.clear();
+                    for k in keys.iter() {
+                        let at = k.as_ptr() as usize - all.as_ptr() as usize;
+                        self.key_spans.push((at as u32, k.len() as u32));
+                        self.hashes.push(key_hash(k));
+                    }
                     let mut split = std::mem::take(&mut self.split);
                     self.router.split(self.hashes.iter().copied(), false, &mut split);
                     let groups = split.groups().len() as u32;
@@ -306,17 +320,26 @@ impl Engine {
                         let inf = self.inflight(ci, cid, seq, req, what, false);
                         self.send(owner, inf);
                     } else {
-                        let key_list: Vec<&[u8]> = keys.iter().collect();
+                        let spans = std::mem::take(&mut self.key_spans);
+                        let key = |p: &u32| {
+                            let (at, len) = spans[*p as usize];
+                            &all[at as usize..(at + len) as usize]
+                        };
                         let prefix = get_prefix(cas, touch);
-                        self.clients.get_mut(ci).unwrap().slots.back_mut().unwrap().multi =
-                            Some(Box::new(Multi { spans: vec![(0, 0); key_list.len()], arena: Vec::new() }));
+                        let multi = Multi::take(&mut self.multis, spans.len());
+                        self.clients.get_mut(ci).unwrap().slots.back_mut().unwrap().multi = Some(multi);
                         for g in split.groups() {
                             let positions = split.positions(g).to_vec();
-                            let (req, cursor) = get_line(&prefix, positions.iter().map(|&p| key_list[p as usize]));
+                            // room for the group's share of the key list (a line grown key by key
+                            // reallocates several times)
+                            let room = prefix.len() + all.len() * positions.len() / spans.len() + 32;
+                            let buf = self.spare(room);
+                            let (req, cursor) = get_line(buf, &prefix, positions.iter().map(key));
                             let what = What::Get { positions: Some(positions), cursor };
                             let inf = self.inflight(ci, cid, seq, req, what, false);
                             self.send(g.owner, inf);
                         }
+                        self.key_spans = spans;
                     }
                     self.split = split;
                 }
@@ -532,6 +555,9 @@ impl Engine {
                     c.wend = c.wbuf.len(); // the batch is answered whole
                 }
                 recycle(&mut self.bufs, s.buf);
+                if let Some(m) = s.multi {
+                    Multi::recycle(&mut self.multis, *m);
+                }
             }
             if c.wbuf.len() - c.wpos > EARLY_FLUSH {
                 c.wend = c.wbuf.len();
@@ -628,9 +654,12 @@ pub(super) fn get_prefix(cas: bool, touch: Option<i64>) -> Vec<u8> {
     p
 }
 
-/// A get line for these keys, and the cursor at its first key.
-pub(super) fn get_line<'k>(prefix: &[u8], keys: impl Iterator<Item = &'k [u8]>) -> (Vec<u8>, (u32, u32)) {
-    let mut req = Vec::with_capacity(prefix.len() + 64);
+/// A get line for these keys (written into `req`, empty), and the cursor at its first key.
+pub(super) fn get_line<'k>(
+    mut req: Vec<u8>,
+    prefix: &[u8],
+    keys: impl Iterator<Item = &'k [u8]>,
+) -> (Vec<u8>, (u32, u32)) {
     req.extend_from_slice(prefix);
     for (i, k) in keys.enumerate() {
         if i > 0 {
@@ -650,14 +679,15 @@ pub(super) fn match_key(req: &[u8], positions: &[u32], cursor: &mut (u32, u32), 
     let (mut off, mut idx) = (cursor.0 as usize, cursor.1 as usize);
     while off < end && idx < positions.len() {
         let rest = &req[off..end];
-        let len = rest.iter().position(|&b| b == b' ').unwrap_or(rest.len());
-        let k = &rest[..len];
-        off += len + 1;
-        idx += 1;
-        if k == key {
-            *cursor = (off as u32, idx as u32);
-            return Some(positions[idx - 1]);
+        // Values come back in the order asked, hits only: the key at the cursor is most often
+        // the one answered, and that takes one comparison, not a scan for its end.
+        if rest.starts_with(key) && rest.get(key.len()).is_none_or(|&b| b == b' ') {
+            *cursor = ((off + key.len() + 1) as u32, (idx + 1) as u32);
+            return Some(positions[idx]);
         }
+        // a miss: skip that key
+        off += mbal_proto::text::first_space(rest).unwrap_or(rest.len()) + 1;
+        idx += 1;
     }
     None
 }
@@ -669,7 +699,7 @@ mod tests {
     #[test]
     fn get_lines_and_key_matching() {
         let keys: [&[u8]; 4] = [b"a", b"bb", b"a", b"c"];
-        let (req, mut cur) = get_line(&get_prefix(false, Some(-5)), keys.iter().copied());
+        let (req, mut cur) = get_line(Vec::new(), &get_prefix(false, Some(-5)), keys.iter().copied());
         assert_eq!(req, b"gat -5 a bb a c\r\n");
         let pos = [7, 9, 10, 12];
         // a hit on the second "a" and on "c": "a" at 7 is taken first (same bytes)
@@ -677,7 +707,7 @@ mod tests {
         assert_eq!(match_key(&req, &pos, &mut cur, b"a"), Some(10));
         assert_eq!(match_key(&req, &pos, &mut cur, b"c"), Some(12));
         assert_eq!(match_key(&req, &pos, &mut cur, b"c"), None, "no key left");
-        let (req, mut cur) = get_line(&get_prefix(true, None), [&b"x"[..]].into_iter());
+        let (req, mut cur) = get_line(Vec::new(), &get_prefix(true, None), [&b"x"[..]].into_iter());
         assert_eq!(req, b"gets x\r\n");
         assert_eq!(match_key(&req, &[3], &mut cur, b"y"), None);
     }

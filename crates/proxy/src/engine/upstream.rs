@@ -366,7 +366,7 @@ impl Engine {
         let Some(s) = slot_mut(&mut self.clients, inf.client, inf.cid, inf.seq) else { return };
         if s.multi.is_none() {
             // it was the whole request: from now on, values go by position
-            s.multi = Some(Box::new(Multi { spans: vec![(0, 0); key_list.len()], arena: Vec::new() }));
+            s.multi = Some(Multi::take(&mut self.multis, key_list.len()));
         }
         let mut split = std::mem::take(&mut self.split);
         self.router.split(self.hashes.iter().copied(), true, &mut split);
@@ -374,7 +374,7 @@ impl Engine {
         let prefix = get_prefix(cas, touch);
         for g in split.groups() {
             let idx = split.positions(g);
-            let (req, cursor) = get_line(&prefix, idx.iter().map(|&i| key_list[i as usize]));
+            let (req, cursor) = get_line(Vec::new(), &prefix, idx.iter().map(|&i| key_list[i as usize]));
             let pos: Vec<u32> = idx.iter().map(|&i| positions[i as usize]).collect();
             let mut next =
                 self.inflight(inf.client, inf.cid, inf.seq, req, What::Get { positions: Some(pos), cursor }, false);
@@ -551,12 +551,12 @@ impl Engine {
             loop {
                 let r = fill(sock, &mut u.rbuf, &mut u.rpos, &mut u.rend);
                 match r {
-                    Ok(0) => {
+                    Ok((0, _)) => {
                         broken = true;
                         break;
                     }
-                    Ok(n) if n < READ_CHUNK / 2 => break,
-                    Ok(_) => {}
+                    Ok((_, true)) => break,
+                    Ok((_, false)) => {}
                     Err(e) if would_block(&e) => break,
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                     Err(_) => {
@@ -856,13 +856,17 @@ impl Engine {
 /// Read once into `buf[end..]`, first making room: the unread bytes
 /// `buf[pos..end]` move to the front when the free tail is short, and the
 /// buffer grows only when they fill most of it (so it is zero-filled once,
-/// not on every read).
+/// not on every read). Returns the bytes read and whether that emptied the
+/// socket: a read that did not fill the room it was given (for TCP the
+/// receive queue is empty; a TLS [`Stream`] reads until the socket would
+/// block), so the caller waits for the next readable edge instead of
+/// reading again for an EAGAIN.
 pub(super) fn fill(
     sock: &mut Stream<TcpStream>,
     buf: &mut Vec<u8>,
     pos: &mut usize,
     end: &mut usize,
-) -> io::Result<usize> {
+) -> io::Result<(usize, bool)> {
     if *pos == *end {
         *pos = 0;
         *end = 0;
@@ -878,7 +882,8 @@ pub(super) fn fill(
             buf.resize(grow, 0);
         }
     }
+    let room = buf.len() - *end;
     let n = sock.read(&mut buf[*end..])?;
     *end += n;
-    Ok(n)
+    Ok((n, n < room))
 }

@@ -316,8 +316,12 @@ for i in range(N):
         assert c.get(f"k{i}") == f"v{i}".encode(), i
 stats = c.stats()
 assert stats[b"proxy_maps_installed"] >= 1, stats
+# the maps came from the coordinator (over TLS, named in the cluster file), not from a server
+assert int(stats[b"proxy_map_coordinator_fetches"]) >= 1, stats
+assert int(stats[b"proxy_map_coordinator_failures"]) == 0, stats
 print(f"ok: {len(after)}/{N} keys lost with the dead server, the rest read back;"
-      f" writes stored after {rounds} round(s); unreachable misses {stats[b'proxy_unreachable_misses']}")
+      f" writes stored after {rounds} round(s); unreachable misses {stats[b'proxy_unreachable_misses']};"
+      f" map fetches from the coordinator {stats[b'proxy_map_coordinator_fetches']}")
 EOF
 cat "$WORK/client-after.log"
 wait_for "the coordinator listing server $victim as down" 5 down

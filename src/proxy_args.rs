@@ -19,6 +19,12 @@ pub(crate) struct ProxyArgs {
     /// Any server of the cluster: the map is fetched from it with `mbal map`
     #[arg(long)]
     pub server: Option<SocketAddr>,
+    /// The cluster's coordinators (comma-separated or repeated): the map is fetched from them,
+    /// at the start and whenever it is needed (a server failed, a redirect named a newer
+    /// epoch), and from a server only when none answers [default with --cluster: the
+    /// cluster file's coordinators]
+    #[arg(long, value_delimiter = ',')]
+    pub coordinator: Vec<SocketAddr>,
     /// TCP port to listen on
     #[arg(short = 'p', long = "port", default_value_t = 11211)]
     pub port: u16,
@@ -100,7 +106,34 @@ impl ProxyArgs {
             }
             (None, None) => bail!("give --cluster FILE or --server HOST:PORT"),
         };
-        let (tls_files, notes) = crate::server_args::ServerArgs::proxy_tls(self.enable_ssl, &self.extended)?;
+        let (tls_files, mut notes) = crate::server_args::ServerArgs::proxy_tls(self.enable_ssl, &self.extended)?;
+        let mut map = map;
+        let mut addrs = self.coordinator.clone();
+        if addrs.is_empty() {
+            if let Some(p) = &self.cluster {
+                addrs = mbal_member::ClusterFile::load(p).map_err(anyhow::Error::msg)?.spec.coordinators;
+            }
+        }
+        let coordinators = (!addrs.is_empty()).then(|| mbal_proxy::coord::Coordinators {
+            addrs,
+            tls: upstream_tls.clone(),
+            timeout: Duration::from_millis(self.upstream_timeout_ms.max(1)),
+        });
+        if let Some(c) = &coordinators {
+            // The coordinator's map is the cluster's: newer than the file's initial one.
+            let fetched = c
+                .fetch()
+                .map_err(|e| e.to_string())
+                .and_then(|json| ClusterMap::from_json(&String::from_utf8_lossy(&json)));
+            match fetched {
+                Ok(m) if m.epoch() >= map.epoch() => map = m,
+                Ok(_) => {}
+                Err(e) => notes.push(format!(
+                    "no coordinator answered mbal map ({e}): starting from the {} map",
+                    if self.cluster.is_some() { "cluster file's" } else { "server's" }
+                )),
+            }
+        }
         let tls = match tls_files {
             Some(f) => Some(std::sync::Arc::new(mbal_tls::ServerTls::new(f).map_err(|e| anyhow::anyhow!("TLS: {e}"))?)),
             None => None,
@@ -128,6 +161,7 @@ impl ProxyArgs {
                 user,
                 timeout: Duration::from_millis(self.upstream_timeout_ms),
             },
+            coordinators,
             ..Config::new(SocketAddr::new(ip, self.port))
         };
         Ok((cfg, map, notes))

@@ -225,15 +225,9 @@ fn a_killed_source_leaves_misses_at_the_new_owner_never_an_old_value() {
     assert_eq!(d.get(&items[0]).unwrap().as_deref(), Some("again"));
 }
 
-/// Issue 34's finding (scripts/fault-migrate.py seed 316): a proxy whose map predates a move's
-/// commit, when the old owner then dies, must not answer the moved cachelet's reads as misses
-/// (`unreachable`) while the new owner is alive and holds them: the failed requests wait for
-/// the map fetch the failure starts and go to the new owner (`proxy_unreachable_waits`).
-#[test]
-fn a_proxy_behind_a_commit_finds_the_moved_cachelet_when_the_old_owner_dies() {
+/// `mbal proxy --cluster FILE` on loopback (`-t 1`): its address, and the process (killed on drop).
+fn proxy_of(file: &std::path::Path) -> (SocketAddr, common::Kill) {
     use std::io::{BufRead, BufReader};
-    let c = up_mem(2, 16, &[]);
-    let file = c._dir.path().join("cluster.toml");
     let mut child = common::mbal()
         .args(["proxy", "--cluster", file.to_str().unwrap(), "-l", "127.0.0.1", "-p", "0", "-t", "1", "--print-ports"])
         .stdout(std::process::Stdio::piped())
@@ -242,9 +236,53 @@ fn a_proxy_behind_a_commit_finds_the_moved_cachelet_when_the_old_owner_dies() {
         .expect("mbal proxy");
     let mut line = String::new();
     BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let _proxy = common::Kill(child);
     let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"));
-    let proxy: SocketAddr = v["main"].as_str().unwrap().parse().unwrap();
+    (v["main"].as_str().unwrap().parse().unwrap(), common::Kill(child))
+}
+
+/// Issue 34's finding (scripts/fault-migrate.py seed 305): after a commit, a server that took
+/// no part in the move hears of the new epoch only at its next heartbeat (here 1 s away). A
+/// proxy whose map predates the commit, when the old owner then dies, fetches the map from
+/// the coordinator (the cluster file names it), not from that server: the moved cachelet's
+/// reads go to the new owner at once instead of being answered as misses.
+#[test]
+fn a_proxy_fetches_the_map_from_the_coordinator_not_from_a_server_a_beat_behind() {
+    let slow_beats = [
+        "--coordinator-arg=--beat-ms=1000",
+        "--coordinator-arg=--lease-ms=4000",
+        "--coordinator-arg=--failure-timeout-ms=6000",
+    ];
+    let c = up_mem(3, 16, &slow_beats);
+    let (proxy, _proxy) = proxy_of(&c._dir.path().join("cluster.toml"));
+    let map0 = Conn::new(c.coordinator).map();
+    let cl = map0.cachelets_of(0, 0)[0];
+    let keys = keys_of(&map0, cl, 20, "q");
+    let mut p = Conn::new(proxy);
+    for k in &keys {
+        assert_eq!(p.set(k, "v1"), "STORED");
+    }
+    // server 0 -> server 2; server 1 takes no part
+    let mut m = Conn::new(c.servers[0].0);
+    m.s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    m.s.write_all(format!("mbal migrate {cl} 2 0\r\n").as_bytes()).unwrap();
+    let answer = m.line();
+    assert!(answer.starts_with(&format!("MIGRATED {cl} ")), "{answer}");
+    signal(c.servers[0].1, libc::SIGKILL);
+    for k in &keys {
+        assert_eq!(p.get(k).unwrap().as_deref(), Some("v1"), "{k} through the proxy: the new owner is alive");
+    }
+    let fetched: u64 = p.stat("proxy_map_coordinator_fetches").parse().unwrap();
+    assert!(fetched >= 1, "the map came from the coordinator ({fetched} fetches there)");
+}
+
+/// Issue 34's finding (scripts/fault-migrate.py seed 316): a proxy whose map predates a move's
+/// commit, when the old owner then dies, must not answer the moved cachelet's reads as misses
+/// (`unreachable`) while the new owner is alive and holds them: the failed requests wait for
+/// the map fetch the failure starts and go to the new owner (`proxy_unreachable_waits`).
+#[test]
+fn a_proxy_behind_a_commit_finds_the_moved_cachelet_when_the_old_owner_dies() {
+    let c = up_mem(2, 16, &[]);
+    let (proxy, _proxy) = proxy_of(&c._dir.path().join("cluster.toml"));
     let map0 = Conn::new(c.coordinator).map();
     let cl = map0.cachelets_of(0, 0)[0];
     let keys = keys_of(&map0, cl, 20, "p");

@@ -37,6 +37,14 @@ const SPARE_CAP: usize = 4096;
 const EARLY_FLUSH: usize = 32 << 10;
 const BACKOFF_MIN: Duration = Duration::from_millis(10);
 const BACKOFF_MAX: Duration = Duration::from_secs(1);
+/// Where a map fetch goes when no coordinator answered it: the one a server failure starts
+/// (another server than the failed one), or the one a redirect starts (the redirecting worker).
+#[derive(Clone, Copy, Debug)]
+enum MapFallback {
+    Refresh(u16),
+    From(Owner),
+}
+
 /// The "worker" of a server's binary upstream: a plain connection to its
 /// main port, where the server passes each request to the owning worker
 /// itself (binary connections do not opt in to routing).
@@ -241,6 +249,10 @@ pub(crate) struct Engine {
     /// Requests for a server that could not be reached, waiting for the map fetch in
     /// flight (`wait_for_map`): sent again on the map it brings, or answered as unreachable.
     waiting_map: Vec<Inflight>,
+    /// The coordinators' map fetcher (`--coordinator`, or the cluster file's), and what to
+    /// fetch from a server instead if no coordinator answers the fetch in flight.
+    coord: Option<crate::coord::Fetcher>,
+    coord_fallback: Option<MapFallback>,
     /// Servers that could not be reached, their backoff, and when to refresh the map
     /// (shared with the routing client).
     health: Health,
@@ -324,7 +336,13 @@ impl Engine {
         let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
         let limits = Limits { max_item_size: cfg.max_item_size, ..Limits::default() };
         let (dialed_tx, dialed_rx) = std::sync::mpsc::channel();
+        let coord = match &cfg.coordinators {
+            Some(c) if !c.addrs.is_empty() => Some(crate::coord::Fetcher::start(id, c.clone(), waker.clone())?),
+            _ => None,
+        };
         let e = Engine {
+            coord,
+            coord_fallback: None,
             dialed_tx,
             dialed_rx,
             waker: waker.clone(),
@@ -399,6 +417,7 @@ impl Engine {
                 }
             }
             self.take_dialed();
+            self.take_coordinator_map();
             self.check_timeouts();
             while let Some(ci) = self.resume.pop() {
                 self.read_client(ci);

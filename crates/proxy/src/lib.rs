@@ -60,12 +60,17 @@
 //!   failure and each failed retry fetch the map from another server
 //!   (`mbal map`, on its upstream: nothing blocks the loop; one fetch at a
 //!   time per thread) and install it if it is newer.
+//! * **The coordinator.** With coordinators named ([`Config::coordinators`]),
+//!   every map fetch asks them first, on a helper thread per proxy thread
+//!   ([`coord`]): a server can be a heartbeat behind the coordinator's epoch
+//!   just after a commit. None answering: a server's map, as above.
 //! * **Failure.** An upstream that sends a reply the codec rejects, or whose
 //!   TLS handshake or login is refused, is dropped: every request in flight
 //!   on it is answered `SERVER_ERROR upstream ...`; requests routed to it
 //!   during its backoff (starting at 10 ms, doubling up to 1 s) are answered
 //!   the same at once, and the first request after the backoff reconnects.
 
+pub mod coord;
 mod engine;
 pub mod stats;
 
@@ -98,6 +103,8 @@ pub struct Config {
     /// `[tls]`) and the login (`--user`); plain TCP by default. Its timeout
     /// bounds a TLS connect, handshake and login, which block the thread.
     pub dialer: mbal_member::dial::Dialer,
+    /// The coordinators the map is fetched from (see [`coord`]); `None`: from the servers.
+    pub coordinators: Option<coord::Coordinators>,
 }
 
 impl Config {
@@ -112,6 +119,7 @@ impl Config {
             max_pending: 1024,
             tls: None,
             dialer: mbal_member::dial::Dialer::plain(Duration::from_millis(1000)),
+            coordinators: None,
         }
     }
 }

@@ -148,6 +148,10 @@ pub struct Counters {
     /// installed (from those or from redirects).
     pub map_refreshes: u64,
     pub maps_installed: u64,
+    /// Map fetches asked of the coordinators (also in `map_fetches`), and those no coordinator
+    /// answered (then a server's map was fetched).
+    pub map_coordinator_fetches: u64,
+    pub map_coordinator_failures: u64,
     pub bytes_read: u64,
     pub bytes_written: u64,
 }
@@ -171,6 +175,8 @@ impl Counters {
         self.unreachable_waits += o.unreachable_waits;
         self.map_refreshes += o.map_refreshes;
         self.maps_installed += o.maps_installed;
+        self.map_coordinator_fetches += o.map_coordinator_fetches;
+        self.map_coordinator_failures += o.map_coordinator_failures;
         self.bytes_read += o.bytes_read;
         self.bytes_written += o.bytes_written;
     }
@@ -280,6 +286,8 @@ impl Shared {
         stat("proxy_unreachable_waits", &c.unreachable_waits);
         stat("proxy_map_refreshes", &c.map_refreshes);
         stat("proxy_maps_installed", &c.maps_installed);
+        stat("proxy_map_coordinator_fetches", &c.map_coordinator_fetches);
+        stat("proxy_map_coordinator_failures", &c.map_coordinator_failures);
         stat("proxy_map_epoch", &all.map_epoch);
         out.extend_from_slice(s.as_bytes());
         out.extend_from_slice(b"END\r\n");

@@ -875,6 +875,19 @@ fn a_dead_servers_keys_are_misses_and_its_writes_errors() {
 /// the proxy's map gives half of the cachelets to a second server where nothing listens.
 #[test]
 fn after_a_failure_the_proxy_refreshes_the_map_from_another_server() {
+    refresh_after_a_failure(None);
+}
+
+/// The same with a coordinator named that does not answer: each fetch asks it first, then
+/// falls back to a server's map.
+#[test]
+fn with_its_coordinator_gone_the_proxy_refreshes_the_map_from_a_server() {
+    let gone = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap(); // closed again
+    let coords = mbal_proxy::coord::Coordinators { addrs: vec![gone], tls: None, timeout: Duration::from_millis(500) };
+    refresh_after_a_failure(Some(coords));
+}
+
+fn refresh_after_a_failure(coordinators: Option<mbal_proxy::coord::Coordinators>) {
     let _serial = serial();
     let cl = Cluster::start(1);
     let live = cl.map();
@@ -883,13 +896,25 @@ fn after_a_failure_the_proxy_refreshes_the_map_from_another_server() {
     let mut servers = live.servers().to_vec();
     servers.push(mbal_cluster::ServerInfo { main: dead, workers: vec![dead; WORKERS as usize] });
     let map = ClusterMap::new(live.keyspace().clone(), owners, servers);
-    let p = proxy(map.clone(), 1, 2000);
+    let with_coordinator = coordinators.is_some();
+    let cfg = Config {
+        threads: 1,
+        upstream_timeout: Duration::from_millis(2000),
+        coordinators,
+        ..Config::new("127.0.0.1:0".parse().unwrap())
+    };
+    let p = mbal_proxy::start(cfg, map.clone()).expect("proxy starts");
     let kd: Vec<String> =
         (0..).map(|i| format!("d{i}")).filter(|k| map.route(key_hash(k.as_bytes())).1 == 1).take(4).collect();
     let mut c = Conn::open(p.addr);
     assert_eq!(c.cmd_values(&format!("get {}\r\n", kd[0])), Ok(vec![]), "a miss");
     let g = stats(&mut c, "");
     assert_eq!((stat(&g, "proxy_unreachable"), stat(&g, "proxy_map_refreshes")), (1, 1), "{g:?}");
+    if with_coordinator {
+        // asked first, did not answer; the server's map was fetched instead (the wait above)
+        let (asked, failed) = (stat(&g, "proxy_map_coordinator_fetches"), stat(&g, "proxy_map_coordinator_failures"));
+        assert!(asked >= 1 && failed == asked, "{g:?}");
+    }
     // the cluster reassigns: the live server's map gets newer
     let c0 = live.cachelets_of(0, 0)[0];
     let mut admin = Conn::open(cl.addr(0));

@@ -472,12 +472,88 @@ impl Engine {
         if self.fetching_map {
             return;
         }
+        if self.coord.is_some() {
+            self.counters.map_refreshes += 1;
+            return self.fetch_from_coordinators(MapFallback::Refresh(failed));
+        }
+        self.refresh_from_server(failed);
+    }
+
+    /// [`Engine::refresh_map`] from a live server other than `failed` (none live: no fetch).
+    fn refresh_from_server(&mut self, failed: u16) {
         let Some(src) = self.health.map_source(self.router.map(), failed, self.now) else { return };
         self.fetching_map = true;
         self.counters.map_fetches += 1;
-        self.counters.map_refreshes += 1;
+        if self.coord.is_none() {
+            self.counters.map_refreshes += 1; // counted once, by `refresh_map`, with a coordinator
+        }
         let inf = self.inflight(usize::MAX, 0, 0, b"mbal map\r\n".to_vec(), What::Map, false);
         self.send((src, 0), inf);
+    }
+
+    /// Ask the coordinators for the map (`crate::coord`): the cluster's newest, which a server
+    /// may hear of only at its next heartbeat. If the helper is gone, the fallback now.
+    fn fetch_from_coordinators(&mut self, fallback: MapFallback) {
+        if self.coord.as_ref().is_some_and(|c| c.ask()) {
+            self.fetching_map = true;
+            self.counters.map_fetches += 1;
+            self.counters.map_coordinator_fetches += 1;
+            self.coord_fallback = Some(fallback);
+        } else {
+            self.coord = None;
+            self.map_fallback(fallback);
+        }
+    }
+
+    fn map_fallback(&mut self, fallback: MapFallback) {
+        match fallback {
+            MapFallback::Refresh(failed) => self.refresh_from_server(failed),
+            MapFallback::From(owner) => self.fetch_from_owner(owner),
+        }
+    }
+
+    /// The coordinators' answers: a map is installed if newer (and what waited for it goes on
+    /// it); none answered: the map is fetched from a server instead.
+    pub(super) fn take_coordinator_map(&mut self) {
+        let Some(c) = &self.coord else { return };
+        let answers: Vec<Option<Vec<u8>>> = c.answers.try_iter().collect();
+        for got in answers {
+            self.fetching_map = false;
+            let fallback = self.coord_fallback.take();
+            match got {
+                Some(json) => {
+                    self.install_map_json(&json, "the coordinator");
+                    self.resume_waiting_map();
+                }
+                None => {
+                    self.counters.map_coordinator_failures += 1;
+                    if let Some(f) = fallback {
+                        self.map_fallback(f);
+                    }
+                    if !self.fetching_map {
+                        self.resume_waiting_map();
+                    }
+                }
+            }
+        }
+    }
+
+    /// Install a fetched map's JSON if it is newer than the router's (`from`: for the log).
+    fn install_map_json(&mut self, json: &[u8], from: &str) {
+        match ClusterMap::from_json(&String::from_utf8_lossy(json)) {
+            Ok(m) => {
+                let old = self.router.map().servers().to_vec();
+                match self.router.install_map(m) {
+                    Ok(true) => {
+                        self.counters.maps_installed += 1;
+                        self.health.map_changed(&old, self.router.map().servers());
+                    }
+                    Ok(false) => {}
+                    Err(e) => tracing::warn!("proxy: map from {from}: {e}"),
+                }
+            }
+            Err(e) => tracing::warn!("proxy: bad map from {from}: {e}"),
+        }
     }
 
     /// Answer a request with an error line (its slot's whole reply); a read
@@ -716,20 +792,8 @@ impl Engine {
                 After::Resend(inf) => self.redirected(owner, inf),
                 After::InstallMap(json) => {
                     self.fetching_map = false;
-                    match ClusterMap::from_json(&String::from_utf8_lossy(&json)) {
-                        Ok(m) => {
-                            let old = self.router.map().servers().to_vec();
-                            match self.router.install_map(m) {
-                                Ok(true) => {
-                                    self.counters.maps_installed += 1;
-                                    self.health.map_changed(&old, self.router.map().servers());
-                                }
-                                Ok(false) => {}
-                                Err(e) => tracing::warn!("proxy: map from {}: {e}", self.ups[ui].addr),
-                            }
-                        }
-                        Err(e) => tracing::warn!("proxy: bad map from {}: {e}", self.ups[ui].addr),
-                    }
+                    let from = self.ups[ui].addr_s.clone();
+                    self.install_map_json(&json, &from);
                     self.resume_waiting_map();
                 }
                 After::UpstreamBroken(why) => {
@@ -846,6 +910,14 @@ impl Engine {
         if self.fetching_map {
             return;
         }
+        if self.coord.is_some() {
+            return self.fetch_from_coordinators(MapFallback::From(owner));
+        }
+        self.fetch_from_owner(owner);
+    }
+
+    /// `mbal map` from the worker `owner` (the one whose redirect named a newer epoch).
+    fn fetch_from_owner(&mut self, owner: Owner) {
         self.fetching_map = true;
         self.counters.map_fetches += 1;
         let inf = self.inflight(usize::MAX, 0, 0, b"mbal map\r\n".to_vec(), What::Map, false);

@@ -165,8 +165,10 @@ pub struct ClusterView {
     /// This server's index.
     pub server: u16,
     pub servers: u16,
-    /// Workers per server.
+    /// This server's workers.
     pub workers: u16,
+    /// Every server's workers together (servers may differ in size).
+    pub cluster_workers: u32,
     /// The cluster's mean load per worker (requests/s), when known (the
     /// server follows the other servers' epochs); else this server's mean
     /// stands for it.
@@ -174,15 +176,20 @@ pub struct ClusterView {
 }
 
 impl ClusterView {
+    /// A cluster of `servers` servers of `workers` workers each.
+    pub const fn uniform(server: u16, servers: u16, workers: u16, avg_load: Option<f64>) -> ClusterView {
+        ClusterView { server, servers, workers, cluster_workers: servers as u32 * workers as u32, avg_load }
+    }
+
     /// n, the cluster's workers.
     pub fn n(&self) -> usize {
-        usize::from(self.servers) * usize::from(self.workers)
+        self.cluster_workers as usize
     }
 
     /// The most copies a key can have: home plus one on every worker of
     /// every other server.
     pub fn max_copies(&self) -> u32 {
-        1 + u32::from(self.servers.saturating_sub(1)) * u32::from(self.workers)
+        1 + self.cluster_workers.saturating_sub(u32::from(self.workers))
     }
 }
 

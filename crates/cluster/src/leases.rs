@@ -122,8 +122,8 @@ impl Leases {
             return self.live.get(&hash).copied();
         }
         let servers = map.servers().len() as u16;
-        let workers = map.servers()[home.0 as usize].workers.len() as u16;
-        let most = u32::from(servers.saturating_sub(1)) * u32::from(workers);
+        let workers_of = |s: u16| map.servers()[usize::from(s)].workers.len() as u16;
+        let most = crate::most_replicas(home.0, servers, workers_of);
         let replicas = replicas.min(most);
         if replicas == 0 || lease_ms == 0 {
             self.end(hash);
@@ -137,7 +137,7 @@ impl Leases {
         let number = self.granted;
         self.granted += 1;
         let copy = (mix(self.seed ^ mix(hash ^ mix(number))) % (u64::from(replicas) + 1)) as u32;
-        let at = replica_location(hash, copy, home, servers, workers).unwrap_or(home);
+        let at = replica_location(hash, copy, home, servers, workers_of).unwrap_or(home);
         let until = now.checked_add(Duration::from_millis(lease_ms)).unwrap_or(now + Duration::from_secs(1 << 32));
         let lease = Lease { home, replicas, copy, at, until, number };
         self.live.insert(hash, lease);

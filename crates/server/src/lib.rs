@@ -314,7 +314,7 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
     let start = Instant::now();
     let (life, ended) = life::Life::new(workers);
     let shared = Arc::new(Shared {
-        members: std::sync::RwLock::new(map.servers().iter().map(|s| s.main).collect()),
+        members: std::sync::RwLock::new(map.servers().iter().map(|s| (s.main, s.workers.len() as u16)).collect()),
         layout: layout.clone(),
         server_id,
         epoch: AtomicU64::new(epoch),

@@ -19,11 +19,14 @@ use std::time::Instant;
 /// close and shutdown only.
 pub(crate) struct Shared {
     pub settings: Settings,
-    /// Each server's main address, by id, as the newest map has them (servers join under a
-    /// coordinator): for the threads that dial other servers (the replicator, the slot asks).
-    /// A lock, not a message: only those threads read it, once per connection they open, and
-    /// the controller writes it when it installs a map.
-    pub members: std::sync::RwLock<Vec<std::net::SocketAddr>>,
+    /// Each server's main address and worker count, by id, as the newest map has them
+    /// (servers join under a coordinator): for the threads that dial other servers (the
+    /// replicator, the slot asks), and for where a hot key's copies live (`worker/hot.rs`
+    /// `copies`: the rule clients apply to the map). A lock, not a message: those threads
+    /// read it once per connection they open, workers once per hot-key replication or write
+    /// to a replicated key (never on a plain GET/SET), and the controller writes it when it
+    /// installs a map.
+    pub members: std::sync::RwLock<Vec<(std::net::SocketAddr, u16)>>,
     /// VN -> cachelet (fixed for the cluster's life). Owners are in `map`
     /// (and each worker's `Tables`).
     pub layout: KeySpace,
@@ -114,7 +117,7 @@ pub(crate) struct CoordFigures {
 impl Shared {
     /// Server `id`'s main address in the newest map.
     pub fn member_addr(&self, id: u16) -> Option<std::net::SocketAddr> {
-        self.members.read().unwrap_or_else(|p| p.into_inner()).get(usize::from(id)).copied()
+        self.members.read().unwrap_or_else(|p| p.into_inner()).get(usize::from(id)).map(|m| m.0)
     }
 }
 

@@ -220,7 +220,7 @@ fn members_copy_hot_keys_and_forward_over_tls_with_the_cluster_secret() {
     assert_eq!(c0.cmd(&format!("set {k0} 0 0 3\r\nhot\r\n")), "STORED\r\n");
     c0.peer();
     assert_eq!(c0.cmd(&format!("mbal debug hot {k0} 1\r\n")), "OK\r\n");
-    let (s, cw) = replica_location(key_hash(k0.as_bytes()), 1, (0, w), 2, WORKERS).unwrap();
+    let (s, cw) = replica_location(key_hash(k0.as_bytes()), 1, (0, w), 2, |_| WORKERS).unwrap();
     assert_eq!(s, 1);
     // Read the copy at the shadow worker: a member's connection, logged in
     // with `mbal peer` alone (no -Y login), handed to the shadow worker.

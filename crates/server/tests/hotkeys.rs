@@ -70,7 +70,7 @@ impl Cluster {
 
     fn copies(&self, key: &str, home: (u16, u16), n: u32) -> Vec<(u16, u16)> {
         let servers = self.spec.servers.len() as u16;
-        (1..=n).map(|i| replica_location(key_hash(key.as_bytes()), i, home, servers, WORKERS).unwrap()).collect()
+        (1..=n).map(|i| replica_location(key_hash(key.as_bytes()), i, home, servers, |_| WORKERS).unwrap()).collect()
     }
 }
 

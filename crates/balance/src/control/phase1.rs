@@ -108,6 +108,7 @@ impl<R: Clone> ControlCore<R> {
             server: self.settings.server,
             servers: self.map.servers().len() as u16,
             workers: self.settings.workers,
+            cluster_workers: self.map.servers().iter().map(|s| s.workers.len() as u32).sum(),
             avg_load,
         }
     }
@@ -276,9 +277,12 @@ impl<R: Clone> ControlCore<R> {
     /// Where a key's copies live.
     fn copies(&self, key: &[u8], m: &HotMeta<R>) -> Vec<(u16, u16)> {
         let hash = mbal_cluster::key_hash(key);
-        let (servers, workers) = (self.map.servers().len() as u16, self.settings.workers);
+        let servers = self.map.servers().len() as u16;
+        let workers_of = |s: u16| self.map.servers()[usize::from(s)].workers.len() as u16;
         (1..=m.replicas)
-            .filter_map(|i| mbal_cluster::replica_location(hash, i, (self.settings.server, m.worker), servers, workers))
+            .filter_map(|i| {
+                mbal_cluster::replica_location(hash, i, (self.settings.server, m.worker), servers, workers_of)
+            })
             .collect()
     }
 

@@ -82,23 +82,47 @@ proptest::proptest! {
         let most = u32::from(servers - 1) * u32::from(workers);
         let mut seen = std::collections::HashSet::new();
         for i in 1..=most {
-            let at = replica_location(hash, i, home, servers, workers).expect("in range");
+            let at = replica_location(hash, i, home, servers, |_| workers).expect("in range");
             proptest::prop_assert_ne!(at.0, home.0, "replica {} on the home server", i);
             proptest::prop_assert!(at.0 < servers && at.1 < workers);
-            proptest::prop_assert_eq!(Some(at), replica_location(hash, i, home, servers, workers));
+            proptest::prop_assert_eq!(Some(at), replica_location(hash, i, home, servers, |_| workers));
             proptest::prop_assert!(seen.insert(at), "replica {} repeats {:?}", i, at);
             if i < u32::from(servers) {
                 proptest::prop_assert!(seen.iter().filter(|s| s.0 == at.0).count() == 1);
             }
         }
-        proptest::prop_assert_eq!(replica_location(hash, 0, home, servers, workers), None);
-        proptest::prop_assert_eq!(replica_location(hash, most + 1, home, servers, workers), None);
+        proptest::prop_assert_eq!(replica_location(hash, 0, home, servers, |_| workers), None);
+        proptest::prop_assert_eq!(replica_location(hash, most + 1, home, servers, |_| workers), None);
+    }
+
+    /// Servers of different sizes (a server that joined with more or fewer workers): every
+    /// replica is on another server, at a worker that server has, no two at one worker, and
+    /// as many places as the other servers have workers.
+    #[test]
+    fn placement_fits_servers_of_different_sizes(
+        hash in proptest::num::u64::ANY,
+        sizes in proptest::collection::vec(1u16..6, 2..12),
+        home_s in 0u16..12,
+    ) {
+        let servers = sizes.len() as u16;
+        let workers_of = |s: u16| sizes[usize::from(s)];
+        let home = (home_s % servers, 0);
+        let most = mbal_cluster::most_replicas(home.0, servers, workers_of);
+        let max = u32::from(*sizes.iter().max().unwrap()) * u32::from(servers - 1);
+        let mut seen = std::collections::HashSet::new();
+        for i in 1..=max {
+            let Some(at) = replica_location(hash, i, home, servers, workers_of) else { continue };
+            proptest::prop_assert_ne!(at.0, home.0);
+            proptest::prop_assert!(at.1 < workers_of(at.0), "replica {} at {:?}: no such worker", i, at);
+            proptest::prop_assert!(seen.insert(at), "replica {} repeats {:?}", i, at);
+        }
+        proptest::prop_assert_eq!(seen.len() as u32, most, "every worker of the other servers, once");
     }
 }
 
 #[test]
 fn no_placement_without_another_server() {
-    assert_eq!(replica_location(42, 1, (0, 0), 1, 4), None);
+    assert_eq!(replica_location(42, 1, (0, 0), 1, |_| 4), None);
 }
 
 #[test]
@@ -106,7 +130,7 @@ fn placement_spreads_over_servers() {
     // Replica 1 of many keys homed on server 0 lands evenly on 1..8.
     let mut counts = [0u32; 8];
     for k in 0..8000u64 {
-        let (s, _) = replica_location(k.wrapping_mul(0x9E37_79B9), 1, (0, 0), 8, 2).unwrap();
+        let (s, _) = replica_location(k.wrapping_mul(0x9E37_79B9), 1, (0, 0), 8, |_| 2).unwrap();
         counts[usize::from(s)] += 1;
     }
     assert_eq!(counts[0], 0);
@@ -165,7 +189,7 @@ fn snapshot(seq: u64, loads: &[f64]) -> EpochSnapshot {
     }
 }
 
-const VIEW: ClusterView = ClusterView { server: 0, servers: 8, workers: 2, avg_load: Some(1000.0) };
+const VIEW: ClusterView = ClusterView::uniform(0, 8, 2, Some(1000.0));
 
 /// Feeds one epoch of samples: `hot` gets `rate` sampled reads/s
 /// (already sampled: sample_rate 1), plus 200 one-off keys.
@@ -371,11 +395,11 @@ fn default_repl_high_is_the_share_of_2_n_ln_n() {
     assert_eq!(repl_high_total(16), 88);
     assert_eq!(h.repl_high(&VIEW), 11);
     // Shares add up to the total whatever the split: 3 servers × 2 workers, floor(2·6·ln 6) = 21.
-    let share = |server| h.repl_high(&ClusterView { server, servers: 3, workers: 2, avg_load: None });
+    let share = |server| h.repl_high(&ClusterView::uniform(server, 3, 2, None));
     assert_eq!(repl_high_total(6), 21);
     assert_eq!((share(0), share(1), share(2)), (7, 7, 7));
     // 5 servers × 2 workers: floor(2·10·ln 10) = 46: 10, 9, 9, 9, 9.
-    let share = |server| h.repl_high(&ClusterView { server, servers: 5, workers: 2, avg_load: None });
+    let share = |server| h.repl_high(&ClusterView::uniform(server, 5, 2, None));
     assert_eq!((0..5).map(share).collect::<Vec<_>>(), [10, 9, 9, 9, 9]);
 }
 
@@ -592,7 +616,7 @@ fn untracked_cold_keys_are_evicted() {
 fn one_server_escalates_no_shadows() {
     let mut h = policy();
     feed(&mut h, 1, &[(b"hot", 1600.0, 0.0)]);
-    let view = ClusterView { server: 0, servers: 1, workers: 2, avg_load: None };
+    let view = ClusterView::uniform(0, 1, 2, None);
     let d = h.on_epoch(&snapshot(1, &[2500.0, 900.0]), &view);
     assert!(d.replicate.is_empty());
     assert_eq!(d.escalate.map(|e| e.why), Some(HotEscalateWhy::NoShadows));
@@ -712,7 +736,7 @@ fn no_alarm_before_the_first_epoch_nor_when_idle() {
     assert!(h.on_alarm(0, &s, 0.25, &[], 0.0).is_empty());
     assert_eq!(h.state(b"new"), S::Invalid);
     // One server: no shadows, no alarm.
-    h.on_epoch(&snapshot(2, &[1000.0, 1000.0]), &ClusterView { servers: 1, ..VIEW });
+    h.on_epoch(&snapshot(2, &[1000.0, 1000.0]), &ClusterView::uniform(0, 1, 2, VIEW.avg_load));
     assert_eq!(h.alarm_limit(), None);
 }
 

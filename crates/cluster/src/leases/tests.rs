@@ -46,7 +46,7 @@ fn a_hint_grants_a_lease_to_one_copy_until_it_ends() {
     assert_eq!(l.read_target(h, t0), None, "no lease: home");
     let lease = l.record(&m, h, home, 3, 100, t0).unwrap();
     assert!((1..=3).contains(&lease.copy));
-    assert_eq!(Some(lease.at), replica_location(h, lease.copy, home, 4, 2));
+    assert_eq!(Some(lease.at), replica_location(h, lease.copy, home, 4, |_| 2));
     assert_ne!(lease.at.0, home.0, "a copy lives on another server");
     assert_eq!((lease.until, lease.number, lease.home, lease.replicas), (t0 + ms(100), 0, home, 3));
     for dt in [0, 1, 50, 99] {
@@ -289,7 +289,7 @@ proptest! {
                         Some((home, replicas, end, seen)) if now < *end => {
                             if let Some(c) = got {
                                 prop_assert_ne!(c.0, home.0, "a copy is on another server");
-                                let placed = (1..=*replicas).any(|i| replica_location(keys[k], i, *home, 3, 2) == Some(c));
+                                let placed = (1..=*replicas).any(|i| replica_location(keys[k], i, *home, 3, |_| 2) == Some(c));
                                 prop_assert!(placed);
                             }
                             match seen {

@@ -177,11 +177,14 @@ fn copy_of(store: &mut WorkerStore, shared: &Shared, at: crate::exec::Loc, key: 
     Some(Op::Put { flags: it.flags, exptime, value: it.value.to_vec(), ttl_ms: shared.settings.hot.copy_ttl_ms() })
 }
 
-/// Where copies 1..=`replicas` of a key homed on worker `me` live.
+/// Where copies 1..=`replicas` of a key homed on worker `me` live: on the newest map's
+/// servers with their sizes, as clients place them (a server that joined counts, and one of
+/// another size has its own worker count).
 pub(super) fn copies(shared: &Shared, hash: u64, me: usize, replicas: u32) -> Vec<Loc> {
-    let servers = shared.settings.cluster.as_ref().map_or(1, |(spec, _)| spec.servers.len()) as u16;
-    let workers = shared.settings.threads as u16;
+    let members = shared.members.read().unwrap_or_else(|p| p.into_inner());
+    let servers = members.len() as u16;
+    let workers_of = |s: u16| members.get(usize::from(s)).map_or(0, |m| m.1);
     (1..=replicas)
-        .filter_map(|i| mbal_cluster::replica_location(hash, i, (shared.server_id, me as u16), servers, workers))
+        .filter_map(|i| mbal_cluster::replica_location(hash, i, (shared.server_id, me as u16), servers, workers_of))
         .collect()
 }

@@ -175,6 +175,11 @@ struct Shared {
     reports: Mutex<HashMap<u16, (Instant, String)>>,
     /// `mbal map`'s answer for one epoch, serialised once.
     map_cache: Mutex<Option<(u64, Arc<Vec<u8>>)>>,
+    /// Held while a plan that counts the pending moves as done (a warm join's share, a
+    /// drain, a rebalance) is made and queued: two such plans made at once against the same
+    /// pending moves would give the same cachelets to both (two servers joining together: 25
+    /// and 4 of 128). Taken before the state and the orchestra locks, by those three only.
+    plans: Mutex<()>,
     /// The moves this coordinator orders (`orchestra`).
     orchestra: Mutex<orchestra::Orchestra>,
     /// For dialing the servers (their `[tls]` as a client).
@@ -250,6 +255,7 @@ pub fn start(settings: Settings) -> io::Result<Handle> {
         reports: Mutex::new(HashMap::new()),
         map_cache: Mutex::new(None),
         orchestra: Mutex::new(Default::default()),
+        plans: Mutex::new(()),
         client_tls: settings.client_tls.clone(),
         phase3: settings.phase3_epoch.map(|e| Mutex::new(phase3::Driver::new(e))),
     });

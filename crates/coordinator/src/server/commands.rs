@@ -102,6 +102,7 @@ pub(super) fn command(sh: &Shared, session: &mut Session, line: &[u8], out: &mut
                 client_error(out, "usage: mbal drain <id>");
                 return true;
             };
+            let _plans = sh.plans.lock().unwrap_or_else(|e| e.into_inner());
             let (draining, pending) = {
                 let o = sh.orchestra.lock().unwrap_or_else(|e| e.into_inner());
                 (o.draining(), o.pending())
@@ -122,6 +123,7 @@ pub(super) fn command(sh: &Shared, session: &mut Session, line: &[u8], out: &mut
             if !leader_may_act(sh, session, out) {
                 return true;
             }
+            let _plans = sh.plans.lock().unwrap_or_else(|e| e.into_inner());
             let pending = sh.orchestra.lock().unwrap_or_else(|e| e.into_inner()).pending();
             let plan = sh.lock().rebalance_plan(&pending);
             let n = sh.orchestra.lock().unwrap_or_else(|e| e.into_inner()).add(plan);
@@ -256,6 +258,8 @@ fn register(sh: &Shared, args: &[&str], out: &mut Vec<u8>) -> Result<(), &'stati
     let memory: u64 = memory.parse().map_err(|_| USAGE_REGISTER)?;
     let info = ServerInfo { main, workers: worker_addrs };
     let now = Instant::now();
+    // One plan against the pending moves at a time, from reading them to queueing this one.
+    let plans = sh.plans.lock().unwrap_or_else(|e| e.into_inner());
     let pending = sh.orchestra.lock().unwrap_or_else(|e| e.into_inner()).pending();
     let registered = sh.mutate(|c| {
         let r = match warm {
@@ -279,6 +283,7 @@ fn register(sh: &Shared, args: &[&str], out: &mut Vec<u8>) -> Result<(), &'stati
             return Ok(());
         }
     };
+    drop(plans);
     match result {
         Ok(r) => {
             if r.joined {

@@ -34,26 +34,52 @@ pub(crate) struct Orchestra {
 }
 
 impl Orchestra {
-    /// Queue `plan` (a cachelet already queued keeps its first destination).
+    /// Queue `plan`: the moves queued or taking a new destination. Plans are made with the
+    /// pending moves counted as done (`Coord::with_pending`), so a later plan is the newer
+    /// intent: a cachelet still queued takes the later plan's destination (a second server
+    /// that joins while the first one's share is queued takes part of that share: each then
+    /// gets its own), and one already running keeps its own (a later plan can move it again).
+    /// Callers hold `Shared::plans` from reading [`Orchestra::pending`] for the plan to this
+    /// call, so that two plans are not both made against the same pending moves.
     pub fn add(&mut self, plan: Vec<(CacheletId, Owner)>) -> usize {
+        self.add_with(plan, true)
+    }
+
+    fn add_with(&mut self, plan: Vec<(CacheletId, Owner)>, retarget: bool) -> usize {
         let mut n = 0;
         for m in plan {
-            if !self.queue.iter().any(|q| q.0 == m.0) && !self.running.iter().any(|r| r.0 == m.0) {
-                self.queue.push_back((m.0, m.1, 0));
-                n += 1;
+            if self.running.iter().any(|r| r.0 == m.0) {
+                continue;
+            }
+            match self.queue.iter_mut().find(|q| q.0 == m.0) {
+                Some(q) if q.1 == m.1 || !retarget => {}
+                Some(q) => {
+                    *q = (m.0, m.1, 0);
+                    n += 1;
+                }
+                None => {
+                    self.queue.push_back((m.0, m.1, 0));
+                    n += 1;
+                }
             }
         }
         n
     }
 
-    /// Queue moves that are tried once (Phase 3's).
+    /// Queue moves that are tried once (Phase 3's). Made from load reports, not against the
+    /// pending moves: a cachelet already queued (a join's or a drain's share) keeps its
+    /// destination.
     pub fn add_once(&mut self, plan: Vec<(CacheletId, Owner)>) {
+        let plan: Vec<_> = plan
+            .into_iter()
+            .filter(|m| !self.queue.iter().any(|q| q.0 == m.0) && !self.running.iter().any(|r| r.0 == m.0))
+            .collect();
         for m in &plan {
             if !self.once.contains(&m.0) {
                 self.once.push(m.0);
             }
         }
-        self.add(plan);
+        self.add_with(plan, false);
     }
 
     /// The moves that ended since the last call.
@@ -183,5 +209,21 @@ fn order(sh: &Shared, addr: SocketAddr, cl: CacheletId, (s, w): Owner, to: Socke
         Ok(line)
     } else {
         Err(line)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_later_plan_retargets_a_queued_move_not_a_running_one() {
+        let mut o = Orchestra::default();
+        assert_eq!(o.add(vec![(1, (4, 0)), (2, (4, 1)), (3, (4, 0))]), 3);
+        o.running.push((3, (4, 0), 0));
+        o.queue.retain(|q| q.0 != 3);
+        // cachelet 1 to another server, 2 to the same place, 3 is running, 5 is new
+        assert_eq!(o.add(vec![(1, (5, 0)), (2, (4, 1)), (3, (5, 1)), (5, (5, 0))]), 2);
+        assert_eq!(o.pending(), vec![(3, (4, 0)), (1, (5, 0)), (2, (4, 1)), (5, (5, 0))]);
     }
 }

@@ -311,4 +311,37 @@ mod plan_tests {
         let fresh = plan2.iter().filter(|m| !plan.iter().any(|p| p.0 == m.0)).count();
         assert!(fresh >= 3, "its own share, not the first join's cachelets: {plan:?} {plan2:?}");
     }
+
+    /// Two servers join at once (the second while the first one's share is still queued):
+    /// with the later plan's destination winning for a queued cachelet (`Orchestra::add`),
+    /// every server ends with an even share (the 2026-11-27 scale-out gave 25 and 2 of 128).
+    #[test]
+    fn two_joins_at_once_end_with_even_shares() {
+        let now = Instant::now();
+        for (servers, workers) in [(2u16, 2usize), (4, 2), (3, 1)] {
+            let mut c = coord_with(servers, now);
+            let mut queued: Vec<(CacheletId, mbal_cluster::Owner)> = Vec::new();
+            for j in 0..2u16 {
+                let a: std::net::SocketAddr = format!("127.0.0.1:{}", 29990 + j).parse().unwrap();
+                let info = mbal_cluster::ServerInfo { main: a, workers: vec![a; workers.max(2)] };
+                let (_, plan) = c.register_warm(None, info, 0, now, &queued).unwrap();
+                for m in plan {
+                    match queued.iter_mut().find(|q| q.0 == m.0) {
+                        Some(q) => *q = m,
+                        None => queued.push(m),
+                    }
+                }
+            }
+            c.map.reassign(&queued).unwrap();
+            let n = c.map().servers().len();
+            let mut per = vec![0usize; n];
+            for cl in 0..c.map().cachelet_count() {
+                per[usize::from(c.map().owner(cl).0)] += 1;
+            }
+            let (lo, hi) = (*per.iter().min().unwrap(), *per.iter().max().unwrap());
+            // every server's share within its workers' part, give or take one per worker
+            assert!(hi - lo <= 2, "{servers} servers + 2 joins: cachelets per server {per:?}");
+            assert!(per[n - 1] > 0 && per[n - 2] > 0, "both joiners got cachelets: {per:?}");
+        }
+    }
 }

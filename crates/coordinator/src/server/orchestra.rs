@@ -38,7 +38,10 @@ impl Orchestra {
     /// pending moves counted as done (`Coord::with_pending`), so a later plan is the newer
     /// intent: a cachelet still queued takes the later plan's destination (a second server
     /// that joins while the first one's share is queued takes part of that share: each then
-    /// gets its own), and one already running keeps its own (a later plan can move it again).
+    /// gets its own), and one whose move runs is moved again from where that move takes it
+    /// (a follow-up, queued; it starts once the running move ended: its source is busy until
+    /// then). So a server drained while another drain's moves run towards it gives those
+    /// cachelets on as well.
     /// Callers hold `Shared::plans` from reading [`Orchestra::pending`] for the plan to this
     /// call, so that two plans are not both made against the same pending moves.
     pub fn add(&mut self, plan: Vec<(CacheletId, Owner)>) -> usize {
@@ -48,8 +51,9 @@ impl Orchestra {
     fn add_with(&mut self, plan: Vec<(CacheletId, Owner)>, retarget: bool) -> usize {
         let mut n = 0;
         for m in plan {
-            if self.running.iter().any(|r| r.0 == m.0) {
-                continue;
+            match self.running.iter().find(|r| r.0 == m.0) {
+                Some(r) if !retarget || r.1 == m.1 => continue,
+                _ => {}
             }
             match self.queue.iter_mut().find(|q| q.0 == m.0) {
                 Some(q) if q.1 == m.1 || !retarget => {}
@@ -154,7 +158,9 @@ pub(super) fn tick(sh: &Arc<Shared>) {
             let mut o = sh.orchestra.lock().unwrap_or_else(|e| e.into_inner());
             o.running.retain(|m| m.0 != cl);
             let once = o.once.contains(&cl);
-            if r.is_err() && tries + 1 < TRIES && !once {
+            // (not when a newer plan queued the cachelet meanwhile: that one goes instead)
+            let newer = o.queue.iter().any(|q| q.0 == cl);
+            if r.is_err() && tries + 1 < TRIES && !once && !newer {
                 // Again later (behind the others).
                 o.queue.push_back((cl, to, tries + 1));
             } else {
@@ -217,13 +223,20 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_later_plan_retargets_a_queued_move_not_a_running_one() {
+    fn a_later_plan_retargets_a_queued_move_and_follows_up_a_running_one() {
         let mut o = Orchestra::default();
         assert_eq!(o.add(vec![(1, (4, 0)), (2, (4, 1)), (3, (4, 0))]), 3);
         o.running.push((3, (4, 0), 0));
         o.queue.retain(|q| q.0 != 3);
-        // cachelet 1 to another server, 2 to the same place, 3 is running, 5 is new
-        assert_eq!(o.add(vec![(1, (5, 0)), (2, (4, 1)), (3, (5, 1)), (5, (5, 0))]), 2);
-        assert_eq!(o.pending(), vec![(3, (4, 0)), (1, (5, 0)), (2, (4, 1)), (5, (5, 0))]);
+        // cachelet 1 to another server, 2 to the same place, 3 is running (a follow-up from
+        // where it goes), 5 is new
+        assert_eq!(o.add(vec![(1, (5, 0)), (2, (4, 1)), (3, (5, 1)), (5, (5, 0))]), 3);
+        assert_eq!(o.pending(), vec![(3, (4, 0)), (1, (5, 0)), (2, (4, 1)), (3, (5, 1)), (5, (5, 0))]);
+        // the running move's own destination again: nothing
+        assert_eq!(o.add(vec![(3, (4, 0))]), 0);
+        // Phase 3's moves neither retarget nor follow up
+        o.add_once(vec![(1, (6, 0)), (3, (6, 0)), (7, (6, 0))]);
+        assert_eq!(o.pending().last(), Some(&(7, (6, 0))));
+        assert!(o.pending().contains(&(1, (5, 0))) && !o.pending().contains(&(3, (6, 0))));
     }
 }

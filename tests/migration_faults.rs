@@ -242,9 +242,9 @@ fn proxy_of(file: &std::path::Path) -> (SocketAddr, common::Kill) {
 
 /// Issue 34's finding (scripts/fault-migrate.py seed 305): after a commit, a server that took
 /// no part in the move hears of the new epoch only at its next heartbeat (here 1 s away). A
-/// proxy whose map predates the commit, when the old owner then dies, fetches the map from
-/// the coordinator (the cluster file names it), not from that server: the moved cachelet's
-/// reads go to the new owner at once instead of being answered as misses.
+/// proxy, and a routing client, whose map predates the commit, when the old owner then dies,
+/// fetch the map from the coordinator (the cluster file names it), not from that server: the
+/// moved cachelet's reads go to the new owner at once instead of being answered as misses.
 #[test]
 fn a_proxy_fetches_the_map_from_the_coordinator_not_from_a_server_a_beat_behind() {
     let slow_beats = [
@@ -261,6 +261,9 @@ fn a_proxy_fetches_the_map_from_the_coordinator_not_from_a_server_a_beat_behind(
     for k in &keys {
         assert_eq!(p.set(k, "v1"), "STORED");
     }
+    let file = c._dir.path().join("cluster.toml");
+    let mut routed = mbal_client::Client::from_cluster_file(&file, mbal_client::Config::default()).unwrap();
+    assert_eq!(routed.get(keys[0].as_bytes()).unwrap().map(|v| v.data), Some(b"v1".to_vec()));
     // server 0 -> server 2; server 1 takes no part
     let mut m = Conn::new(c.servers[0].0);
     m.s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
@@ -273,6 +276,12 @@ fn a_proxy_fetches_the_map_from_the_coordinator_not_from_a_server_a_beat_behind(
     }
     let fetched: u64 = p.stat("proxy_map_coordinator_fetches").parse().unwrap();
     assert!(fetched >= 1, "the map came from the coordinator ({fetched} fetches there)");
+    for k in &keys {
+        let got = routed.get(k.as_bytes()).unwrap_or_else(|e| panic!("{k}: {e}"));
+        assert_eq!(got.map(|v| v.data), Some(b"v1".to_vec()), "{k} through the routing client");
+    }
+    let st = routed.stats();
+    assert!(st.map_coordinator_fetches >= 2 && st.map_coordinator_failures == 0, "{st:?}");
 }
 
 /// Issue 34's finding (scripts/fault-migrate.py seed 316): a proxy whose map predates a move's

@@ -77,6 +77,13 @@ impl Client {
             return;
         }
         self.refreshing = true;
+        if self.coordinators.is_some() {
+            self.stats.map_refreshes += 1;
+            if self.map_from_coordinators() {
+                self.refreshing = false;
+                return;
+            }
+        }
         for _ in 0..2 {
             let Some(src) = self.health.map_source(self.router.map(), failed, Instant::now()) else { break };
             self.stats.map_refreshes += 1;

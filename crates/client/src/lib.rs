@@ -86,10 +86,13 @@
 //!   dials it, and a server that answers is used again. A pooled connection found closed is
 //!   not a failure by itself (the server may have restarted): a fresh connection decides,
 //!   and a read is resent on it once. The first failure, and each failed retry, also asks
-//!   another server of the map (one not in its backoff) for the map (`mbal map`) and installs
-//!   it if it is newer: when the cluster gave the dead server's cachelets to others, its
-//!   keys go there, the failed request included. [`Client::stats`] counts `unreachable`,
-//!   `unreachable_misses`, `unreachable_errors`, `map_refreshes` and `maps_installed`.
+//!   the coordinators (the cluster file's, [`Client::with_coordinators`];
+//!   `mbal_member::coordinators`), else another server of the map (one not in its backoff),
+//!   for the map (`mbal map`) and installs it if it is newer: when the cluster gave the dead
+//!   server's cachelets to others, its keys go there, the failed request included.
+//!   [`Client::stats`] counts `unreachable`, `unreachable_misses`, `unreachable_errors`,
+//!   `map_refreshes`, `maps_installed`, `map_coordinator_fetches` and
+//!   `map_coordinator_failures`.
 //! * **Stats.** [`cluster_stats`] reads `stats` and `stats workers` from each
 //!   server's main port; [`render_stats_table`] renders a per-server and
 //!   per-worker table (ops/s from two samples, hit ratio, items, bytes,
@@ -313,6 +316,9 @@ pub struct Client {
     down_reason: Vec<String>,
     /// A map refresh is running (it dials, and a failed dial asks for another refresh).
     refreshing: bool,
+    /// The cluster's coordinators (the cluster file's), asked for the map before any server
+    /// (`mbal_member::coordinators`), with the connection kept to the last that answered.
+    coordinators: Option<(mbal_member::coordinators::Coordinators, mbal_member::coordinators::Link)>,
     stats: ClientStats,
 }
 
@@ -337,6 +343,10 @@ pub struct ClientStats {
     pub map_refreshes: u64,
     /// Newer maps installed (from a refresh or a redirect naming a newer epoch).
     pub maps_installed: u64,
+    /// Map fetches asked of the coordinators (a refresh or a redirect naming a newer epoch),
+    /// and those no coordinator answered (then a server was asked).
+    pub map_coordinator_fetches: u64,
+    pub map_coordinator_failures: u64,
 }
 
 /// A seed that differs between clients (and processes), so that clients
@@ -360,7 +370,43 @@ impl Client {
             health: Health::new(),
             down_reason: Vec::new(),
             refreshing: false,
+            coordinators: None,
             stats: ClientStats::default(),
+        }
+    }
+
+    /// Ask these coordinators for the map first whenever it is needed (a server could not be
+    /// reached, a redirect named a newer epoch); the servers only when none answers. Nothing
+    /// is fetched here. [`Client::from_cluster_file`] takes the file's coordinators.
+    pub fn with_coordinators(mut self, addrs: Vec<SocketAddr>) -> Client {
+        self.coordinators = (!addrs.is_empty()).then(|| {
+            let c = mbal_member::coordinators::Coordinators {
+                addrs,
+                tls: self.cfg.tls.clone(),
+                // each connect, read and write: the client's connect timeout (1 s by default)
+                timeout: self.cfg.connect_timeout,
+            };
+            (c, mbal_member::coordinators::Link::default())
+        });
+        self
+    }
+
+    /// The map from the coordinators, if the client has them and one answers: installed if
+    /// newer. Whether one answered.
+    pub(crate) fn map_from_coordinators(&mut self) -> bool {
+        let Some((c, link)) = self.coordinators.as_mut() else { return false };
+        self.stats.map_coordinator_fetches += 1;
+        let fetched =
+            c.fetch_with(link).ok().and_then(|json| ClusterMap::from_json(&String::from_utf8_lossy(&json)).ok());
+        match fetched {
+            Some(m) => {
+                let _ = self.install_map(m);
+                true
+            }
+            None => {
+                self.stats.map_coordinator_failures += 1;
+                false
+            }
         }
     }
 
@@ -374,7 +420,14 @@ impl Client {
         if cfg.tls.is_none() {
             cfg.tls = file.client_tls;
         }
-        Ok(Client::from_map(file.spec.initial_map(), cfg))
+        // With coordinators named, the map is theirs (newer than the file's initial one when
+        // the cluster changed since); the file's if none answers.
+        let coordinators = file.spec.coordinators.clone();
+        let mut c = Client::from_map(file.spec.initial_map(), cfg).with_coordinators(coordinators);
+        if c.coordinators.is_some() {
+            c.map_from_coordinators();
+        }
+        Ok(c)
     }
 
     /// A client for the cluster `any_server` (a main or worker port) belongs
@@ -619,6 +672,9 @@ impl Client {
                 self.stale_threads.push(r.from);
             }
             if let Some((s, w)) = learned.fetch_map_from {
+                if self.map_from_coordinators() {
+                    continue;
+                }
                 let mut c = self.take_conn(s, w)?;
                 let map = match fetch_map(&mut c) {
                     Ok(m) => m,

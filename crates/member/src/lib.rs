@@ -5,11 +5,13 @@
 //!   `[tls]` section and its secret, and the initial map it gives;
 //! * [`dial`]: opening a member connection (TLS when the cluster uses it,
 //!   then the login);
-//! * [`peer_auth`]: the `mbal peer` challenge over the cluster secret.
+//! * [`peer_auth`]: the `mbal peer` challenge over the cluster secret;
+//! * [`coordinators`]: the map fetched from the coordinators.
 //!
 //! Split from `mbal-cluster` so that the policy (`mbal-balance`) and the
 //! simulator build without rustls, TOML or HMAC.
 
+pub mod coordinators;
 pub mod dial;
 mod file;
 pub mod peer_auth;

@@ -40,6 +40,12 @@ pub struct RemoveArgs {
     /// Seconds to wait for its cachelets to move (0: do not wait)
     #[arg(long, default_value_t = 600)]
     pub wait: u64,
+    /// Once it left, milliseconds to wait before returning: the server still answers clients
+    /// whose map is older than its last move with a redirect, so that they learn the new
+    /// owners from it; stopped at once, its last cachelets' reads through those clients would
+    /// be misses until they fetch the map (0: return at once)
+    #[arg(long, default_value_t = 1000)]
+    pub grace_ms: u64,
 }
 
 #[derive(clap::Args, Clone, Debug)]
@@ -179,6 +185,14 @@ pub fn remove_server(a: RemoveArgs) -> Result<()> {
             members.iter().any(|l| l.split_whitespace().nth(1) == Some(&a.id.to_string()) && l.contains(" left "));
         if left {
             println!("server {} left the cluster ({done} moves done, {failed} failed in all)", a.id);
+            if a.grace_ms > 0 {
+                // Not waiting for an event: clients with an older map learn the new one only
+                // when they next send to this server (a redirect), which no one can announce.
+                use std::io::Write as _;
+                println!("  it redirects clients with an older map for {} ms; stop it after that", a.grace_ms);
+                let _ = std::io::stdout().flush();
+                std::thread::sleep(Duration::from_millis(a.grace_ms));
+            }
             return Ok(());
         }
         if Instant::now() >= until {

@@ -298,8 +298,9 @@ fn a_server_joins_warm_and_a_removed_server_hands_its_items_over() {
     let want: Vec<Option<String>> = keys.iter().map(|k| Some(format!("v-{k}"))).collect();
     assert!(read_all(&servers, &map1, &keys) == want, "every item is where the map says, warm");
     // Server 0 is removed: its cachelets move to the others with their items, then it leaves.
-    let out = cluster_cmd(&c, &["remove-server", "--id", "0", "--wait", "120"]);
+    let out = cluster_cmd(&c, &["remove-server", "--id", "0", "--wait", "120", "--grace-ms", "100"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("redirects clients with an older map for 100 ms"));
     let map2 = Conn::new(c.coordinator).map();
     assert!((0..map2.cachelet_count()).all(|cl| map2.owner(cl).0 != 0));
     assert!(read_all(&servers, &map2, &keys) == want, "no item lost with the removed server");

@@ -61,8 +61,28 @@ pub(super) fn report(sh: &Shared, id: u16, block: &[u8], out: &mut Vec<u8>) {
     out.extend_from_slice(b"OK\r\n");
 }
 
-/// Hand the core's migrations to the ordered moves, and remember them.
-fn issue(sh: &Shared, d: &mut Driver, migrations: Vec<mbal_balance::Migrate>) {
+/// Hand the core's migrations to the ordered moves, and remember them. One to or from a
+/// server being drained (`mbal drain`, `mbal cluster remove-server`) is not run: the core
+/// hears it failed (the cachelet cools down; the end may start another). Without this, an
+/// emptied server still Up looked underloaded and Phase 3 gave it cachelets again while it
+/// was being removed ("still owns cachelets").
+fn issue(sh: &Shared, d: &mut Driver, mut migrations: Vec<mbal_balance::Migrate>) {
+    let draining = sh.orchestra.lock().unwrap_or_else(|e| e.into_inner()).draining();
+    if !draining.is_empty() {
+        let mut kept = Vec::new();
+        // bounded: each refusal puts its cachelet in cooldown, so a cachelet comes back once
+        while !migrations.is_empty() {
+            let (refused, ok): (Vec<_>, Vec<_>) =
+                migrations.into_iter().partition(|m| draining.contains(&m.to.0) || draining.contains(&m.from.0));
+            kept.extend(ok);
+            migrations = Vec::new();
+            for m in refused {
+                tracing::info!(cachelet = m.cachelet, from = ?m.from, to = ?m.to, "coordinator: Phase 3 move not run: a server being drained");
+                migrations.extend(d.core.step(Phase3Event::Failed { cachelet: m.cachelet }));
+            }
+        }
+        migrations = kept;
+    }
     if migrations.is_empty() {
         return;
     }

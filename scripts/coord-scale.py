@@ -40,6 +40,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib"))
+from mcstats import stats as mc_stats  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MBAL = os.environ.get("MBAL_BIN", os.path.join(ROOT, "target", "release", "mbal"))
 TICK = os.sysconf("SC_CLK_TCK")
@@ -401,16 +404,7 @@ def run(a, p, coord, addrs):
     print(f"\ngoal: far below one core: steady state {cpu_pct:.2f}% of one core at {a.servers} servers x "
           f"{a.workers} workers -> {'MET' if cpu_pct < 10 else 'NOT MET'} (< 10%)")
     del last
-    host, port = coord.rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=5) as x:
-        x.sendall(b"stats\r\n")
-        data = b""
-        while not data.endswith(b"END\r\n"):
-            d = x.recv(65536)
-            if not d:
-                break
-            data += d
-    st = dict(l.split()[1:3] for l in data.decode().splitlines() if l.startswith("STAT "))
+    st = mc_stats(coord)
     print("coordinator stats: " + " ".join(f"{k}={st.get(k)}" for k in
                                             ["epoch", "servers_up", "servers_down", "registrations", "beats",
                                              "failures_detected", "state_writes", "bad_commands"]))

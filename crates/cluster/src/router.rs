@@ -122,7 +122,8 @@ impl Group {
 /// split clears it, and keeps its allocations.
 #[derive(Clone, Debug, Default)]
 pub struct Split {
-    /// (sort key: owner and cachelet, position), sorted.
+    /// (sort key: owner and cachelet, position): sorted when the keys are many, left in list
+    /// order when `group_few` groups them by counting.
     sorted: Vec<(u64, u32)>,
     /// The distinct sort keys when they are few: (key, count); and per entry, its key's index
     /// there.

@@ -472,23 +472,24 @@ impl Engine {
         if self.fetching_map {
             return;
         }
+        // one refresh, whichever source (a coordinator's fallback to a server is the same one)
         if self.coord.is_some() {
             self.counters.map_refreshes += 1;
-            return self.fetch_from_coordinators(MapFallback::Refresh(failed));
+            self.fetch_from_coordinators(MapFallback::Refresh(failed));
+        } else if self.refresh_from_server(failed) {
+            self.counters.map_refreshes += 1;
         }
-        self.refresh_from_server(failed);
     }
 
-    /// [`Engine::refresh_map`] from a live server other than `failed` (none live: no fetch).
-    fn refresh_from_server(&mut self, failed: u16) {
-        let Some(src) = self.health.map_source(self.router.map(), failed, self.now) else { return };
+    /// [`Engine::refresh_map`] from a live server other than `failed`: whether one was asked
+    /// (none live: no fetch).
+    fn refresh_from_server(&mut self, failed: u16) -> bool {
+        let Some(src) = self.health.map_source(self.router.map(), failed, self.now) else { return false };
         self.fetching_map = true;
         self.counters.map_fetches += 1;
-        if self.coord.is_none() {
-            self.counters.map_refreshes += 1; // counted once, by `refresh_map`, with a coordinator
-        }
         let inf = self.inflight(usize::MAX, 0, 0, b"mbal map\r\n".to_vec(), What::Map, false);
         self.send((src, 0), inf);
+        true
     }
 
     /// Ask the coordinators for the map (`crate::coord`): the cluster's newest, which a server
@@ -507,7 +508,9 @@ impl Engine {
 
     fn map_fallback(&mut self, fallback: MapFallback) {
         match fallback {
-            MapFallback::Refresh(failed) => self.refresh_from_server(failed),
+            MapFallback::Refresh(failed) => {
+                self.refresh_from_server(failed);
+            }
             MapFallback::From(owner) => self.fetch_from_owner(owner),
         }
     }

@@ -7,6 +7,14 @@ cd "$(dirname "$0")/.."
 
 step() { printf '\n==> %s\n' "$*"; }
 
+# Built for a clean clone (CI's case): no incremental caches, and tests' debug info as line
+# tables only (backtraces keep their lines). A cold build otherwise left 8.5 GB in target/
+# (1.8 GB of it incremental caches) before the fuzz targets were linked, and CI's linker once
+# died there (ld: signal 7, Bus error), most likely on a full disk (the free space is printed
+# before the fuzz step). Set either variable to keep your own.
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
+export CARGO_PROFILE_DEV_DEBUG="${CARGO_PROFILE_DEV_DEBUG:-line-tables-only}"
+
 step "installing build and test dependencies (protobuf-compiler, memcached, libmemcached-tools, libsasl2-modules, etcd-server, iproute2, openssl, procps, pytest, pymemcache, pylibmc, cryptography)"
 need_apt=()
 # protoc: the etcd client crate (crates/coordinator) compiles etcd's .proto files at build time.
@@ -63,6 +71,7 @@ scripts/multihost.sh target/release/mbal
 FUZZ_SECONDS="${FUZZ_SECONDS:-20}"
 if [ "$FUZZ_SECONDS" -gt 0 ]; then
   step "cargo fuzz: every parser for ${FUZZ_SECONDS}s"
+  df -h . | tail -1 || true
   command -v cargo-fuzz >/dev/null || cargo install -q cargo-fuzz --locked
   crates/proto/fuzz/run-all.sh "$FUZZ_SECONDS"
 fi

@@ -37,23 +37,42 @@
 //! load goes with it. A migration whose cachelet is being moved between
 //! its source's workers when it ends fails (`Failed`).
 //!
-//! Phase 1 (hot-key copies) is not simulated yet: the cores run with it off.
+//! Phase 1 (hot-key copies, `--phase1 on`, the default in runs with the
+//! balancer on, as on a real cluster of two or more servers): the cores
+//! run with the servers' Phase 1 settings. The head of the key law is
+//! drawn key by key ([`hot`]); a home worker samples the requests it serves
+//! at the rate its core set and hands the samples over with its epoch
+//! sample, with its replicated keys' exact reads at home; a `Replicate`
+//! makes the copies at `replica_location` `--copy-ms` later (`HotDone`), a
+//! renewal is answered at once with the reads the copies served since the
+//! last one; the grants are what the clients read under: while a key's
+//! lease lives its reads spread evenly over its home and its γ copies (the
+//! lease cache's uniform draw, over many clients), its writes go home and
+//! are applied at every copy. A cachelet that leaves its worker takes its
+//! keys out of replication (`HotFailed`, as the server's worker says).
+//! The servers' records reach each other after every epoch (`PeerLoad`,
+//! from at most `--peer-reports` others, chosen at random each epoch), and
+//! REPL_high slots are asked for and lent between the cores
+//! (`AskLend`/`Lend`, `AskHeld`/`Held`). Not simulated: the hotspot alarms
+//! between epochs (copies start at epochs only).
 //!
 //! Deterministic: one seeded generator per epoch, every collection walked
 //! in index order; the same arguments give the same JSON, byte for byte.
 
+pub mod hot;
 pub mod queue;
 pub mod workload;
 
 use anyhow::{bail, Context, Result};
+use mbal_balance::control::phase1::mean_load;
 use mbal_balance::{
-    CacheletSample, Command, Config, ControlCore, CoreSettings, Event, Imbalance, Migrate, Phase3, Phase3Config,
-    Phase3Event, ServerReport, WorkerSample,
+    Answer, CacheletSample, Command, Config, ControlCore, CoreSettings, Event, HotCommand, HotConfig, HotSettings,
+    Imbalance, Migrate, PeerHot, Phase3, Phase3Config, Phase3Event, ServerReport, WorkerSample,
 };
 use mbal_cluster::{ClusterMap, ServerInfo};
 use queue::Part;
 use rand::rngs::SmallRng;
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 use rand_distr::{Binomial, Distribution, Poisson};
 use serde::Serialize;
 use std::cmp::Reverse;
@@ -148,6 +167,32 @@ pub struct SimArgs {
     /// both (a run with Phase 2 alone, named `phase2`, then one with both phases).
     #[arg(long, value_enum, default_value = "on")]
     pub phase3: Runs,
+    /// Phase 1 (hot-key copies) in the runs with the balancer on: on (a real cluster's
+    /// default) or off.
+    #[arg(long, value_enum, default_value = "on")]
+    pub phase1: Runs,
+    /// The runs to make, instead of --balancer/--phase1/--phase3: a comma list of `off`,
+    /// `all`, and `phase` followed by the phases it runs joined by `+` (`phase1`, `phase2`,
+    /// `phase3`, `phase1+2`, ...), e.g. `off,phase1,phase2,phase3,all` (MBal's Fig. 10).
+    #[arg(long, value_delimiter = ',')]
+    pub runs: Vec<String>,
+    /// Keys drawn one by one (Phase 1's head): those whose mass is at least this fraction of
+    /// one worker's share of the requests...
+    #[arg(long, default_value_t = 0.01)]
+    pub head_share: f64,
+    /// ...at most this many (hottest first).
+    #[arg(long, default_value_t = 2_000_000)]
+    pub head_keys: usize,
+    /// How long making a key's copies takes (ms), from `Replicate` to `HotDone`.
+    #[arg(long, default_value_t = 1.0)]
+    pub copy_ms: f64,
+    /// Each server hears the epoch records of at most this many others per epoch, chosen
+    /// at random each epoch (0: every other server, as a real cluster does).
+    #[arg(long, default_value_t = 64)]
+    pub peer_reports: usize,
+    /// Bytes of one item, for the memory the copies take.
+    #[arg(long, default_value_t = 1_000)]
+    pub item_bytes: u64,
     /// Each cachelet's data (MB), what a Phase 3 migration moves.
     #[arg(long, default_value_t = 64.0)]
     pub cachelet_mb: f64,
@@ -209,6 +254,8 @@ pub struct EpochRecord {
     pub factor: f64,
     /// The worst server's own max/avg (what Phase 2 can fix).
     pub server_max_over_avg: f64,
+    /// Over the servers (each server's workers summed): max/avg, NetKV's Fig. 17 figure.
+    pub servers_max_over_avg: f64,
     /// Estimated delay percentiles of the requests served in the epoch (µs).
     pub p50_us: f64,
     pub p99_us: f64,
@@ -225,6 +272,15 @@ pub struct EpochRecord {
     pub migrations_done: u64,
     pub migrations_failed: u64,
     pub migrated_bytes: u64,
+    /// Phase 1: keys with copies (made or being made) and their copies at the epoch's end,
+    /// the copies' memory (MB, `--item-bytes` each), the keys sent for copies and the keys
+    /// taken out of replication in the epoch, and the requests per second the copies served.
+    pub hot_keys: u64,
+    pub copies: u64,
+    pub copy_mb: f64,
+    pub replicated: u64,
+    pub retired: u64,
+    pub copy_served: f64,
     /// Phase 2 decisions this epoch: servers per state, and each state change
     /// `(server, transition)`.
     pub states: BTreeMap<String, u64>,
@@ -241,12 +297,21 @@ pub struct Summary {
     pub max_over_avg: f64,
     pub factor: f64,
     pub server_max_over_avg: f64,
+    pub servers_max_over_avg: f64,
     pub p99_us: f64,
     pub served: f64,
     pub moves: u64,
     /// Phase 3's migrations finished, and their bytes, over the whole run.
     pub migrations: u64,
     pub migrated_bytes: u64,
+    /// Phase 1: keys with copies (settled mean, and the most at any epoch end), the most
+    /// copies and their memory (MB), and the share of the requests the copies served
+    /// (settled).
+    pub hot_keys: f64,
+    pub hot_keys_max: u64,
+    pub copies_max: u64,
+    pub copy_mb_max: f64,
+    pub copy_share: f64,
     /// From when every later epoch's max/avg stayed <= 1.15 (seconds; null: never).
     pub settle_time: Option<f64>,
     /// Requests simulated: offered by the clients, and issued within their window.
@@ -255,7 +320,8 @@ pub struct Summary {
 }
 
 /// A move under way: when it ends, and what the core is told then. A Phase 3 migration
-/// (`to_server` another server) has no token.
+/// (`to_server` another server) has no token. A key's copies being made (`copies`) are
+/// `key` at worker `to` of `server`, their job started at `token` (ns).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 struct Pending {
     at_ns: u64,
@@ -266,11 +332,58 @@ struct Pending {
     to: u16,
     to_server: u16,
     bytes: u64,
+    copies: bool,
+    key: u32,
 }
 
 impl Pending {
     fn migration(&self) -> bool {
-        self.to_server != self.server
+        !self.copies && self.to_server != self.server
+    }
+
+    /// A move of a cachelet (between workers or servers), not copies being made.
+    fn moves(&self, c: u32) -> bool {
+        !self.copies && self.cachelet == c
+    }
+}
+
+/// What a waiting "client" of a core is, in the sim: another core that asked it for slots.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Asker {
+    /// `AskLend` from `borrower`, at `asked_at`.
+    Lend { borrower: u16, asked_at: u64 },
+    /// `AskHeld` from `asker`.
+    Held { asker: u16 },
+}
+
+/// Which phases a run runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Phases {
+    pub p1: bool,
+    pub p2: bool,
+    pub p3: bool,
+}
+
+impl Phases {
+    /// `off`, `all`, or `phase` + the phases joined by `+` (`phase1+2`).
+    pub fn parse(name: &str) -> Result<Phases> {
+        let none = Phases { p1: false, p2: false, p3: false };
+        match name {
+            "off" => return Ok(none),
+            "all" | "on" => return Ok(Phases { p1: true, p2: true, p3: true }),
+            _ => {}
+        }
+        let Some(list) = name.strip_prefix("phase") else { bail!("a run is off, all or phase<N>[+<N>...]: {name}") };
+        let mut p = none;
+        for n in list.split('+') {
+            match n {
+                "1" => p.p1 = true,
+                "2" => p.p2 = true,
+                "3" => p.p3 = true,
+                _ => bail!("a run is off, all or phase<N>[+<N>...] with N 1, 2 or 3: {name}"),
+            }
+        }
+        Ok(p)
     }
 }
 
@@ -280,6 +393,71 @@ struct Load {
     rate: f64,
     read_ratio: f64,
     cachelet_of: Vec<u32>,
+    /// Every cachelet's keys, for naming the tail's samples (runs with Phase 1 only), and
+    /// the size of a key's name.
+    keys_of: Option<hot::KeysOf>,
+    key_size: usize,
+}
+
+impl Load {
+    /// The workload `a` asks for over `map0` (with what Phase 1 needs when `phase1`).
+    fn of(a: &SimArgs, map0: &ClusterMap, phase1: bool) -> Result<Load> {
+        let hot_default = if matches!(a.workload, Dist::Hotpart | Dist::Hotserver) { 0.5 } else { 0.95 };
+        let read_default = if matches!(a.workload, Dist::Zipf | Dist::Uniform) { 1.0 } else { 0.95 };
+        let read_ratio = a.read_ratio.unwrap_or(read_default);
+        if !(0.0..=1.0).contains(&read_ratio) {
+            bail!("--read-ratio must be in [0, 1]");
+        }
+        let capacity = f64::from(a.servers) * f64::from(a.workers) * a.worker_capacity;
+        let rate = a.rate.unwrap_or(a.load * capacity);
+        if !(rate.is_finite() && rate >= 0.0) {
+            bail!("the offered rate must be >= 0");
+        }
+        let params = workload::Params {
+            dist: a.workload,
+            keys: a.keys,
+            zipf: a.zipf,
+            hot_fraction: a.hot_fraction,
+            hot_ops: a.hot_ops.unwrap_or(hot_default),
+            hot_cachelets: a.hot_cachelets,
+        };
+        let cachelet_of = workload::key_cachelets(map0.keyspace(), params.keys);
+        let keys_of = phase1.then(|| hot::KeysOf::new(&cachelet_of, map0.cachelet_count()));
+        let key_size = mbal_bench::workload::min_key_size(params.keys).max(10);
+        Ok(Load { params, rate, read_ratio, cachelet_of, keys_of, key_size })
+    }
+}
+
+/// A count drawn from Poisson(`lam`) (0 for `lam` <= 0).
+fn poisson(lam: f64, rng: &mut SmallRng) -> f64 {
+    if lam > 0.0 {
+        Poisson::new(lam).map(|p| p.sample(rng)).unwrap_or(0.0)
+    } else {
+        0.0
+    }
+}
+
+/// `x` (>= 0) as a whole number, rounded up with probability its fraction (the fluid
+/// model's expected counts become counts with the same mean: a home that serves a key 0.2
+/// times an epoch counts it once in five epochs, not never).
+fn whole(x: f64, rng: &mut SmallRng) -> u64 {
+    if x.is_nan() || x <= 0.0 {
+        return 0;
+    }
+    x.floor() as u64 + u64::from(rng.gen::<f64>() < x.fract())
+}
+
+/// How many of `n` requests (rounded at random to a whole number) are drawn with
+/// probability `p`.
+fn thin(n: f64, p: f64, rng: &mut SmallRng) -> u64 {
+    if !(n > 0.0 && p > 0.0) {
+        return 0;
+    }
+    let whole = whole(n, rng);
+    if p >= 1.0 {
+        return whole;
+    }
+    Binomial::new(whole, p).map(|b| b.sample(rng)).unwrap_or(0)
 }
 
 /// One run: the cores and the simulated workers and clients.
@@ -288,7 +466,7 @@ struct Sim<'a> {
     run: &'static str,
     load: &'a Load,
     map0: ClusterMap,
-    cores: Vec<ControlCore<()>>,
+    cores: Vec<ControlCore<Asker>>,
     /// Phase 3, when it runs, and the coordinator's map (the cores run `coordinated`).
     phase3: Option<Phase3>,
     cmap: ClusterMap,
@@ -315,8 +493,30 @@ struct Sim<'a> {
     deferred_w: Vec<f64>,
     /// Per worker (global index): cumulative busy ns.
     busy_ns: Vec<f64>,
+    /// Each cachelet's share of the requests, and that share less its head keys' (Phase 1
+    /// draws those one by one; without Phase 1 the two are the same).
     mass: Vec<f64>,
+    tail_mass: Vec<f64>,
     hot_set: u32,
+    /// Phase 1, when it runs: the head keys, the keys with copies, each worker's sample
+    /// rate and samples since its last epoch sample, and the copies' requests each worker
+    /// has waiting and the clients hold back.
+    p1: bool,
+    head: hot::Head,
+    repl: hot::Replicas,
+    sample_rate: Vec<f64>,
+    samples: Vec<hot::Samples>,
+    copy_backlog: Vec<f64>,
+    copy_deferred: Vec<f64>,
+    copy_served: f64,
+    replicated: u64,
+    retired: u64,
+    /// The servers' epoch records of this epoch, for the others (`PeerLoad`).
+    records: Vec<(u16, f64, Option<PeerHot>)>,
+    /// What Phase 1's commands led to at once, for the cores.
+    hot_events: VecDeque<(u16, Event<Asker>)>,
+    /// Draws that make counts whole (home and copy reads), apart from the epochs' draws.
+    counts: SmallRng,
     pending: BinaryHeap<Reverse<Pending>>,
     next_seq: u64,
     mu: f64,
@@ -338,15 +538,14 @@ fn ns(ms: f64) -> u64 {
 }
 
 impl<'a> Sim<'a> {
-    fn new(
-        a: &'a SimArgs,
-        load: &'a Load,
-        map0: &ClusterMap,
-        run: &'static str,
-        phases: (bool, bool),
-    ) -> Result<Sim<'a>> {
-        let (balancer, phase3) = phases;
-        let phase3 = balancer && phase3;
+    fn new(a: &'a SimArgs, load: &'a Load, map0: &ClusterMap, run: &'static str, phases: Phases) -> Result<Sim<'a>> {
+        let phase3 = phases.p3;
+        // Phase 1 runs where a server has others to hold its copies (as the server: with the
+        // replicator, in a cluster of two or more).
+        let p1 = phases.p1 && a.servers >= 2;
+        if p1 && load.keys_of.is_none() {
+            bail!("a run with Phase 1 needs the load built for it");
+        }
         let cfg = Config { worker_capacity: Some(a.worker_capacity), ..Config::default() };
         let cachelet_bytes = (a.cachelet_mb * 1e6).round() as u64;
         let mem_limit = if a.server_memory_mb > 0.0 {
@@ -356,15 +555,24 @@ impl<'a> Sim<'a> {
         };
         let e = a.epoch_ms.max(1);
         let every = (a.balance_epoch_ms.saturating_add(e / 2) / e).max(1);
+        let policy = HotConfig::default();
+        let lease_ms = u64::from(policy.lease_epochs.max(1)) * a.epoch_ms;
+        let hot = p1.then(|| HotSettings {
+            policy: policy.clone(),
+            balance: cfg.clone(),
+            // The server's `copy_ttl_ms`: a lease and two epochs.
+            copy_ttl_ms: lease_ms + 2 * a.epoch_ms,
+            lend_slots: true,
+        });
         let cores = (0..a.servers)
             .map(|s| {
                 let settings = CoreSettings {
                     server: s,
                     workers: a.workers,
                     balance_every: every,
-                    balancer: balancer.then(|| cfg.clone()),
+                    balancer: phases.p2.then(|| cfg.clone()),
                     epoch_ms: a.epoch_ms,
-                    hot: None,
+                    hot: hot.clone(),
                     coordinated: phase3,
                 };
                 ControlCore::new(settings, map0.clone(), 0)
@@ -398,7 +606,21 @@ impl<'a> Sim<'a> {
             deferred_w: vec![0.0; n],
             busy_ns: vec![0.0; workers],
             mass: Vec::new(),
+            tail_mass: Vec::new(),
             hot_set: 0,
+            p1,
+            head: hot::Head::default(),
+            repl: hot::Replicas::default(),
+            sample_rate: vec![policy.sample_rate; workers],
+            samples: vec![Vec::new(); workers],
+            copy_backlog: vec![0.0; workers],
+            copy_deferred: vec![0.0; workers],
+            copy_served: 0.0,
+            replicated: 0,
+            retired: 0,
+            records: Vec::new(),
+            hot_events: VecDeque::new(),
+            counts: SmallRng::seed_from_u64(a.seed ^ 0x636f_756e_7473),
             pending: BinaryHeap::new(),
             next_seq: 0,
             mu: a.worker_capacity,
@@ -420,6 +642,13 @@ impl<'a> Sim<'a> {
     fn set_hot_set(&mut self, h: u32) -> Result<()> {
         let km = workload::key_masses(&self.load.params, &self.map0, &self.load.cachelet_of, h)?;
         self.mass = workload::cachelet_masses(&km, &self.load.cachelet_of, self.map0.cachelet_count());
+        if self.p1 {
+            let workers = f64::from(self.a.servers) * f64::from(self.a.workers);
+            self.head = hot::Head::of(&km, &self.load.cachelet_of, self.a.head_share / workers, self.a.head_keys);
+            self.tail_mass = self.head.tail_masses(&self.mass);
+        } else {
+            self.tail_mass = self.mass.clone();
+        }
         self.hot_set = h;
         Ok(())
     }
@@ -438,26 +667,73 @@ impl<'a> Sim<'a> {
         let mut arr = vec![0.0f64; n];
         let mut wr = vec![0.0f64; n];
         let workers = self.busy_ns.len();
+        let wps = usize::from(self.a.workers);
+        let gw = |(s, w): (u16, u16)| usize::from(s) * wps + usize::from(w);
         let mut w_arr = vec![0.0f64; workers];
         let mut w_back = vec![0.0f64; workers];
         let mut offered = 0.0;
+        // Phase 1's head, key by key: the reads of a key under a lease spread evenly over
+        // its home and its γ copies, its writes go home and to every copy.
+        let h = self.head.len();
+        let mut home_r = vec![0.0f64; h];
+        let mut home_w = vec![0.0f64; h];
+        let mut copy_arr = vec![0.0f64; if self.p1 { workers } else { 0 }];
+        let mut prop = vec![0.0f64; copy_arr.len()];
+        let mut at_copies: Vec<(usize, usize, f64)> = Vec::new();
+        for i in 0..h {
+            let k = poisson(self.load.rate * self.head.mass[i] * secs, rng);
+            if k <= 0.0 {
+                continue;
+            }
+            let w = if self.load.read_ratio < 1.0 {
+                Binomial::new(k as u64, 1.0 - self.load.read_ratio).expect("a probability").sample(rng) as f64
+            } else {
+                0.0
+            };
+            offered += k;
+            let c = self.head.cachelet[i] as usize;
+            let mut at_home = k - w;
+            if let Some(r) = self.repl.by_home.get(&(self.owner[c].0, self.owner[c].1, self.head.key[i])) {
+                if let Some((g, _)) = r.grant.filter(|&(g, until)| g > 0 && from < until) {
+                    let g = (g as usize).min(r.copies.len());
+                    let share = (k - w) / (g as f64 + 1.0);
+                    at_home = share;
+                    for &o in &r.copies[..g] {
+                        copy_arr[gw(o)] += share;
+                        at_copies.push((i, gw(o), share));
+                    }
+                }
+                for &o in &r.copies {
+                    prop[gw(o)] += w;
+                }
+            }
+            home_r[i] = at_home;
+            home_w[i] = w;
+            arr[c] += at_home + w;
+            wr[c] += w;
+        }
         for c in 0..n {
-            let lam = self.load.rate * self.mass[c] * secs;
+            let lam = self.load.rate * self.tail_mass[c] * secs;
             if lam > 0.0 {
                 let k = Poisson::new(lam).map(|p| p.sample(rng)).unwrap_or(0.0);
                 offered += k;
-                arr[c] = k;
+                arr[c] += k;
                 if self.load.read_ratio < 1.0 && k >= 1.0 {
                     let b = Binomial::new(k as u64, 1.0 - self.load.read_ratio).expect("a probability");
-                    wr[c] = b.sample(rng) as f64;
+                    wr[c] += b.sample(rng) as f64;
                 }
             }
             // What the clients hold back (their window was full) goes first.
             arr[c] += self.deferred[c];
             wr[c] += self.deferred_w[c];
-            let g = self.gw(self.owner[c]);
+            let g = gw(self.owner[c]);
             w_arr[g] += arr[c];
             w_back[g] += self.backlog[c];
+        }
+        for g in 0..copy_arr.len() {
+            copy_arr[g] += self.copy_deferred[g];
+            w_arr[g] += copy_arr[g];
+            w_back[g] += self.copy_backlog[g];
         }
         // The clients' window: issue a fraction `alpha` of what they hold (the same keys'
         // law), the most that leaves at most the window outstanding; the rest waits at the
@@ -479,16 +755,24 @@ impl<'a> Sim<'a> {
             }
             alpha = lo;
         }
-        let held_before: f64 = self.deferred.iter().sum();
+        let held_before: f64 = self.deferred.iter().sum::<f64>() + self.copy_deferred.iter().sum::<f64>();
         for c in 0..n {
             self.deferred[c] = arr[c] * (1.0 - alpha);
             self.deferred_w[c] = wr[c] * (1.0 - alpha);
             arr[c] *= alpha;
             wr[c] *= alpha;
         }
+        for (held, x) in self.copy_deferred.iter_mut().zip(copy_arr.iter_mut()) {
+            *held = *x * (1.0 - alpha);
+            *x *= alpha;
+        }
         w_arr.iter_mut().for_each(|x| *x *= alpha);
-        let issued: f64 = arr.iter().sum();
-        let held_after: f64 = self.deferred.iter().sum();
+        // A write's copies are the home's to send, not held by the clients.
+        for (g, p) in prop.iter().enumerate() {
+            w_arr[g] += p;
+        }
+        let issued: f64 = arr.iter().sum::<f64>() + copy_arr.iter().sum::<f64>();
+        let held_after: f64 = self.deferred.iter().sum::<f64>() + self.copy_deferred.iter().sum::<f64>();
         // Time an issued request spent held at the clients (FIFO at the issue rate).
         let held_wait = if issued > 0.0 { (held_before + held_after) / 2.0 / (issued / secs) } else { 0.0 };
         let mut frac = vec![0.0f64; workers];
@@ -503,14 +787,58 @@ impl<'a> Sim<'a> {
                 self.parts.push(part);
             }
         }
+        for g in 0..copy_arr.len() {
+            let total = self.copy_backlog[g] + copy_arr[g] + prop[g];
+            let served = total * frac[g];
+            self.copy_backlog[g] = total - served;
+            self.copy_served += served;
+        }
+        // What each home served of its head keys: its samples, its replicated keys' reads.
+        let mut head_in = vec![0.0f64; if self.p1 { n } else { 0 }];
+        for i in 0..h {
+            let c = self.head.cachelet[i] as usize;
+            let home = self.owner[c];
+            let g = gw(home);
+            let f = alpha * frac[g];
+            let (r, w) = (home_r[i] * f, home_w[i] * f);
+            head_in[c] += r + w;
+            let key = self.head.key[i];
+            let rate = self.sample_rate[g];
+            for (n, write) in [(thin(r, rate, rng), false), (thin(w, rate, rng), true)] {
+                for _ in 0..n {
+                    self.samples[g].push((hot::name(key, self.load.key_size), write));
+                }
+            }
+            if let Some(e) = self.repl.get_mut(home, key) {
+                e.home_reads += r;
+            }
+        }
+        for (i, g, reads) in at_copies {
+            let home = self.owner[self.head.cachelet[i] as usize];
+            if let Some(e) = self.repl.get_mut(home, self.head.key[i]) {
+                e.copy_reads += reads * alpha * frac[g];
+            }
+        }
         for c in 0..n {
-            let g = self.gw(self.owner[c]);
+            let g = gw(self.owner[c]);
             let total = self.backlog[c] + arr[c];
             let served = total * frac[g];
             self.backlog[c] = total - served;
             let wshare = if arr[c] > 0.0 { wr[c] / arr[c] } else { 1.0 - self.load.read_ratio };
             self.reads[c] += served * (1.0 - wshare);
             self.writes[c] += served * wshare;
+            // The tail's samples name keys of the cachelet outside the head.
+            if let Some(keys_of) = self.load.keys_of.as_ref().filter(|_| self.p1) {
+                let keys = keys_of.of(c as u32);
+                let m = thin((served - head_in[c]).max(0.0), self.sample_rate[g], rng);
+                for _ in 0..if keys.is_empty() { 0 } else { m } {
+                    let k = keys[rng.gen_range(0..keys.len())];
+                    let write = rng.gen::<f64>() < 1.0 - self.load.read_ratio;
+                    if !self.head.pos.contains_key(&k) {
+                        self.samples[g].push((hot::name(k, self.load.key_size), write));
+                    }
+                }
+            }
         }
         self.issued += issued;
         self.arrived += offered;
@@ -519,11 +847,16 @@ impl<'a> Sim<'a> {
     }
 
     /// Give server `s`'s core an event at `t` and carry out its commands (and those of the
-    /// events they lead to) in order.
-    fn step(&mut self, s: u16, t: u64, first: Event<()>, by_worker: &[Vec<u32>]) {
-        let mut events = VecDeque::from([first]);
-        while let Some(ev) = events.pop_front() {
-            for cmd in self.cores[usize::from(s)].step(t, ev) {
+    /// events they lead to, on any core) in order.
+    fn step(&mut self, s: u16, t: u64, first: Event<Asker>, by_worker: &[Vec<u32>]) {
+        self.deliver(t, VecDeque::from([(s, first)]), by_worker);
+    }
+
+    /// Deliver events to the cores, in order, with the events their commands lead to.
+    fn deliver(&mut self, t: u64, mut events: VecDeque<(u16, Event<Asker>)>, by_worker: &[Vec<u32>]) {
+        while let Some((s, ev)) = events.pop_front() {
+            let cmds = self.cores[usize::from(s)].step(t, ev);
+            for cmd in cmds {
                 match cmd {
                     Command::SampleWorkers { seq } => {
                         // Owners grouped by worker: the caller's at a tick, else now's.
@@ -536,7 +869,15 @@ impl<'a> Sim<'a> {
                         };
                         for w in 0..self.a.workers {
                             let sample = self.sample(s, w, t, by_worker);
-                            events.push_back(Event::Sample { seq, sample, keys: Vec::new(), home_reads: Vec::new() });
+                            let g = self.gw((s, w));
+                            let keys = std::mem::take(&mut self.samples[g]);
+                            let home_reads = if self.p1 {
+                                let rng = &mut self.counts;
+                                self.repl.take_home_reads(s, w, self.load.key_size, |x| whole(x, rng))
+                            } else {
+                                Vec::new()
+                            };
+                            events.push_back((s, Event::Sample { seq, sample, keys, home_reads }));
                         }
                     }
                     Command::Release { cachelet, from, to, token } => {
@@ -551,6 +892,8 @@ impl<'a> Sim<'a> {
                             to,
                             to_server: s,
                             bytes: 0,
+                            copies: false,
+                            key: 0,
                         };
                         self.pending.push(Reverse(p));
                         self.moves_started += 1;
@@ -559,6 +902,12 @@ impl<'a> Sim<'a> {
                         if self.phase3.is_some() {
                             let r = ServerReport::from_snapshot(s, &e.snapshot, &self.cfg, self.mem_limit);
                             self.p3_events.push(Phase3Event::Report(r));
+                        }
+                        if self.p1 {
+                            // The record the others hear (`mbal load` / `mbal report`).
+                            let mean = mean_load(&e.snapshot, &self.cfg);
+                            let hot = e.hot.as_ref().map(|d| PeerHot { spare: d.spare, heat: d.heat.clone() });
+                            self.records.push((s, mean, hot));
                         }
                         if let Some(d) = &e.balancer {
                             let name = format!("{:?}", d.state);
@@ -580,11 +929,142 @@ impl<'a> Sim<'a> {
                     }
                     // A move between this server's workers, told to the coordinator.
                     Command::ReportMove { cachelet, worker } => self.cmap.set_owner_local(cachelet, (s, worker)),
-                    // Phase 1 is off, no client waits for an answer, the map is the core's.
+                    Command::Hot { worker, cmd } => self.hot_command(s, worker, cmd, t),
+                    Command::Renew { key, at_ns, .. } => {
+                        // The copies' reads since the last renewal come back with it.
+                        let home = hot::parse(&key)
+                            .and_then(|k| self.load.cachelet_of.get(k as usize).map(|&c| (k, self.owner[c as usize])));
+                        let e = home.and_then(|(k, o)| self.repl.get_mut(o, k).filter(|_| o.0 == s));
+                        let (ok, copy_reads) = match e {
+                            Some(e) => (true, whole(std::mem::take(&mut e.copy_reads), &mut self.counts)),
+                            None => (false, 0),
+                        };
+                        events.push_back((s, Event::HotDone { key, created: false, ok, at_ns, copy_reads }));
+                    }
+                    Command::AskLend { lender, slots, lease_ms } => {
+                        let reply = Asker::Lend { borrower: s, asked_at: t };
+                        events.push_back((lender, Event::Lend { borrower: s, slots, lease_ms, reply }));
+                    }
+                    Command::AskHeld { peer } => {
+                        events.push_back((peer, Event::Held { lender: s, reply: Asker::Held { asker: s } }));
+                    }
+                    Command::Reply { to, answer } => match (to, answer) {
+                        (Asker::Lend { borrower, asked_at }, Answer::Slots { granted, lease_ms }) => {
+                            let lease_ns = lease_ms.saturating_mul(1_000_000);
+                            events.push_back((
+                                borrower,
+                                Event::SlotsGranted { lender: s, slots: granted, asked_at, lease_ns },
+                            ));
+                        }
+                        (Asker::Held { asker }, answer) => {
+                            let held = match answer {
+                                Answer::Held(n) => Some(n),
+                                _ => None,
+                            };
+                            events.push_back((asker, Event::PeerHolds { peer: s, held }));
+                        }
+                        // A lender that lends nothing: the borrower hears nothing (as the
+                        // server's slot thread).
+                        _ => {}
+                    },
+                    // No client waits for an answer; the map is the core's.
                     _ => {}
                 }
             }
+            // Phase 1's commands may have failed at once (the key is not at its home).
+            events.extend(std::mem::take(&mut self.hot_events));
         }
+    }
+
+    /// Phase 1's command to home worker `worker` of server `s`.
+    fn hot_command(&mut self, s: u16, worker: u16, cmd: HotCommand, t: u64) {
+        let home = (s, worker);
+        match cmd {
+            HotCommand::Replicate { key, replicas } => {
+                let at = hot::parse(&key).and_then(|k| self.load.cachelet_of.get(k as usize).map(|&c| (k, c)));
+                // The worker copies a key it holds (as `replicate_key`), or says it cannot.
+                let Some((k, c)) = at.filter(|&(_, c)| self.owner[c as usize] == home) else {
+                    self.hot_events.push_back((s, Event::HotFailed { key }));
+                    return;
+                };
+                let hash = mbal_cluster::key_hash(&key);
+                let workers = self.a.workers;
+                let copies = (1..=replicas)
+                    .filter_map(|i| mbal_cluster::replica_location(hash, i, home, self.a.servers, |_| workers))
+                    .collect();
+                self.repl.replicate(home, k, c, copies);
+                self.replicated += 1;
+                self.next_seq += 1;
+                self.pending.push(Reverse(Pending {
+                    at_ns: t + ns(self.a.copy_ms),
+                    seq: self.next_seq,
+                    server: s,
+                    token: t,
+                    cachelet: c,
+                    to: worker,
+                    to_server: s,
+                    bytes: 0,
+                    copies: true,
+                    key: k,
+                }));
+            }
+            HotCommand::Grants(list) => {
+                for (key, g) in list {
+                    if let Some(e) = hot::parse(&key).and_then(|k| self.repl.get_mut(home, k)) {
+                        e.grant = g;
+                    }
+                }
+            }
+            HotCommand::Retire { key } => {
+                if hot::parse(&key).and_then(|k| self.repl.remove(home, k)).is_some() {
+                    self.retired += 1;
+                }
+            }
+            HotCommand::SampleRate(r) => {
+                let g = self.gw(home);
+                self.sample_rate[g] = r;
+            }
+            // Alarms between epochs are not simulated.
+            HotCommand::AlarmLimit(_) => {}
+        }
+    }
+
+    /// A key's copies are made (the job that started at `p.token`): its core is told, unless
+    /// the key left replication meanwhile.
+    fn copies_made(&mut self, p: Pending, t: u64) {
+        if self.repl.get_mut((p.server, p.to), p.key).is_none() {
+            return;
+        }
+        let key = hot::name(p.key, self.load.key_size);
+        self.step(p.server, t, Event::HotDone { key, created: true, ok: true, at_ns: p.token, copy_reads: 0 }, &[]);
+    }
+
+    /// A cachelet left its worker: its keys stop being replicated (their homes' cores are
+    /// told, as the server's worker tells its controller).
+    fn drop_hot_of(&mut self, c: u32) -> VecDeque<(u16, Event<Asker>)> {
+        let dropped = self.repl.drop_cachelet(c);
+        self.retired += dropped.len() as u64;
+        dropped.into_iter().map(|(s, k)| (s, Event::HotFailed { key: hot::name(k, self.load.key_size) })).collect()
+    }
+
+    /// Every server's record of this epoch, as `PeerLoad` events to at most
+    /// `--peer-reports` others each (chosen at random), every other when 0.
+    fn peer_reports(&mut self, rng: &mut SmallRng) -> VecDeque<(u16, Event<Asker>)> {
+        let servers = usize::from(self.a.servers);
+        let k = self.a.peer_reports;
+        let mut events = VecDeque::new();
+        for (s, mean, hot) in std::mem::take(&mut self.records) {
+            let others: Vec<usize> = if k == 0 || k >= servers - 1 {
+                (0..servers - 1).collect()
+            } else {
+                rand::seq::index::sample(rng, servers - 1, k).into_vec()
+            };
+            for i in others {
+                let r = if i >= usize::from(s) { i + 1 } else { i } as u16;
+                events.push_back((r, Event::PeerLoad { server: s, mean, hot: hot.clone() }));
+            }
+        }
+        events
     }
 
     /// Give Phase 3 an event at `t` and start the migrations it asks for (a migration that
@@ -594,7 +1074,7 @@ impl<'a> Sim<'a> {
         let mut todo: VecDeque<Migrate> = p3.step(ev).into();
         while let Some(m) = todo.pop_front() {
             let c = m.cachelet as usize;
-            let moving = self.pending.iter().any(|p| p.0.cachelet == m.cachelet);
+            let moving = self.pending.iter().any(|p| p.0.moves(m.cachelet));
             if c >= self.owner.len() || self.owner[c] != m.from || moving || m.to.0 == m.from.0 {
                 self.migrations_failed += 1;
                 if let Some(p3) = self.phase3.as_mut() {
@@ -613,6 +1093,8 @@ impl<'a> Sim<'a> {
                 to: m.to.1,
                 to_server: m.to.0,
                 bytes: m.bytes,
+                copies: false,
+                key: 0,
             }));
             self.migrations_started += 1;
         }
@@ -623,7 +1105,7 @@ impl<'a> Sim<'a> {
     /// it meanwhile (then it failed).
     fn migration_ends(&mut self, p: Pending, t: u64) {
         let c = p.cachelet as usize;
-        let local = self.pending.iter().any(|q| q.0.cachelet == p.cachelet);
+        let local = self.pending.iter().any(|q| q.0.moves(p.cachelet));
         let ev = if self.owner[c].0 != p.server || local {
             self.migrations_failed += 1;
             Phase3Event::Failed { cachelet: p.cachelet }
@@ -633,10 +1115,11 @@ impl<'a> Sim<'a> {
             self.reads[c] = 0.0;
             self.writes[c] = 0.0;
             self.cmap.move_cachelet(p.cachelet, (p.to_server, p.to));
+            let mut events = self.drop_hot_of(p.cachelet);
             for s in [p.server, p.to_server] {
-                let map = self.cmap.clone();
-                self.step(s, t, Event::Map { map, reset: false }, &[]);
+                events.push_back((s, Event::Map { map: self.cmap.clone(), reset: false }));
             }
+            self.deliver(t, events, &[]);
             self.migrations_done += 1;
             self.migrated_bytes += p.bytes;
             self.total_migrations += 1;
@@ -696,10 +1179,15 @@ impl<'a> Sim<'a> {
                     self.migration_ends(p, t);
                     continue;
                 }
+                if p.copies {
+                    self.copies_made(p, t);
+                    continue;
+                }
                 self.owner[p.cachelet as usize] = (p.server, p.to);
                 self.moves_done += 1;
-                let ev = Event::Moved { token: p.token, cachelet: p.cachelet, worker: p.to };
-                self.step(p.server, t, ev, &[]);
+                let mut events = self.drop_hot_of(p.cachelet);
+                events.push_back((p.server, Event::Moved { token: p.token, cachelet: p.cachelet, worker: p.to }));
+                self.deliver(t, events, &[]);
             }
             self.stretch(&mut rng, t, t1);
             let bw = self.by_worker();
@@ -713,6 +1201,11 @@ impl<'a> Sim<'a> {
                 for ev in events {
                     self.phase3_step(ev, t1);
                 }
+            }
+            // Phase 1: every server's record of this epoch to (some of) the others.
+            if self.p1 {
+                let events = self.peer_reports(&mut rng);
+                self.deliver(t1, events, &[]);
             }
             let rec = self.record(e, t1, e_ns);
             each(&rec)?;
@@ -728,6 +1221,8 @@ impl<'a> Sim<'a> {
         let all = Imbalance::of(&loads);
         let wps = usize::from(self.a.workers);
         let server_worst = loads.chunks(wps.max(1)).map(|l| Imbalance::of(l).max_over_avg).fold(1.0, f64::max);
+        let per_server: Vec<f64> = loads.chunks(wps.max(1)).map(|l| l.iter().sum()).collect();
+        let servers_max_over_avg = Imbalance::of(&per_server).max_over_avg;
         let q = queue::quantiles(&self.parts, &[0.5, 0.99, 0.999]);
         let us = |x: f64| (x * 1e7).round() / 10.0;
         let r2 = |x: f64| (x * 1e4).round() / 1e4;
@@ -742,6 +1237,7 @@ impl<'a> Sim<'a> {
             max_over_avg: r2(all.max_over_avg),
             factor: r2(all.factor),
             server_max_over_avg: r2(server_worst),
+            servers_max_over_avg: r2(servers_max_over_avg),
             p50_us: us(q[0]),
             p99_us: us(q[1]),
             p999_us: us(q[2]),
@@ -753,6 +1249,12 @@ impl<'a> Sim<'a> {
             migrations_done: std::mem::take(&mut self.migrations_done),
             migrations_failed: std::mem::take(&mut self.migrations_failed),
             migrated_bytes: std::mem::take(&mut self.migrated_bytes),
+            hot_keys: self.repl.len() as u64,
+            copies: self.repl.copies() as u64,
+            copy_mb: r2(self.repl.copies() as f64 * self.a.item_bytes as f64 / 1e6),
+            replicated: std::mem::take(&mut self.replicated),
+            retired: std::mem::take(&mut self.retired),
+            copy_served: (std::mem::take(&mut self.copy_served) / secs).round(),
             states: std::mem::take(&mut self.states),
             transitions: std::mem::take(&mut self.transitions),
             loads: loads.iter().map(|l| l.round() as u64).collect(),
@@ -782,11 +1284,17 @@ pub fn summarize(run: &'static str, recs: &[EpochRecord], from: f64, offered: f6
         max_over_avg: r2(mean(&|r| r.max_over_avg)),
         factor: r2(mean(&|r| r.factor)),
         server_max_over_avg: r2(mean(&|r| r.server_max_over_avg)),
+        servers_max_over_avg: r2(mean(&|r| r.servers_max_over_avg)),
         p99_us: mean(&|r| r.p99_us).round(),
         served: mean(&|r| r.served).round(),
         moves: recs.iter().map(|r| r.moves_done).sum(),
         migrations: recs.iter().map(|r| r.migrations_done).sum(),
         migrated_bytes: recs.iter().map(|r| r.migrated_bytes).sum(),
+        hot_keys: (mean(&|r| r.hot_keys as f64) * 10.0).round() / 10.0,
+        hot_keys_max: recs.iter().map(|r| r.hot_keys).max().unwrap_or(0),
+        copies_max: recs.iter().map(|r| r.copies).max().unwrap_or(0),
+        copy_mb_max: recs.iter().map(|r| r.copy_mb).fold(0.0, f64::max),
+        copy_share: r2(mean(&|r| if r.served > 0.0 { r.copy_served / r.served } else { 0.0 })),
         settle_time,
         offered_requests: offered.round(),
         requests: requests.round(),
@@ -830,42 +1338,37 @@ pub fn simulate(a: &SimArgs, mut json: Option<&mut dyn Write>) -> Result<Vec<Run
         v => v,
     };
     let map0 = even_map(a.servers, a.workers, a.cachelets_per_worker, vn);
-    let hot_default = if matches!(a.workload, Dist::Hotpart | Dist::Hotserver) { 0.5 } else { 0.95 };
-    let read_default = if matches!(a.workload, Dist::Zipf | Dist::Uniform) { 1.0 } else { 0.95 };
-    let read_ratio = a.read_ratio.unwrap_or(read_default);
-    if !(0.0..=1.0).contains(&read_ratio) {
-        bail!("--read-ratio must be in [0, 1]");
-    }
-    let capacity = f64::from(a.servers) * f64::from(a.workers) * a.worker_capacity;
-    let rate = a.rate.unwrap_or(a.load * capacity);
-    if !(rate.is_finite() && rate >= 0.0) {
-        bail!("the offered rate must be >= 0");
-    }
-    let load = Load {
-        params: workload::Params {
-            dist: a.workload,
-            keys: a.keys,
-            zipf: a.zipf,
-            hot_fraction: a.hot_fraction,
-            hot_ops: a.hot_ops.unwrap_or(hot_default),
-            hot_cachelets: a.hot_cachelets,
-        },
-        rate,
-        read_ratio,
-        cachelet_of: workload::key_cachelets(map0.keyspace(), a.keys),
-    };
-    // (name, (balancer, Phase 3)) of each run.
-    let mut runs: Vec<(&'static str, (bool, bool))> = Vec::new();
-    if matches!(a.balancer, Runs::Off | Runs::Both) {
-        runs.push(("off", (false, false)));
-    }
-    if matches!(a.balancer, Runs::On | Runs::Both) {
-        match a.phase3 {
-            Runs::On => runs.push(("on", (true, true))),
-            Runs::Off => runs.push(("on", (true, false))),
-            Runs::Both => runs.extend([("phase2", (true, false)), ("on", (true, true))]),
+    // (name, phases) of each run.
+    let mut runs: Vec<(&'static str, Phases)> = Vec::new();
+    if !a.runs.is_empty() {
+        for name in &a.runs {
+            let phases = Phases::parse(name)?;
+            runs.push((Box::leak(name.clone().into_boxed_str()), phases));
+        }
+    } else {
+        if a.phase1 == Runs::Both {
+            bail!("--phase1 is on or off (--runs names runs with and without it)");
+        }
+        let p1 = a.phase1 == Runs::On;
+        if matches!(a.balancer, Runs::Off | Runs::Both) {
+            runs.push(("off", Phases { p1: false, p2: false, p3: false }));
+        }
+        if matches!(a.balancer, Runs::On | Runs::Both) {
+            match a.phase3 {
+                Runs::On => runs.push(("on", Phases { p1, p2: true, p3: true })),
+                Runs::Off => runs.push(("on", Phases { p1, p2: true, p3: false })),
+                Runs::Both => runs.extend([
+                    ("phase2", Phases { p1, p2: true, p3: false }),
+                    ("on", Phases { p1, p2: true, p3: true }),
+                ]),
+            }
         }
     }
+    if !(a.head_share.is_finite() && a.head_share >= 0.0 && a.copy_ms.is_finite() && a.copy_ms >= 0.0) {
+        bail!("--head-share and --copy-ms must be >= 0");
+    }
+    let phase1 = a.servers >= 2 && runs.iter().any(|r| r.1.p1);
+    let load = Load::of(a, &map0, phase1)?;
     let from = a.settle.unwrap_or(a.epochs as f64 * a.epoch_ms as f64 / 1e3 / 2.0);
     let mut out = Vec::new();
     for (name, phases) in runs {
@@ -913,33 +1416,42 @@ pub fn run(a: SimArgs) -> Result<()> {
         a.epoch_ms,
         results.first().map_or(0.0, |r| r.summary.settled_from)
     );
+    let w = results.iter().map(|r| r.summary.run.len()).max().unwrap_or(0).max(8);
     println!(
-        "{:<9} {:>8} {:>8} {:>10} {:>12} {:>12} {:>7} {:>9} {:>10} {:>9}",
+        "{:<w$} {:>8} {:>8} {:>10} {:>8} {:>12} {:>12} {:>7} {:>9} {:>10} {:>9} {:>9} {:>9} {:>7}",
         "balancer",
         "max/avg",
         "factor",
         "srv max/avg",
+        "servers",
         "p99 µs",
         "served/s",
         "moves",
         "settle s",
         "migrations",
-        "GB moved"
+        "GB moved",
+        "hot keys",
+        "copies",
+        "copied"
     );
     for r in &results {
         let s = &r.summary;
         println!(
-            "{:<9} {:>8.2} {:>8.3} {:>10.2} {:>12.0} {:>12.0} {:>7} {:>9} {:>10} {:>9.2}",
+            "{:<w$} {:>8.2} {:>8.3} {:>10.2} {:>8.2} {:>12.0} {:>12.0} {:>7} {:>9} {:>10} {:>9.2} {:>9.1} {:>9} {:>6.1}%",
             s.run,
             s.max_over_avg,
             s.factor,
             s.server_max_over_avg,
+            s.servers_max_over_avg,
             s.p99_us,
             s.served,
             s.moves,
             s.settle_time.map_or("-".to_string(), |t| format!("{t:.1}")),
             s.migrations,
-            s.migrated_bytes as f64 / 1e9
+            s.migrated_bytes as f64 / 1e9,
+            s.hot_keys,
+            s.copies_max,
+            100.0 * s.copy_share
         );
     }
     let requests: f64 = results.iter().map(|r| r.summary.requests).sum();

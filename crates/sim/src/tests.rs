@@ -82,20 +82,8 @@ fn every_cores_map_agrees_with_where_the_sim_serves_its_cachelets() {
     let a = SimArgs { servers: 8, workers: 2, epochs: 30, balancer: Runs::On, ..SimArgs::defaults() };
     let cachelets = 8 * 2 * a.cachelets_per_worker;
     let map0 = even_map(8, 2, a.cachelets_per_worker, mbal_cluster::DEFAULT_VN_COUNT);
-    let load = Load {
-        params: workload::Params {
-            dist: Dist::Zipf,
-            keys: a.keys,
-            zipf: a.zipf,
-            hot_fraction: a.hot_fraction,
-            hot_ops: 0.95,
-            hot_cachelets: a.hot_cachelets,
-        },
-        rate: 0.6 * 16.0 * a.worker_capacity,
-        read_ratio: 1.0,
-        cachelet_of: workload::key_cachelets(map0.keyspace(), a.keys),
-    };
-    let mut sim = Sim::new(&a, &load, &map0, "on", (true, false)).unwrap();
+    let load = Load::of(&a, &map0, false).unwrap();
+    let mut sim = Sim::new(&a, &load, &map0, "on", Phases { p1: false, p2: true, p3: false }).unwrap();
     let recs = sim.run(|_| Ok(())).unwrap();
     let moved = (0..cachelets).filter(|&c| sim.owner[c as usize] != map0.owner(c)).count();
     assert!(moved > 0, "Phase 2 moved cachelets");
@@ -113,9 +101,11 @@ fn every_cores_map_agrees_with_where_the_sim_serves_its_cachelets() {
     assert!(last < first.server_max_over_avg, "{last} against {}", first.server_max_over_avg);
 }
 
-/// 8 x 2, half the requests on the cachelets of one server, 50/50: only Phase 3 can help.
+/// 8 x 2, half the requests on the cachelets of one server, 50/50: only Phase 3 can help
+/// (Phase 1 off: these are Phase 3's tests).
 fn hot_server_8x2() -> SimArgs {
     SimArgs {
+        phase1: Runs::Off,
         servers: 8,
         workers: 2,
         workload: Dist::Hotserver,
@@ -159,20 +149,8 @@ fn phase_3_runs_are_the_same_byte_for_byte_and_its_maps_agree() {
     assert_eq!(x, json_of(&a));
     assert!(String::from_utf8_lossy(&x).contains("\"migrations_done\":"));
     let map0 = even_map(8, 2, a.cachelets_per_worker, mbal_cluster::DEFAULT_VN_COUNT);
-    let load = Load {
-        params: workload::Params {
-            dist: Dist::Hotserver,
-            keys: a.keys,
-            zipf: a.zipf,
-            hot_fraction: a.hot_fraction,
-            hot_ops: 0.5,
-            hot_cachelets: a.hot_cachelets,
-        },
-        rate: 0.6 * 16.0 * a.worker_capacity,
-        read_ratio: 0.5,
-        cachelet_of: workload::key_cachelets(map0.keyspace(), a.keys),
-    };
-    let mut sim = Sim::new(&a, &load, &map0, "on", (true, true)).unwrap();
+    let load = Load::of(&a, &map0, false).unwrap();
+    let mut sim = Sim::new(&a, &load, &map0, "on", Phases { p1: false, p2: true, p3: true }).unwrap();
     sim.run(|_| Ok(())).unwrap();
     let away = (0..map0.cachelet_count()).filter(|&c| sim.owner[c as usize].0 != map0.owner(c).0).count();
     assert!(away >= 10, "cachelets changed server: {away}");
@@ -197,20 +175,8 @@ fn phase_3_never_fills_a_server_past_its_memory() {
     // Room for two more 64 MB cachelets on each server.
     let a = SimArgs { balancer: Runs::On, epochs: 40, server_memory_mb: 34.0 * 64.0, ..hot_server_8x2() };
     let map0 = even_map(8, 2, a.cachelets_per_worker, mbal_cluster::DEFAULT_VN_COUNT);
-    let load = Load {
-        params: workload::Params {
-            dist: Dist::Hotserver,
-            keys: a.keys,
-            zipf: a.zipf,
-            hot_fraction: a.hot_fraction,
-            hot_ops: 0.5,
-            hot_cachelets: a.hot_cachelets,
-        },
-        rate: 0.6 * 16.0 * a.worker_capacity,
-        read_ratio: 0.5,
-        cachelet_of: workload::key_cachelets(map0.keyspace(), a.keys),
-    };
-    let mut sim = Sim::new(&a, &load, &map0, "on", (true, true)).unwrap();
+    let load = Load::of(&a, &map0, false).unwrap();
+    let mut sim = Sim::new(&a, &load, &map0, "on", Phases { p1: false, p2: true, p3: true }).unwrap();
     let mut most = 0;
     sim.run(|_| Ok(())).unwrap();
     for s in 0..8u16 {
@@ -221,4 +187,56 @@ fn phase_3_never_fills_a_server_past_its_memory() {
     }
     assert_eq!(most, 34, "the room was used");
     assert!(sim.total_migrations >= 10, "{}", sim.total_migrations);
+}
+
+/// 8 x 2, Zipf 0.99 over 50,000 keys at 60% of capacity (docs/benchmarks.md §15's workload).
+fn zipf_8x2() -> SimArgs {
+    SimArgs { servers: 8, workers: 2, epochs: 40, rate: Some(19_200.0), settle: Some(10.0), ..SimArgs::defaults() }
+}
+
+#[test]
+fn phase_1_copies_even_a_zipf_cluster_within_repl_high_and_the_same_seed_gives_the_same_run() {
+    let a = SimArgs { runs: vec!["off".into(), "phase1".into()], ..zipf_8x2() };
+    let runs = simulate(&a, None).unwrap();
+    let (off, p1) = (&runs[0].summary, &runs[1].summary);
+    assert_eq!((off.run, p1.run), ("off", "phase1"));
+    assert!(off.max_over_avg > 1.8 && off.hot_keys_max == 0, "{off:?}");
+    // The testbed: 1.97 off, 1.05-1.10 on, 75-81 keys with copies (docs/benchmarks.md §15).
+    assert!(p1.max_over_avg < 1.15, "{p1:?}");
+    assert_eq!((p1.moves, p1.migrations), (0, 0), "Phase 1 alone");
+    // REPL_high: floor(2 n ln n) keys for the cluster's n = 16 workers.
+    let repl_high = (2.0 * 16.0 * 16f64.ln()).floor() as u64;
+    assert!(p1.hot_keys_max > 10 && p1.hot_keys_max <= repl_high, "{p1:?}");
+    assert!(p1.copy_share > 0.2, "the copies serve reads: {p1:?}");
+    assert!(p1.p99_us < off.p99_us / 100.0, "{p1:?} {off:?}");
+    let short = SimArgs { epochs: 12, ..a };
+    assert_eq!(json_of(&short), json_of(&short), "deterministic with Phase 1");
+}
+
+#[test]
+fn copies_live_where_replica_location_says_and_leave_with_their_cachelet() {
+    let a = SimArgs { epochs: 30, ..zipf_8x2() };
+    let map0 = even_map(8, 2, a.cachelets_per_worker, mbal_cluster::DEFAULT_VN_COUNT);
+    let load = Load::of(&a, &map0, true).unwrap();
+    let mut sim = Sim::new(&a, &load, &map0, "phase1+2", Phases { p1: true, p2: true, p3: false }).unwrap();
+    let recs = sim.run(|_| Ok(())).unwrap();
+    assert!(recs.iter().map(|r| r.replicated).sum::<u64>() > 20, "copies were made");
+    assert!(!sim.repl.is_empty());
+    for (&(s, w, k), r) in &sim.repl.by_home {
+        let c = load.cachelet_of[k as usize];
+        assert_eq!(r.cachelet, c);
+        assert_eq!(sim.owner[c as usize], (s, w), "key {k}: replicated from its cachelet's worker");
+        let hash = mbal_cluster::key_hash(&hot::name(k, load.key_size));
+        for (i, &o) in r.copies.iter().enumerate() {
+            assert_eq!(Some(o), mbal_cluster::replica_location(hash, i as u32 + 1, (s, w), 8, |_| 2));
+            assert_ne!(o.0, s, "a copy on another server");
+        }
+        let mut at = r.copies.clone();
+        at.sort();
+        at.dedup();
+        assert_eq!(at.len(), r.copies.len(), "no two copies share a worker");
+        if let Some((g, _)) = r.grant {
+            assert!(g as usize <= r.copies.len(), "a lease reads existing copies: {r:?}");
+        }
+    }
 }

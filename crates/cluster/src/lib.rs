@@ -30,12 +30,14 @@
 mod health;
 mod leases;
 mod map;
+mod owners;
 mod replica;
 mod router;
 
 pub use health::{closed_kind, unreachable_kind, Failed, Health, UNREACHABLE_BACKOFF_MAX, UNREACHABLE_BACKOFF_MIN};
 pub use leases::{Lease, Leases, COPY_RETRY, DEFAULT_MAX_LEASES};
 pub use map::{ClusterMap, MapDiff, ServerInfo};
+pub use owners::{Owners, CHUNK};
 pub use replica::{most_replicas, replica_location};
 pub use router::{BadRedirect, Group, Learned, Redirect, Router, Split};
 

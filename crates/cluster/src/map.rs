@@ -3,9 +3,10 @@
 //! only grows. Every change to an owner bumps the epoch; a [`MapDiff`]
 //! carries the changes between two epochs.
 
-use crate::{even_owners, CacheletId, KeySpace, Owner};
+use crate::{even_owners, CacheletId, KeySpace, Owner, Owners};
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
+use std::sync::Arc;
 
 /// Where a server and its workers listen.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -25,10 +26,12 @@ pub struct ServerInfo {
 #[serde(try_from = "MapWire", into = "MapWire")]
 pub struct ClusterMap {
     epoch: u64,
-    keyspace: KeySpace,
+    /// The key space, the owners and the servers are shared between the copies of a map
+    /// until one changes (a map is copied into every holder: [`Owners`] says why).
+    keyspace: Arc<KeySpace>,
     /// cachelet id -> (server index, worker index).
-    owners: Vec<Owner>,
-    servers: Vec<ServerInfo>,
+    owners: Owners,
+    servers: Arc<Vec<ServerInfo>>,
 }
 
 /// The JSON form of a [`ClusterMap`] (see there).
@@ -51,9 +54,9 @@ impl From<ClusterMap> for MapWire {
         let layout = LayoutWire {
             vn_count: m.keyspace.vn_count(),
             vn_to_cachelet: m.keyspace.table().to_vec(),
-            cachelet_owner: m.owners,
+            cachelet_owner: m.owners.to_vec(),
         };
-        MapWire { epoch: m.epoch, layout, servers: m.servers }
+        MapWire { epoch: m.epoch, layout, servers: m.servers.to_vec() }
     }
 }
 
@@ -105,7 +108,7 @@ impl ClusterMap {
         if owners.len() != keyspace.cachelet_count() as usize {
             return Err(format!("{} owners for {} cachelets", owners.len(), keyspace.cachelet_count()));
         }
-        let m = ClusterMap { epoch, keyspace, owners, servers };
+        let m = ClusterMap { epoch, keyspace: Arc::new(keyspace), owners: owners.into(), servers: Arc::new(servers) };
         if let Some((c, &(s, w))) = m.owners.iter().enumerate().find(|(_, &o)| !m.has_worker(o)) {
             return Err(format!("cachelet {c} is owned by server {s} worker {w}, which the map does not have"));
         }
@@ -128,17 +131,17 @@ impl ClusterMap {
     /// (server, worker) owning a cachelet at this epoch.
     #[inline]
     pub fn owner(&self, c: CacheletId) -> Owner {
-        self.owners[c as usize]
+        self.owners.get(c as usize)
     }
 
     /// Every cachelet's owner, by cachelet id.
-    pub fn owners(&self) -> &[Owner] {
+    pub fn owners(&self) -> &Owners {
         &self.owners
     }
 
     /// Cachelets owned by one (server, worker), in id order.
     pub fn cachelets_of(&self, server: u16, worker: u16) -> Vec<CacheletId> {
-        (0..self.cachelet_count()).filter(|&c| self.owners[c as usize] == (server, worker)).collect()
+        (self.owners.iter().enumerate()).filter(|(_, &o)| o == (server, worker)).map(|(c, _)| c as CacheletId).collect()
     }
 
     /// Is (server, worker) a worker of this map?
@@ -166,7 +169,7 @@ impl ClusterMap {
     /// Move a cachelet to a new owner; bumps the epoch. Returns the new epoch.
     pub fn move_cachelet(&mut self, c: CacheletId, to: (u16, u16)) -> u64 {
         assert!(self.has_worker(to), "no worker {} on server {}", to.1, to.0);
-        self.owners[c as usize] = to;
+        self.owners.set(c as usize, to);
         self.epoch += 1;
         self.epoch
     }
@@ -176,7 +179,7 @@ impl ClusterMap {
     /// epochs another process (the coordinator) numbers.
     pub fn set_owner_local(&mut self, c: CacheletId, to: (u16, u16)) {
         assert!(self.has_worker(to), "no worker {} on server {}", to.1, to.0);
-        self.owners[c as usize] = to;
+        self.owners.set(c as usize, to);
     }
 
     /// Append a server (id = the next index); bumps the epoch. Returns its id.
@@ -209,7 +212,7 @@ impl ClusterMap {
     /// server, id == the count appends one) and owner changes, all checked
     /// first, under one epoch bump. Nothing changes on an error.
     pub fn update(&mut self, servers: &[(u16, ServerInfo)], moves: &[(CacheletId, Owner)]) -> Result<u64, String> {
-        let mut next = self.servers.clone();
+        let mut next = self.servers.to_vec();
         for (id, info) in servers {
             match (*id as usize).cmp(&next.len()) {
                 std::cmp::Ordering::Less => next[*id as usize] = info.clone(),
@@ -226,12 +229,14 @@ impl ClusterMap {
             if !has(to) {
                 return Err(format!("cachelet {c} to server {} worker {}, which the map does not have", to.0, to.1));
             }
-            owners[c as usize] = to;
+            owners.set(c as usize, to);
         }
         if let Some((c, &(s, w))) = owners.iter().enumerate().find(|(_, &o)| !has(o)) {
             return Err(format!("cachelet {c} would stay on server {s} worker {w}, which the map would not have"));
         }
-        self.servers = next;
+        if *self.servers != next {
+            self.servers = Arc::new(next);
+        }
         self.owners = owners;
         self.epoch += 1;
         Ok(self.epoch)
@@ -268,7 +273,7 @@ impl ClusterMap {
             }
         }
         for &(c, owner) in &d.moves {
-            self.owners[c as usize] = owner;
+            self.owners.set(c as usize, owner);
         }
         self.epoch = d.to_epoch;
         Ok(())

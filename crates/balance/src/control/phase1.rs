@@ -134,7 +134,9 @@ impl<R: Clone> ControlCore<R> {
         // The cluster's mean: this server's and the others' heard within
         // the last three epochs (else this server's mean stands for it).
         let own = mean_load(snap, &hs.balance);
-        let avg = self.peers.cluster_mean(usize::from(self.settings.server), own, self.heard_since(now));
+        let since = self.heard_since(now);
+        self.peers.forget_before(since);
+        let avg = self.peers.cluster_mean(usize::from(self.settings.server), own, since);
         self.hot_avg = avg.unwrap_or(own);
         let view = self.view(avg);
         if let Some(l) = &mut self.ledger {

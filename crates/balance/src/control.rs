@@ -522,7 +522,12 @@ impl<R: Clone> ControlCore<R> {
 
     /// Run Phase 2 over one of its epochs and start the moves it decides.
     fn balance(&mut self, snap: &EpochSnapshot, out: &mut Vec<Command<R>>) -> Option<Decision> {
-        let d = self.balancer.as_mut()?.on_epoch(snap);
+        // Phase 1's keys with copies hold their cachelets where they are (`Balancer::hold`).
+        let space = self.map.keyspace();
+        let held: Vec<u32> = self.hot_meta.keys().map(|k| space.cachelet_of_hash(mbal_cluster::key_hash(k))).collect();
+        let balancer = self.balancer.as_mut()?;
+        balancer.hold(held);
+        let d = balancer.on_epoch(snap);
         let st = &mut self.status;
         st.epoch = snap.seq;
         st.state = format!("{:?}", d.state);

@@ -9,7 +9,7 @@ use crate::measure::{load_of, Imbalance};
 use crate::plan::{self, Piece, Plan, Problem};
 use crate::snapshot::EpochSnapshot;
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 /// The balancer's state (MBal Figure 4, for the phases this server runs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -140,6 +140,8 @@ pub struct Balancer {
     /// Moves decided and not yet reported by `applied`, with the epoch
     /// they were decided in.
     pending: Vec<(Move, u64)>,
+    /// Cachelets whose keys Phase 1 has copies of ([`Balancer::hold`]): no plan moves them.
+    held: BTreeSet<u32>,
 }
 
 /// A worker this far under the saturation utilisation has room to take
@@ -177,7 +179,18 @@ impl Balancer {
             home: home.iter().copied().collect(),
             leases: BTreeMap::new(),
             pending: Vec::new(),
+            held: BTreeSet::new(),
         }
+    }
+
+    /// The cachelets whose keys have copies now (Phase 1's, told before each epoch): no plan
+    /// moves them, their load stays where it is (as a pinned cachelet's). A cachelet that
+    /// moves takes its keys out of replication (the copies are placed relative to the home
+    /// worker), so moving it would make the worker it lands on hotter until the copies are
+    /// made again: in `mbal sim` at 32 x 4 under Zipf 0.99, Phase 2 moving such cachelets took
+    /// max/avg from Phase 1's 1.11 to 1.62 (docs/benchmarks.md §24).
+    pub fn hold(&mut self, cachelets: impl IntoIterator<Item = u32>) {
+        self.held = cachelets.into_iter().collect();
     }
 
     fn see(&self, snap: &EpochSnapshot) -> Seen {
@@ -312,7 +325,7 @@ impl Balancer {
         let pieces = seen
             .cachelets
             .iter()
-            .filter(|(id, _)| !self.pending.iter().any(|(m, _)| m.cachelet == **id))
+            .filter(|(id, _)| !self.pending.iter().any(|(m, _)| m.cachelet == **id) && !self.held.contains(*id))
             .map(|(&id, &(worker, load))| Piece { id, worker, load });
         let mut pieces: Vec<Piece> = pieces.collect();
         pieces.sort_by_key(|p| p.id);

@@ -707,6 +707,36 @@ mod tests {
     /// Leased → Normal: once the hotspot is gone and the leases run out,
     /// every cachelet goes home (LeaseExpired) and the state is Normal.
     #[test]
+    fn a_held_cachelet_is_never_planned_to_move_and_its_load_stays_counted() {
+        let held: Vec<u32> = (0..PER_WORKER - 1).collect();
+        let mut w = World::new(4);
+        let cfg = Config { persistence: 1, ..Config::default() };
+        let mut b = Balancer::new(cfg.clone(), &w.homes());
+        w.skewed();
+        b.hold(held.iter().copied());
+        let mut moved = Vec::new();
+        for _ in 0..6 {
+            moved.extend(w.epoch(&mut b).moves.iter().map(|m| m.cachelet));
+        }
+        assert!(!moved.is_empty(), "the one cachelet not held still moves");
+        assert!(moved.iter().all(|c| !held.contains(c)), "held cachelets stayed: {moved:?}");
+        // Held, every hot cachelet stays: the hot worker has nothing to give, Phase 2 escalates.
+        let mut w = World::new(4);
+        let mut b = Balancer::new(cfg, &w.homes());
+        w.skewed();
+        b.hold(0..PER_WORKER);
+        let d = w.epoch(&mut b);
+        assert!(d.moves.iter().all(|m| m.cachelet >= PER_WORKER), "{:?}", d.moves);
+        // Released, they move again.
+        b.hold([]);
+        let mut moved = 0;
+        for _ in 0..4 {
+            moved += w.epoch(&mut b).moves.iter().filter(|m| m.cachelet < PER_WORKER).count();
+        }
+        assert!(moved > 0, "no longer held");
+    }
+
+    #[test]
     fn leases_bring_cachelets_home_when_the_hotspot_ends() {
         let mut w = World::new(4);
         let cfg = Config { persistence: 1, lease_epochs: 5, ..Config::default() };

@@ -13,9 +13,13 @@
 //! the cachelet's other keys (a tail key's own rate is under the head's
 //! floor, so which tail key a sample names only feeds the tracker's noise).
 
+use crate::{ns, Asker, Pending};
 use mbal_balance::control::SampledKey;
+use mbal_balance::{Event, HotCommand};
 use mbal_bench::workload::write_key;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use rand::rngs::SmallRng;
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 /// The keys drawn one by one for a hot set, hottest first.
 #[derive(Clone, Debug, Default)]
@@ -203,6 +207,100 @@ impl Replicas {
 
 /// A worker's samples since its last epoch sample.
 pub type Samples = Vec<SampledKey>;
+
+/// Phase 1's mechanisms in the simulation: what the cores' Phase 1 commands do.
+impl crate::Sim<'_> {
+    /// Phase 1's command to home worker `worker` of server `s`.
+    pub(crate) fn hot_command(&mut self, s: u16, worker: u16, cmd: HotCommand, t: u64) {
+        let home = (s, worker);
+        match cmd {
+            HotCommand::Replicate { key, replicas } => {
+                let at = parse(&key).and_then(|k| self.load.cachelet_of.get(k as usize).map(|&c| (k, c)));
+                // The worker copies a key it holds (as `replicate_key`), or says it cannot.
+                let Some((k, c)) = at.filter(|&(_, c)| self.owner[c as usize] == home) else {
+                    self.hot_events.push_back((s, Event::HotFailed { key }));
+                    return;
+                };
+                let hash = mbal_cluster::key_hash(&key);
+                let workers = self.a.workers;
+                let copies = (1..=replicas)
+                    .filter_map(|i| mbal_cluster::replica_location(hash, i, home, self.a.servers, |_| workers))
+                    .collect();
+                self.repl.replicate(home, k, c, copies);
+                self.replicated += 1;
+                self.next_seq += 1;
+                self.pending.push(Reverse(Pending {
+                    at_ns: t + ns(self.a.copy_ms),
+                    seq: self.next_seq,
+                    server: s,
+                    token: t,
+                    cachelet: c,
+                    to: worker,
+                    to_server: s,
+                    bytes: 0,
+                    copies: true,
+                    key: k,
+                }));
+            }
+            HotCommand::Grants(list) => {
+                for (key, g) in list {
+                    if let Some(e) = parse(&key).and_then(|k| self.repl.get_mut(home, k)) {
+                        e.grant = g;
+                    }
+                }
+            }
+            HotCommand::Retire { key } => {
+                if parse(&key).and_then(|k| self.repl.remove(home, k)).is_some() {
+                    self.retired += 1;
+                }
+            }
+            HotCommand::SampleRate(r) => {
+                let g = self.gw(home);
+                self.sample_rate[g] = r;
+            }
+            // Alarms between epochs are not simulated.
+            HotCommand::AlarmLimit(_) => {}
+        }
+    }
+
+    /// A key's copies are made (the job that started at `p.token`): its core is told, unless
+    /// the key left replication meanwhile.
+    pub(crate) fn copies_made(&mut self, p: Pending, t: u64) {
+        if self.repl.get_mut((p.server, p.to), p.key).is_none() {
+            return;
+        }
+        let key = name(p.key, self.load.key_size);
+        self.step(p.server, t, Event::HotDone { key, created: true, ok: true, at_ns: p.token, copy_reads: 0 }, &[]);
+    }
+
+    /// A cachelet left its worker: its keys stop being replicated (their homes' cores are
+    /// told, as the server's worker tells its controller).
+    pub(crate) fn drop_hot_of(&mut self, c: u32) -> VecDeque<(u16, Event<Asker>)> {
+        let dropped = self.repl.drop_cachelet(c);
+        self.retired += dropped.len() as u64;
+        dropped.into_iter().map(|(s, k)| (s, Event::HotFailed { key: name(k, self.load.key_size) })).collect()
+    }
+
+    /// Every server's record of this epoch, as `PeerLoad` events to at most
+    /// `--peer-reports` others each (chosen at random), every other when 0.
+    pub(crate) fn peer_reports(&mut self, rng: &mut SmallRng) -> VecDeque<(u16, Event<Asker>)> {
+        let servers = usize::from(self.a.servers);
+        let k = self.a.peer_reports;
+        let mut events = VecDeque::new();
+        for (s, mean, hot) in std::mem::take(&mut self.records) {
+            let others: Vec<usize> = if k == 0 || k >= servers - 1 {
+                (0..servers - 1).collect()
+            } else {
+                rand::seq::index::sample(rng, servers - 1, k).into_vec()
+            };
+            for i in others {
+                let r = if i >= usize::from(s) { i + 1 } else { i } as u16;
+                events.push_back((r, Event::PeerLoad { server: s, mean, hot: hot.clone() }));
+            }
+        }
+        events
+    }
+}
 
 #[cfg(test)]
 mod tests {

@@ -59,172 +59,31 @@
 //! Deterministic: one seeded generator per epoch, every collection walked
 //! in index order; the same arguments give the same JSON, byte for byte.
 
+mod args;
 pub mod hot;
 pub mod queue;
+mod report;
 pub mod workload;
 
-use anyhow::{bail, Context, Result};
+pub use args::{Phases, Runs, SimArgs};
+pub use report::{run, summarize, EpochRecord, RunResult, Summary};
+
+use anyhow::{bail, Result};
 use mbal_balance::control::phase1::mean_load;
 use mbal_balance::{
-    Answer, CacheletSample, Command, Config, ControlCore, CoreSettings, Event, HotCommand, HotConfig, HotSettings,
-    Imbalance, Migrate, PeerHot, Phase3, Phase3Config, Phase3Event, ServerReport, WorkerSample,
+    Answer, CacheletSample, Command, Config, ControlCore, CoreSettings, Event, HotConfig, HotSettings, Imbalance,
+    Migrate, PeerHot, Phase3, Phase3Config, Phase3Event, ServerReport, WorkerSample,
 };
 use mbal_cluster::{ClusterMap, ServerInfo};
 use queue::Part;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use rand_distr::{Binomial, Distribution, Poisson};
-use serde::Serialize;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, VecDeque};
 use std::io::Write;
 use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::time::Instant;
 pub use workload::Dist;
-
-/// Which runs to make.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Runs {
-    On,
-    Off,
-    /// Off, then on, on the same seed.
-    Both,
-}
-
-/// `mbal sim`'s arguments.
-#[derive(clap::Args, Clone, Debug)]
-pub struct SimArgs {
-    /// Servers.
-    #[arg(long, default_value_t = 8)]
-    pub servers: u16,
-    /// Workers per server.
-    #[arg(long, default_value_t = 2)]
-    pub workers: u16,
-    /// Cachelets per worker in the initial (even) map.
-    #[arg(long, default_value_t = mbal_cluster::DEFAULT_CACHELETS_PER_WORKER)]
-    pub cachelets_per_worker: u32,
-    /// Virtual nodes of the key space (0: the servers' default, or the next power of two at
-    /// or above the number of cachelets when that is more).
-    #[arg(long, default_value_t = 0)]
-    pub vn_count: u32,
-    /// Key distribution.
-    #[arg(long, value_enum, default_value = "zipf")]
-    pub workload: Dist,
-    /// Zipf exponent.
-    #[arg(long, default_value_t = 0.99)]
-    pub zipf: f64,
-    /// Distinct keys (`k` + zero-padded index, routed by the real key hash).
-    #[arg(long, default_value_t = 50_000)]
-    pub keys: u32,
-    /// Hotspot: the fraction of keys that are hot.
-    #[arg(long, default_value_t = 0.05)]
-    pub hot_fraction: f64,
-    /// Hotspot and hot partition: the fraction of requests on hot keys (default 0.95 for
-    /// hotspot, 0.5 for hotpart, as the testbed's scripts/bench-balance.sh).
-    #[arg(long)]
-    pub hot_ops: Option<f64>,
-    /// Hot partition: the first K cachelets of one worker are hot.
-    #[arg(long, default_value_t = 4)]
-    pub hot_cachelets: u32,
-    /// Fraction of reads (default: 1.0 for zipf and uniform, 0.95 otherwise).
-    #[arg(long)]
-    pub read_ratio: Option<f64>,
-    /// Each worker's capacity, requests per second (as the servers' `--worker-capacity`).
-    #[arg(long, default_value_t = 2_000.0)]
-    pub worker_capacity: f64,
-    /// Offered load, open loop, as a fraction of the cluster's capacity.
-    #[arg(long, default_value_t = 0.6)]
-    pub load: f64,
-    /// Offered load in requests per second (instead of --load).
-    #[arg(long)]
-    pub rate: Option<f64>,
-    /// The clients' window: at most this many requests per server outstanding (issued, not
-    /// yet served); beyond it the clients issue only as requests complete, as the testbed's
-    /// `mbal bench` does with 8 connections x 64 in flight. 0: no window (purely open loop).
-    #[arg(long, default_value_t = 512)]
-    pub window: u64,
-    /// Epochs to simulate.
-    #[arg(long, default_value_t = 60)]
-    pub epochs: u64,
-    /// The servers' `--epoch-ms`.
-    #[arg(long, default_value_t = 500)]
-    pub epoch_ms: u64,
-    /// The servers' `--balance-epoch-ms`.
-    #[arg(long, default_value_t = 1_000)]
-    pub balance_epoch_ms: u64,
-    /// How long a cachelet move takes (ms) from the core's Release to its Moved.
-    #[arg(long, default_value_t = 5.0)]
-    pub move_ms: f64,
-    /// Seconds at which the hot set changes (comma separated): the n-th shift makes hot
-    /// set n hot (another Zipf or hotspot permutation, another worker's hot partition).
-    #[arg(long, value_delimiter = ',')]
-    pub shift_at: Vec<f64>,
-    /// The balancer (Phase 2) on, off, or both runs one after the other.
-    #[arg(long, value_enum, default_value = "both")]
-    pub balancer: Runs,
-    /// Phase 3 (the sim as the coordinator) in the runs with the balancer on: on, off, or
-    /// both (a run with Phase 2 alone, named `phase2`, then one with both phases).
-    #[arg(long, value_enum, default_value = "on")]
-    pub phase3: Runs,
-    /// Phase 1 (hot-key copies) in the runs with the balancer on: on (a real cluster's
-    /// default) or off.
-    #[arg(long, value_enum, default_value = "on")]
-    pub phase1: Runs,
-    /// The runs to make, instead of --balancer/--phase1/--phase3: a comma list of `off`,
-    /// `all`, and `phase` followed by the phases it runs joined by `+` (`phase1`, `phase2`,
-    /// `phase3`, `phase1+2`, ...), e.g. `off,phase1,phase2,phase3,all` (MBal's Fig. 10).
-    #[arg(long, value_delimiter = ',')]
-    pub runs: Vec<String>,
-    /// Keys drawn one by one (Phase 1's head): those whose mass is at least this fraction of
-    /// one worker's share of the requests...
-    #[arg(long, default_value_t = 0.01)]
-    pub head_share: f64,
-    /// ...at most this many (hottest first).
-    #[arg(long, default_value_t = 2_000_000)]
-    pub head_keys: usize,
-    /// How long making a key's copies takes (ms), from `Replicate` to `HotDone`.
-    #[arg(long, default_value_t = 1.0)]
-    pub copy_ms: f64,
-    /// Each server hears the epoch records of at most this many others per epoch, chosen
-    /// at random each epoch (0: every other server, as a real cluster does).
-    #[arg(long, default_value_t = 64)]
-    pub peer_reports: usize,
-    /// Bytes of one item, for the memory the copies take.
-    #[arg(long, default_value_t = 1_000)]
-    pub item_bytes: u64,
-    /// Each cachelet's data (MB), what a Phase 3 migration moves.
-    #[arg(long, default_value_t = 64.0)]
-    pub cachelet_mb: f64,
-    /// Each server's memory limit (MB; 0: twice its initial cachelets' data).
-    #[arg(long, default_value_t = 0.0)]
-    pub server_memory_mb: f64,
-    /// Phase 3's migration rate (GB/s, 10^9 bytes): a migration takes bytes / rate.
-    #[arg(long, default_value_t = 1.0)]
-    pub migrate_gbps: f64,
-    /// The random seed.
-    #[arg(long, default_value_t = 1)]
-    pub seed: u64,
-    /// Settled from this many seconds on (default: the second half of the run).
-    #[arg(long)]
-    pub settle: Option<f64>,
-    /// Write one JSON line per epoch (and one summary line per run) to this file.
-    #[arg(long)]
-    pub json: Option<PathBuf>,
-}
-
-impl SimArgs {
-    /// The defaults, as `mbal sim` with no flags.
-    pub fn defaults() -> SimArgs {
-        use clap::Parser;
-        #[derive(clap::Parser)]
-        struct P {
-            #[command(flatten)]
-            a: SimArgs,
-        }
-        P::parse_from(["sim"]).a
-    }
-}
 
 /// The initial even map of `servers` x `workers` (addresses are placeholders: nothing is
 /// dialled).
@@ -234,89 +93,6 @@ pub fn even_map(servers: u16, workers: u16, cpw: u32, vn_count: u32) -> ClusterM
         .map(|s| ServerInfo { main: addr(s, 11211), workers: (0..workers).map(|w| addr(s, 20000 + w)).collect() })
         .collect();
     ClusterMap::even(infos, cpw, vn_count)
-}
-
-/// One epoch of one run, as a JSON line.
-#[derive(Clone, Debug, Serialize, PartialEq)]
-pub struct EpochRecord {
-    pub run: &'static str,
-    pub epoch: u64,
-    /// Seconds since the start, at the epoch's end.
-    pub t: f64,
-    pub hot_set: u32,
-    /// Requests per second offered, issued (within the clients' window) and served.
-    pub offered: f64,
-    pub issued: f64,
-    pub served: f64,
-    /// Over every worker of the cluster: max/avg and NetKV's imbalance factor (eq. 6,
-    /// mean |L_i - avg| / avg), of the requests served per second.
-    pub max_over_avg: f64,
-    pub factor: f64,
-    /// The worst server's own max/avg (what Phase 2 can fix).
-    pub server_max_over_avg: f64,
-    /// Over the servers (each server's workers summed): max/avg, NetKV's Fig. 17 figure.
-    pub servers_max_over_avg: f64,
-    /// Estimated delay percentiles of the requests served in the epoch (µs).
-    pub p50_us: f64,
-    pub p99_us: f64,
-    pub p999_us: f64,
-    /// Requests waiting at the workers, and held back by the clients, at the epoch's end.
-    pub backlog: f64,
-    pub held: f64,
-    /// Moves the cores started and that ended in the epoch.
-    pub moves_started: u64,
-    pub moves_done: u64,
-    /// Phase 3's migrations started, finished and failed in the epoch, and the bytes of
-    /// those finished.
-    pub migrations_started: u64,
-    pub migrations_done: u64,
-    pub migrations_failed: u64,
-    pub migrated_bytes: u64,
-    /// Phase 1: keys with copies (made or being made) and their copies at the epoch's end,
-    /// the copies' memory (MB, `--item-bytes` each), the keys sent for copies and the keys
-    /// taken out of replication in the epoch, and the requests per second the copies served.
-    pub hot_keys: u64,
-    pub copies: u64,
-    pub copy_mb: f64,
-    pub replicated: u64,
-    pub retired: u64,
-    pub copy_served: f64,
-    /// Phase 2 decisions this epoch: servers per state, and each state change
-    /// `(server, transition)`.
-    pub states: BTreeMap<String, u64>,
-    pub transitions: Vec<(u16, String)>,
-    /// Requests per second served by each worker (servers in order, then workers).
-    pub loads: Vec<u64>,
-}
-
-/// A run's figures over its settled epochs.
-#[derive(Clone, Debug, Serialize, PartialEq)]
-pub struct Summary {
-    pub run: &'static str,
-    pub settled_from: f64,
-    pub max_over_avg: f64,
-    pub factor: f64,
-    pub server_max_over_avg: f64,
-    pub servers_max_over_avg: f64,
-    pub p99_us: f64,
-    pub served: f64,
-    pub moves: u64,
-    /// Phase 3's migrations finished, and their bytes, over the whole run.
-    pub migrations: u64,
-    pub migrated_bytes: u64,
-    /// Phase 1: keys with copies (settled mean, and the most at any epoch end), the most
-    /// copies and their memory (MB), and the share of the requests the copies served
-    /// (settled).
-    pub hot_keys: f64,
-    pub hot_keys_max: u64,
-    pub copies_max: u64,
-    pub copy_mb_max: f64,
-    pub copy_share: f64,
-    /// From when every later epoch's max/avg stayed <= 1.15 (seconds; null: never).
-    pub settle_time: Option<f64>,
-    /// Requests simulated: offered by the clients, and issued within their window.
-    pub offered_requests: f64,
-    pub requests: f64,
 }
 
 /// A move under way: when it ends, and what the core is told then. A Phase 3 migration
@@ -354,37 +130,6 @@ enum Asker {
     Lend { borrower: u16, asked_at: u64 },
     /// `AskHeld` from `asker`.
     Held { asker: u16 },
-}
-
-/// Which phases a run runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Phases {
-    pub p1: bool,
-    pub p2: bool,
-    pub p3: bool,
-}
-
-impl Phases {
-    /// `off`, `all`, or `phase` + the phases joined by `+` (`phase1+2`).
-    pub fn parse(name: &str) -> Result<Phases> {
-        let none = Phases { p1: false, p2: false, p3: false };
-        match name {
-            "off" => return Ok(none),
-            "all" | "on" => return Ok(Phases { p1: true, p2: true, p3: true }),
-            _ => {}
-        }
-        let Some(list) = name.strip_prefix("phase") else { bail!("a run is off, all or phase<N>[+<N>...]: {name}") };
-        let mut p = none;
-        for n in list.split('+') {
-            match n {
-                "1" => p.p1 = true,
-                "2" => p.p2 = true,
-                "3" => p.p3 = true,
-                _ => bail!("a run is off, all or phase<N>[+<N>...] with N 1, 2 or 3: {name}"),
-            }
-        }
-        Ok(p)
-    }
 }
 
 /// The workload, resolved.
@@ -976,97 +721,6 @@ impl<'a> Sim<'a> {
         }
     }
 
-    /// Phase 1's command to home worker `worker` of server `s`.
-    fn hot_command(&mut self, s: u16, worker: u16, cmd: HotCommand, t: u64) {
-        let home = (s, worker);
-        match cmd {
-            HotCommand::Replicate { key, replicas } => {
-                let at = hot::parse(&key).and_then(|k| self.load.cachelet_of.get(k as usize).map(|&c| (k, c)));
-                // The worker copies a key it holds (as `replicate_key`), or says it cannot.
-                let Some((k, c)) = at.filter(|&(_, c)| self.owner[c as usize] == home) else {
-                    self.hot_events.push_back((s, Event::HotFailed { key }));
-                    return;
-                };
-                let hash = mbal_cluster::key_hash(&key);
-                let workers = self.a.workers;
-                let copies = (1..=replicas)
-                    .filter_map(|i| mbal_cluster::replica_location(hash, i, home, self.a.servers, |_| workers))
-                    .collect();
-                self.repl.replicate(home, k, c, copies);
-                self.replicated += 1;
-                self.next_seq += 1;
-                self.pending.push(Reverse(Pending {
-                    at_ns: t + ns(self.a.copy_ms),
-                    seq: self.next_seq,
-                    server: s,
-                    token: t,
-                    cachelet: c,
-                    to: worker,
-                    to_server: s,
-                    bytes: 0,
-                    copies: true,
-                    key: k,
-                }));
-            }
-            HotCommand::Grants(list) => {
-                for (key, g) in list {
-                    if let Some(e) = hot::parse(&key).and_then(|k| self.repl.get_mut(home, k)) {
-                        e.grant = g;
-                    }
-                }
-            }
-            HotCommand::Retire { key } => {
-                if hot::parse(&key).and_then(|k| self.repl.remove(home, k)).is_some() {
-                    self.retired += 1;
-                }
-            }
-            HotCommand::SampleRate(r) => {
-                let g = self.gw(home);
-                self.sample_rate[g] = r;
-            }
-            // Alarms between epochs are not simulated.
-            HotCommand::AlarmLimit(_) => {}
-        }
-    }
-
-    /// A key's copies are made (the job that started at `p.token`): its core is told, unless
-    /// the key left replication meanwhile.
-    fn copies_made(&mut self, p: Pending, t: u64) {
-        if self.repl.get_mut((p.server, p.to), p.key).is_none() {
-            return;
-        }
-        let key = hot::name(p.key, self.load.key_size);
-        self.step(p.server, t, Event::HotDone { key, created: true, ok: true, at_ns: p.token, copy_reads: 0 }, &[]);
-    }
-
-    /// A cachelet left its worker: its keys stop being replicated (their homes' cores are
-    /// told, as the server's worker tells its controller).
-    fn drop_hot_of(&mut self, c: u32) -> VecDeque<(u16, Event<Asker>)> {
-        let dropped = self.repl.drop_cachelet(c);
-        self.retired += dropped.len() as u64;
-        dropped.into_iter().map(|(s, k)| (s, Event::HotFailed { key: hot::name(k, self.load.key_size) })).collect()
-    }
-
-    /// Every server's record of this epoch, as `PeerLoad` events to at most
-    /// `--peer-reports` others each (chosen at random), every other when 0.
-    fn peer_reports(&mut self, rng: &mut SmallRng) -> VecDeque<(u16, Event<Asker>)> {
-        let servers = usize::from(self.a.servers);
-        let k = self.a.peer_reports;
-        let mut events = VecDeque::new();
-        for (s, mean, hot) in std::mem::take(&mut self.records) {
-            let others: Vec<usize> = if k == 0 || k >= servers - 1 {
-                (0..servers - 1).collect()
-            } else {
-                rand::seq::index::sample(rng, servers - 1, k).into_vec()
-            };
-            for i in others {
-                let r = if i >= usize::from(s) { i + 1 } else { i } as u16;
-                events.push_back((r, Event::PeerLoad { server: s, mean, hot: hot.clone() }));
-            }
-        }
-        events
-    }
-
     /// Give Phase 3 an event at `t` and start the migrations it asks for (a migration that
     /// cannot start, its cachelet not at its source or moving already, fails at once).
     fn phase3_step(&mut self, ev: Phase3Event, t: u64) {
@@ -1267,46 +921,6 @@ impl<'a> Sim<'a> {
     }
 }
 
-/// A run's summary over the epochs from `from` seconds on.
-pub fn summarize(run: &'static str, recs: &[EpochRecord], from: f64, offered: f64, requests: f64) -> Summary {
-    let settled: Vec<&EpochRecord> = recs.iter().filter(|r| r.t > from + 1e-9).collect();
-    let n = settled.len().max(1) as f64;
-    let mean = |f: &dyn Fn(&EpochRecord) -> f64| settled.iter().map(|r| f(r)).sum::<f64>() / n;
-    let r2 = |x: f64| (x * 1e4).round() / 1e4;
-    let settle_time = match recs.iter().rposition(|r| r.max_over_avg > 1.15) {
-        None => Some(0.0),
-        Some(i) if i + 1 < recs.len() => Some(recs[i].t),
-        Some(_) => None,
-    };
-    Summary {
-        run,
-        settled_from: from,
-        max_over_avg: r2(mean(&|r| r.max_over_avg)),
-        factor: r2(mean(&|r| r.factor)),
-        server_max_over_avg: r2(mean(&|r| r.server_max_over_avg)),
-        servers_max_over_avg: r2(mean(&|r| r.servers_max_over_avg)),
-        p99_us: mean(&|r| r.p99_us).round(),
-        served: mean(&|r| r.served).round(),
-        moves: recs.iter().map(|r| r.moves_done).sum(),
-        migrations: recs.iter().map(|r| r.migrations_done).sum(),
-        migrated_bytes: recs.iter().map(|r| r.migrated_bytes).sum(),
-        hot_keys: (mean(&|r| r.hot_keys as f64) * 10.0).round() / 10.0,
-        hot_keys_max: recs.iter().map(|r| r.hot_keys).max().unwrap_or(0),
-        copies_max: recs.iter().map(|r| r.copies).max().unwrap_or(0),
-        copy_mb_max: recs.iter().map(|r| r.copy_mb).fold(0.0, f64::max),
-        copy_share: r2(mean(&|r| if r.served > 0.0 { r.copy_served / r.served } else { 0.0 })),
-        settle_time,
-        offered_requests: offered.round(),
-        requests: requests.round(),
-    }
-}
-
-/// What a run gives: its epochs and summary.
-pub struct RunResult {
-    pub epochs: Vec<EpochRecord>,
-    pub summary: Summary,
-}
-
 /// Simulate the runs `a` asks for, writing each epoch's JSON line to `json` as it closes.
 pub fn simulate(a: &SimArgs, mut json: Option<&mut dyn Write>) -> Result<Vec<RunResult>> {
     if a.servers == 0 || a.workers == 0 || a.cachelets_per_worker == 0 {
@@ -1388,82 +1002,6 @@ pub fn simulate(a: &SimArgs, mut json: Option<&mut dyn Write>) -> Result<Vec<Run
         out.push(RunResult { epochs, summary });
     }
     Ok(out)
-}
-
-/// `mbal sim`: simulate, write the JSON lines, print the summary table (and the simulator's
-/// speed on stderr).
-pub fn run(a: SimArgs) -> Result<()> {
-    let started = Instant::now();
-    let mut file = match &a.json {
-        Some(p) => Some(std::io::BufWriter::new(
-            std::fs::File::create(p).with_context(|| format!("cannot create {}", p.display()))?,
-        )),
-        None => None,
-    };
-    let results = simulate(&a, file.as_mut().map(|f| f as &mut dyn Write))?;
-    if let Some(mut f) = file {
-        f.flush()?;
-    }
-    let wall = started.elapsed().as_secs_f64();
-    println!(
-        "{} servers x {} workers, {:?} (keys {}), capacity {}/s per worker, {} epochs of {} ms; settled from {:.1} s",
-        a.servers,
-        a.workers,
-        a.workload,
-        a.keys,
-        a.worker_capacity,
-        a.epochs,
-        a.epoch_ms,
-        results.first().map_or(0.0, |r| r.summary.settled_from)
-    );
-    let w = results.iter().map(|r| r.summary.run.len()).max().unwrap_or(0).max(8);
-    println!(
-        "{:<w$} {:>8} {:>8} {:>10} {:>8} {:>12} {:>12} {:>7} {:>9} {:>10} {:>9} {:>9} {:>9} {:>7}",
-        "balancer",
-        "max/avg",
-        "factor",
-        "srv max/avg",
-        "servers",
-        "p99 µs",
-        "served/s",
-        "moves",
-        "settle s",
-        "migrations",
-        "GB moved",
-        "hot keys",
-        "copies",
-        "copied"
-    );
-    for r in &results {
-        let s = &r.summary;
-        println!(
-            "{:<w$} {:>8.2} {:>8.3} {:>10.2} {:>8.2} {:>12.0} {:>12.0} {:>7} {:>9} {:>10} {:>9.2} {:>9.1} {:>9} {:>6.1}%",
-            s.run,
-            s.max_over_avg,
-            s.factor,
-            s.server_max_over_avg,
-            s.servers_max_over_avg,
-            s.p99_us,
-            s.served,
-            s.moves,
-            s.settle_time.map_or("-".to_string(), |t| format!("{t:.1}")),
-            s.migrations,
-            s.migrated_bytes as f64 / 1e9,
-            s.hot_keys,
-            s.copies_max,
-            100.0 * s.copy_share
-        );
-    }
-    let requests: f64 = results.iter().map(|r| r.summary.requests).sum();
-    let offered: f64 = results.iter().map(|r| r.summary.offered_requests).sum();
-    let w = wall.max(1e-9);
-    eprintln!(
-        "sim: {offered:.0} requests offered ({requests:.0} issued) in {wall:.2} s: {:.3e} offered/s, {:.3e} issued/s, {:.0} server-epochs/s",
-        offered / w,
-        requests / w,
-        (results.len() as u64 * a.epochs * u64::from(a.servers)) as f64 / w
-    );
-    Ok(())
 }
 
 #[cfg(test)]

@@ -6,7 +6,9 @@
 //! * [`dial`]: opening a member connection (TLS when the cluster uses it,
 //!   then the login);
 //! * [`peer_auth`]: the `mbal peer` challenge over the cluster secret;
-//! * [`coordinators`]: the map fetched from the coordinators.
+//! * [`coordinators`]: the map fetched from the coordinators;
+//! * [`pipe`]: the pipelined connections the proxy and the server's
+//!   forwarder keep to the owning workers.
 //!
 //! Split from `mbal-cluster` so that the policy (`mbal-balance`) and the
 //! simulator build without rustls, TOML or HMAC.
@@ -15,5 +17,6 @@ pub mod coordinators;
 pub mod dial;
 mod file;
 pub mod peer_auth;
+pub mod pipe;
 
 pub use file::{ClusterFile, ClusterSpec, ServerSpec, TlsSpec};

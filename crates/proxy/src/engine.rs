@@ -7,7 +7,8 @@ mod upstream;
 use crate::stats::{Counters, Shared, UpDelta};
 use crate::Config;
 use mbal_cluster::{key_hash, ClusterMap, Health, Leases, Owner, Redirect, Router, Split};
-use mbal_proto::client::{Decoder, Expect, Frame};
+use mbal_member::pipe::{fill, would_block, InFlight, Pipes, State, BACKOFF_MIN, BIN, BIN_NOOP};
+use mbal_proto::client::{Expect, Frame};
 use mbal_proto::meta::{meta_key, MetaKind};
 use mbal_proto::text::TextCmd;
 use mbal_proto::{Limits, Parsed, Protocol, Request};
@@ -20,13 +21,12 @@ use std::io::{self, Write};
 use std::net::{SocketAddr, TcpListener as StdListener};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 const LISTENER: Token = Token(0);
 const WAKER: Token = Token(1);
 const CLIENT_BASE: usize = 2;
 const UP_BASE: usize = 1 << 30;
-const READ_CHUNK: usize = 16 * 1024;
 /// Spare buffers kept for reuse (see [`Engine::bufs`]): at most this many,
 /// each of at most `SPARE_CAP` bytes.
 const SPARE_BUFS: usize = 256;
@@ -35,8 +35,6 @@ const SPARE_CAP: usize = 4096;
 /// this many bytes (then what is complete is written: a long pipeline's first
 /// replies do not wait for all of it).
 const EARLY_FLUSH: usize = 32 << 10;
-const BACKOFF_MIN: Duration = Duration::from_millis(10);
-const BACKOFF_MAX: Duration = Duration::from_secs(1);
 /// Where a map fetch goes when no coordinator answered it: the one a server failure starts
 /// (another server than the failed one), or the one a redirect starts (the redirecting worker).
 #[derive(Clone, Copy, Debug)]
@@ -45,13 +43,6 @@ enum MapFallback {
     From(Owner),
 }
 
-/// The "worker" of a server's binary upstream: a plain connection to its
-/// main port, where the server passes each request to the owning worker
-/// itself (binary connections do not opt in to routing).
-const BIN: u16 = u16::MAX;
-/// A binary NOOP request, sent after a quiet binary request so that every
-/// request in flight has a reply to wait for.
-const BIN_NOOP: [u8; 24] = [0x80, 0x0a, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
 /// Binary status of a request the proxy could not get answered ("temporary failure").
 const BIN_UPSTREAM_FAILED: u16 = 0x86;
 
@@ -184,37 +175,19 @@ impl Inflight {
     }
 }
 
-enum UpState {
-    Idle,
-    Up,
-    Down { until: Instant },
+impl InFlight for Inflight {
+    fn sent(&self) -> Instant {
+        self.sent
+    }
 }
 
-struct Upstream {
-    owner: Owner,
-    addr: SocketAddr,
-    /// `addr` as text, for the stats.
+/// What the proxy keeps of each upstream connection beside the connection
+/// itself (`mbal_member::pipe`, the server's forwarder's kind too).
+struct UpExtra {
+    /// The address as text, for the stats.
     addr_s: String,
-    sock: Option<Stream<TcpStream>>,
-    state: UpState,
-    backoff: Duration,
-    wbuf: Vec<u8>,
-    wpos: usize,
-    rbuf: Vec<u8>,
-    rpos: usize,
-    rend: usize,
-    dec: Decoder,
-    inflight: VecDeque<Inflight>,
-    dirty: bool,
     delta: UpDelta,
-    /// Bumped by every connect and every drop: a dial finished by a helper
-    /// thread for an older generation is discarded.
-    gen: u64,
 }
-
-/// A dial done off the event loop (TLS handshake, login): (upstream,
-/// generation, the connection).
-type Dialed = (usize, u64, io::Result<Stream<std::net::TcpStream>>);
 
 /// A thing to do once the current upstream's replies are read.
 enum After {
@@ -237,13 +210,10 @@ pub(crate) struct Engine {
     lease_seed: u64,
     clients: Slab<Client>,
     next_cid: u64,
-    ups: Vec<Upstream>,
-    /// Upstream index by owner, a direct table (looked up for every request):
-    /// `up_of[server][0]` is the server's binary upstream, `up_of[server][1 + w]`
-    /// worker w's; `usize::MAX`: none yet.
-    up_of: Vec<Vec<usize>>,
+    /// The upstream connections, one per owner (dials that need more than
+    /// a TCP connect run on a helper thread; the waker wakes the loop).
+    ups: Pipes<Inflight, UpExtra>,
     dirty_clients: Vec<usize>,
-    dirty_ups: Vec<usize>,
     resume: Vec<usize>,
     fetching_map: bool,
     /// Requests for a server that could not be reached, waiting for the map fetch in
@@ -272,11 +242,6 @@ pub(crate) struct Engine {
     /// The time the last poll returned: request times are taken at round
     /// granularity (one clock read per round).
     now: Instant,
-    /// Dials that need more than a TCP connect run on a helper thread and
-    /// come back here (the waker wakes the loop).
-    dialed_tx: std::sync::mpsc::Sender<Dialed>,
-    dialed_rx: std::sync::mpsc::Receiver<Dialed>,
-    waker: Arc<Waker>,
 }
 
 /// A seed that differs between proxy threads and processes, so that they
@@ -317,10 +282,6 @@ fn recycle(bufs: &mut Vec<Vec<u8>>, mut b: Vec<u8>) {
     }
 }
 
-fn would_block(e: &io::Error) -> bool {
-    e.kind() == io::ErrorKind::WouldBlock
-}
-
 impl Engine {
     pub(crate) fn new(
         id: usize,
@@ -335,17 +296,22 @@ impl Engine {
         poll.registry().register(&mut listener, LISTENER, Interest::READABLE)?;
         let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
         let limits = Limits { max_item_size: cfg.max_item_size, ..Limits::default() };
-        let (dialed_tx, dialed_rx) = std::sync::mpsc::channel();
         let coord = match &cfg.coordinators {
             Some(c) if !c.addrs.is_empty() => Some(crate::coord::Fetcher::start(id, c.clone(), waker.clone())?),
             _ => None,
         };
+        let wake = waker.clone();
+        let ups = Pipes::new(
+            cfg.dialer.clone(),
+            UP_BASE,
+            "mbal-proxy-dial",
+            Arc::new(move || {
+                let _ = wake.wake();
+            }),
+        );
         let e = Engine {
             coord,
             coord_fallback: None,
-            dialed_tx,
-            dialed_rx,
-            waker: waker.clone(),
             id,
             poll,
             listener,
@@ -357,10 +323,8 @@ impl Engine {
             lease_seed: lease_seed(id),
             clients: Slab::new(),
             next_cid: 1,
-            ups: Vec::new(),
-            up_of: Vec::new(),
+            ups,
             dirty_clients: Vec::new(),
-            dirty_ups: Vec::new(),
             resume: Vec::new(),
             fetching_map: false,
             waiting_map: Vec::new(),
@@ -399,7 +363,7 @@ impl Engine {
                     Token(t) if t >= UP_BASE => {
                         let ui = t - UP_BASE;
                         if ev.is_writable() {
-                            self.mark_up(ui);
+                            self.ups.mark(ui);
                         }
                         if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
                             self.read_upstream(ui);
@@ -434,7 +398,7 @@ impl Engine {
     // ---- statistics ----
 
     fn publish(&mut self) {
-        let dirty = self.ups.iter().any(|u| !u.delta.is_empty())
+        let dirty = self.ups.iter().any(|u| !u.extra.delta.is_empty())
             || self.counters.bytes_read != 0
             || self.counters.bytes_written != 0
             || self.counters.total_connections != 0;
@@ -445,9 +409,9 @@ impl Engine {
         t.counters.add(&self.counters);
         t.map_epoch = self.router.map().epoch();
         self.counters = Counters::default();
-        for u in &mut self.ups {
-            if !u.delta.is_empty() {
-                t.publish(u.owner, &u.addr_s, &mut u.delta);
+        for u in self.ups.iter_mut() {
+            if !u.extra.delta.is_empty() {
+                t.publish(u.owner, &u.extra.addr_s, &mut u.extra.delta);
             }
         }
     }

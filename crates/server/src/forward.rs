@@ -9,7 +9,9 @@
 //! <epoch> <worker>`, so the request lands on the owner with no hop) and
 //! one plain binary connection per server for the binary protocol (binary
 //! connections do not opt in to routing: the server passes each request to
-//! its owner). Requests are pipelined: written back to back in the order
+//! its owner): `mbal_member::pipe`'s connections, the proxy's kind, whose
+//! mechanics (dialing, buffers, backoff, deadlines) are there; what a reply
+//! means is here. Requests are pipelined: written back to back in the order
 //! the jobs came, the replies read in that order. A request whose reply the
 //! server may not send (text `noreply`, meta `q`, a quiet binary opcode) is
 //! followed by `mn` (binary: `NOOP`), whose answer is not passed on.
@@ -38,27 +40,19 @@ use crate::msg::{Envelope, Mailbox, ReplyBatch, ReplyTo, NO_CACHELET};
 use crate::shared::Shared;
 use crossbeam_channel::Receiver;
 use mbal_cluster::{ClusterMap, Owner, Redirect, Router};
-use mbal_member::dial::Proto;
+use mbal_member::pipe::{hello_line, InFlight, Pipes, State, BACKOFF_MIN, BIN, BIN_NOOP};
 use mbal_proto::binary::{opcode as op, write_response, BinHeader, HEADER_LEN, MAGIC_RESPONSE};
-use mbal_proto::client::{Decoder, Expect, Frame};
-use mio::net::TcpStream;
-use mio::{Events, Interest, Poll, Token, Waker};
-use std::collections::{HashMap, VecDeque};
+use mbal_proto::client::{Expect, Frame};
+use mio::{Events, Poll, Token, Waker};
 use std::io;
+use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const WAKER: Token = Token(usize::MAX);
-const BACKOFF_MIN: Duration = Duration::from_millis(10);
-const BACKOFF_MAX: Duration = Duration::from_secs(1);
-/// Redirects followed per request before it fails.
-/// The "worker" of a server's binary connection (its main port).
-const BIN: u16 = u16::MAX;
-const BIN_NOOP: [u8; 24] = [0x80, op::NOOP, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
 /// Binary status "temporary failure".
 const BIN_FAILED: u16 = 0x86;
-const READ_CHUNK: usize = 64 * 1024;
 
 /// The forwarder's end of its channel: its poll, jobs and mailbox.
 pub(crate) type Parts = (Poll, Receiver<Vec<Job>>, Arc<Mailbox>);
@@ -94,6 +88,12 @@ struct Sent {
     rd: Option<Redirect>,
 }
 
+impl InFlight for Sent {
+    fn sent(&self) -> Instant {
+        self.sent
+    }
+}
+
 impl Sent {
     fn quiet(&self) -> bool {
         matches!(self.kind, Kind::Line { quiet: true, .. } | Kind::Bin { quiet: true })
@@ -112,32 +112,6 @@ impl Sent {
     }
 }
 
-enum State {
-    Idle,
-    Up,
-    Down { until: Instant },
-}
-
-struct Upstream {
-    owner: Owner,
-    sock: Option<mbal_tls::Stream<TcpStream>>,
-    state: State,
-    backoff: Duration,
-    wbuf: Vec<u8>,
-    wpos: usize,
-    rbuf: Vec<u8>,
-    dec: Decoder,
-    inflight: VecDeque<Sent>,
-    dirty: bool,
-    /// Bumped by every connect and every drop: a dial finished by a helper
-    /// thread for an older generation is discarded.
-    gen: u64,
-}
-
-/// A dial done off the loop (TLS handshake, login): (upstream, generation,
-/// the connection).
-type Dialed = (usize, u64, io::Result<mbal_tls::Stream<std::net::TcpStream>>);
-
 pub(crate) struct Forwarder {
     shared: Arc<Shared>,
     poll: Poll,
@@ -145,45 +119,31 @@ pub(crate) struct Forwarder {
     mailbox: Arc<Mailbox>,
     router: Router,
     timeout: Duration,
-    /// TLS and the cluster secret's login, when the cluster has them.
-    dialer: mbal_member::dial::Dialer,
-    ups: Vec<Upstream>,
-    up_of: HashMap<Owner, usize>,
-    dirty: Vec<usize>,
+    /// One pipelined connection per owner (`mbal_member::pipe`, the proxy's
+    /// too); dials that need more than a TCP connect (TLS, the cluster
+    /// secret's login) run on a helper thread, which wakes the loop through
+    /// the mailbox.
+    ups: Pipes<Sent>,
     /// Answers for each worker, sent once per round.
     replies: Vec<ReplyBatch>,
-    chunk: Box<[u8]>,
     now: Instant,
-    /// Dials that need more than a TCP connect run on a helper thread and
-    /// come back here (the mailbox's waker wakes the loop).
-    dialed_tx: std::sync::mpsc::Sender<Dialed>,
-    dialed_rx: std::sync::mpsc::Receiver<Dialed>,
-}
-
-fn would_block(e: &io::Error) -> bool {
-    e.kind() == io::ErrorKind::WouldBlock
 }
 
 impl Forwarder {
     pub(crate) fn new(shared: Arc<Shared>, (poll, jobs, mailbox): Parts, map: ClusterMap) -> Forwarder {
         let timeout = Duration::from_millis(shared.settings.forward_timeout_ms.max(1));
         let workers = shared.settings.threads;
-        let (dialed_tx, dialed_rx) = std::sync::mpsc::channel();
+        let wake = mailbox.clone();
+        let ups = Pipes::new(shared.settings.peer_dialer(timeout), 0, "mbal-fwd-dial", Arc::new(move || wake.wake()));
         Forwarder {
-            dialed_tx,
-            dialed_rx,
-            dialer: shared.settings.peer_dialer(timeout),
             shared,
             poll,
             jobs,
             mailbox,
             router: Router::new(map),
             timeout,
-            ups: Vec::new(),
-            up_of: HashMap::new(),
-            dirty: Vec::new(),
+            ups,
             replies: (0..workers).map(|_| ReplyBatch::default()).collect(),
-            chunk: vec![0u8; READ_CHUNK].into_boxed_slice(),
             now: Instant::now(),
         }
     }
@@ -210,11 +170,8 @@ impl Forwarder {
             }
             let mut timeout = self
                 .ups
-                .iter()
-                .filter_map(|u| u.inflight.front())
-                .map(|f| (f.sent + self.timeout).saturating_duration_since(Instant::now()))
-                .min()
-                .unwrap_or(Duration::from_millis(200))
+                .next_deadline(self.timeout)
+                .map_or(Duration::from_millis(200), |d| d.saturating_duration_since(Instant::now()))
                 .min(Duration::from_millis(200));
             if !self.mailbox.prepare_sleep(&self.jobs) {
                 timeout = Duration::ZERO;
@@ -229,12 +186,9 @@ impl Forwarder {
             }
             self.now = Instant::now();
             for ev in events.iter() {
-                let ui = ev.token().0;
-                if ev.token() == WAKER || ui >= self.ups.len() {
-                    continue;
-                }
+                let Some(ui) = self.ups.of_token(ev.token()) else { continue };
                 if ev.is_writable() {
-                    self.mark(ui);
+                    self.ups.mark(ui);
                 }
                 if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
                     self.read(ui);
@@ -317,32 +271,17 @@ impl Forwarder {
         self.send(owner, s);
     }
 
-    fn upstream(&mut self, owner: Owner) -> usize {
-        if let Some(&ui) = self.up_of.get(&owner) {
-            return ui;
+    fn addr_of(router: &Router, (server, worker): Owner) -> SocketAddr {
+        if worker == BIN {
+            router.map().servers()[server as usize].main
+        } else {
+            router.map().worker_addr(server, worker)
         }
-        self.ups.push(Upstream {
-            owner,
-            sock: None,
-            state: State::Idle,
-            backoff: BACKOFF_MIN,
-            wbuf: Vec::new(),
-            wpos: 0,
-            rbuf: Vec::new(),
-            dec: Decoder::new(),
-            inflight: VecDeque::new(),
-            dirty: false,
-            gen: 0,
-        });
-        self.up_of.insert(owner, self.ups.len() - 1);
-        self.ups.len() - 1
     }
 
-    fn mark(&mut self, ui: usize) {
-        if !self.ups[ui].dirty {
-            self.ups[ui].dirty = true;
-            self.dirty.push(ui);
-        }
+    fn upstream(&mut self, owner: Owner) -> usize {
+        let router = &self.router;
+        self.ups.index_of(owner, || Self::addr_of(router, owner), || ())
     }
 
     fn send(&mut self, owner: Owner, mut s: Sent) {
@@ -368,68 +307,34 @@ impl Forwarder {
         }
         self.stats().requests.fetch_add(1, Ordering::Relaxed);
         s.sent = self.now;
-        let u = &mut self.ups[ui];
-        u.wbuf.extend_from_slice(&s.req);
-        match s.kind {
-            Kind::Line { quiet: true, .. } => u.wbuf.extend_from_slice(b"mn\r\n"),
-            Kind::Bin { quiet: true } => u.wbuf.extend_from_slice(&BIN_NOOP),
-            _ => {}
-        }
-        u.inflight.push_back(s);
-        self.mark(ui);
+        let tail: &[u8] = match s.kind {
+            Kind::Line { quiet: true, .. } => b"mn\r\n",
+            Kind::Bin { quiet: true } => &BIN_NOOP,
+            _ => b"",
+        };
+        self.ups[ui].write(&s.req);
+        self.ups.send(ui, tail, s);
     }
 
     fn connect(&mut self, ui: usize) -> io::Result<()> {
-        let (server, worker) = self.ups[ui].owner;
-        let addr = if worker == BIN {
-            self.router.map().servers()[server as usize].main
-        } else {
-            self.router.map().worker_addr(server, worker)
-        };
-        let proto = if worker == BIN { Proto::Binary } else { Proto::Text };
-        self.ups[ui].gen += 1;
-        let sock = if self.dialer.is_plain(proto) {
-            let mut sock = mbal_tls::Stream::Plain(TcpStream::connect(addr)?);
-            let _ = sock.sock().set_nodelay(true);
-            self.poll.registry().register(sock.sock_mut(), Token(ui), Interest::READABLE | Interest::WRITABLE)?;
-            Some(sock)
-        } else {
-            // TLS and/or the cluster secret's login: a helper thread dials
-            // (blocking, within the forward timeout) while requests queue
-            // here; `take_dialed` hands the connection to the loop.
-            let (dialer, gen, tx) = (self.dialer.clone(), self.ups[ui].gen, self.dialed_tx.clone());
-            let mailbox = self.mailbox.clone();
-            std::thread::Builder::new().name("mbal-fwd-dial".into()).spawn(move || {
-                let r = dialer.dial_nonblocking(addr, proto);
-                if tx.send((ui, gen, r)).is_ok() {
-                    mailbox.wake();
-                }
-            })?;
-            None
-        };
+        let owner = self.ups[ui].owner;
+        let addr = Self::addr_of(&self.router, owner);
+        self.ups.connect(ui, self.poll.registry(), addr)?;
         self.stats().connects.fetch_add(1, Ordering::Relaxed);
-        let epoch = self.router.map().epoch();
-        let u = &mut self.ups[ui];
-        u.sock = sock;
-        u.state = State::Up;
-        u.wbuf.clear();
-        u.wpos = 0;
-        u.rbuf.clear();
-        u.dec = Decoder::new();
-        if worker != BIN {
-            let hello = format!("mbal hello {epoch} {worker}\r\n").into_bytes();
-            u.wbuf.extend_from_slice(&hello);
-            u.inflight.push_back(Sent {
+        if owner.1 != BIN {
+            let hello = hello_line(self.router.map().epoch(), owner.1);
+            let sent = Sent {
                 to: ReplyTo { worker: 0, conn: 0, gen: 0, seq: 0 },
                 hash: 0,
                 kind: Kind::Line { expect: Expect::Line, quiet: false, silent: false },
-                req: hello,
+                req: Vec::new(),
                 hello: true,
                 buf: Vec::new(),
                 sent: self.now,
                 hops: 0,
                 rd: None,
-            });
+            };
+            self.ups.send(ui, &hello, sent);
         }
         Ok(())
     }
@@ -437,54 +342,25 @@ impl Forwarder {
     /// Connections dialed by helper threads: into the loop, or the owner
     /// down (its requests answered `owner unavailable`).
     fn take_dialed(&mut self) {
-        while let Ok((ui, gen, r)) = self.dialed_rx.try_recv() {
-            if self.ups[ui].gen != gen {
-                continue; // dropped (timed out) meanwhile: the socket closes here
-            }
-            let registered = r.and_then(|s| {
-                let mut s = s.map_sock(TcpStream::from_std);
-                self.poll.registry().register(s.sock_mut(), Token(ui), Interest::READABLE | Interest::WRITABLE)?;
-                Ok(s)
-            });
-            match registered {
-                Ok(s) => {
-                    self.ups[ui].sock = Some(s);
-                    self.mark(ui);
-                }
-                Err(e) => {
-                    tracing::debug!(owner = ?self.ups[ui].owner, "forwarder: connect: {e}");
-                    self.down(ui, "owner unavailable");
-                }
-            }
+        while let Some((ui, e)) = self.ups.next_dialed(self.poll.registry()) {
+            tracing::debug!(owner = ?self.ups[ui].owner, "forwarder: connect: {e}");
+            self.down(ui, "owner unavailable");
         }
     }
 
     /// Drop an upstream's connection, fail what is in flight on it, and
     /// refuse requests to it for its backoff.
     fn down(&mut self, ui: usize, why: &str) {
-        let u = &mut self.ups[ui];
         // Still dialing: the owner never became available.
-        let why = if u.sock.is_none() { "owner unavailable" } else { why };
-        u.gen += 1;
-        if let Some(mut s) = u.sock.take() {
-            let _ = self.poll.registry().deregister(s.sock_mut());
-        }
-        u.state = State::Down { until: self.now + u.backoff };
-        u.backoff = (u.backoff * 2).min(BACKOFF_MAX);
-        u.wbuf.clear();
-        u.wpos = 0;
-        u.rbuf.clear();
-        u.dec = Decoder::new();
-        let lost: Vec<Sent> = u.inflight.drain(..).collect();
-        for s in lost {
+        let why = if self.ups[ui].connected() { why } else { "owner unavailable" };
+        for s in self.ups.down(ui, self.poll.registry(), self.now) {
             self.fail(s, why);
         }
     }
 
     fn check_timeouts(&mut self) {
         for ui in 0..self.ups.len() {
-            let late = self.ups[ui].inflight.front().is_some_and(|f| self.now.duration_since(f.sent) >= self.timeout);
-            if late {
+            if self.ups[ui].late(self.now, self.timeout) {
                 tracing::debug!(owner = ?self.ups[ui].owner, "forwarder: owner timed out");
                 self.stats().timeouts.fetch_add(1, Ordering::Relaxed);
                 self.down(ui, "owner timed out");
@@ -493,42 +369,21 @@ impl Forwarder {
     }
 
     fn flush(&mut self) {
-        while let Some(ui) = self.dirty.pop() {
-            let u = &mut self.ups[ui];
-            u.dirty = false;
-            let Some(sock) = u.sock.as_mut() else { continue };
-            if sock.write_pending(&mut u.wbuf, &mut u.wpos).is_err() {
-                self.down(ui, "owner connection failed");
-            }
+        while let Some(ui) = self.ups.flush() {
+            self.down(ui, "owner connection failed");
         }
     }
 
     fn read(&mut self, ui: usize) {
-        let mut broken = false;
-        {
-            let u = &mut self.ups[ui];
-            let Some(sock) = u.sock.as_mut() else { return };
-            loop {
-                match sock.read(&mut self.chunk) {
-                    Ok(0) => {
-                        broken = true;
-                        break;
-                    }
-                    Ok(n) => u.rbuf.extend_from_slice(&self.chunk[..n]),
-                    Err(e) if would_block(&e) => break,
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(_) => {
-                        broken = true;
-                        break;
-                    }
-                }
-            }
+        if !self.ups[ui].connected() {
+            return;
         }
+        let broken = self.ups[ui].read();
         let bad = if self.ups[ui].owner.1 == BIN { self.decode_bin(ui) } else { self.decode_text(ui) };
         if let Some(why) = bad {
             tracing::debug!(owner = ?self.ups[ui].owner, "forwarder: {why}");
             self.down(ui, "bad reply from owner");
-        } else if broken && self.ups[ui].sock.is_some() {
+        } else if broken && self.ups[ui].connected() {
             self.down(ui, "owner closed the connection");
         }
     }
@@ -537,7 +392,8 @@ impl Forwarder {
     /// `Some(why)` when the stream makes no sense.
     fn decode_text(&mut self, ui: usize) -> Option<&'static str> {
         let owner = self.ups[ui].owner;
-        let rbuf = std::mem::take(&mut self.ups[ui].rbuf);
+        let mut rx = std::mem::take(&mut self.ups[ui].rx);
+        let rbuf = rx.unread();
         let mut pos = 0;
         let mut finished = Vec::new();
         let mut bad = None;
@@ -592,9 +448,8 @@ impl Forwarder {
                 finished.push(u.inflight.pop_front().expect("the front"));
             }
         }
-        let u = &mut self.ups[ui];
-        u.rbuf = rbuf;
-        u.rbuf.drain(..pos);
+        rx.consume(pos);
+        self.ups[ui].rx = rx;
         for s in finished {
             if s.rd.is_some() {
                 self.redirected(owner, s);
@@ -607,7 +462,8 @@ impl Forwarder {
 
     /// Match a binary connection's responses to its requests in flight.
     fn decode_bin(&mut self, ui: usize) -> Option<&'static str> {
-        let rbuf = std::mem::take(&mut self.ups[ui].rbuf);
+        let mut rx = std::mem::take(&mut self.ups[ui].rx);
+        let rbuf = rx.unread();
         let mut pos = 0;
         let mut finished = Vec::new();
         let mut bad = None;
@@ -643,9 +499,8 @@ impl Forwarder {
                 finished.push(u.inflight.pop_front().expect("the front"));
             }
         }
-        let u = &mut self.ups[ui];
-        u.rbuf = rbuf;
-        u.rbuf.drain(..pos);
+        rx.consume(pos);
+        self.ups[ui].rx = rx;
         for s in finished {
             self.done(s);
         }

@@ -2,7 +2,6 @@
 //! client requests, routing each key (one place: `dispatch`), reply slots
 //! in request order, and writing replies back.
 
-use super::upstream::fill;
 use super::*;
 
 impl Engine {

@@ -4,58 +4,26 @@
 
 use super::client::{get_line, get_prefix, match_key, slot_mut};
 use super::*;
-use mbal_member::dial::Proto;
 
 impl Engine {
     pub(super) fn upstream(&mut self, owner: Owner) -> usize {
-        let (s, w) = (owner.0 as usize, if owner.1 == BIN { 0 } else { owner.1 as usize + 1 });
-        if let Some(&ui) = self.up_of.get(s).and_then(|row| row.get(w)).filter(|&&ui| ui != usize::MAX) {
-            return ui;
-        }
-        let ui = self.ups.len();
-        let addr = self.addr_of(owner);
-        self.ups.push(Upstream {
+        let router = &self.router;
+        self.ups.index_of(
             owner,
-            addr,
-            addr_s: addr.to_string(),
-            sock: None,
-            state: UpState::Idle,
-            backoff: BACKOFF_MIN,
-            wbuf: Vec::new(),
-            wpos: 0,
-            rbuf: Vec::new(),
-            rpos: 0,
-            rend: 0,
-            dec: Decoder::new(),
-            inflight: VecDeque::new(),
-            dirty: false,
-            delta: UpDelta::default(),
-            gen: 0,
-        });
-        if self.up_of.len() <= s {
-            self.up_of.resize_with(s + 1, Vec::new);
-        }
-        let row = &mut self.up_of[s];
-        if row.len() <= w {
-            row.resize(w + 1, usize::MAX);
-        }
-        row[w] = ui;
-        ui
+            || Self::addr_in(router, owner),
+            || UpExtra { addr_s: Self::addr_in(router, owner).to_string(), delta: UpDelta::default() },
+        )
     }
 
-    pub(super) fn addr_of(&self, (s, w): Owner) -> SocketAddr {
+    pub(super) fn addr_of(&self, owner: Owner) -> SocketAddr {
+        Self::addr_in(&self.router, owner)
+    }
+
+    fn addr_in(router: &Router, (s, w): Owner) -> SocketAddr {
         if w == BIN {
-            self.router.map().servers()[s as usize].main
+            router.map().servers()[s as usize].main
         } else {
-            self.router.map().worker_addr(s, w)
-        }
-    }
-
-    pub(super) fn mark_up(&mut self, ui: usize) {
-        let u = &mut self.ups[ui];
-        if !u.dirty {
-            u.dirty = true;
-            self.dirty_ups.push(ui);
+            router.map().worker_addr(s, w)
         }
     }
 
@@ -87,18 +55,18 @@ impl Engine {
         let ui = self.upstream(owner);
         let now = self.now;
         match self.ups[ui].state {
-            UpState::Up => {}
-            UpState::Down { until } if now < until => {
-                self.ups[ui].delta.errors += 1;
+            State::Up => {}
+            State::Down { until } if now < until => {
+                self.ups[ui].extra.delta.errors += 1;
                 if inf.copy.is_some() {
                     self.copy_failed(owner, now);
                 }
                 return self.fail(inf, "SERVER_ERROR upstream unavailable");
             }
-            UpState::Down { .. } | UpState::Idle => {
+            State::Down { .. } | State::Idle => {
                 if let Err(e) = self.connect(ui) {
                     tracing::debug!("proxy: connect to {}: {e}", self.ups[ui].addr);
-                    self.ups[ui].delta.errors += 1;
+                    self.ups[ui].extra.delta.errors += 1;
                     if mbal_cluster::unreachable_kind(e.kind()) {
                         self.unreachable(ui);
                         if inf.copy.is_some() {
@@ -116,62 +84,30 @@ impl Engine {
         }
         inf.sent = now;
         let u = &mut self.ups[ui];
-        u.delta.requests += 1;
-        u.wbuf.extend_from_slice(&inf.req);
-        u.inflight.push_back(inf);
-        self.mark_up(ui);
+        u.extra.delta.requests += 1;
+        u.write(&inf.req);
+        self.ups.send(ui, b"", inf);
     }
 
     pub(super) fn connect(&mut self, ui: usize) -> io::Result<()> {
         let epoch = self.router.map().epoch();
-        let addr = self.addr_of(self.ups[ui].owner);
+        let owner = self.ups[ui].owner;
+        let addr = self.addr_of(owner);
         let u = &mut self.ups[ui];
         if addr != u.addr {
-            u.addr = addr;
-            u.addr_s = addr.to_string();
+            u.extra.addr_s = addr.to_string();
         }
-        let proto = if u.owner.1 == BIN { Proto::Binary } else { Proto::Text };
-        u.gen += 1;
-        if self.cfg.dialer.is_plain(proto) {
-            let mut sock = Stream::Plain(TcpStream::connect(u.addr)?);
-            let _ = sock.sock().set_nodelay(true);
-            self.poll.registry().register(
-                sock.sock_mut(),
-                Token(UP_BASE + ui),
-                Interest::READABLE | Interest::WRITABLE,
-            )?;
-            u.sock = Some(sock);
-        } else {
-            // TLS and/or a login: a helper thread dials (blocking, bounded
-            // by the dialer's timeout) while requests queue here; the loop
-            // takes the connection over in `take_dialed`.
-            let (dialer, addr, gen, tx, waker) =
-                (self.cfg.dialer.clone(), u.addr, u.gen, self.dialed_tx.clone(), self.waker.clone());
-            std::thread::Builder::new().name("mbal-proxy-dial".into()).spawn(move || {
-                let r = dialer.dial_nonblocking(addr, proto);
-                if tx.send((ui, gen, r)).is_ok() {
-                    let _ = waker.wake();
-                }
-            })?;
-            u.sock = None;
-        }
-        u.state = UpState::Up;
-        u.wbuf.clear();
-        u.wpos = 0;
-        u.rpos = 0;
-        u.rend = 0;
-        u.dec = Decoder::new();
-        u.delta.connects += 1;
-        if u.owner.1 == BIN {
+        self.ups.connect(ui, self.poll.registry(), addr)?;
+        self.ups[ui].extra.delta.connects += 1;
+        if owner.1 == BIN {
             return Ok(()); // a plain binary connection: no hello
         }
-        let hello = format!("mbal hello {epoch} {}\r\n", u.owner.1).into_bytes();
-        u.wbuf.extend_from_slice(&hello);
-        u.inflight.push_back(Inflight {
+        let hello = mbal_member::pipe::hello_line(epoch, owner.1);
+        let inf = Inflight {
             client: usize::MAX,
             cid: 0,
             seq: 0,
-            req: hello,
+            req: Vec::new(),
             what: What::Hello,
             quiet: false,
             sent: self.now,
@@ -179,7 +115,8 @@ impl Engine {
             rd: None,
             copy: None,
             waited_map: false,
-        });
+        };
+        self.ups.send(ui, &hello, inf);
         Ok(())
     }
 
@@ -194,56 +131,29 @@ impl Engine {
     /// Connections dialed by helper threads: into the loop, or the upstream
     /// down (its requests answered `SERVER_ERROR upstream unavailable`).
     pub(super) fn take_dialed(&mut self) {
-        while let Ok((ui, gen, r)) = self.dialed_rx.try_recv() {
-            if self.ups[ui].gen != gen {
-                continue; // dropped (timed out) meanwhile: the socket closes here
-            }
-            let registered = r.and_then(|s| {
-                let mut s = s.map_sock(TcpStream::from_std);
-                let token = Token(UP_BASE + ui);
-                self.poll.registry().register(s.sock_mut(), token, Interest::READABLE | Interest::WRITABLE)?;
-                Ok(s)
-            });
-            match registered {
-                Ok(s) => {
-                    self.ups[ui].sock = Some(s);
-                    self.mark_up(ui);
-                }
-                Err(e) => {
-                    tracing::debug!("proxy: connect to {}: {e}", self.ups[ui].addr);
-                    self.ups[ui].delta.errors += 1;
-                    if mbal_cluster::unreachable_kind(e.kind()) {
-                        self.unreachable(ui);
-                    } else {
-                        // a refused login or handshake: the server is there, and wrong
-                        self.down_with(ui, "SERVER_ERROR upstream unavailable");
-                    }
-                }
+        while let Some((ui, e)) = self.ups.next_dialed(self.poll.registry()) {
+            tracing::debug!("proxy: connect to {}: {e}", self.ups[ui].addr);
+            self.ups[ui].extra.delta.errors += 1;
+            if mbal_cluster::unreachable_kind(e.kind()) {
+                self.unreachable(ui);
+            } else {
+                // a refused login or handshake: the server is there, and wrong
+                self.down_with(ui, "SERVER_ERROR upstream unavailable");
             }
         }
     }
 
     /// Drop upstream `ui`'s connection and its buffers (a new generation: late events for the
     /// old socket are ignored); what was in flight on it, to be answered, and its owner.
-    fn drop_connection(&mut self, ui: usize) -> (Vec<Inflight>, Owner) {
-        let u = &mut self.ups[ui];
-        u.gen += 1;
-        if let Some(mut s) = u.sock.take() {
-            let _ = self.poll.registry().deregister(s.sock_mut());
-        }
-        u.wbuf.clear();
-        u.wpos = 0;
-        u.rpos = 0;
-        u.rend = 0;
-        u.dec = Decoder::new();
-        (u.inflight.drain(..).collect(), u.owner)
+    fn drop_connection(&mut self, ui: usize) -> (VecDeque<Inflight>, Owner) {
+        (self.ups.drop_connection(ui, self.poll.registry()), self.ups[ui].owner)
     }
 
     /// Take the upstream down: drop its connection, fail what is in flight,
     /// and refuse requests to it for the backoff.
     pub(super) fn down(&mut self, ui: usize) {
         // Still dialing: the upstream never became available.
-        let msg = if self.ups[ui].sock.is_none() {
+        let msg = if !self.ups[ui].connected() {
             "SERVER_ERROR upstream unavailable"
         } else {
             "SERVER_ERROR upstream failed"
@@ -252,16 +162,14 @@ impl Engine {
     }
 
     pub(super) fn down_with(&mut self, ui: usize, msg: &'static str) {
-        let (lost, owner) = self.drop_connection(ui);
-        let u = &mut self.ups[ui];
-        u.state = UpState::Down { until: self.now + u.backoff };
-        u.backoff = (u.backoff * 2).min(BACKOFF_MAX);
+        let lost = self.ups.down(ui, self.poll.registry(), self.now);
+        let owner = self.ups[ui].owner;
         if lost.iter().any(|i| i.copy.is_some()) {
             self.copy_failed(owner, self.now);
         }
         for inf in lost {
             if inf.cid != 0 {
-                self.ups[ui].delta.errors += 1;
+                self.ups[ui].extra.delta.errors += 1;
             }
             self.fail(inf, msg);
         }
@@ -276,7 +184,7 @@ impl Engine {
     pub(super) fn unreachable(&mut self, ui: usize) {
         let (lost, owner) = self.drop_connection(ui);
         // the server's backoff decides when it is dialed again, not this upstream's
-        self.ups[ui].state = UpState::Idle;
+        self.ups[ui].state = State::Idle;
         self.counters.unreachable += 1;
         let f = self.health.failed(owner.0, self.now);
         if lost.iter().any(|i| i.copy.is_some()) {
@@ -288,7 +196,7 @@ impl Engine {
         }
         for inf in lost {
             if inf.cid != 0 {
-                self.ups[ui].delta.errors += 1;
+                self.ups[ui].extra.delta.errors += 1;
             }
             self.answer_unreachable(inf, owner.0);
         }
@@ -595,10 +503,9 @@ impl Engine {
         let now = self.now;
         let t = self.cfg.upstream_timeout;
         for ui in 0..self.ups.len() {
-            let late = self.ups[ui].inflight.front().is_some_and(|f| now.duration_since(f.sent) >= t);
-            if late {
+            if self.ups[ui].late(now, t) {
                 tracing::debug!("proxy: upstream {} timed out", self.ups[ui].addr);
-                self.ups[ui].delta.timeouts += 1;
+                self.ups[ui].extra.delta.timeouts += 1;
                 self.unreachable(ui);
             }
         }
@@ -608,45 +515,22 @@ impl Engine {
         if !self.resume.is_empty() {
             return Some(Instant::now());
         }
-        self.ups.iter().filter_map(|u| u.inflight.front()).map(|f| f.sent + self.cfg.upstream_timeout).min()
+        self.ups.next_deadline(self.cfg.upstream_timeout)
     }
 
     pub(super) fn flush_upstreams(&mut self) {
-        while let Some(ui) = self.dirty_ups.pop() {
-            let u = &mut self.ups[ui];
-            u.dirty = false;
-            let Some(sock) = u.sock.as_mut() else { continue };
-            if sock.write_pending(&mut u.wbuf, &mut u.wpos).is_err() {
-                self.unreachable(ui);
-            }
+        while let Some(ui) = self.ups.flush() {
+            self.unreachable(ui);
         }
     }
 
     pub(super) fn read_upstream(&mut self, ui: usize) {
-        let mut broken = false;
-        {
-            let u = &mut self.ups[ui];
-            let Some(sock) = u.sock.as_mut() else { return };
-            loop {
-                let r = fill(sock, &mut u.rbuf, &mut u.rpos, &mut u.rend);
-                match r {
-                    Ok((0, _)) => {
-                        broken = true;
-                        break;
-                    }
-                    Ok((_, true)) => break,
-                    Ok((_, false)) => {}
-                    Err(e) if would_block(&e) => break,
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(_) => {
-                        broken = true;
-                        break;
-                    }
-                }
-            }
+        if !self.ups[ui].connected() {
+            return;
         }
+        let broken = self.ups[ui].read();
         self.decode_upstream(ui);
-        if broken && self.ups[ui].sock.is_some() {
+        if broken && self.ups[ui].connected() {
             // closed, reset or refused (a non-blocking connect's failure shows here)
             self.unreachable(ui);
         }
@@ -657,9 +541,9 @@ impl Engine {
         if self.ups[ui].owner.1 == BIN {
             return self.decode_binary(ui);
         }
-        let rbuf_all = std::mem::take(&mut self.ups[ui].rbuf);
-        let rbuf = &rbuf_all[..self.ups[ui].rend];
-        let mut rpos = self.ups[ui].rpos;
+        let mut rx = std::mem::take(&mut self.ups[ui].rx);
+        let rbuf = rx.unread();
+        let mut rpos = 0;
         let now = self.now;
         let owner = self.ups[ui].owner;
         let mut after = std::mem::take(&mut self.after);
@@ -680,7 +564,7 @@ impl Engine {
                     s.buf.extend_from_slice(line);
                 }
                 let inf = u.inflight.pop_front().unwrap();
-                u.delta.latencies.push(now.duration_since(inf.sent).as_micros().min(u32::MAX as u128) as u32);
+                u.extra.delta.latencies.push(now.duration_since(inf.sent).as_micros().min(u32::MAX as u128) as u32);
                 after.push(After::Done { client: inf.client, cid: inf.cid, seq: inf.seq });
                 continue;
             }
@@ -713,7 +597,7 @@ impl Engine {
                 }
                 Frame::Redirect { epoch, server, worker } => {
                     front.rd = Some(Redirect { epoch, to: (server, worker) });
-                    u.delta.redirects += 1;
+                    u.extra.delta.redirects += 1;
                 }
                 Frame::Meta { code: [b'M', b'N'], .. } if quiet => end = true,
                 Frame::Hello { server, worker, .. } if matches!(front.what, What::Hello) => {
@@ -774,7 +658,7 @@ impl Engine {
             }
             if end {
                 let inf = u.inflight.pop_front().unwrap();
-                u.delta.latencies.push(now.duration_since(inf.sent).as_micros().min(u32::MAX as u128) as u32);
+                u.extra.delta.latencies.push(now.duration_since(inf.sent).as_micros().min(u32::MAX as u128) as u32);
                 match inf.rd {
                     Some(_) => after.push(After::Resend(inf)),
                     None if matches!(inf.what, What::Hello | What::Map) => {}
@@ -786,22 +670,22 @@ impl Engine {
                 }
             }
         }
+        rx.consume(rpos);
         let u = &mut self.ups[ui];
-        u.rbuf = rbuf_all;
-        u.rpos = rpos;
+        u.rx = rx;
         for a in after.drain(..) {
             match a {
                 After::Done { client, cid, seq } => self.part_done(client, cid, seq),
                 After::Resend(inf) => self.redirected(owner, inf),
                 After::InstallMap(json) => {
                     self.fetching_map = false;
-                    let from = self.ups[ui].addr_s.clone();
+                    let from = self.ups[ui].extra.addr_s.clone();
                     self.install_map_json(&json, &from);
                     self.resume_waiting_map();
                 }
                 After::UpstreamBroken(why) => {
                     tracing::debug!("proxy: upstream {}: {why}", self.ups[ui].addr);
-                    if self.ups[ui].sock.is_some() {
+                    if self.ups[ui].connected() {
                         self.down(ui);
                     }
                 }
@@ -813,9 +697,9 @@ impl Engine {
     /// Match a binary upstream's responses to its requests in flight.
     pub(super) fn decode_binary(&mut self, ui: usize) {
         use mbal_proto::binary::{opcode as op, BinHeader, HEADER_LEN, MAGIC_RESPONSE};
-        let rbuf_all = std::mem::take(&mut self.ups[ui].rbuf);
-        let rbuf = &rbuf_all[..self.ups[ui].rend];
-        let mut rpos = self.ups[ui].rpos;
+        let mut rx = std::mem::take(&mut self.ups[ui].rx);
+        let rbuf = rx.unread();
+        let mut rpos = 0;
         let now = self.now;
         let mut done = Vec::new();
         let mut broken = false;
@@ -852,20 +736,20 @@ impl Engine {
             }
             if ours || !front.quiet {
                 let inf = u.inflight.pop_front().unwrap();
-                u.delta.latencies.push(now.duration_since(inf.sent).as_micros().min(u32::MAX as u128) as u32);
+                u.extra.delta.latencies.push(now.duration_since(inf.sent).as_micros().min(u32::MAX as u128) as u32);
                 done.push((inf.client, inf.cid, inf.seq));
             }
         }
+        rx.consume(rpos);
         let u = &mut self.ups[ui];
-        u.rbuf = rbuf_all;
-        u.rpos = rpos;
+        u.rx = rx;
         if !done.is_empty() {
             self.health.reachable(u.owner.0);
         }
         for (ci, cid, seq) in done {
             self.part_done(ci, cid, seq);
         }
-        if broken && self.ups[ui].sock.is_some() {
+        if broken && self.ups[ui].connected() {
             tracing::debug!("proxy: binary upstream {}: bad response", self.ups[ui].addr);
             self.down(ui);
         }
@@ -926,39 +810,4 @@ impl Engine {
         let inf = self.inflight(usize::MAX, 0, 0, b"mbal map\r\n".to_vec(), What::Map, false);
         self.send(owner, inf);
     }
-}
-
-/// Read once into `buf[end..]`, first making room: the unread bytes
-/// `buf[pos..end]` move to the front when the free tail is short, and the
-/// buffer grows only when they fill most of it (so it is zero-filled once,
-/// not on every read). Returns the bytes read and whether that emptied the
-/// socket: a read that did not fill the room it was given (for TCP the
-/// receive queue is empty; a TLS [`Stream`] reads until the socket would
-/// block), so the caller waits for the next readable edge instead of
-/// reading again for an EAGAIN.
-pub(super) fn fill(
-    sock: &mut Stream<TcpStream>,
-    buf: &mut Vec<u8>,
-    pos: &mut usize,
-    end: &mut usize,
-) -> io::Result<(usize, bool)> {
-    if *pos == *end {
-        *pos = 0;
-        *end = 0;
-    }
-    if buf.len() - *end < READ_CHUNK / 2 {
-        if *pos > 0 {
-            buf.copy_within(*pos..*end, 0);
-            *end -= *pos;
-            *pos = 0;
-        }
-        if buf.len() - *end < READ_CHUNK / 2 {
-            let grow = (buf.len() * 2).max(READ_CHUNK);
-            buf.resize(grow, 0);
-        }
-    }
-    let room = buf.len() - *end;
-    let n = sock.read(&mut buf[*end..])?;
-    *end += n;
-    Ok((n, n < room))
 }

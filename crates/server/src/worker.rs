@@ -55,6 +55,7 @@ use crate::stats::{self, BinSink, CacheletInfo, ConnInfo, Counters, ProcessInfo,
 use crossbeam_channel::Receiver;
 use mbal_balance::{CacheletSample, WorkerSample};
 use mbal_cluster::{KeySpace, Owner};
+use mbal_engine::Shard;
 use mbal_proto::binary::{opcode as op, status as st, write_response};
 use mbal_proto::meta::meta_key;
 use mbal_proto::text::{LineState, TextCmd};
@@ -153,12 +154,12 @@ pub(crate) struct Worker {
     own_listener: Option<TcpListener>,
     inbox: Receiver<Envelope>,
     mailbox: Arc<Mailbox>,
-    store: WorkerStore,
-    /// cachelet -> owner and route. This worker's own copy: it changes only
-    /// by message, so reading it needs no synchronisation.
-    tables: Tables,
+    /// The store, the ownership tables (cachelet -> owner and route: this worker's own copy,
+    /// which changes only by message, so reading it needs no synchronisation), Phase 1's
+    /// tables (hot keys homed here and copies of other servers' keys), the counters and the
+    /// emulated capacity (`--worker-capacity`: the token bucket).
+    shard: Shard<Parked>,
     conns: Slab<Conn>,
-    counters: Counters,
     /// Envelopes for each peer, sent at the end of the round.
     outbox: Vec<Outbox>,
     ready: VecDeque<usize>,
@@ -182,11 +183,9 @@ pub(crate) struct Worker {
     inbox_batches: u64,
     inbox_wait_ns: u64,
     inbox_wait_max_ns: u64,
-    /// Emulated capacity (`--worker-capacity`): the token bucket, the
-    /// connections waiting for it (their input stays in their sockets) and
-    /// the inbox's envelopes held back behind a peer's batch that waits for
-    /// it (in arrival order: see `hold`).
-    capacity: Capacity,
+    /// Emulated capacity (`--worker-capacity`): the connections waiting for the shard's
+    /// token bucket (their input stays in their sockets) and the inbox's envelopes held back
+    /// behind a peer's batch that waits for it (in arrival order: see `hold`).
     throttled: Vec<usize>,
     /// Connections that ran out of credit after executing requests this
     /// round: at the next refill they are queued after `throttled` (those
@@ -196,8 +195,6 @@ pub(crate) struct Worker {
     held: VecDeque<Envelope>,
     /// Where the front of `held`, a batch cut short, resumes.
     held_pos: usize,
-    /// Phase 1: hot keys homed here and copies of other servers' keys.
-    replicas: Replicas,
     /// Bytes of unparsed input a connection may hold (`--max-input-buffer`).
     input_cap: usize,
     /// Requests for keys other servers own, for the forwarder (`--forward`),
@@ -265,10 +262,13 @@ impl Worker {
             own_listener,
             inbox,
             mailbox,
-            store,
-            tables,
+            shard: Shard::new(
+                store,
+                tables,
+                replicas,
+                Capacity::new(shared.settings.worker_capacity, shared.clock_ns()),
+            ),
             conns: Slab::with_capacity(64),
-            counters: Counters::default(),
             outbox: (0..workers).map(|_| Outbox::default()).collect(),
             ready: VecDeque::new(),
             dirty: Vec::new(),
@@ -284,12 +284,10 @@ impl Worker {
             inbox_batches: 0,
             inbox_wait_ns: 0,
             inbox_wait_max_ns: 0,
-            capacity: Capacity::new(shared.settings.worker_capacity, shared.clock_ns()),
             throttled: Vec::new(),
             spent: Vec::new(),
             held: VecDeque::new(),
             held_pos: 0,
-            replicas,
             fwd: Vec::new(),
             stopping: false,
             drained: false,
@@ -308,15 +306,16 @@ impl Worker {
     /// This worker, lent for a round to another worker of its thread (`near`); `None` if its
     /// requests must come by message (emulated capacity, or writes that wait for copies).
     fn lend(&mut self) -> Option<NearWorker<'_>> {
-        if self.capacity.limited() || (self.shared.settings.hot.may_sync() && !self.replicas.hot.is_empty()) {
+        if self.shard.capacity.limited() || (self.shared.settings.hot.may_sync() && !self.shard.replicas.hot.is_empty())
+        {
             return None;
         }
         Some(NearWorker {
             id: self.id,
-            store: &mut self.store,
-            counters: &mut self.counters,
-            hot: &mut self.replicas.hot,
-            tables: &self.tables,
+            store: &mut self.shard.store,
+            counters: &mut self.shard.counters,
+            hot: &mut self.shard.replicas.hot,
+            tables: &self.shard.tables,
             inbox_empty: self.inbox.is_empty(),
         })
     }
@@ -325,7 +324,7 @@ impl Worker {
     /// waiting, it sleeps until the bucket has credit again, no longer (and never spins).
     fn sleep_limit(&self, limit: Duration) -> Duration {
         if !self.throttled.is_empty() || !self.spent.is_empty() || !self.held.is_empty() {
-            limit.min(self.capacity.wait())
+            limit.min(self.shard.capacity.wait())
         } else {
             limit
         }
@@ -338,8 +337,8 @@ impl Worker {
     /// Without a coordinator the lease never ends (`u64::MAX`) and no clock is read.
     pub(super) fn refence(&mut self, now_ns: Option<u64>) {
         let until = self.shared.lease_until_ns.load(Ordering::Relaxed);
-        if until != u64::MAX && !self.tables.fenced {
-            self.tables.fenced = now_ns.unwrap_or_else(|| self.shared.clock_ns()) >= until;
+        if until != u64::MAX && !self.shard.tables.fenced {
+            self.shard.tables.fenced = now_ns.unwrap_or_else(|| self.shared.clock_ns()) >= until;
         }
     }
 
@@ -372,8 +371,8 @@ impl Worker {
         self.now = (round_start / 1_000_000_000) as u32;
         // Fencing: past the lease from the coordinator, this worker serves none of the
         // server's cachelets until the lease is renewed (checked before anything is read).
-        self.tables.fenced = round_start >= self.shared.lease_until_ns.load(Ordering::Relaxed);
-        if self.capacity.limited() {
+        self.shard.tables.fenced = round_start >= self.shared.lease_until_ns.load(Ordering::Relaxed);
+        if self.shard.capacity.limited() {
             self.refill(round_start);
         }
         for ev in events.iter() {
@@ -403,11 +402,11 @@ impl Worker {
         // After the connections: what `drain_inbox` sends at once (a released cachelet's
         // `Adopt`) must not reach a neighbour whose inbox this round's `near` saw empty.
         self.drain_inbox();
-        if !self.store.log().is_empty() {
+        if !self.shard.store.log().is_empty() {
             self.ship_log();
         }
-        if self.store.watch().has_dirty() {
-            let (shared, store, hot) = (&self.shared, &mut self.store, &mut self.replicas.hot);
+        if self.shard.store.watch().has_dirty() {
+            let (shared, store, hot) = (&self.shared, &mut self.shard.store, &mut self.shard.replicas.hot);
             hot::copy_writes(shared, self.id, store, hot, self.now, None);
         }
         self.flush_dirty();
@@ -488,10 +487,10 @@ impl Worker {
 
     /// Periodic work off the request path: expiry sweep, idle timeouts.
     fn housekeeping(&mut self) {
-        self.store.sweep(self.now, 256);
+        self.shard.store.sweep(self.now, 256);
         self.expire_staged();
-        if !self.replicas.shadow.is_empty() {
-            self.replicas.shadow.sweep(self.shared.clock_ns());
+        if !self.shard.replicas.shadow.is_empty() {
+            self.shard.replicas.shadow.sweep(self.shared.clock_ns());
         }
         let idle = self.shared.settings.idle_timeout;
         if idle > 0 {
@@ -502,7 +501,7 @@ impl Worker {
                 .map(|(i, _)| i)
                 .collect();
             for ci in stale {
-                self.counters.idle_kicks += 1;
+                self.shard.counters.idle_kicks += 1;
                 self.close(ci);
             }
         }
@@ -517,7 +516,7 @@ impl Worker {
                 .collect();
             for ci in slow {
                 // A slow sender: say why (text), best effort, and close.
-                self.counters.request_timeouts += 1;
+                self.shard.counters.request_timeouts += 1;
                 let c = &mut self.conns[ci];
                 if c.proto == Some(Protocol::Text) {
                     let _ = c.sock.write(b"SERVER_ERROR timed out waiting for the rest of the request\r\n");

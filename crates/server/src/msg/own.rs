@@ -3,15 +3,7 @@
 
 use mbal_store::Cachelet;
 
-/// Who serves a cachelet, as a worker's tables know it: a worker of this
-/// server or another server, and the version of that knowledge (moves of
-/// one cachelet are numbered).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Own {
-    pub server: u16,
-    pub worker: u16,
-    pub ver: u32,
-}
+pub(crate) use mbal_engine::tables::Own;
 
 /// A step of a cachelet's move.
 pub(crate) enum OwnMsg {

@@ -46,7 +46,7 @@ impl Worker {
             let max = self.shared.settings.max_conns;
             if self.shared.curr_conns.fetch_add(1, Ordering::Relaxed) >= max {
                 self.shared.curr_conns.fetch_sub(1, Ordering::Relaxed);
-                self.counters.rejected_connections += 1;
+                self.shard.counters.rejected_connections += 1;
                 let mut sock = sock;
                 // memcached's answer to one connection too many (on a TLS port, only the close).
                 if self.shared.tls.is_none() {
@@ -102,7 +102,7 @@ impl Worker {
             self.shared.conn_closed(self.id, peer.ip());
             return None;
         }
-        self.counters.total_connections += 1;
+        self.shard.counters.total_connections += 1;
         let gen = self.next_gen;
         self.next_gen += 1;
         let proto = match self.shared.settings.binding {
@@ -214,7 +214,7 @@ impl Worker {
             return;
         }
         conn.read_blocked = false;
-        if !(conn.exempt || conn.fresh || self.capacity.has_credit()) {
+        if !(conn.exempt || conn.fresh || self.shard.capacity.has_credit()) {
             // Out of emulated capacity: the input waits in the socket.
             self.throttle(ci);
             return;
@@ -241,7 +241,7 @@ impl Worker {
                     break;
                 }
                 Ok(n) => {
-                    self.counters.bytes_read += n as u64;
+                    self.shard.counters.bytes_read += n as u64;
                     if let Some(b) = &mut conn.budget {
                         // A short read drained the socket: all that had arrived is read.
                         *b = if n < chunk { 0 } else { b.saturating_sub(n) };
@@ -267,7 +267,7 @@ impl Worker {
                         kind => {
                             if kind == io::ErrorKind::InvalidData && conn.sock.is_tls() {
                                 // A failed handshake or a bad record: this connection only.
-                                self.counters.tls_errors += 1;
+                                self.shard.counters.tls_errors += 1;
                                 tracing::debug!(worker = self.id, peer = %conn.peer, "TLS: {e}");
                             }
                             eof = true;
@@ -344,7 +344,7 @@ impl Worker {
             // dispatch serves it (`dispatch::ahead`): hashing them here too would cost more
             // than it hides.
             if !matches!(req, Request::Text(TextCmd::Get { keys, .. }) if keys.len() > 1) {
-                prefetch_keys(&self.store, near, &self.shared.layout, req);
+                prefetch_keys(&self.shard.store, near, &self.shared.layout, req);
             }
             let next = at + consumed;
             ahead.push(Ahead { at, before, after: line, parsed });
@@ -373,7 +373,7 @@ impl Worker {
         let mut import_at = None;
         // Stopped short of a complete request (`--request-timeout-ms`).
         let mut partial = false;
-        self.store.log().cfd = self.conns[ci].id;
+        self.shard.store.log().cfd = self.conns[ci].id;
         loop {
             let conn = &mut self.conns[ci];
             if conn.closing {
@@ -397,7 +397,7 @@ impl Worker {
             }
             if self.inflight >= self.max_inflight {
                 // Bounded queues: wait for replies before taking more.
-                self.counters.inflight_stalls += 1;
+                self.shard.counters.inflight_stalls += 1;
                 conn.read_blocked = true;
                 self.blocked.push(ci);
                 break;
@@ -408,7 +408,7 @@ impl Worker {
                 conn.read_blocked = true;
                 break;
             }
-            if !(conn.exempt || conn.fresh || self.capacity.has_credit()) {
+            if !(conn.exempt || conn.fresh || self.shard.capacity.has_credit()) {
                 // Out of emulated capacity: the rest waits for a refill.
                 if !conn.throttled {
                     conn.throttled = true;
@@ -418,20 +418,20 @@ impl Worker {
                     } else {
                         self.throttled.push(ci);
                     }
-                    self.counters.capacity_stalls += 1;
+                    self.shard.counters.capacity_stalls += 1;
                 }
                 break;
             }
             if done >= reqs_per_event {
                 // Fairness (-R): yield to other connections, come back later.
-                self.counters.conn_yields += 1;
+                self.shard.counters.conn_yields += 1;
                 self.requeue(ci);
                 break;
             }
             let proto = *conn.proto.get_or_insert_with(|| mbal_proto::detect(rbuf[pos]));
             if !conn.auth.authenticated && proto == Protocol::Text {
                 // memcached's ASCII authentication (-Y) comes first.
-                let (settings, counters) = (&self.shared.settings, &mut self.counters);
+                let (settings, counters) = (&self.shared.settings, &mut self.shard.counters);
                 match crate::auth::ascii_step(settings, counters, &mut conn.auth, &rbuf[pos..], conn.output.buf()) {
                     AsciiStep::NeedMore => {
                         partial = true;
@@ -452,15 +452,15 @@ impl Worker {
                 worker,
                 conn: ci,
                 gen: *gen,
-                tables: &mut self.tables,
+                tables: &mut self.shard.tables,
                 server: self.shared.server_id,
                 routed: *routed,
                 by_thread,
                 outbox: &mut self.outbox,
-                counters: &mut self.counters,
+                counters: &mut self.shard.counters,
                 inflight: &mut self.inflight,
                 self_stats: &mut self.self_stats,
-                replicas: &mut self.replicas,
+                replicas: &mut self.shard.replicas,
                 auth,
                 fwd: &mut self.fwd,
                 forwarding: self.shared.forward.is_some(),
@@ -505,7 +505,7 @@ impl Worker {
                     // was refused as too large; so do we (`buf` starts a
                     // request only if no long line was in progress).
                     if let Some(key) = fresh.then(|| mbal_proto::key_to_unlink_on_too_large(buf)).flatten() {
-                        dispatch::unlink(&self.shared.layout, &mut rt, &mut self.store, self.now, output, key);
+                        dispatch::unlink(&self.shared.layout, &mut rt, &mut self.shard.store, self.now, output, key);
                     }
                     reply.write(output.buf());
                     let avail = buf.len();
@@ -529,26 +529,34 @@ impl Worker {
                     let raw = &buf[..consumed];
                     let forwarded_before = *rt.inflight;
                     let reply_at = output.buf().len();
-                    let action = dispatch::handle(&self.shared, &mut rt, &mut self.store, self.now, output, req, raw);
-                    if self.store.watch().has_dirty() {
+                    let action =
+                        dispatch::handle(&self.shared, &mut rt, &mut self.shard.store, self.now, output, req, raw);
+                    if self.shard.store.watch().has_dirty() {
                         // A write to a replicated key: copy it; in sync mode
                         // its reply waits until every copy has it.
                         let mut hold = None;
                         let hot = &self.shared.settings.hot;
                         if hot.may_sync()
                             && output.buf().len() > reply_at
-                            && self.store.watch().dirty_keys().any(|k| hot.sync_for(k))
+                            && self.shard.store.watch().dirty_keys().any(|k| hot.sync_for(k))
                         {
                             let bytes = output.buf().split_off(reply_at);
                             let seq = output.push(Slot::Wait);
                             *rt.inflight += 1;
                             hold = Some((ReplyTo { worker, conn: ci, gen: *gen, seq }, NO_CACHELET, bytes));
                         }
-                        hot::copy_writes(&self.shared, worker, &mut self.store, &mut rt.replicas.hot, self.now, hold);
+                        hot::copy_writes(
+                            &self.shared,
+                            worker,
+                            &mut self.shard.store,
+                            &mut rt.replicas.hot,
+                            self.now,
+                            hold,
+                        );
                     }
                     // Executed here unless it went to another worker (which pays for it).
                     if !exempt {
-                        self.capacity.spend((*rt.inflight == forwarded_before) as u64);
+                        self.shard.capacity.spend((*rt.inflight == forwarded_before) as u64);
                     }
                     if !matches!(req, Request::Text(TextCmd::Mbal { .. })) {
                         *only_admin = false;
@@ -642,7 +650,7 @@ impl Worker {
                 Ok(0) => break,
                 Ok(n) => {
                     conn.output.sent += n;
-                    self.counters.bytes_written += n as u64;
+                    self.shard.counters.bytes_written += n as u64;
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,

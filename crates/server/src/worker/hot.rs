@@ -12,29 +12,29 @@ impl Worker {
     /// Requests served so far (wrapping), as the policy weighs a worker's
     /// load: the store's reads and writes plus the reads of copies.
     fn served(&mut self) -> u64 {
-        self.store.watch().accesses().wrapping_add(self.counters.replica_reads)
+        self.shard.store.watch().accesses().wrapping_add(self.shard.counters.replica_reads)
     }
 
     /// A new alarm window (each epoch's samples are taken: their count
     /// starts again).
     pub(super) fn restart_alarm(&mut self) {
         let (now, served) = (self.shared.clock_ns(), self.served());
-        let samples = self.store.watch().sample_count();
-        self.replicas.alarm.restart(now, served, samples);
+        let samples = self.shard.store.watch().sample_count();
+        self.shard.replicas.alarm.restart(now, served, samples);
     }
 
     /// Phase 1's trigger within an epoch: a window clearly above the hot
     /// limit sends the controller the keys sampled in it.
     pub(super) fn check_alarm(&mut self) {
-        if self.replicas.alarm.limit.is_none() {
+        if self.shard.replicas.alarm.limit.is_none() {
             return;
         }
         let (now, served) = (self.shared.clock_ns(), self.served());
-        let samples = self.store.watch().sample_count();
-        if let Some((from, secs)) = self.replicas.alarm.check(now, served, samples) {
-            let keys = self.store.watch().samples_since(from);
-            let home = self.replicas.hot.home_reads_so_far();
-            let home_secs = now.saturating_sub(self.replicas.sampled_ns) as f64 * 1e-9;
+        let samples = self.shard.store.watch().sample_count();
+        if let Some((from, secs)) = self.shard.replicas.alarm.check(now, served, samples) {
+            let keys = self.shard.store.watch().samples_since(from);
+            let home = self.shard.replicas.hot.home_reads_so_far();
+            let home_secs = now.saturating_sub(self.shard.replicas.sampled_ns) as f64 * 1e-9;
             self.shared.tell_controller(CtlMsg::HotAlarm { worker: self.id as u16, keys, secs, home, home_secs });
         }
     }
@@ -45,21 +45,21 @@ impl Worker {
             HotCmd::Grants(list) => {
                 for (key, grant) in list {
                     let hash = mbal_cluster::key_hash(&key);
-                    if let Some(e) = self.replicas.hot.get_mut(hash).filter(|e| e.key == key) {
+                    if let Some(e) = self.shard.replicas.hot.get_mut(hash).filter(|e| e.key == key) {
                         e.grant = grant;
                     }
                 }
             }
             HotCmd::Retire { key } => {
                 let hash = mbal_cluster::key_hash(&key);
-                if self.replicas.hot.get_mut(hash).is_some_and(|e| e.key == key) {
+                if self.shard.replicas.hot.get_mut(hash).is_some_and(|e| e.key == key) {
                     self.drop_hot(hash);
                 }
             }
-            HotCmd::AlarmLimit(limit) => self.replicas.alarm.limit = limit,
-            HotCmd::SampleRate(rate) => self.store.watch().set_rate(rate),
+            HotCmd::AlarmLimit(limit) => self.shard.replicas.alarm.limit = limit,
+            HotCmd::SampleRate(rate) => self.shard.store.watch().set_rate(rate),
             HotCmd::Written { hash, ok } => {
-                let Some(e) = self.replicas.hot.get_mut(hash) else { return };
+                let Some(e) = self.shard.replicas.hot.get_mut(hash) else { return };
                 e.pending = e.pending.saturating_sub(1);
                 if !ok {
                     // Some copy may hold an older value: no more leases; the
@@ -76,34 +76,38 @@ impl Worker {
     fn replicate_key(&mut self, key: Box<[u8]>, replicas: u32) {
         let at = locate(&self.shared.layout, &key);
         let Some(jobs) = self.shared.replicator.as_ref() else { return };
-        let op =
-            self.store.owns(at.cachelet).then(|| copy_of(&mut self.store, &self.shared, at, &key, self.now)).flatten();
+        let op = self
+            .shard
+            .store
+            .owns(at.cachelet)
+            .then(|| copy_of(&mut self.shard.store, &self.shared, at, &key, self.now))
+            .flatten();
         let Some(op) = op else {
             // Not here any more (moved, or the item is gone): nothing to copy.
             self.shared.tell_controller(CtlMsg::HotFailed { key });
             return;
         };
-        self.replicas.hot.replicate(at.hash, &key, at.cachelet, replicas);
-        self.store.watch().watch(at.hash);
+        self.shard.replicas.hot.replicate(at.hash, &key, at.cachelet, replicas);
+        self.shard.store.watch().watch(at.hash);
         let to = copies(&self.shared, at.hash, self.id, replicas);
         let done = Done::Controller { created: true, at_ns: self.shared.clock_ns() };
         let _ = jobs.send(Job { key, to, op, done });
-        self.counters.hot_replications += 1;
+        self.shard.counters.hot_replications += 1;
     }
 
     /// Stop replicating a key: delete its copies.
     pub(super) fn drop_hot(&mut self, hash: u64) {
-        drop_hot(&self.shared, self.id, &mut self.store, &mut self.replicas.hot, hash);
+        drop_hot(&self.shared, self.id, &mut self.shard.store, &mut self.shard.replicas.hot, hash);
     }
 
     /// A cachelet leaves this worker: its hot keys stop being replicated
     /// from here (their copies are placed relative to this home).
     pub(super) fn drop_hot_of(&mut self, cachelet: u32) {
-        if self.replicas.hot.is_empty() {
+        if self.shard.replicas.hot.is_empty() {
             return;
         }
-        for hash in self.replicas.hot.of_cachelet(cachelet) {
-            if let Some(e) = self.replicas.hot.get_mut(hash) {
+        for hash in self.shard.replicas.hot.of_cachelet(cachelet) {
+            if let Some(e) = self.shard.replicas.hot.get_mut(hash) {
                 let key = e.key.clone();
                 self.shared.tell_controller(CtlMsg::HotFailed { key });
             }

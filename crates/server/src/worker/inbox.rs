@@ -18,7 +18,7 @@ impl Worker {
         }
         for _ in 0..n {
             let Ok(env) = self.inbox.try_recv() else { break };
-            if self.capacity.limited() && self.hold(&env) {
+            if self.shard.capacity.limited() && self.hold(&env) {
                 self.held.push_back(env);
                 continue;
             }
@@ -42,11 +42,11 @@ impl Worker {
                     let resend = match item.bounce {
                         None => {
                             self.deliver(item.to, bytes);
-                            (c != NO_CACHELET).then(|| self.tables.answered(c)).flatten()
+                            (c != NO_CACHELET).then(|| self.shard.tables.answered(c)).flatten()
                         }
                         Some(b) => {
                             let p = Parked { to: item.to, kind: b.kind, bytes: bytes.to_vec() };
-                            self.tables.bounced(c, b.hint, p)
+                            self.shard.tables.bounced(c, b.hint, p)
                         }
                     };
                     if let Some(q) = resend {
@@ -71,7 +71,7 @@ impl Worker {
                 let HandOff { sock, peer, listen_addr, id, unread, auth, exempt, fresh, by_thread } = *h;
                 if let Some(ci) = self.register(sock.map_sock(TcpStream::from_std), peer, listen_addr) {
                     // Counted once, by the worker that accepted it.
-                    self.counters.total_connections -= 1;
+                    self.shard.counters.total_connections -= 1;
                     let c = &mut self.conns[ci];
                     c.id = id;
                     c.rbuf = ReadBuf::from_vec(unread);
@@ -95,7 +95,7 @@ impl Worker {
                 self.drop_hot_of(cachelet);
                 let peers = self.shared.peers();
                 let now_ns = self.shared.clock_ns();
-                let (store, tables, outbox) = (&mut self.store, &mut self.tables, &mut self.outbox);
+                let (store, tables, outbox) = (&mut self.shard.store, &mut self.shard.tables, &mut self.outbox);
                 if moves::release(self.id, store, tables, outbox, peers, now_ns, cachelet, to, token) {
                     // Already at `to`: the move is done as it stands.
                     self.shared.tell_controller(CtlMsg::Moved { token, cachelet, worker: to });
@@ -103,33 +103,33 @@ impl Worker {
             }
             Envelope::Own(OwnMsg::Adopt { cachelet, ver, token }) => {
                 let c = cachelet.id();
-                self.store.insert_cachelet(cachelet);
+                self.shard.store.insert_cachelet(cachelet);
                 moves::announce(self.shared.server_id, self.id, &mut self.outbox, c, ver);
-                if let Some(q) = self.tables.adopted(c, ver) {
+                if let Some(q) = self.shard.tables.adopted(c, ver) {
                     self.resend(c, q);
                 }
-                self.counters.cachelets_adopted += 1;
+                self.shard.counters.cachelets_adopted += 1;
                 self.shared.tell_controller(CtlMsg::Moved { token, cachelet: c, worker: self.id });
             }
             Envelope::Ctl(CtlCmd::Sample { seq }) => {
                 let sample = Box::new(self.sample());
-                let keys = self.store.watch().take_samples();
-                let home_reads = self.replicas.hot.take_home_reads();
-                self.replicas.sampled_ns = self.shared.clock_ns();
+                let keys = self.shard.store.watch().take_samples();
+                let home_reads = self.shard.replicas.hot.take_home_reads();
+                self.shard.replicas.sampled_ns = self.shared.clock_ns();
                 self.shared.tell_controller(CtlMsg::Sample { seq, sample, keys, home_reads });
                 self.restart_alarm();
             }
             Envelope::Ctl(CtlCmd::Hot(cmd)) => self.hot(cmd),
             Envelope::Own(OwnMsg::Owner { cachelet, server, worker, ver }) => {
-                if let Some(q) = self.tables.learn(cachelet, server, worker as u16, ver) {
+                if let Some(q) = self.shard.tables.learn(cachelet, server, worker as u16, ver) {
                     self.resend(cachelet, q);
                 }
             }
             Envelope::Own(OwnMsg::Reassign { cachelet, server, worker }) => self.reassign(cachelet, server, worker),
             Envelope::Own(OwnMsg::Applied { seq }) => self.shared.tell_controller(CtlMsg::Applied { seq }),
             Envelope::Ctl(CtlCmd::Flush { at }) => {
-                self.store.flush_all(at);
-                hot::flush_hot(&self.shared, self.id, &mut self.store, &mut self.replicas.hot);
+                self.shard.store.flush_all(at);
+                hot::flush_hot(&self.shared, self.id, &mut self.shard.store, &mut self.shard.replicas.hot);
             }
             Envelope::Ctl(CtlCmd::StatsReq { to, want }) => {
                 let snap = Box::new(self.snapshot(want));
@@ -141,8 +141,8 @@ impl Worker {
                 }
             }
             Envelope::Ctl(CtlCmd::ResetStats) => {
-                self.counters = Counters::default();
-                self.store.reset_stats();
+                self.shard.counters = Counters::default();
+                self.shard.store.reset_stats();
             }
             Envelope::Ctl(CtlCmd::Watch { worker, conn, gen, mask }) => {
                 self.set_watcher(worker, conn, gen, mask);
@@ -163,34 +163,34 @@ impl Worker {
     /// waits at the front of `held` (`held_pos` says where it resumes).
     pub(super) fn exec_batch(&mut self, batch: ReqBatch, from: usize, now_ns: u64) {
         // Another worker's connections: `watch` lines show no `cfd` (0).
-        self.store.log().cfd = 0;
+        self.shard.store.log().cfd = 0;
         if from == 0 {
             self.waited(now_ns, batch.sent_ns);
         }
         let mut n = batch.len() - from;
-        if self.capacity.limited() {
-            n = n.min(self.capacity.available());
+        if self.shard.capacity.limited() {
+            n = n.min(self.shard.capacity.available());
         }
         // Overlap the index misses of the batch's gets and text stores.
         for (req, bytes) in batch.iter().skip(from).take(n) {
             match req.kind {
                 FwdKind::Values { one: 0, .. } => {
                     for key in bytes.split(|&b| b == b' ').filter(|k| !k.is_empty()) {
-                        self.store.prefetch(req.cachelet, mbal_cluster::key_hash(key));
+                        self.shard.store.prefetch(req.cachelet, mbal_cluster::key_hash(key));
                     }
                 }
-                FwdKind::Values { one: hash, .. } => self.store.prefetch(req.cachelet, hash),
-                FwdKind::Raw(_, hash) | FwdKind::Store { hash, .. } => self.store.prefetch(req.cachelet, hash),
+                FwdKind::Values { one: hash, .. } => self.shard.store.prefetch(req.cachelet, hash),
+                FwdKind::Raw(_, hash) | FwdKind::Store { hash, .. } => self.shard.store.prefetch(req.cachelet, hash),
             }
         }
         for (req, bytes) in batch.iter().skip(from).take(n) {
             self.exec_forwarded(req, bytes);
         }
-        self.capacity.spend(n as u64);
+        self.shard.capacity.spend(n as u64);
         if from + n < batch.len() {
             self.held.push_front(Envelope::Reqs(batch));
             self.held_pos = from + n;
-            self.counters.capacity_stalls += 1;
+            self.shard.counters.capacity_stalls += 1;
         } else {
             batch.recycle();
         }
@@ -206,14 +206,14 @@ impl Worker {
     /// ordered after nothing here.
     pub(super) fn hold(&mut self, env: &Envelope) -> bool {
         let hold = match env {
-            Envelope::Reqs(_) => !self.held.is_empty() || !self.capacity.has_credit(),
+            Envelope::Reqs(_) => !self.held.is_empty() || !self.shard.capacity.has_credit(),
             Envelope::Replies(_) | Envelope::Conn(_) | Envelope::Mig(_) => false,
             // The move protocol acts on the tables the held requests route by.
             Envelope::Own(_) => !self.held.is_empty(),
             Envelope::Ctl(c) => c.ordered() && !self.held.is_empty(),
         };
         if hold && self.held.is_empty() {
-            self.counters.capacity_stalls += 1;
+            self.shard.counters.capacity_stalls += 1;
         }
         hold
     }
@@ -222,9 +222,9 @@ impl Worker {
     /// the last one, then spend it on the work that waited for it, oldest
     /// first: peers' batches held in arrival order, then the connections.
     pub(super) fn refill(&mut self, now_ns: u64) {
-        self.capacity.refill(now_ns);
+        self.shard.capacity.refill(now_ns);
         while let Some(env) = self.held.front() {
-            if matches!(env, Envelope::Reqs(_)) && !self.capacity.has_credit() {
+            if matches!(env, Envelope::Reqs(_)) && !self.shard.capacity.has_credit() {
                 return;
             }
             match self.held.pop_front().expect("just looked") {
@@ -235,7 +235,7 @@ impl Worker {
                 env => self.take(env, now_ns),
             }
         }
-        if self.capacity.has_credit() {
+        if self.shard.capacity.has_credit() {
             // Those that got no credit last time first, then those that spent it.
             let spent = std::mem::take(&mut self.spent);
             for ci in std::mem::take(&mut self.throttled).into_iter().chain(spent) {
@@ -253,7 +253,7 @@ impl Worker {
         if !c.throttled {
             c.throttled = true;
             self.throttled.push(ci);
-            self.counters.capacity_stalls += 1;
+            self.shard.counters.capacity_stalls += 1;
         }
     }
 
@@ -262,31 +262,38 @@ impl Worker {
     /// its cachelet is not here (it moved on since the sender looked).
     pub(super) fn exec_forwarded(&mut self, req: &FwdReq, bytes: &[u8]) {
         debug_assert_ne!(req.to.worker, self.id, "a worker never forwards to itself");
-        if self.tables.frozen.is_some() && self.frozen_forwarded(req, bytes) {
+        if self.shard.tables.frozen.is_some() && self.frozen_forwarded(req, bytes) {
             return;
         }
-        if !self.tables.executes(req.cachelet, req.stamp) {
+        if !self.shard.tables.executes(req.cachelet, req.stamp) {
             debug_assert!(
-                self.tables.fenced
-                    || !self.store.owns(req.cachelet)
-                    || self.tables.owner[req.cachelet as usize].ver > req.stamp
+                self.shard.tables.fenced
+                    || !self.shard.store.owns(req.cachelet)
+                    || self.shard.tables.owner[req.cachelet as usize].ver > req.stamp
             );
-            let hint = self.tables.owner[req.cachelet as usize];
+            let hint = self.shard.tables.owner[req.cachelet as usize];
             self.outbox[req.to.worker].replies().bounce(req, bytes, hint);
             return;
         }
-        self.counters.forwarded_in += 1;
-        let mut ctx = exec_ctx(&mut self.store, &self.shared, &mut self.counters, self.now);
+        self.shard.counters.forwarded_in += 1;
+        let mut ctx = exec_ctx(&mut self.shard.store, &self.shared, &mut self.shard.counters, self.now);
         let limits = &self.limits;
         let hot = &self.shared.settings.hot;
-        if hot.may_sync() && !self.replicas.hot.is_empty() {
+        if hot.may_sync() && !self.shard.replicas.hot.is_empty() {
             // A write to a replicated key answers once its copies have it (SE mode, for the
             // server or the key's prefix; otherwise its copy goes at the end of the round).
             let mut out = Vec::new();
             execute(&mut ctx, limits, req.kind, bytes, &mut out);
-            if self.store.watch().dirty_keys().any(|k| hot.sync_for(k)) {
+            if self.shard.store.watch().dirty_keys().any(|k| hot.sync_for(k)) {
                 let hold = Some((req.to, req.cachelet, out));
-                hot::copy_writes(&self.shared, self.id, &mut self.store, &mut self.replicas.hot, self.now, hold);
+                hot::copy_writes(
+                    &self.shared,
+                    self.id,
+                    &mut self.shard.store,
+                    &mut self.shard.replicas.hot,
+                    self.now,
+                    hold,
+                );
             } else {
                 self.outbox[req.to.worker].replies().push(req.to, req.cachelet, |d| d.extend_from_slice(&out));
             }
@@ -304,24 +311,24 @@ impl Worker {
         let resetting = self.shared.resetting.load(Ordering::Acquire);
         // A cachelet that arrived from another server (`migrate`) stays: the map only says
         // what its move already did. A reset (this server was declared dead) drops it all.
-        let own = self.tables.owner[c as usize];
-        let arrived = mine && !resetting && (own.server, own.worker) == (server, worker) && self.store.owns(c);
+        let own = self.shard.tables.owner[c as usize];
+        let arrived = mine && !resetting && (own.server, own.worker) == (server, worker) && self.shard.store.owns(c);
         if !arrived {
-            if let Some(old) = self.store.take_cachelet(c) {
+            if let Some(old) = self.shard.store.take_cachelet(c) {
                 self.drop_hot_of(c);
-                self.counters.cachelets_dropped += 1;
+                self.shard.counters.cachelets_dropped += 1;
                 drop(old);
             }
             if mine {
                 let cachelet = self.take_staged(c).unwrap_or_else(|| mbal_store::Cachelet::new(c));
-                self.store.insert_cachelet(cachelet);
-                self.counters.cachelets_claimed += 1;
+                self.shard.store.insert_cachelet(cachelet);
+                self.shard.counters.cachelets_claimed += 1;
             } else if server != self.shared.server_id {
                 self.drop_staged(c);
             }
         }
-        let (ver, q) = self.tables.reassign(c, server, worker);
-        let q = if mine { self.tables.adopted(c, ver).or(q) } else { q };
+        let (ver, q) = self.shard.tables.reassign(c, server, worker);
+        let q = if mine { self.shard.tables.adopted(c, ver).or(q) } else { q };
         if let Some(q) = q {
             self.resend(c, q);
         }
@@ -337,25 +344,25 @@ impl Worker {
     /// server owns it now (or this one is fenced), they are answered with
     /// an error: they were sent before the cachelet left.
     pub(super) fn resend(&mut self, c: u32, parked: VecDeque<Parked>) {
-        let (s, w) = self.tables.route(c);
+        let (s, w) = self.shard.tables.route(c);
         for p in parked {
             if s != self.shared.server_id && s != crate::moves::FENCED && self.forward_parked(&p) {
                 continue;
             }
             if s != self.shared.server_id {
-                self.counters.foreign_keys += 1;
+                self.shard.counters.foreign_keys += 1;
                 let mut out = Vec::new();
                 left_answer(p.kind, &p.bytes, &mut out);
                 self.deliver(p.to, &out);
             } else if w as usize == self.id {
-                self.capacity.spend(1);
+                self.shard.capacity.spend(1);
                 let mut out = Vec::new();
-                let mut ctx = exec_ctx(&mut self.store, &self.shared, &mut self.counters, self.now);
+                let mut ctx = exec_ctx(&mut self.shard.store, &self.shared, &mut self.shard.counters, self.now);
                 execute(&mut ctx, &self.limits, p.kind, &p.bytes, &mut out);
                 self.deliver(p.to, &out);
             } else {
-                self.tables.sent(c);
-                let stamp = self.tables.stamp(c);
+                self.shard.tables.sent(c);
+                let stamp = self.shard.tables.stamp(c);
                 self.outbox[w as usize].reqs().push(p.to, c, stamp, p.kind, |d| d.extend_from_slice(&p.bytes));
             }
         }
@@ -372,10 +379,11 @@ impl Worker {
     /// This worker's counters for the controller's epoch tick.
     pub(super) fn sample(&mut self) -> WorkerSample {
         let cachelets = self
+            .shard
             .store
             .cachelet_ids()
             .filter_map(|id| {
-                let s = self.store.cachelet(id)?.stats();
+                let s = self.shard.store.cachelet(id)?.stats();
                 Some(CacheletSample {
                     id,
                     reads: s.reads,
@@ -393,13 +401,13 @@ impl Worker {
             inbox_batches: self.inbox_batches,
             inbox_wait_ns: self.inbox_wait_ns,
             inbox_wait_max_ns: std::mem::take(&mut self.inbox_wait_max_ns),
-            forwarded_out: self.counters.forwarded_out,
-            forwarded_in: self.counters.forwarded_in,
+            forwarded_out: self.shard.counters.forwarded_out,
+            forwarded_in: self.shard.counters.forwarded_in,
             inbox_len: self.inbox.len() as u64,
             ready_conns: self.ready.len() as u64,
             connections: self.conns.len() as u64,
             cachelets,
-            replica_reads: self.counters.replica_reads,
+            replica_reads: self.shard.counters.replica_reads,
         }
     }
 
@@ -453,22 +461,23 @@ impl Worker {
             Vec::new()
         };
         let cachelets = self
+            .shard
             .store
             .cachelet_ids()
             .filter_map(|id| {
-                let stats = self.store.cachelet(id).map(|c| c.stats())?;
+                let stats = self.shard.store.cachelet(id).map(|c| c.stats())?;
                 Some(CacheletInfo { id, owner: self.id, stats, reads_per_sec: 0, writes_per_sec: 0 })
             })
             .collect();
         WorkerSnapshot {
             worker: self.id,
             counters: {
-                let mut c = self.counters.clone();
-                let sh = self.replicas.shadow.stats();
+                let mut c = self.shard.counters.clone();
+                let sh = self.shard.replicas.shadow.stats();
                 (c.replica_items, c.replica_bytes, c.replica_refused) = (sh.items, sh.bytes, sh.refused);
                 c
             },
-            store: self.store.stats(),
+            store: self.shard.store.stats(),
             curr_connections: self.conns.len() as u64,
             conns,
             cachelets,
@@ -490,8 +499,8 @@ impl Worker {
         let (class, start) = (self.id + 1, self.shared.start_unix);
         let mut line = Vec::with_capacity(512);
         let mut n = 0usize;
-        for cl in self.store.cachelet_ids() {
-            let more = self.store.scan_meta(cl, self.now, |it| {
+        for cl in self.shard.store.cachelet_ids() {
+            let more = self.shard.store.scan_meta(cl, self.now, |it| {
                 line.clear();
                 stats::dump_item(d.meta, &it, class, start, &mut line);
                 if out.len() + line.len() > d.max_bytes || (d.limit > 0 && n >= d.limit) {

@@ -70,11 +70,11 @@ impl Worker {
     pub(super) fn migration_step(&mut self, m: MigMsg) {
         match m {
             MigMsg::Start { cachelet, reply } => {
-                let answer = if self.outgoing.is_some() || !self.store.start_moving(cachelet) {
+                let answer = if self.outgoing.is_some() || !self.shard.store.start_moving(cachelet) {
                     MigReply::Failed("the cachelet is not on this worker, or another of its cachelets is moving")
                 } else {
                     self.outgoing = Some(Outgoing { cachelet, frozen_conns: Vec::new(), frozen_reqs: Vec::new() });
-                    let st = self.store.cachelet(cachelet).map(|c| c.stats()).unwrap_or_default();
+                    let st = self.shard.store.cachelet(cachelet).map(|c| c.stats()).unwrap_or_default();
                     MigReply::Started { bytes: st.bytes }
                 };
                 let _ = reply.send(answer);
@@ -84,7 +84,7 @@ impl Worker {
                 // item size limit (an item always fits one).
                 let max = self.limits.max_item_size;
                 let (mut frames, mut items) = (vec![Vec::with_capacity(budget.min(max) + 4096)], 0u64);
-                let exported = self.store.export_with(cachelet, cursor, budget, self.now, |r| {
+                let exported = self.shard.store.export_with(cachelet, cursor, budget, self.now, |r| {
                     let last = frames.last_mut().expect("one frame at least");
                     if !last.is_empty() && last.len() + wire::item_len(r.key.len(), r.value.len()) > max {
                         frames.push(Vec::with_capacity(budget.min(max) + 4096));
@@ -93,7 +93,7 @@ impl Worker {
                     items += 1;
                 });
                 frames.retain(|f| !f.is_empty());
-                let answer = match self.store.moving() == Some(cachelet) {
+                let answer = match self.shard.store.moving() == Some(cachelet) {
                     true => match exported {
                         Some(cursor) => MigReply::Frames { frames, items, cursor },
                         None => MigReply::Failed("the cachelet left this worker"),
@@ -103,10 +103,12 @@ impl Worker {
                 let _ = reply.send(answer);
             }
             MigMsg::Delta { cachelet, freeze, reply } => {
-                let answer = match (self.store.moving() == Some(cachelet)).then(|| self.store.take_delta(self.now)) {
+                let answer = match (self.shard.store.moving() == Some(cachelet))
+                    .then(|| self.shard.store.take_delta(self.now))
+                {
                     Some(Some(d)) => {
                         if freeze {
-                            self.tables.frozen = Some(cachelet);
+                            self.shard.tables.frozen = Some(cachelet);
                         }
                         MigReply::Delta(d)
                     }
@@ -127,10 +129,10 @@ impl Worker {
     /// what waited for it runs again, wherever the tables now say.
     pub(super) fn end_outgoing(&mut self) {
         let Some(o) = self.outgoing.take() else { return };
-        if self.store.moving() == Some(o.cachelet) {
-            self.store.stop_moving();
+        if self.shard.store.moving() == Some(o.cachelet) {
+            self.shard.store.stop_moving();
         }
-        self.tables.frozen = None;
+        self.shard.tables.frozen = None;
         for (req, bytes) in o.frozen_reqs {
             self.exec_forwarded(&req, &bytes);
         }
@@ -142,7 +144,7 @@ impl Worker {
     /// Must a request for `c` wait (its cachelet is frozen here)? If so it is kept.
     pub(super) fn frozen_forwarded(&mut self, req: &FwdReq, bytes: &[u8]) -> bool {
         match &mut self.outgoing {
-            Some(o) if self.tables.frozen == Some(req.cachelet) => {
+            Some(o) if self.shard.tables.frozen == Some(req.cachelet) => {
                 o.frozen_reqs.push((*req, bytes.to_vec()));
                 true
             }
@@ -167,7 +169,7 @@ impl Worker {
         // belongs to a move that did not commit (`STAGED_TTL_NS`).
         let fresh = self.shared.clock_ns().saturating_sub(s.complete_ns) <= STAGED_TTL_NS;
         if s.complete && fresh && !self.shared.resetting.load(Ordering::Acquire) {
-            self.counters.migrations_in += 1;
+            self.shard.counters.migrations_in += 1;
             if self.arrived.len() == 16 {
                 self.arrived.pop_front();
             }
@@ -239,18 +241,18 @@ impl Worker {
     }
 
     fn import_begin(&mut self, id: u64, c: u32, bytes: u64, conn: (usize, u64)) -> Result<(), String> {
-        if c as usize >= self.tables.len() {
+        if c as usize >= self.shard.tables.len() {
             return Err(format!("CLIENT_ERROR no cachelet {c}"));
         }
         self.expire_staged();
-        if self.store.owns(c) || self.staged.contains_key(&c) {
+        if self.shard.store.owns(c) || self.staged.contains_key(&c) {
             return Err(format!("SERVER_ERROR cachelet {c} is already here"));
         }
         // Room for its items now, with a margin for the pages they fill part-way.
-        let pool = self.store.global();
+        let pool = self.shard.store.global();
         let free = pool.available_pages() as u64 * pool.page_size() as u64;
         if bytes + bytes / 8 > free {
-            self.counters.migrations_refused += 1;
+            self.shard.counters.migrations_refused += 1;
             return Err(format!("SERVER_ERROR out of memory: the cachelet needs {bytes} bytes, {free} are free"));
         }
         let cachelet = Some(mbal_store::Cachelet::new(c));
@@ -268,10 +270,10 @@ impl Worker {
         };
         let s = self.staged.get_mut(&c).expect("found above");
         let cachelet = s.cachelet.take().expect("a staged cachelet is kept between frames");
-        self.store.insert_cachelet(cachelet);
+        self.shard.store.insert_cachelet(cachelet);
         let mut full = false;
         let mut items = 0u64;
-        let (store, now) = (&mut self.store, self.now);
+        let (store, now) = (&mut self.shard.store, self.now);
         // Each record straight from the frame into the store (no copy in between).
         let decoded = wire::for_each(frame, self.limits.max_item_size, |r| {
             let res = match r {
@@ -286,7 +288,7 @@ impl Worker {
             }
         });
         let bytes = frame.len() as u64;
-        let cachelet = self.store.take_cachelet(c).expect("inserted above");
+        let cachelet = self.shard.store.take_cachelet(c).expect("inserted above");
         if let Err(e) = decoded {
             self.staged.remove(&c);
             return Err(format!("CLIENT_ERROR bad frame: {e}"));
@@ -295,10 +297,10 @@ impl Worker {
         s.cachelet = Some(cachelet);
         s.items += items;
         s.bytes += bytes;
-        self.counters.migrated_in_bytes += frame.len() as u64;
+        self.shard.counters.migrated_in_bytes += frame.len() as u64;
         if full {
             self.staged.remove(&c);
-            self.counters.migrations_refused += 1;
+            self.shard.counters.migrations_refused += 1;
             return Err("SERVER_ERROR out of memory storing the moving cachelet".into());
         }
         if last {
@@ -330,12 +332,12 @@ impl Worker {
     /// it).
     fn adopt_moved(&mut self, c: u32, cachelet: Box<mbal_store::Cachelet>) {
         let (server, worker) = (self.shared.server_id, self.id as u16);
-        if self.store.owns(c) {
+        if self.shard.store.owns(c) {
             return;
         }
-        self.store.insert_cachelet(cachelet);
-        let (ver, q) = self.tables.reassign(c, server, worker);
-        let q = self.tables.adopted(c, ver).or(q);
+        self.shard.store.insert_cachelet(cachelet);
+        let (ver, q) = self.shard.tables.reassign(c, server, worker);
+        let q = self.shard.tables.adopted(c, ver).or(q);
         if let Some(q) = q {
             self.resend(c, q);
         }
@@ -434,7 +436,7 @@ impl Worker {
                 (hash, kind, p.bytes.clone())
             }
         };
-        self.counters.forwarded_servers += 1;
+        self.shard.counters.forwarded_servers += 1;
         self.fwd.push(Job { to: p.to, hash, kind, req });
         true
     }

@@ -48,14 +48,14 @@ impl Worker {
             self.watchers.push(Watcher { worker, conn, gen, mask });
         }
         let all = self.watchers.iter().fold(0, |m, w| m | w.mask);
-        self.store.log().set_mask(all);
+        self.shard.store.log().set_mask(all);
     }
 
     /// Send each watcher this round's lines of its categories.
     pub(super) fn ship_log(&mut self) {
         let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
         let mut lines: Vec<(u8, Vec<u8>)> = Vec::new();
-        self.store.log().take(|cat, line| lines.push((cat, line.to_vec())));
+        self.shard.store.log().take(|cat, line| lines.push((cat, line.to_vec())));
         if lines.is_empty() || self.watchers.is_empty() {
             return;
         }

@@ -5,8 +5,9 @@
 //! (a standby shows what etcd holds); the one that answered last is asked first ([`Link`]).
 //! Blocking, each connect, read and write bounded by [`Coordinators::timeout`].
 
-use mbal_proto::client::{Expect, Reply, ReplyReader};
-use std::io::{self, Write};
+use crate::call::MemberConn;
+use mbal_proto::client::Reply;
+use std::io;
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -24,7 +25,7 @@ pub struct Coordinators {
 #[derive(Default)]
 pub struct Link {
     at: usize,
-    conn: Option<(mbal_tls::BlockingStream, ReplyReader)>,
+    conn: Option<MemberConn>,
 }
 
 impl Coordinators {
@@ -54,12 +55,10 @@ impl Coordinators {
     fn ask(&self, link: &mut Link) -> io::Result<Vec<u8>> {
         if link.conn.is_none() {
             let s = mbal_tls::dial_timeouts(self.addrs[link.at], self.tls.as_ref(), self.timeout, self.timeout)?;
-            link.conn = Some((s, ReplyReader::new()));
+            link.conn = Some(MemberConn::over(s));
         }
-        let (s, r) = link.conn.as_mut().expect("connected above");
-        s.write_all(b"mbal map\r\n")?;
-        s.flush()?;
-        match r.read_reply(s, Expect::Line)? {
+        let c = link.conn.as_mut().expect("connected above");
+        match c.call(b"mbal map\r\n")? {
             Reply::Map { json, .. } => Ok(json),
             other => {
                 Err(io::Error::new(io::ErrorKind::InvalidData, format!("unexpected answer to mbal map: {other:?}")))

@@ -6,6 +6,8 @@
 //! * [`dial`]: opening a member connection (TLS when the cluster uses it,
 //!   then the login);
 //! * [`peer_auth`]: the `mbal peer` challenge over the cluster secret;
+//! * [`call`]: blocking member-to-member calls ([`call::MemberConn`]), every reply read with
+//!   the one reply codec;
 //! * [`coordinators`]: the map fetched from the coordinators;
 //! * [`pipe`]: the pipelined connections the proxy and the server's
 //!   forwarder keep to the owning workers.
@@ -13,6 +15,7 @@
 //! Split from `mbal-cluster` so that the policy (`mbal-balance`) and the
 //! simulator build without rustls, TOML or HMAC.
 
+pub mod call;
 pub mod coordinators;
 pub mod dial;
 mod file;

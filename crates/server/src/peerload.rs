@@ -20,10 +20,9 @@ use crate::msg::CtlMsg;
 use crate::shared::Shared;
 use mbal_balance::control::phase1::mean_load;
 use mbal_balance::{Config, EpochSnapshot, PeerHot};
-use mbal_proto::client::{Expect, Reply, ReplyReader};
-use mbal_tls::BlockingStream;
+use mbal_member::call::MemberConn;
+use mbal_proto::client::Reply;
 use serde::Deserialize;
-use std::io::Write;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -50,19 +49,14 @@ fn poll(shared: Arc<Shared>, id: usize, addr: SocketAddr, cfg: Config) {
     let timeout = epoch * 2 + Duration::from_secs(1);
     let mut after = 0u64;
     while !shared.shutdown.load(Ordering::Relaxed) {
-        let r = connect(&shared, addr, timeout).and_then(|mut s| {
-            let mut rr = ReplyReader::new();
-            loop {
-                if shared.shutdown.load(Ordering::Relaxed) {
-                    return Ok(());
-                }
-                write!(s, "mbal load {after}\r\n")?;
-                s.flush()?;
-                let (seq, rec) = read_load(&mut s, &mut rr)?;
-                after = after.max(seq);
-                let mean = mean_load(&rec.snapshot, &cfg);
-                shared.tell_controller(CtlMsg::PeerLoad { server: id as u16, mean, hot: rec.hot });
+        let r = connect(&shared, addr, timeout).and_then(|mut c| loop {
+            if shared.shutdown.load(Ordering::Relaxed) {
+                return Ok(());
             }
+            let (seq, rec) = read_load(c.call(format!("mbal load {after}\r\n").as_bytes())?)?;
+            after = after.max(seq);
+            let mean = mean_load(&rec.snapshot, &cfg);
+            shared.tell_controller(CtlMsg::PeerLoad { server: id as u16, mean, hot: rec.hot });
         });
         if let Err(e) = r {
             tracing::debug!(server = id, "peer load: {e}");
@@ -78,11 +72,10 @@ fn poll(shared: Arc<Shared>, id: usize, addr: SocketAddr, cfg: Config) {
     }
 }
 
-fn connect(shared: &Shared, addr: SocketAddr, timeout: Duration) -> std::io::Result<BlockingStream> {
+fn connect(shared: &Shared, addr: SocketAddr, timeout: Duration) -> std::io::Result<MemberConn> {
     // `mbal load` is a control command: the peer dialer speaks TLS when the
     // cluster does and proves membership (`mbal peer`) when there is a secret.
-    let s = shared.settings.peer_dialer(timeout).dial(addr, mbal_member::dial::Proto::Text)?;
-    Ok(s)
+    MemberConn::dial(&shared.settings.peer_dialer(timeout), addr)
 }
 
 /// A peer's epoch record (`mbal load`): its snapshot and Phase 1's figures.
@@ -96,8 +89,8 @@ struct PeerRecord {
 
 /// The answer to `mbal load` (`LOAD <seq> <len>` and the JSON, read by the
 /// one reply codec): its sequence number and record.
-fn read_load(s: &mut BlockingStream, rr: &mut ReplyReader) -> std::io::Result<(u64, PeerRecord)> {
-    match rr.read_reply(s, Expect::Line)? {
+fn read_load(answer: Reply) -> std::io::Result<(u64, PeerRecord)> {
+    match answer {
         Reply::Load { seq, json } => Ok((seq, serde_json::from_slice(&json).map_err(std::io::Error::other)?)),
         other => Err(std::io::Error::other(format!("unexpected answer to mbal load: {other:?}"))),
     }

@@ -24,23 +24,17 @@ use crate::msg::CtlMsg;
 use crate::msg::{Envelope, ReplyBatch, ReplyTo};
 use crate::shared::Shared;
 use crossbeam_channel::{Receiver, RecvTimeoutError};
-use mbal_proto::client::{Expect, Reply, ReplyReader};
+use mbal_member::call::MemberConn;
+use mbal_proto::client::Reply;
 use std::collections::HashMap;
-use std::io::Write;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// A connection to a shadow worker (plain or TLS), and its replies read by
-/// the one reply codec.
-struct Peer {
-    s: mbal_tls::BlockingStream,
-    rr: ReplyReader,
-}
 
 pub(crate) struct Replicator {
     shared: Arc<Shared>,
     jobs: Receiver<Job>,
-    peers: HashMap<Loc, Peer>,
+    /// A connection to each shadow worker (plain or TLS).
+    peers: HashMap<Loc, MemberConn>,
     /// Shadow servers that could not be reached, and until when not to try.
     down: HashMap<u16, Instant>,
     timeout: Duration,
@@ -128,11 +122,11 @@ impl Replicator {
         reads: &mut [u64],
     ) -> bool {
         let Some(peer) = self.peer(loc) else { return false };
-        if peer.s.write_all(buf).and_then(|_| peer.s.flush()).is_err() {
+        if peer.send(buf).is_err() {
             return false;
         }
         for &i in who {
-            let Ok(answer) = peer.rr.read_reply(&mut peer.s, Expect::Line) else { return false };
+            let Ok(answer) = peer.reply() else { return false };
             let good = match (&batch[i].op, &answer) {
                 (Op::Put { .. }, Reply::Stored) => true,
                 // A copy already gone is as good as deleted.
@@ -154,7 +148,7 @@ impl Replicator {
     }
 
     /// The connection to a shadow worker, opened on first use.
-    fn peer(&mut self, loc: Loc) -> Option<&mut Peer> {
+    fn peer(&mut self, loc: Loc) -> Option<&mut MemberConn> {
         if !self.peers.contains_key(&loc) {
             if self.down.get(&loc.0).is_some_and(|t| Instant::now() < *t) {
                 return None;
@@ -175,25 +169,20 @@ impl Replicator {
         self.peers.get_mut(&loc)
     }
 
-    fn connect(&self, (server, worker): Loc) -> std::io::Result<Peer> {
+    fn connect(&self, (server, worker): Loc) -> std::io::Result<MemberConn> {
         let addr = self.shared.member_addr(server).ok_or_else(|| std::io::Error::other("no such server"))?;
         // TLS when the cluster uses it; copies are control commands: the
         // dialer proves this is a cluster member (`mbal peer`) when there is
         // a cluster secret.
-        let s = self.shared.settings.peer_dialer(self.timeout).dial(addr, mbal_member::dial::Proto::Text)?;
-        let mut p = Peer { s, rr: ReplyReader::new() };
+        let mut p = MemberConn::dial(&self.shared.settings.peer_dialer(self.timeout), addr)?;
         // Copy upkeep is not client load: exempt from emulated capacity
         // (before the hello, which hands the connection to the shadow worker).
         // (A hand-over must come before other unanswered requests: one at a time.)
-        p.s.write_all(b"mbal replicator\r\n")?;
-        p.s.flush()?;
-        match p.rr.read_reply(&mut p.s, Expect::Line)? {
+        match p.call(b"mbal replicator\r\n")? {
             Reply::Ok => {}
             other => return Err(std::io::Error::other(format!("mbal replicator refused: {other:?}"))),
         }
-        write!(p.s, "mbal hello 0 {worker}\r\n")?;
-        p.s.flush()?;
-        match p.rr.read_reply(&mut p.s, Expect::Line)? {
+        match p.call(format!("mbal hello 0 {worker}\r\n").as_bytes())? {
             Reply::Hello { server: s, worker: w, .. } if (s, w) == (server, worker) => Ok(p),
             other => Err(std::io::Error::other(format!("unexpected hello answer {other:?}"))),
         }

@@ -16,10 +16,9 @@
 use crate::msg::{Ask, CtlMsg};
 use crate::shared::Shared;
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
-use mbal_proto::client::{Expect, Reply, ReplyReader};
-use mbal_tls::BlockingStream;
+use mbal_member::call::MemberConn;
+use mbal_proto::client::Reply;
 use std::collections::{BTreeMap, HashMap};
-use std::io::Write;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -38,7 +37,7 @@ pub(crate) fn spawn(shared: Arc<Shared>) -> std::io::Result<Sender<Ask>> {
 fn run(shared: Arc<Shared>, rx: Receiver<Ask>) {
     // Short: a renewal that waits on one lender delays the others'.
     let timeout = Duration::from_millis((shared.settings.epoch_ms / 4).clamp(50, 1000));
-    let mut conns: HashMap<u16, (BlockingStream, ReplyReader)> = HashMap::new();
+    let mut conns: HashMap<u16, MemberConn> = HashMap::new();
     while !shared.shutdown.load(Ordering::Relaxed) {
         let first = match rx.recv_timeout(Duration::from_millis(200)) {
             Ok(a) => a,
@@ -83,21 +82,18 @@ fn run(shared: Arc<Shared>, rx: Receiver<Ask>) {
 /// Send one line to `peer` and read its answer (the one reply codec).
 fn ask_one(
     shared: &Shared,
-    conns: &mut HashMap<u16, (BlockingStream, ReplyReader)>,
+    conns: &mut HashMap<u16, MemberConn>,
     peer: u16,
     addr: SocketAddr,
     line: &str,
     timeout: Duration,
 ) -> std::io::Result<Reply> {
-    let (s, rr) = match conns.entry(peer) {
+    let c = match conns.entry(peer) {
         std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+        // A control command: TLS and the membership proof as the cluster has them.
         std::collections::hash_map::Entry::Vacant(e) => {
-            // A control command: TLS and the membership proof as the cluster has them.
-            let s = shared.settings.peer_dialer(timeout).dial(addr, mbal_member::dial::Proto::Text)?;
-            e.insert((s, ReplyReader::new()))
+            e.insert(MemberConn::dial(&shared.settings.peer_dialer(timeout), addr)?)
         }
     };
-    s.write_all(line.as_bytes())?;
-    s.flush()?;
-    rr.read_reply(s, Expect::Line)
+    c.call(line.as_bytes())
 }

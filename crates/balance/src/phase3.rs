@@ -227,6 +227,11 @@ pub enum Phase3Event {
     Finished { cachelet: u32, bytes: u64 },
     /// A migration could not be carried out (the cachelet stays at its source).
     Failed { cachelet: u32 },
+    /// The servers that are members now (Up): the reports of any other (dead, left) are
+    /// forgotten, with its streak, its escalation and the queued moves to or from it, so it
+    /// is neither a source nor a destination. A migration in flight to or from it ends with
+    /// its own `Finished` or `Failed`.
+    Members { up: Vec<u16> },
     /// The coordinator's epoch: plan on the reports heard.
     Epoch,
 }
@@ -384,6 +389,15 @@ impl Phase3 {
             Phase3Event::Escalated { server, escalation } => {
                 self.stats.escalations += 1;
                 self.escalated.insert(server, escalation);
+            }
+            Phase3Event::Members { up } => {
+                let up: BTreeSet<u16> = up.into_iter().collect();
+                self.reports.retain(|s, _| up.contains(s));
+                self.fresh.retain(|s| up.contains(s));
+                self.streak.retain(|s, _| up.contains(s));
+                self.escalated.retain(|s, _| up.contains(s));
+                self.local_at.retain(|s, _| up.contains(s));
+                self.queue.retain(|m| up.contains(&m.from.0) && up.contains(&m.to.0));
             }
             Phase3Event::LocalMoves { server } => {
                 self.local_at.insert(server, self.epoch + 1);

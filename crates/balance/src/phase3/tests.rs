@@ -408,3 +408,25 @@ fn a_report_from_a_snapshot_weighs_writes_and_sums_bytes() {
     assert_eq!(r.capacity(), Some(1_000.0));
     assert_eq!(r.free_mem(), Some(965));
 }
+
+#[test]
+fn a_server_that_is_no_longer_a_member_is_neither_a_source_nor_a_destination() {
+    let mut p = Phase3::new(Phase3Config::default());
+    let reports = cluster(0);
+    for _ in 0..2 {
+        assert!(epoch(&mut p, &reports).is_empty());
+    }
+    // Server 3, the coldest, dies before the epoch that would plan: its last report stays
+    // behind, but it is not a member any more.
+    for r in &reports {
+        p.step(Phase3Event::Report(r.clone()));
+    }
+    p.step(Phase3Event::Members { up: vec![0, 1, 2] });
+    let started = p.step(Phase3Event::Epoch);
+    let plan = p.last_plan().unwrap().clone();
+    assert!(!started.is_empty(), "server 0 is still hot: {plan:?}");
+    assert!(plan.moves.iter().all(|m| m.to.0 != 3 && m.from.0 != 3), "{plan:?}");
+    assert_eq!(plan.sources, vec![Source::Server(0)]);
+    // The mean is the members': 0, 1 and 2 only (1200 + 400 + 400 over 6 workers).
+    assert!((plan.mean - 2000.0 / 6.0).abs() < 1e-9, "{}", plan.mean);
+}

@@ -98,6 +98,16 @@ fn issue(sh: &Shared, d: &mut Driver, mut migrations: Vec<mbal_balance::Migrate>
 /// The leader's tick: the ends of the core's migrations go back to it; once per epoch it plans.
 pub(super) fn tick(sh: &Arc<Shared>, now: Instant) {
     let Some(d) = &sh.phase3 else { return };
+    // The members, read before the core's lock is taken (`stats` takes the state's lock, then
+    // the core's: one order for both).
+    let up: Vec<u16> = sh
+        .lock()
+        .members()
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| m.state == crate::state::MemberState::Up)
+        .map(|(s, _)| s as u16)
+        .collect();
     let mut d = d.lock().unwrap_or_else(|e| e.into_inner());
     let ended = sh.orchestra.lock().unwrap_or_else(|e| e.into_inner()).take_ended();
     let mut migrations = Vec::new();
@@ -114,6 +124,8 @@ pub(super) fn tick(sh: &Arc<Shared>, now: Instant) {
     }
     if now.duration_since(d.last) >= d.epoch {
         d.last = now;
+        // Plan over the members only: a dead or departed server's last report is forgotten.
+        migrations.extend(d.core.step(Phase3Event::Members { up }));
         migrations.extend(d.core.step(Phase3Event::Epoch));
     }
     issue(sh, &mut d, migrations);

@@ -44,6 +44,12 @@ fn filled(c: &Cluster) -> (ClusterMap, u32, Vec<String>) {
     (map0, cl, items)
 }
 
+/// The kill tests' leases: long enough that a server whose heartbeat thread is starved for a
+/// second on a loaded 2-core machine (CI runs tests side by side) does not fence itself: a
+/// fenced source answers the writer's sets "served by another mbal server", which is not what
+/// these tests are about. Failure detection then takes ~2 s instead of ~0.6.
+const ROOMY_LEASES: [&str; 2] = ["--coordinator-arg=--lease-ms=1500", "--coordinator-arg=--failure-timeout-ms=2000"];
+
 /// `mbal migrate <c> 1 0` sent to `src`, answered on the returned connection.
 fn start_move(src: SocketAddr, cl: u32) -> Conn {
     let mut conn = Conn::new(src);
@@ -150,7 +156,7 @@ fn a_local_move_of_a_migrating_cachelet_is_refused_and_no_write_is_lost() {
 
 #[test]
 fn a_killed_destination_aborts_the_move_and_the_source_serves_every_item() {
-    let c = up_mem(2, 48, &[]);
+    let c = up_mem(2, 48, &ROOMY_LEASES);
     let (src, dst) = (c.servers[0].0, c.servers[1].0);
     let (map0, cl, items) = filled(&c);
     let stop = Arc::new(AtomicBool::new(false));
@@ -184,7 +190,7 @@ fn a_killed_destination_aborts_the_move_and_the_source_serves_every_item() {
 
 #[test]
 fn a_killed_source_leaves_misses_at_the_new_owner_never_an_old_value() {
-    let c = up_mem(2, 48, &[]);
+    let c = up_mem(2, 48, &ROOMY_LEASES);
     let (src, dst) = (c.servers[0].0, c.servers[1].0);
     let (_, cl, items) = filled(&c);
     let stop = Arc::new(AtomicBool::new(false));

@@ -106,30 +106,44 @@ pub(crate) struct Route<'a, 'n> {
     pub near: &'a mut Near<'n>,
 }
 
+/// Where cachelet `c`'s requests go, seen from worker `worker` of server `server` with its
+/// ownership tables: here, another worker of this server, or another server (`FENCED`: this
+/// server while its lease is out).
+fn dest_of(tables: &Tables, server: u16, worker: usize, c: u32) -> Dest {
+    let (s, w) = tables.route(c);
+    if s != server {
+        Dest::Server(s, w)
+    } else if w as usize == worker {
+        Dest::Here
+    } else {
+        Dest::Worker(w as usize)
+    }
+}
+
+/// Does a routed connection take a request for `d` rather than redirect it? Its own keys,
+/// and when the server routes by thread (`by_thread`: the connection asked to; `hosts`: the
+/// owner shares this worker's thread; `routes_by_thread`: the server allows it), the keys of
+/// the workers on its thread (docs/protocol.md, `mbal hello`): those run on the owner's store
+/// here (`near`), or go to it as a message when they may not now.
+fn routed_takes(d: Dest, by_thread: bool, hosts: impl FnOnce(usize) -> bool, routes_by_thread: bool) -> bool {
+    match d {
+        Dest::Here => true,
+        Dest::Worker(w) => by_thread && routes_by_thread && hosts(w),
+        // A fenced server answers for its own keys as for another server's (no redirect:
+        // it does not know who owns them now).
+        Dest::Server(s, _) => s == FENCED,
+    }
+}
+
 impl<'n> Route<'_, 'n> {
     fn dest(&self, at: Loc) -> Dest {
-        let (s, w) = self.tables.route(at.cachelet);
-        if s != self.server {
-            Dest::Server(s, w)
-        } else if w as usize == self.worker {
-            Dest::Here
-        } else {
-            Dest::Worker(w as usize)
-        }
+        dest_of(self.tables, self.server, self.worker, at.cachelet)
     }
 
-    /// Does this routed connection take a request for `d` rather than redirect it? Its own
-    /// keys, and when the server routes by thread, the keys of the workers on its thread
-    /// (docs/protocol.md, `mbal hello`): those run on the owner's store here (`near`), or go to
-    /// it as a message when they may not now.
+    /// Does this routed connection take a request for `d` rather than redirect it?
+    /// (`routed_takes`.)
     fn takes(&self, shared: &Shared, d: Dest) -> bool {
-        match d {
-            Dest::Here => true,
-            Dest::Worker(w) => *self.by_thread && self.near.hosts(w) && shared.routes_by_thread(),
-            // A fenced server answers for its own keys as for another server's (no redirect:
-            // it does not know who owns them now).
-            Dest::Server(s, _) => s == FENCED,
-        }
+        routed_takes(d, *self.by_thread, |w| self.near.hosts(w), shared.routes_by_thread())
     }
 
     /// Where worker `to`, sharing this worker's thread, is in `near`, if a request for
@@ -904,5 +918,42 @@ pub(crate) fn unlink(
             });
         }
         Dest::Server(..) => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Worker `me` of server 0 (2 workers x 2 cachelets: 0 and 2 on worker 0, 1 and 3 on 1).
+    fn tables(me: usize) -> Tables {
+        Tables::new(&mbal_cluster::even_owners(1, 2, 2), 0, me)
+    }
+
+    #[test]
+    fn a_key_goes_here_to_a_neighbour_or_to_another_server() {
+        let mut t = tables(0);
+        assert_eq!(dest_of(&t, 0, 0, 0), Dest::Here);
+        assert_eq!(dest_of(&t, 0, 0, 1), Dest::Worker(1));
+        // The coordinator gave cachelet 2 to server 3's worker 1.
+        t.reassign(2, 3, 1);
+        assert_eq!(dest_of(&t, 0, 0, 2), Dest::Server(3, 1));
+        // Fenced: this server's own cachelets go nowhere, another server's still go there.
+        t.fenced = true;
+        assert_eq!(dest_of(&t, 0, 0, 0), Dest::Server(FENCED, 0));
+        assert_eq!(dest_of(&t, 0, 0, 1), Dest::Server(FENCED, 1));
+        assert_eq!(dest_of(&t, 0, 0, 2), Dest::Server(3, 1));
+    }
+
+    #[test]
+    fn a_routed_connection_takes_its_own_keys_and_its_threads_only_when_asked_and_allowed() {
+        let on_thread = |w: usize| w == 1;
+        assert!(routed_takes(Dest::Here, false, on_thread, false));
+        assert!(!routed_takes(Dest::Worker(1), false, on_thread, true), "the connection did not ask");
+        assert!(!routed_takes(Dest::Worker(1), true, on_thread, false), "the server does not allow it");
+        assert!(routed_takes(Dest::Worker(1), true, on_thread, true));
+        assert!(!routed_takes(Dest::Worker(2), true, on_thread, true), "another thread's worker");
+        assert!(!routed_takes(Dest::Server(3, 0), true, on_thread, true), "another server: a redirect");
+        assert!(routed_takes(Dest::Server(FENCED, 0), false, on_thread, false), "fenced: answered here");
     }
 }

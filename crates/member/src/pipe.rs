@@ -294,21 +294,27 @@ impl<T, X> Pipes<T, X> {
 
     /// The pipe of `owner`, made (not dialed) at `addr` if there is none.
     #[inline]
-    pub fn index_of(&mut self, owner: Owner, addr: impl FnOnce() -> SocketAddr, extra: impl FnOnce() -> X) -> usize {
+    pub fn index_of(
+        &mut self,
+        owner: Owner,
+        addr: impl FnOnce() -> SocketAddr,
+        extra: impl FnOnce(SocketAddr) -> X,
+    ) -> usize {
         let (s, w) = Self::slot(owner);
         if let Some(&i) = self.by_owner.get(s).and_then(|row| row.get(w)).filter(|&&i| i != usize::MAX) {
             return i;
         }
         let i = self.pipes.len();
+        let addr = addr();
         self.pipes.push(Pipe {
             owner,
-            addr: addr(),
+            addr,
             state: State::Idle,
             backoff: BACKOFF_MIN,
             dec: Decoder::new(),
             inflight: VecDeque::new(),
             rx: ReadBuf::default(),
-            extra: extra(),
+            extra: extra(addr),
             sock: None,
             wbuf: Vec::new(),
             wpos: 0,
@@ -339,9 +345,14 @@ impl<T, X> Pipes<T, X> {
     /// Queue a request on pipe `i` (connected or dialing) for the next flush.
     #[inline]
     pub fn send(&mut self, i: usize, req: &[u8], t: T) {
-        let p = &mut self.pipes[i];
-        p.wbuf.extend_from_slice(req);
-        p.inflight.push_back(t);
+        self.pipes[i].wbuf.extend_from_slice(req);
+        self.queue(i, t);
+    }
+
+    /// `t` is in flight on pipe `i`, its bytes already written there ([`Pipe::write`]).
+    #[inline]
+    pub fn queue(&mut self, i: usize, t: T) {
+        self.pipes[i].inflight.push_back(t);
         self.mark(i);
     }
 
@@ -476,11 +487,11 @@ mod tests {
     fn a_pipe_per_owner_and_tokens_map_back() {
         let mut p = pipes();
         let a: SocketAddr = "127.0.0.1:1".parse().unwrap();
-        let w0 = p.index_of((0, 0), || a, || ());
-        let bin = p.index_of((0, BIN), || a, || ());
-        let w3 = p.index_of((2, 3), || a, || ());
+        let w0 = p.index_of((0, 0), || a, |_| ());
+        let bin = p.index_of((0, BIN), || a, |_| ());
+        let w3 = p.index_of((2, 3), || a, |_| ());
         assert_eq!((w0, bin, w3), (0, 1, 2));
-        assert_eq!(p.index_of((2, 3), || unreachable!(), || ()), 2);
+        assert_eq!(p.index_of((2, 3), || unreachable!(), |_| ()), 2);
         assert_eq!(p.of_token(Token(12)), Some(2));
         assert_eq!(p.of_token(Token(13)), None);
         assert_eq!(p.of_token(Token(9)), None);
@@ -492,7 +503,7 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let mut poll = Poll::new().unwrap();
         let mut p = pipes();
-        let i = p.index_of((0, 0), || addr, || ());
+        let i = p.index_of((0, 0), || addr, |_| ());
         p.connect(i, poll.registry(), addr).unwrap();
         let t0 = Instant::now();
         p.send(i, b"get a\r\n", Req(t0));

@@ -125,10 +125,15 @@ fn dest_of(tables: &Tables, server: u16, worker: usize, c: u32) -> Dest {
 /// owner shares this worker's thread; `routes_by_thread`: the server allows it), the keys of
 /// the workers on its thread (docs/protocol.md, `mbal hello`): those run on the owner's store
 /// here (`near`), or go to it as a message when they may not now.
-fn routed_takes(d: Dest, by_thread: bool, hosts: impl FnOnce(usize) -> bool, routes_by_thread: bool) -> bool {
+fn routed_takes(
+    d: Dest,
+    by_thread: bool,
+    hosts: impl FnOnce(usize) -> bool,
+    routes_by_thread: impl FnOnce() -> bool,
+) -> bool {
     match d {
         Dest::Here => true,
-        Dest::Worker(w) => by_thread && routes_by_thread && hosts(w),
+        Dest::Worker(w) => by_thread && hosts(w) && routes_by_thread(),
         // A fenced server answers for its own keys as for another server's (no redirect:
         // it does not know who owns them now).
         Dest::Server(s, _) => s == FENCED,
@@ -143,7 +148,7 @@ impl<'n> Route<'_, 'n> {
     /// Does this routed connection take a request for `d` rather than redirect it?
     /// (`routed_takes`.)
     fn takes(&self, shared: &Shared, d: Dest) -> bool {
-        routed_takes(d, *self.by_thread, |w| self.near.hosts(w), shared.routes_by_thread())
+        routed_takes(d, *self.by_thread, |w| self.near.hosts(w), || shared.routes_by_thread())
     }
 
     /// Where worker `to`, sharing this worker's thread, is in `near`, if a request for
@@ -948,12 +953,12 @@ mod tests {
     #[test]
     fn a_routed_connection_takes_its_own_keys_and_its_threads_only_when_asked_and_allowed() {
         let on_thread = |w: usize| w == 1;
-        assert!(routed_takes(Dest::Here, false, on_thread, false));
-        assert!(!routed_takes(Dest::Worker(1), false, on_thread, true), "the connection did not ask");
-        assert!(!routed_takes(Dest::Worker(1), true, on_thread, false), "the server does not allow it");
-        assert!(routed_takes(Dest::Worker(1), true, on_thread, true));
-        assert!(!routed_takes(Dest::Worker(2), true, on_thread, true), "another thread's worker");
-        assert!(!routed_takes(Dest::Server(3, 0), true, on_thread, true), "another server: a redirect");
-        assert!(routed_takes(Dest::Server(FENCED, 0), false, on_thread, false), "fenced: answered here");
+        assert!(routed_takes(Dest::Here, false, on_thread, || false));
+        assert!(!routed_takes(Dest::Worker(1), false, on_thread, || true), "the connection did not ask");
+        assert!(!routed_takes(Dest::Worker(1), true, on_thread, || false), "the server does not allow it");
+        assert!(routed_takes(Dest::Worker(1), true, on_thread, || true));
+        assert!(!routed_takes(Dest::Worker(2), true, on_thread, || true), "another thread's worker");
+        assert!(!routed_takes(Dest::Server(3, 0), true, on_thread, || true), "another server: a redirect");
+        assert!(routed_takes(Dest::Server(FENCED, 0), false, on_thread, || false), "fenced: answered here");
     }
 }

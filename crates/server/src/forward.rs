@@ -281,7 +281,7 @@ impl Forwarder {
 
     fn upstream(&mut self, owner: Owner) -> usize {
         let router = &self.router;
-        self.ups.index_of(owner, || Self::addr_of(router, owner), || ())
+        self.ups.index_of(owner, || Self::addr_of(router, owner), |_| ())
     }
 
     fn send(&mut self, owner: Owner, mut s: Sent) {
@@ -307,13 +307,14 @@ impl Forwarder {
         }
         self.stats().requests.fetch_add(1, Ordering::Relaxed);
         s.sent = self.now;
-        let tail: &[u8] = match s.kind {
-            Kind::Line { quiet: true, .. } => b"mn\r\n",
-            Kind::Bin { quiet: true } => &BIN_NOOP,
-            _ => b"",
-        };
-        self.ups[ui].write(&s.req);
-        self.ups.send(ui, tail, s);
+        let u = &mut self.ups[ui];
+        u.write(&s.req);
+        match s.kind {
+            Kind::Line { quiet: true, .. } => u.write(b"mn\r\n"),
+            Kind::Bin { quiet: true } => u.write(&BIN_NOOP),
+            _ => {}
+        }
+        self.ups.queue(ui, s);
     }
 
     fn connect(&mut self, ui: usize) -> io::Result<()> {

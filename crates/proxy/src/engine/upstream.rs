@@ -11,7 +11,7 @@ impl Engine {
         self.ups.index_of(
             owner,
             || Self::addr_in(router, owner),
-            || UpExtra { addr_s: Self::addr_in(router, owner).to_string(), delta: UpDelta::default() },
+            |addr| UpExtra { addr_s: addr.to_string(), delta: UpDelta::default() },
         )
     }
 
@@ -86,7 +86,7 @@ impl Engine {
         let u = &mut self.ups[ui];
         u.extra.delta.requests += 1;
         u.write(&inf.req);
-        self.ups.send(ui, b"", inf);
+        self.ups.queue(ui, inf);
     }
 
     pub(super) fn connect(&mut self, ui: usize) -> io::Result<()> {

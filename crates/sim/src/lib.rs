@@ -61,6 +61,7 @@
 
 mod args;
 pub mod hot;
+mod phase3;
 pub mod queue;
 mod report;
 pub mod workload;
@@ -72,7 +73,7 @@ use anyhow::{bail, Result};
 use mbal_balance::control::phase1::mean_load;
 use mbal_balance::{
     Answer, CacheletSample, Command, Config, ControlCore, CoreSettings, Event, HotConfig, HotSettings, Imbalance,
-    Migrate, PeerHot, Phase3, Phase3Config, Phase3Event, ServerReport, WorkerSample,
+    PeerHot, Phase3, Phase3Config, Phase3Event, ServerReport, WorkerSample,
 };
 use mbal_cluster::{ClusterMap, ServerInfo};
 use queue::Part;
@@ -719,68 +720,6 @@ impl<'a> Sim<'a> {
             // Phase 1's commands may have failed at once (the key is not at its home).
             events.extend(std::mem::take(&mut self.hot_events));
         }
-    }
-
-    /// Give Phase 3 an event at `t` and start the migrations it asks for (a migration that
-    /// cannot start, its cachelet not at its source or moving already, fails at once).
-    fn phase3_step(&mut self, ev: Phase3Event, t: u64) {
-        let Some(p3) = self.phase3.as_mut() else { return };
-        let mut todo: VecDeque<Migrate> = p3.step(ev).into();
-        while let Some(m) = todo.pop_front() {
-            let c = m.cachelet as usize;
-            let moving = self.pending.iter().any(|p| p.0.moves(m.cachelet));
-            if c >= self.owner.len() || self.owner[c] != m.from || moving || m.to.0 == m.from.0 {
-                self.migrations_failed += 1;
-                if let Some(p3) = self.phase3.as_mut() {
-                    todo.extend(p3.step(Phase3Event::Failed { cachelet: m.cachelet }));
-                }
-                continue;
-            }
-            let secs = m.bytes as f64 / (self.a.migrate_gbps * 1e9);
-            self.next_seq += 1;
-            self.pending.push(Reverse(Pending {
-                at_ns: t + (secs * 1e9).round() as u64,
-                seq: self.next_seq,
-                server: m.from.0,
-                token: 0,
-                cachelet: m.cachelet,
-                to: m.to.1,
-                to_server: m.to.0,
-                bytes: m.bytes,
-                copies: false,
-                key: 0,
-            }));
-            self.migrations_started += 1;
-        }
-    }
-
-    /// A migration's data has arrived: the destination owns the cachelet (the coordinator's
-    /// map says so, both servers' cores are given it), unless the source's workers were moving
-    /// it meanwhile (then it failed).
-    fn migration_ends(&mut self, p: Pending, t: u64) {
-        let c = p.cachelet as usize;
-        let local = self.pending.iter().any(|q| q.0.moves(p.cachelet));
-        let ev = if self.owner[c].0 != p.server || local {
-            self.migrations_failed += 1;
-            Phase3Event::Failed { cachelet: p.cachelet }
-        } else {
-            self.owner[c] = (p.to_server, p.to);
-            // An imported cachelet's counters start from zero.
-            self.reads[c] = 0.0;
-            self.writes[c] = 0.0;
-            self.cmap.move_cachelet(p.cachelet, (p.to_server, p.to));
-            let mut events = self.drop_hot_of(p.cachelet);
-            for s in [p.server, p.to_server] {
-                events.push_back((s, Event::Map { map: self.cmap.clone(), reset: false }));
-            }
-            self.deliver(t, events, &[]);
-            self.migrations_done += 1;
-            self.migrated_bytes += p.bytes;
-            self.total_migrations += 1;
-            self.total_migrated += p.bytes;
-            Phase3Event::Finished { cachelet: p.cachelet, bytes: p.bytes }
-        };
-        self.phase3_step(ev, t);
     }
 
     fn sample(&self, s: u16, w: u16, t: u64, by_worker: &[Vec<u32>]) -> WorkerSample {

@@ -5,7 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-step() { printf '\n==> %s\n' "$*"; }
+# Each step's line says how long the run has taken so far (CI's aim: under 15 minutes).
+step() { printf '\n==> [%dm%02ds] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*"; }
 
 # Built for a clean clone (CI's case): no incremental caches, and tests' debug info as line
 # tables only (backtraces keep their lines). A cold build otherwise left 8.5 GB in target/

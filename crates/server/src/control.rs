@@ -54,6 +54,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+#[cfg(test)]
+mod tests;
+
 /// Epoch snapshots kept for `mbal load`: about a minute's, at least 64 and at
 /// most 1024 of them (a reader that falls further behind misses some).
 fn history_len(epoch_ms: u64) -> usize {

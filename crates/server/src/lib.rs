@@ -67,8 +67,8 @@ use mbal_store::{GlobalPool, StoreConfig, WorkerStore};
 use msg::{Envelope, Mailbox, Peers};
 use shared::Shared;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use worker::{bind_listener, Worker};
@@ -312,47 +312,26 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
         pool.sizes_enable(settings.threads, settings.max_item_size);
     }
     let start = Instant::now();
-    let (life, ended) = life::Life::new(workers);
-    let shared = Arc::new(Shared {
-        members: std::sync::RwLock::new(map.servers().iter().map(|s| (s.main, s.workers.len() as u16)).collect()),
+    let parts = shared::Parts {
+        members: map.servers().iter().map(|s| (s.main, s.workers.len() as u16)).collect(),
         layout: layout.clone(),
         server_id,
-        epoch: AtomicU64::new(epoch),
+        epoch,
         control: control_tx,
-        latest: Mutex::new(None),
-        balancer: Mutex::new(None),
-        hotkeys: Mutex::new(None),
+        main_addr,
         start,
         start_unix,
-        curr_conns: AtomicUsize::new(0),
-        worker_conns: (0..workers).map(|_| AtomicUsize::new(0)).collect(),
-        rejected_conns: AtomicU64::new(0),
-        per_ip: Mutex::new(Default::default()),
-        rejected_per_ip: AtomicU64::new(0),
-        shutdown: AtomicBool::new(false),
-        life,
-        log_gid: AtomicU64::new(0),
-        detail: AtomicBool::new(false),
-        peers: OnceLock::new(),
-        main_addr,
-        worker_ports: OnceLock::new(),
-        next_conn_id: AtomicU64::new(1),
-        accept_paused: AtomicBool::new(false),
-        accept_waker: OnceLock::new(),
         tls,
         replicator: replicating.then_some(rep_tx),
         forward,
         threads: threads::Threads::new(worker_threads(&settings), workers, settings.worker_threads == 0)?,
         // Registration counts as a heartbeat: the lease runs from when it was sent.
-        lease_until_ns: AtomicU64::new(
-            registered
-                .as_ref()
-                .map_or(u64::MAX, |r| (r.sent + r.lease).saturating_duration_since(start).as_nanos() as u64),
-        ),
-        resetting: AtomicBool::new(false),
-        coord: Default::default(),
-        settings: settings.clone(),
-    });
+        lease_until_ns: registered
+            .as_ref()
+            .map_or(u64::MAX, |r| (r.sent + r.lease).saturating_duration_since(start).as_nanos() as u64),
+    };
+    let (shared, ended) = Shared::new(settings.clone(), parts);
+    let shared = Arc::new(shared);
     let _ = shared.worker_ports.set(worker_addrs.iter().map(|a| a.port()).collect());
 
     let mut senders = Vec::new();

@@ -3,10 +3,10 @@
 //! the leaves' (`msg`, `config`, `threads`): nothing here names a module that uses it.
 
 use crate::config::Settings;
-use crate::life::Life;
+use crate::life::{Ended, Life};
 use crate::msg::{CtlMsg, ForwardHandle, Peers, ReplicaJob};
 use crate::threads::Threads;
-use crossbeam_channel::Sender;
+use crossbeam_channel::{Receiver, Sender};
 use mbal_balance::EpochSnapshot;
 use mbal_cluster::KeySpace;
 use std::net::SocketAddr;
@@ -114,7 +114,70 @@ pub(crate) struct CoordFigures {
     pub migration_last_ms: AtomicU64,
 }
 
+/// What a [`Shared`] is built from besides the settings: what `start` derives from the
+/// cluster map, the registration and the options (a unit test builds them by hand).
+pub(crate) struct Parts {
+    /// Each server's main address and worker count, by id (`Shared::members`).
+    pub members: Vec<(SocketAddr, u16)>,
+    pub layout: KeySpace,
+    pub server_id: u16,
+    pub epoch: u64,
+    pub control: Sender<CtlMsg>,
+    pub main_addr: SocketAddr,
+    pub start: Instant,
+    pub start_unix: u64,
+    pub tls: Option<mbal_tls::ServerTls>,
+    pub replicator: Option<Sender<ReplicaJob>>,
+    pub forward: Option<ForwardHandle>,
+    pub threads: Threads,
+    /// `Shared::lease_until_ns` at the start (`u64::MAX` without a coordinator).
+    pub lease_until_ns: u64,
+}
+
 impl Shared {
+    /// A process's shared state before any thread runs (`peers`, `worker_ports` and the
+    /// acceptor's waker are set once those exist), and the receiving end of its threads' ends.
+    pub fn new(settings: Settings, p: Parts) -> (Shared, Receiver<Ended>) {
+        let workers = settings.threads;
+        let (life, ended) = Life::new(workers);
+        let shared = Shared {
+            members: std::sync::RwLock::new(p.members),
+            layout: p.layout,
+            server_id: p.server_id,
+            epoch: AtomicU64::new(p.epoch),
+            control: p.control,
+            latest: Mutex::new(None),
+            balancer: Mutex::new(None),
+            hotkeys: Mutex::new(None),
+            start: p.start,
+            start_unix: p.start_unix,
+            curr_conns: AtomicUsize::new(0),
+            worker_conns: (0..workers).map(|_| AtomicUsize::new(0)).collect(),
+            rejected_conns: AtomicU64::new(0),
+            per_ip: Mutex::new(Default::default()),
+            rejected_per_ip: AtomicU64::new(0),
+            shutdown: AtomicBool::new(false),
+            life,
+            log_gid: AtomicU64::new(0),
+            detail: AtomicBool::new(false),
+            peers: OnceLock::new(),
+            main_addr: p.main_addr,
+            worker_ports: OnceLock::new(),
+            next_conn_id: AtomicU64::new(1),
+            accept_paused: AtomicBool::new(false),
+            accept_waker: OnceLock::new(),
+            tls: p.tls,
+            replicator: p.replicator,
+            forward: p.forward,
+            threads: p.threads,
+            lease_until_ns: AtomicU64::new(p.lease_until_ns),
+            resetting: AtomicBool::new(false),
+            coord: Default::default(),
+            settings,
+        };
+        (shared, ended)
+    }
+
     /// Server `id`'s main address in the newest map.
     pub fn member_addr(&self, id: u16) -> Option<std::net::SocketAddr> {
         self.members.read().unwrap_or_else(|p| p.into_inner()).get(usize::from(id)).map(|m| m.0)

@@ -251,7 +251,7 @@ impl Controller {
             CtlMsg::CoordMap { map, reset } => {
                 self.step(Event::Map { map: *map, reset });
                 self.arrived.clear();
-                let addrs = self.core.map().servers().iter().map(|s| (s.main, s.workers.len() as u16)).collect();
+                let addrs = crate::shared::members_of(self.core.map());
                 *self.shared.members.write().unwrap_or_else(|p| p.into_inner()) = addrs;
                 if let Some(f) = &self.shared.forward {
                     f.new_map(self.core.map().clone());

@@ -283,7 +283,6 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
     let layout = map.keyspace().clone();
     let initial: Vec<Vec<u32>> = (0..workers).map(|i| map.cachelets_of(server_id, i as u16)).collect();
     let owners = map.owners().to_vec();
-    let epoch = map.epoch();
     let (control_tx, control_rx) = crossbeam_channel::unbounded();
     // Phase 1 needs another server for its copies.
     let replicating = settings.hot.enabled && map.servers().len() > 1;
@@ -313,10 +312,7 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
     }
     let start = Instant::now();
     let parts = shared::Parts {
-        members: map.servers().iter().map(|s| (s.main, s.workers.len() as u16)).collect(),
-        layout: layout.clone(),
         server_id,
-        epoch,
         control: control_tx,
         main_addr,
         start,
@@ -330,7 +326,7 @@ pub fn start(settings: Settings) -> std::io::Result<ServerHandle> {
             .as_ref()
             .map_or(u64::MAX, |r| (r.sent + r.lease).saturating_duration_since(start).as_nanos() as u64),
     };
-    let (shared, ended) = Shared::new(settings.clone(), parts);
+    let (shared, ended) = Shared::new(settings.clone(), &map, parts);
     let shared = Arc::new(shared);
     let _ = shared.worker_ports.set(worker_addrs.iter().map(|a| a.port()).collect());
 

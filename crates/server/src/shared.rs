@@ -117,11 +117,7 @@ pub(crate) struct CoordFigures {
 /// What a [`Shared`] is built from besides the settings: what `start` derives from the
 /// cluster map, the registration and the options (a unit test builds them by hand).
 pub(crate) struct Parts {
-    /// Each server's main address and worker count, by id (`Shared::members`).
-    pub members: Vec<(SocketAddr, u16)>,
-    pub layout: KeySpace,
     pub server_id: u16,
-    pub epoch: u64,
     pub control: Sender<CtlMsg>,
     pub main_addr: SocketAddr,
     pub start: Instant,
@@ -134,17 +130,23 @@ pub(crate) struct Parts {
     pub lease_until_ns: u64,
 }
 
+/// Each server's main address and worker count, by id (`Shared::members`).
+pub(crate) fn members_of(map: &mbal_cluster::ClusterMap) -> Vec<(SocketAddr, u16)> {
+    map.servers().iter().map(|s| (s.main, s.workers.len() as u16)).collect()
+}
+
 impl Shared {
     /// A process's shared state before any thread runs (`peers`, `worker_ports` and the
     /// acceptor's waker are set once those exist), and the receiving end of its threads' ends.
-    pub fn new(settings: Settings, p: Parts) -> (Shared, Receiver<Ended>) {
+    /// The members, key space and epoch come from `map`.
+    pub fn new(settings: Settings, map: &mbal_cluster::ClusterMap, p: Parts) -> (Shared, Receiver<Ended>) {
         let workers = settings.threads;
         let (life, ended) = Life::new(workers);
         let shared = Shared {
-            members: std::sync::RwLock::new(p.members),
-            layout: p.layout,
+            members: std::sync::RwLock::new(members_of(map)),
+            layout: map.keyspace().clone(),
             server_id: p.server_id,
-            epoch: AtomicU64::new(p.epoch),
+            epoch: AtomicU64::new(map.epoch()),
             control: p.control,
             latest: Mutex::new(None),
             balancer: Mutex::new(None),

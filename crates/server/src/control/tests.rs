@@ -49,10 +49,7 @@ fn rig_with(
     tweak(&mut settings);
     let (control, inbox) = crossbeam_channel::unbounded();
     let parts = Parts {
-        members: map.servers().iter().map(|s| (s.main, s.workers.len() as u16)).collect(),
-        layout: map.keyspace().clone(),
         server_id: 0,
-        epoch: map.epoch(),
         control,
         main_addr: addr(11211),
         start: Instant::now(),
@@ -63,7 +60,7 @@ fn rig_with(
         threads: crate::threads::Threads::new(1, WORKERS, false).unwrap(),
         lease_until_ns: u64::MAX,
     };
-    let (shared, _ended) = Shared::new(settings, parts);
+    let (shared, _ended) = Shared::new(settings, &map, parts);
     let shared = Arc::new(shared);
     let (mut senders, mut mailboxes, mut workers, mut polls) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..WORKERS {

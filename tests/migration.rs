@@ -269,7 +269,8 @@ fn read_all(servers: &[SocketAddr], map: &ClusterMap, keys: &[String]) -> Vec<Op
 
 #[test]
 fn a_server_joins_warm_and_a_removed_server_hands_its_items_over() {
-    let c = up_with(2, &[]);
+    // Phase 3 off: the reads below are load enough for it to move a cachelet between them.
+    let c = up_with(2, &["--coordinator-arg=--phase3-epoch-ms=0"]);
     let map0 = Conn::new(c.coordinator).map();
     let keys: Vec<String> = (0..2000).map(|i| format!("warm:{i}")).collect();
     let mut servers: Vec<SocketAddr> = c.servers.iter().map(|s| s.0).collect();
@@ -354,4 +355,38 @@ fn phase3_moves_cachelets_off_a_hot_server() {
     let mut co = Conn::new(c.coordinator);
     assert!(co.stat("phase3_migrations").parse::<u64>().unwrap() >= moved.len() as u64, "{moved:?}");
     assert!(co.stat("phase3_reports").parse::<u64>().unwrap() > 0);
+}
+
+#[test]
+fn a_cachelet_moved_back_and_forth_at_once_keeps_every_item() {
+    // Each move starts as soon as the last one answered: the answer must mean the source let
+    // the cachelet go (it found itself still holding it: "already here"), and a map older
+    // than a cachelet's arrival, reaching a server after it, must not take it (and its items)
+    // away. (`--forward`: a plain connection to either server, on either worker, reads every
+    // key. Phase 3 off: nothing else moves.)
+    let c = up_with(2, &["--server-arg=--forward", "--coordinator-arg=--phase3-epoch-ms=0"]);
+    let map0 = Conn::new(c.coordinator).map();
+    let cl = map0.cachelets_of(0, 1)[0];
+    let addrs = [c.servers[0].0, c.servers[1].0];
+    let items = keys_of(&map0, cl, 200, "pp");
+    let mut conn = Conn::new(addrs[0]);
+    for k in &items {
+        assert_eq!(conn.set(k, &format!("v-{k}")), "STORED");
+    }
+    let mut at = 0usize;
+    for round in 0..16 {
+        let to = 1 - at;
+        let a = migrate(addrs[at], cl, (to as u16, (round % 2) as u16));
+        assert!(a.starts_with(&format!("MIGRATED {cl} {} ", items.len())), "move {round}: {a}");
+        at = to;
+    }
+    let owner = (at as u16, 1);
+    let map = wait_map(c.coordinator, "the last move", |m| m.owner(cl) == owner);
+    wait_servers(&addrs, map.epoch());
+    for a in addrs.iter().flat_map(|&a| [a; 4]) {
+        let mut s = Conn::new(a);
+        for k in &items {
+            assert_eq!(s.get(k).unwrap().as_deref(), Some(format!("v-{k}").as_str()), "{k} at {a}");
+        }
+    }
 }

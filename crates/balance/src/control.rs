@@ -70,6 +70,9 @@ pub enum Event<R> {
     MoveAsked { cachelet: CacheletId, to: u16, reply: R },
     /// Move `token` ended: `worker` of this server owns `cachelet` now.
     Moved { token: Token, cachelet: CacheletId, worker: u16 },
+    /// `cachelet` arrived from another server at `worker` (its move committed at the
+    /// coordinator; the map that shows it may come later): this server's map has it there.
+    Arrived { cachelet: CacheletId, worker: u16 },
     /// A key's copies were made (`created`) or renewed by a job started at
     /// `at_ns` (`ok`), or could not be; a renewal brings the reads the
     /// copies served since the last one.
@@ -361,6 +364,7 @@ impl<R: Clone> ControlCore<R> {
             }
             Event::MoveAsked { cachelet, to, reply } => self.request_move(cachelet, to, reply, o),
             Event::Moved { token, cachelet, worker } => self.moved(token, cachelet, worker, o),
+            Event::Arrived { cachelet, worker } => self.arrived(cachelet, worker),
             Event::HotDone { key, created, ok, at_ns, copy_reads } => {
                 if ok && !created {
                     if let Some(hot) = &mut self.hot {
@@ -604,6 +608,17 @@ impl<R: Clone> ControlCore<R> {
         self.next_token += 1;
         self.moving.insert(c, Moving { token, to, waiters, by_balancer });
         out.push(Command::Release { cachelet: c, from, to, token });
+    }
+
+    fn arrived(&mut self, c: CacheletId, worker: u16) {
+        let at = (self.settings.server, worker);
+        if c >= self.map.cachelet_count() || !self.map.has_worker(at) {
+            return;
+        }
+        self.map.set_owner_local(c, at);
+        if let Some(b) = &mut self.balancer {
+            b.set_home(c, worker);
+        }
     }
 
     fn moved(&mut self, token: Token, c: CacheletId, worker: u16, out: &mut Vec<Command<R>>) {

@@ -53,6 +53,8 @@ pub struct Tables<P> {
     /// bounced, in the order they come back (the order they were sent, as
     /// all of them took one route), and newer ones that were never sent.
     parked: HashMap<u32, (VecDeque<P>, VecDeque<P>)>,
+    /// The map epoch of the newest [`Tables::reassign`] followed, per cachelet.
+    epochs: Vec<u64>,
 }
 
 impl<P> Tables<P> {
@@ -70,6 +72,7 @@ impl<P> Tables<P> {
             route,
             inflight: vec![0; n],
             parked: HashMap::new(),
+            epochs: vec![0; n],
         }
     }
 
@@ -145,6 +148,27 @@ impl<P> Tables<P> {
         *own = Own { server, worker, ver: own.ver + 1 };
         let ver = own.ver;
         (ver, self.settle(c))
+    }
+
+    /// The map epoch of the newest notice this worker followed for `c`.
+    pub fn epoch(&self, c: u32) -> u64 {
+        self.epochs[c as usize]
+    }
+
+    /// Before a [`Tables::reassign`] from map `epoch`: `Some` if this worker already followed
+    /// a newer map for `c` (a late notice: the controller's answer to a map older than the
+    /// commit of a move that brought `c` here), which must change no owner, or this server
+    /// would drop the items that arrived. It still counts as a change (the `Some` holds the
+    /// parked requests to send again, as `reassign`'s), so that every worker, whichever order
+    /// its two notices came in, numbers `c`'s owner alike. `None`: follow it.
+    pub fn stale(&mut self, c: u32, epoch: u64) -> Option<Option<VecDeque<P>>> {
+        let last = &mut self.epochs[c as usize];
+        if epoch < *last {
+            self.owner[c as usize].ver += 1;
+            return Some(self.settle(c));
+        }
+        *last = epoch;
+        None
     }
 
     /// The answer to a request for `c` came back.
@@ -344,5 +368,26 @@ mod tests {
         t.sent(2);
         assert!(t.bounced(2, Own { server: 4, worker: 0, ver: 3 }, p(1)).is_some());
         assert_eq!(t.route(2), (4, 0));
+    }
+
+    #[test]
+    fn a_late_notice_from_an_older_map_changes_no_owner_but_every_worker_counts_it() {
+        // Cachelet 0 arrives at this server's worker 1 from a move committed at epoch 7; the
+        // answer to an older map (epoch 5, the cachelet on server 2) reaches worker 0 before
+        // the adoption's notice and worker 1 after it.
+        let (mut t0, mut t1) = (tables(0), tables(1));
+        assert!(t1.stale(0, 7).is_none());
+        let (v1, _) = t1.reassign(0, 0, 1);
+        assert!(t1.stale(0, 5).is_some(), "older than what worker 1 followed");
+        assert!(t0.stale(0, 5).is_none());
+        t0.reassign(0, 2, 0);
+        assert!(t0.stale(0, 7).is_none());
+        let (v0, _) = t0.reassign(0, 0, 1);
+        assert_eq!(t1.owner[0], Own { server: 0, worker: 1, ver: v1 + 1 });
+        assert_eq!(t0.owner[0], Own { server: 0, worker: 1, ver: v0 });
+        assert_eq!(v0, v1 + 1, "the same version at both");
+        // A later map of the same epoch or newer is followed.
+        assert!(t1.stale(0, 7).is_none() && t1.stale(0, 9).is_none());
+        assert!(t1.executes(0, v0) && !t1.executes(0, v1));
     }
 }

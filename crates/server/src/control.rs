@@ -103,8 +103,9 @@ pub(crate) struct Controller {
     slot_asks: Option<Sender<crate::msg::Ask>>,
     /// The heartbeat thread (`--coordinator`): moves to report.
     reports: Option<Sender<crate::beat::Report>>,
-    /// Cachelets that arrived from other servers since the last map install, at which worker.
-    arrived: std::collections::HashMap<u32, u16>,
+    /// Cachelets that arrived from other servers (`mbal import commit`) that no installed map
+    /// shows yet: at which worker, and the map epoch of their commit.
+    arrived: std::collections::HashMap<u32, (u16, u64)>,
     /// Maps from the coordinator applied so far (`OwnMsg::Applied`), and the one a reset
     /// waits for with the workers that have not yet applied it.
     applied_seq: u64,
@@ -211,13 +212,13 @@ impl Controller {
                 Event::MoveAsked { cachelet, to: u16::try_from(to).unwrap_or(u16::MAX), reply }
             }
             CtlMsg::Moved { token, cachelet, worker } => Event::Moved { token, cachelet, worker: worker as u16 },
-            CtlMsg::Arrived { cachelet, worker } => {
-                // Until the map says so, a move of it from here knows where it is.
-                self.arrived.insert(cachelet, worker);
+            CtlMsg::Arrived { cachelet, worker, epoch } => {
+                // Until a map at least as new as its commit comes, no older one takes it away.
+                self.arrived.insert(cachelet, (worker, epoch));
                 if let Some(tx) = &self.reports {
                     let _ = tx.send(crate::beat::Report::BeatNow);
                 }
-                return;
+                Event::Arrived { cachelet, worker }
             }
             CtlMsg::Migrate { cachelet, server, worker, addr, reply } => {
                 return self.migrate(cachelet, (server, worker), addr, reply)
@@ -248,9 +249,23 @@ impl Controller {
             }
             CtlMsg::DebugSlots { demand, reply } => Event::DebugSlots { demand, reply },
             CtlMsg::PeerLoad { server, mean, hot } => Event::PeerLoad { server, mean, hot },
-            CtlMsg::CoordMap { map, reset } => {
+            CtlMsg::CoordMap { mut map, reset } => {
+                // A map older than an arrival's commit (the beat's answer may have left the
+                // coordinator before the commit, e.g. the map of this cachelet's previous move
+                // away from here) still has the cachelet elsewhere: it stays where it arrived,
+                // or this server would drop its items and route it away until the next map.
+                let me = self.shared.server_id;
+                if reset {
+                    self.arrived.clear();
+                }
+                for (&c, &(w, commit)) in &self.arrived {
+                    if commit > map.epoch() && c < map.cachelet_count() && map.has_worker((me, w)) {
+                        map.set_owner_local(c, (me, w));
+                    }
+                }
+                let epoch = map.epoch();
                 self.step(Event::Map { map: *map, reset });
-                self.arrived.clear();
+                self.arrived.retain(|_, &mut (_, commit)| commit > epoch);
                 let addrs = crate::shared::members_of(self.core.map());
                 *self.shared.members.write().unwrap_or_else(|p| p.into_inner()) = addrs;
                 if let Some(f) = &self.shared.forward {
@@ -310,7 +325,7 @@ impl Controller {
         }
         let w = match (map.owner(c), self.arrived.get(&c)) {
             ((s, w), _) if s == me => w,
-            (_, Some(&w)) => w,
+            (_, Some(&(w, _))) => w,
             _ => return self.answer(reply, b"CLIENT_ERROR cachelet is not on this server\r\n"),
         };
         let order = crate::migrate::Order { cachelet: c, worker: usize::from(w), to: (server, worker), to_addr, reply };
@@ -378,7 +393,8 @@ impl Controller {
                 Command::Reassign { cachelet, owner: (server, worker) } => {
                     // The new owner first, so that no request routed by the new owner reaches it
                     // before it has the cachelet (every worker's channel is FIFO).
-                    let msg = || Envelope::Own(OwnMsg::Reassign { cachelet, server, worker });
+                    let epoch = self.core.map().epoch();
+                    let msg = || Envelope::Own(OwnMsg::Reassign { cachelet, server, worker, epoch });
                     let first = (server == self.shared.server_id).then_some(usize::from(worker));
                     if let Some(f) = first {
                         self.shared.peers().send_one(f, msg(), now);

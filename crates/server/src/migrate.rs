@@ -291,42 +291,64 @@ impl Mover<'_> {
     /// Step 5.
     fn commit(&mut self, moved: Moved, mut dest: Dest) -> Result<Moved, String> {
         let line = format!("mbal migrate commit {} {} {}", self.id, moved.items, moved.bytes);
-        let committed = match self.call_as(&line, true) {
-            Ok(a) if a.starts_with("OK ") => true,
+        // The epoch at which the map gives the cachelet to the destination: it keeps the
+        // cachelet against any older map that reaches it later.
+        let epoch = match self.call_as(&line, true) {
+            Ok(a) if a.starts_with("OK ") => a[3..].trim().parse::<u64>().unwrap_or(0),
             Ok(a) => {
                 self.abort(Some(&mut dest));
                 return Err(format!("the coordinator refused the commit: {a}"));
             }
             // Lost: ask until the coordinator says which (the cachelet stays frozen).
             Err(_) => match self.resolve() {
-                Some(committed) => committed,
+                Some(Some(epoch)) => epoch,
+                Some(None) => {
+                    self.abort(Some(&mut dest));
+                    return Err("the commit did not reach the coordinator".into());
+                }
                 // Stopping with the outcome unknown: neither side may serve it (the commit may
                 // stand), so it stays frozen here, unanswered, until the process ends, and the
                 // destination keeps its copy for the map that may give it the cachelet.
                 None => return Err("stopping before the commit's outcome was known: the cachelet stays frozen".into()),
             },
         };
-        if !committed {
-            self.abort(Some(&mut dest));
-            return Err("the commit did not reach the coordinator".into());
-        }
-        let adopted = dest.send(&format!("mbal import commit {}", self.id), &[]).and_then(|_| dest.drain());
+        let adopted = dest.send(&format!("mbal import commit {} {epoch}", self.id), &[]).and_then(|_| dest.drain());
         if let Err(e) = adopted {
             // The map gives it to the destination anyway (it adopts it then).
             tracing::warn!(cachelet = self.order.cachelet, "the destination did not confirm the move: {e}");
         }
         let _ = self.coord.send(Report::Committed);
+        self.wait_installed(epoch);
         Ok(moved)
     }
 
+    /// The move's answer waits (briefly, bounded) for this server to install the commit's map,
+    /// which the beat thread fetches at `Report::Committed`: once `mbal migrate` answers, the
+    /// owner has let the cachelet go (its drop is queued to the worker before the epoch is
+    /// published), so a move straight back finds it gone here.
+    fn wait_installed(&self, epoch: u64) {
+        let until = Instant::now() + Duration::from_secs(2);
+        while self.shared.epoch.load(Ordering::Relaxed) < epoch && Instant::now() < until {
+            if self.shared.shutdown.load(Ordering::Relaxed) {
+                return;
+            }
+            // No signal to wait on: the controller publishes the epoch in an atomic. The
+            // install usually takes one round trip to the coordinator.
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
     /// The commit's answer was lost: ask the coordinator until it says whether the move
-    /// committed (true) or is aborted now (false); `None` if the server stops first.
-    fn resolve(&self) -> Option<bool> {
+    /// committed (`Some(epoch)`, an epoch at or after the commit's) or is aborted now
+    /// (`None`); `None` outside if the server stops first.
+    fn resolve(&self) -> Option<Option<u64>> {
         let (c, to) = (self.order.cachelet, self.order.to.0);
         loop {
             match self.call(&format!("mbal migrate abort {} {c} {to}", self.id)) {
-                Ok(a) if a.starts_with("COMMITTED") => return Some(true),
-                Ok(a) if a.starts_with("ABORTED") => return Some(false),
+                Ok(a) if a.starts_with("COMMITTED") => {
+                    return Some(Some(a["COMMITTED".len()..].trim().parse::<u64>().unwrap_or(0)))
+                }
+                Ok(a) if a.starts_with("ABORTED") => return Some(None),
                 _ => {
                     if self.shared.shutdown.load(Ordering::Relaxed) {
                         return None;

@@ -86,7 +86,7 @@ fn describe(e: &Envelope) -> String {
         Envelope::Reqs(_) => "reqs".into(),
         Envelope::Conn(_) => "conn".into(),
         Envelope::Own(OwnMsg::Release { cachelet, to, .. }) => format!("release {cachelet} to {to}"),
-        Envelope::Own(OwnMsg::Reassign { cachelet, server, worker }) => {
+        Envelope::Own(OwnMsg::Reassign { cachelet, server, worker, .. }) => {
             format!("reassign {cachelet} to {server}.{worker}")
         }
         Envelope::Own(OwnMsg::Applied { seq }) => format!("applied? {seq}"),
@@ -266,6 +266,38 @@ fn a_coordinators_map_reassigns_at_every_worker_new_owner_first_and_a_reset_wait
     r.ctl.handle(CtlMsg::CoordMap { map: Box::new(before), reset: false });
     assert_eq!(r.got_words(0), ["applied? 3"]);
     assert_eq!(r.ctl.core.map().owner(theirs), (0, 1));
+}
+
+#[test]
+fn a_map_older_than_an_arrivals_commit_leaves_the_cachelet_where_it_arrived() {
+    // One of ours moved to server 1 (epoch e+1) and straight back to worker 1 here (committed
+    // at e+2); the beat's answer carrying e+1 comes only after the cachelet arrived.
+    let before = map(2);
+    let mut r = rig(|s| s.coordinator = vec![addr(2379)], before.clone());
+    let c = before.cachelets_of(0, 0)[0];
+    let (mut away, mut back) = (before.clone(), before.clone());
+    let e1 = away.reassign(&[(c, (1, 0))]).unwrap();
+    back.reassign(&[(c, (1, 0))]).unwrap();
+    let e2 = back.reassign(&[(c, (0, 1))]).unwrap();
+    r.ctl.handle(CtlMsg::Arrived { cachelet: c, worker: 1, epoch: e2 });
+    r.ctl.handle(CtlMsg::CoordMap { map: Box::new(away), reset: false });
+    for w in 0..WORKERS {
+        assert_eq!(r.got_words(w), ["applied? 1"], "worker {w}: nothing reassigned");
+    }
+    assert_eq!(r.ctl.core.map().owner(c), (0, 1), "the core's map has it here");
+    assert_eq!(r.ctl.core.map().epoch(), e1);
+    // The map of the commit changes nothing more; an arrival it shows is forgotten.
+    r.ctl.handle(CtlMsg::CoordMap { map: Box::new(back.clone()), reset: false });
+    for w in 0..WORKERS {
+        assert_eq!(r.got_words(w), ["applied? 2"], "worker {w}");
+    }
+    assert!(r.ctl.arrived.is_empty());
+    // Without the commit's epoch (0), an older map is followed as before.
+    let mut later = back.clone();
+    later.reassign(&[(c, (1, 1))]).unwrap();
+    r.ctl.handle(CtlMsg::Arrived { cachelet: c, worker: 1, epoch: 0 });
+    r.ctl.handle(CtlMsg::CoordMap { map: Box::new(later), reset: false });
+    assert_eq!(r.got_words(1), [format!("reassign {c} to 1.1"), "applied? 3".into()]);
 }
 
 #[test]

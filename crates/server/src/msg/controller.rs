@@ -24,9 +24,10 @@ pub(crate) enum CtlMsg {
     HotAlarm { worker: u16, keys: Vec<(Box<[u8]>, bool)>, secs: f64, home: Vec<(Box<[u8]>, u64)>, home_secs: f64 },
     /// `mbal move <cachelet> <worker>`: answer `reply` once it is done.
     Move { cachelet: u32, to: usize, reply: ReplyTo },
-    /// A cachelet arrived from another server at `worker` (`mbal import commit`): this
-    /// server's map shows it at the next install, which this hastens.
-    Arrived { cachelet: u32, worker: u16 },
+    /// A cachelet arrived from another server at `worker` (`mbal import commit`), committed
+    /// at map `epoch` (0: not known): this server's map shows it at the next install, which
+    /// this hastens, and no map older than `epoch` takes it away.
+    Arrived { cachelet: u32, worker: u16, epoch: u64 },
     /// `mbal migrate`: move a cachelet to worker `worker` of server `server`.
     Migrate { cachelet: u32, server: u16, worker: u16, addr: Option<std::net::SocketAddr>, reply: ReplyTo },
     /// Move `token` finished: `worker` owns `cachelet` now.

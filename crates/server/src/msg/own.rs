@@ -18,8 +18,9 @@ pub(crate) enum OwnMsg {
     /// The coordinator's map gives cachelet `cachelet` to `(server, worker)` (the controller
     /// sends it to every worker, the new owner first): a worker holding it drops its items
     /// (nothing moves between servers yet: the new owner starts empty), the new owner puts an
-    /// empty cachelet in its store, every table learns the owner.
-    Reassign { cachelet: u32, server: u16, worker: u16 },
+    /// empty cachelet in its store, every table learns the owner. `epoch`: the map's (or a
+    /// move's commit); a notice older than the last one a worker followed changes nothing.
+    Reassign { cachelet: u32, server: u16, worker: u16, epoch: u64 },
     /// Sent to every worker after a map's `Reassign`s: answer `CtlMsg::Applied`.
     Applied { seq: u64 },
 }

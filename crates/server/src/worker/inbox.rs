@@ -125,7 +125,9 @@ impl Worker {
                     self.resend(cachelet, q);
                 }
             }
-            Envelope::Own(OwnMsg::Reassign { cachelet, server, worker }) => self.reassign(cachelet, server, worker),
+            Envelope::Own(OwnMsg::Reassign { cachelet, server, worker, epoch }) => {
+                self.reassign(cachelet, (server, worker), epoch)
+            }
             Envelope::Own(OwnMsg::Applied { seq }) => self.shared.tell_controller(CtlMsg::Applied { seq }),
             Envelope::Ctl(CtlCmd::Flush { at }) => {
                 self.shard.store.flush_all(at);
@@ -306,7 +308,14 @@ impl Worker {
     /// The coordinator's map gave cachelet `c` to `(server, worker)`: drop what this worker
     /// holds of it (its items do not travel between servers yet), take it empty if it is
     /// ours now, and follow the new owner.
-    fn reassign(&mut self, c: u32, server: u16, worker: u16) {
+    fn reassign(&mut self, c: u32, (server, worker): (u16, u16), epoch: u64) {
+        if let Some(q) = self.shard.tables.stale(c, epoch) {
+            tracing::debug!(cachelet = c, epoch, "a reassign older than this worker's knowledge: kept");
+            if let Some(q) = q {
+                self.resend(c, q);
+            }
+            return;
+        }
         let mine = server == self.shared.server_id && worker as usize == self.id;
         let resetting = self.shared.resetting.load(Ordering::Acquire);
         // A cachelet that arrived from another server (`migrate`) stays: the map only says

@@ -219,10 +219,13 @@ impl Worker {
                 Ok(id) => self.import_data(id, data, rest.first().copied()),
                 Err(_) => Err("CLIENT_ERROR usage: mbal import data <id> <bytes> [delta|final]".into()),
             },
-            ["commit", id] => match id.parse::<u64>() {
-                Ok(id) => self.import_commit(id),
-                Err(_) => Err("CLIENT_ERROR usage: mbal import commit <id>".into()),
-            },
+            ["commit", id, rest @ ..] if rest.len() <= 1 => {
+                // The commit's epoch (sent by movers since it was added; 0: not known).
+                match (id.parse::<u64>(), rest.first().map_or(Ok(0), |e| e.parse::<u64>())) {
+                    (Ok(id), Ok(epoch)) => self.import_commit(id, epoch),
+                    _ => Err("CLIENT_ERROR usage: mbal import commit <id> [<epoch>]".into()),
+                }
+            }
             ["abort", id] => {
                 if let Ok(id) = id.parse::<u64>() {
                     self.staged.retain(|_, s| s.id != id);
@@ -310,7 +313,7 @@ impl Worker {
         Ok(())
     }
 
-    fn import_commit(&mut self, id: u64) -> Result<(), String> {
+    fn import_commit(&mut self, id: u64, epoch: u64) -> Result<(), String> {
         let Some((&c, s)) = self.staged.iter().find(|(_, s)| s.id == id) else {
             // The map gave it to this worker first (`take_staged`): nothing left to do.
             return match self.arrived.contains(&id) {
@@ -322,31 +325,36 @@ impl Worker {
             return Err(format!("SERVER_ERROR move {id} has not sent its last frame"));
         }
         let cachelet = self.take_staged(c).expect("complete");
-        self.adopt_moved(c, cachelet);
+        self.adopt_moved(c, cachelet, epoch);
         Ok(())
     }
 
     /// The cachelet that arrived is this worker's: into the store, and every worker of this
     /// server follows (the same `Reassign` the controller sends for a new map, so the
     /// versions stay equal everywhere; the map's own `Reassign` later finds it here and keeps
-    /// it).
-    fn adopt_moved(&mut self, c: u32, cachelet: Box<mbal_store::Cachelet>) {
+    /// it). `epoch`: the map's at the commit (the controller keeps the cachelet here against
+    /// any older map).
+    fn adopt_moved(&mut self, c: u32, cachelet: Box<mbal_store::Cachelet>, epoch: u64) {
         let (server, worker) = (self.shared.server_id, self.id as u16);
         if self.shard.store.owns(c) {
             return;
         }
         self.shard.store.insert_cachelet(cachelet);
+        // The newest news of `c` here, whatever its number (0: a mover that did not send it):
+        // every older map's notice is stale from now on, at every worker.
+        let epoch = epoch.max(self.shard.tables.epoch(c));
+        let _ = self.shard.tables.stale(c, epoch);
         let (ver, q) = self.shard.tables.reassign(c, server, worker);
         let q = self.shard.tables.adopted(c, ver).or(q);
         if let Some(q) = q {
             self.resend(c, q);
         }
         for w in (0..self.outbox.len()).filter(|&w| w != self.id) {
-            self.outbox[w].push(Envelope::Own(OwnMsg::Reassign { cachelet: c, server, worker }));
+            self.outbox[w].push(Envelope::Own(OwnMsg::Reassign { cachelet: c, server, worker, epoch }));
         }
         let own = Own { server, worker, ver };
         tracing::debug!(cachelet = c, ?own, "a cachelet arrived from another server");
-        self.shared.tell_controller(crate::msg::CtlMsg::Arrived { cachelet: c, worker });
+        self.shared.tell_controller(crate::msg::CtlMsg::Arrived { cachelet: c, worker, epoch });
     }
 }
 

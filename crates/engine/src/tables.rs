@@ -160,10 +160,12 @@ impl<P> Tables<P> {
     /// commit of a move that brought `c` here), which must change no owner, or this server
     /// would drop the items that arrived. It still counts as a change (the `Some` holds the
     /// parked requests to send again, as `reassign`'s), so that every worker, whichever order
-    /// its two notices came in, numbers `c`'s owner alike. `None`: follow it.
-    pub fn stale(&mut self, c: u32, epoch: u64) -> Option<Option<VecDeque<P>>> {
+    /// its two notices came in, numbers `c`'s owner alike. `None`: follow it. `reset`: the
+    /// map of a reset (this server was declared dead) is followed whatever its epoch (a
+    /// coordinator that lost its state numbers from 1 again).
+    pub fn stale(&mut self, c: u32, epoch: u64, reset: bool) -> Option<Option<VecDeque<P>>> {
         let last = &mut self.epochs[c as usize];
-        if epoch < *last {
+        if epoch < *last && !reset {
             self.owner[c as usize].ver += 1;
             return Some(self.settle(c));
         }
@@ -376,18 +378,21 @@ mod tests {
         // answer to an older map (epoch 5, the cachelet on server 2) reaches worker 0 before
         // the adoption's notice and worker 1 after it.
         let (mut t0, mut t1) = (tables(0), tables(1));
-        assert!(t1.stale(0, 7).is_none());
+        assert!(t1.stale(0, 7, false).is_none());
         let (v1, _) = t1.reassign(0, 0, 1);
-        assert!(t1.stale(0, 5).is_some(), "older than what worker 1 followed");
-        assert!(t0.stale(0, 5).is_none());
+        assert!(t1.stale(0, 5, false).is_some(), "older than what worker 1 followed");
+        assert!(t0.stale(0, 5, false).is_none());
         t0.reassign(0, 2, 0);
-        assert!(t0.stale(0, 7).is_none());
+        assert!(t0.stale(0, 7, false).is_none());
         let (v0, _) = t0.reassign(0, 0, 1);
         assert_eq!(t1.owner[0], Own { server: 0, worker: 1, ver: v1 + 1 });
         assert_eq!(t0.owner[0], Own { server: 0, worker: 1, ver: v0 });
         assert_eq!(v0, v1 + 1, "the same version at both");
         // A later map of the same epoch or newer is followed.
-        assert!(t1.stale(0, 7).is_none() && t1.stale(0, 9).is_none());
+        assert!(t1.stale(0, 7, false).is_none() && t1.stale(0, 9, false).is_none());
         assert!(t1.executes(0, v0) && !t1.executes(0, v1));
+        // A reset's map is followed even if older.
+        assert!(t1.stale(0, 2, false).is_some() && t1.stale(0, 2, true).is_none());
+        assert!(t1.stale(0, 3, false).is_none(), "and numbers from there");
     }
 }

@@ -309,7 +309,8 @@ impl Worker {
     /// holds of it (its items do not travel between servers yet), take it empty if it is
     /// ours now, and follow the new owner.
     fn reassign(&mut self, c: u32, (server, worker): (u16, u16), epoch: u64) {
-        if let Some(q) = self.shard.tables.stale(c, epoch) {
+        let resetting = self.shared.resetting.load(Ordering::Acquire);
+        if let Some(q) = self.shard.tables.stale(c, epoch, resetting) {
             tracing::debug!(cachelet = c, epoch, "a reassign older than this worker's knowledge: kept");
             if let Some(q) = q {
                 self.resend(c, q);
@@ -317,7 +318,6 @@ impl Worker {
             return;
         }
         let mine = server == self.shared.server_id && worker as usize == self.id;
-        let resetting = self.shared.resetting.load(Ordering::Acquire);
         // A cachelet that arrived from another server (`migrate`) stays: the map only says
         // what its move already did. A reset (this server was declared dead) drops it all.
         let own = self.shard.tables.owner[c as usize];

@@ -343,7 +343,7 @@ impl Worker {
         // The newest news of `c` here, whatever its number (0: a mover that did not send it):
         // every older map's notice is stale from now on, at every worker.
         let epoch = epoch.max(self.shard.tables.epoch(c));
-        let _ = self.shard.tables.stale(c, epoch);
+        let _ = self.shard.tables.stale(c, epoch, false);
         let (ver, q) = self.shard.tables.reassign(c, server, worker);
         let q = self.shard.tables.adopted(c, ver).or(q);
         if let Some(q) = q {

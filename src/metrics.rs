@@ -111,6 +111,7 @@ const GENERAL: &[Def] = &[
     ("cachelets_dropped", "cachelets_dropped", C, "Cachelets dropped on a map change (--coordinator)"),
     ("cachelets_claimed", "cachelets_claimed", C, "Cachelets claimed on a map change (--coordinator)"),
     ("fenced_keys", "fenced_keys", C, "Requests refused while fenced (--coordinator)"),
+    ("moving_errors", "moving_errors", C, "Requests refused while their move's commit was unresolved (--coordinator)"),
     ("hot_replications", "hot_replications", C, "Phase 1: hot keys replicated"),
     ("hot_hints", "hot_hints", C, "Phase 1: hot-key hints sent to clients"),
     ("replica_reads", "replica_reads", C, "Phase 1: reads served from copies"),

@@ -9,6 +9,8 @@
 //! - The source dies in the middle of the move: after the failure detection the cachelet's
 //!   new owner (the destination, the only server left) serves its keys as misses, never a value
 //!   older than one the source acknowledged (what arrived of the move is not kept).
+//! - The coordinator dies before the commit reaches it: the frozen cachelet's requests get an
+//!   error at once (not a miss, not a wait) until a coordinator says the move did not stand.
 
 mod common;
 
@@ -320,4 +322,80 @@ fn a_proxy_behind_a_commit_finds_the_moved_cachelet_when_the_old_owner_dies() {
     for k in &keys {
         assert_eq!(p.get(k).unwrap().as_deref(), Some("v1"), "{k} through the proxy: the new owner is alive");
     }
+}
+
+/// The coordinator gone when the move's commit is sent (killed once it recorded the move; the
+/// destination paused until then, so the move cannot commit first): whether the move stands is
+/// unknown until a coordinator answers, and the cachelet stays frozen at its owner. Its
+/// requests there are answered at once with an error, never a miss (older than what the client
+/// wrote) and never a wait past a client's timeout (a proxy would then take the whole server
+/// for down). Once the coordinator is back, with the same data, the move is aborted and the
+/// source serves every item again.
+#[test]
+fn with_the_coordinator_gone_at_the_commit_the_frozen_cachelet_answers_errors_not_misses() {
+    let c = up_mem(2, 48, &ROOMY_LEASES);
+    let src = c.servers[0].0;
+    let (_, cl, items) = filled(&c);
+    // `cluster up` stops the cluster when its coordinator exits: it is paused meanwhile (and
+    // continued before it is stopped, whatever happens: `Resume` drops before `c`).
+    struct Resume(i32);
+    impl Drop for Resume {
+        fn drop(&mut self) {
+            signal(self.0, libc::SIGCONT);
+        }
+    }
+    let up = c._guard.0.id() as i32;
+    signal(up, libc::SIGSTOP);
+    let _resume = Resume(up);
+    signal(c.servers[1].1, libc::SIGSTOP);
+    let _resume_dst = Resume(c.servers[1].1);
+    let mut mv = start_move(src, cl);
+    let until = Instant::now() + Duration::from_secs(20);
+    while Conn::new(c.coordinator).stat("migrations_begun") == "0" {
+        assert!(Instant::now() < until, "the coordinator never recorded the move");
+    }
+    signal(c.coordinator_pid, libc::SIGKILL);
+    signal(c.servers[1].1, libc::SIGCONT);
+    // On the owning worker's routed connection, as the proxy and the routing clients connect.
+    let mut owner = Conn::new(src);
+    owner.s.write_all(b"mbal hello 0 0\r\n").unwrap();
+    assert!(owner.line().starts_with("MBAL "));
+    let k = &items[0];
+    let until = Instant::now() + Duration::from_secs(30);
+    let error = loop {
+        match owner.get(k) {
+            Ok(Some(v)) => assert_eq!(version(k, &v), 1, "{k}"),
+            Ok(None) => panic!("{k}: a miss while its move waits for the coordinator"),
+            Err(e) => break e,
+        }
+        if Instant::now() > until {
+            // Why (the move's answer, if it ended).
+            mv.s.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+            let mut b = [0u8; 512];
+            let n = std::io::Read::read(&mut mv.s, &mut b).unwrap_or(0);
+            panic!("the move never reached its commit: {}", String::from_utf8_lossy(&b[..n]));
+        }
+    };
+    assert_eq!(error, format!("SERVER_ERROR cachelet {cl} is moving to another server; try again"));
+    assert!(owner.stat("moving_errors").parse::<u64>().unwrap() > 0);
+    // The coordinator again, on its address and data directory: the commit never reached it.
+    let file = c._dir.path().join("cluster.toml");
+    let _coordinator = common::Kill(
+        common::mbal()
+            .args(["coordinator", "--cluster"])
+            .arg(&file)
+            .args(["--listen", &c.coordinator.to_string(), "--data-dir"])
+            .arg(c._dir.path().join("cluster.toml.coordinator"))
+            .args(["--lease-ms", "1500", "--failure-timeout-ms", "2000"])
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let answer = mv.line();
+    assert!(answer.starts_with("SERVER_ERROR migration failed"), "{answer}");
+    for k in &items {
+        let v = owner.get(k).unwrap_or_else(|e| panic!("{k}: {e}")).unwrap_or_else(|| panic!("{k}: lost"));
+        assert_eq!(version(k, &v), 1, "{k}");
+    }
+    assert_eq!(owner.stat("migrations_failed"), "1");
 }

@@ -13,6 +13,7 @@ pub struct Cluster {
     pub _guard: Kill,
     pub servers: Vec<(SocketAddr, i32)>,
     pub coordinator: SocketAddr,
+    pub coordinator_pid: i32,
     pub _dir: tempfile::TempDir,
 }
 
@@ -63,14 +64,15 @@ fn up_args_mem(servers: usize, memory_mb: usize, args: &[&str]) -> Cluster {
             let addr = rest.split_whitespace().nth(1).unwrap().parse().unwrap();
             list.push((addr, pid_of(rest)));
         } else if let Some(rest) = t.strip_prefix("coordinator: ") {
-            coordinator = Some(rest.split_whitespace().next().unwrap().parse().unwrap());
+            coordinator = Some((rest.split_whitespace().next().unwrap().parse().unwrap(), pid_of(rest)));
         }
         if line.starts_with("Ctrl-C") {
             break;
         }
     }
     assert_eq!(list.len(), servers);
-    Cluster { _guard: guard, servers: list, coordinator: coordinator.expect("a coordinator"), _dir: dir }
+    let (coordinator, coordinator_pid) = coordinator.expect("a coordinator");
+    Cluster { _guard: guard, servers: list, coordinator, coordinator_pid, _dir: dir }
 }
 
 /// A plain text connection with a deadline on every read.

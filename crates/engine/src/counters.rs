@@ -53,6 +53,9 @@ pub struct Counters {
     /// Requests answered as for another server's key because this server was fenced (its
     /// lease from the coordinator ran out).
     pub fenced_keys: u64,
+    /// Requests answered with an error because their cachelet's move to another server
+    /// waited to learn whether its commit stood (`Tables::unsure`).
+    pub moving_errors: u64,
     /// Times a connection stopped reading because the worker had
     /// `max_inflight` forwarded requests unanswered.
     pub inflight_stalls: u64,
@@ -169,6 +172,7 @@ impl Counters {
             migrations_refused,
             migrated_in_bytes,
             fenced_keys,
+            moving_errors,
             inflight_stalls,
             capacity_stalls,
             idle_kicks,

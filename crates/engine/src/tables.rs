@@ -40,6 +40,11 @@ pub struct Tables<P> {
     /// A cachelet of this worker in the last step of a move to another server
     /// (`worker/migrate.rs`): its requests wait, nobody executes them here.
     pub frozen: Option<u32>,
+    /// The frozen cachelet's commit was sent and its answer lost (the coordinator away): the
+    /// move may or may not stand, which may take a while to learn. Meanwhile this worker's
+    /// own connections get an error for it at once instead of waiting (a client's timeout
+    /// would take the whole server for down; a miss would read older than a write it saw).
+    pub unsure: bool,
     /// The newest owner this worker knows of, per cachelet.
     pub owner: Vec<Own>,
     /// The server and worker this worker sends a cachelet's requests to
@@ -68,6 +73,7 @@ impl<P> Tables<P> {
             server,
             fenced: false,
             frozen: None,
+            unsure: false,
             owner,
             route,
             inflight: vec![0; n],

@@ -763,6 +763,33 @@ fn redirect(shared: &Shared, rt: &mut Route, output: &mut Output, d: Dest, key: 
 
 const FOREIGN: &[u8] = b"SERVER_ERROR key is served by another mbal server\r\n";
 
+/// The answer to a request for cachelet `c` while its move to another server waits to learn
+/// whether its commit stood (`Tables::unsure`): an error naming the cause, for reads too (a
+/// miss would read older than what the client may have written), nothing for `noreply`;
+/// binary: status 0x86 (temporary failure), as the proxy answers for a server it cannot reach.
+pub(crate) fn moving_reply(req: &Request, c: u32, out: &mut Vec<u8>) {
+    let text = format!("cachelet {c} is moving to another server; try again");
+    match req {
+        Request::Text(
+            TextCmd::Store { noreply: true, .. }
+            | TextCmd::Delete { noreply: true, .. }
+            | TextCmd::Arith { noreply: true, .. }
+            | TextCmd::Touch { noreply: true, .. },
+        ) => {}
+        Request::Text(_) | Request::Meta(_) => {
+            out.extend_from_slice(b"SERVER_ERROR ");
+            out.extend_from_slice(text.as_bytes());
+            out.extend_from_slice(b"\r\n");
+        }
+        Request::Bin(b) => {
+            write_response(out, b.header.opcode, TEMPORARY_FAILURE, b.header.opaque, 0, &[], &[], text.as_bytes())
+        }
+    }
+}
+
+/// Binary status "temporary failure" (memcached's `PROTOCOL_BINARY_RESPONSE_ETMPFAIL`).
+const TEMPORARY_FAILURE: u16 = 0x86;
+
 /// A plain client asked this server for a key another server of the
 /// cluster holds: answer as a memcached that does not hold the key would,
 /// and refuse writes rather than store them in the wrong partition.

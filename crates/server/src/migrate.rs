@@ -299,7 +299,8 @@ impl Mover<'_> {
                 self.abort(Some(&mut dest));
                 return Err(format!("the coordinator refused the commit: {a}"));
             }
-            // Lost: ask until the coordinator says which (the cachelet stays frozen).
+            // Lost: ask until the coordinator says which (the cachelet stays frozen; its
+            // requests on the owner's connections are answered with an error meanwhile).
             Err(_) => match self.resolve() {
                 Some(Some(epoch)) => epoch,
                 Some(None) => {
@@ -343,6 +344,8 @@ impl Mover<'_> {
     /// (`None`); `None` outside if the server stops first.
     fn resolve(&self) -> Option<Option<u64>> {
         let (c, to) = (self.order.cachelet, self.order.to.0);
+        // Meanwhile the owner answers the frozen cachelet's requests with an error.
+        self.tell(MigMsg::Unsure { cachelet: c });
         loop {
             match self.call(&format!("mbal migrate abort {} {c} {to}", self.id)) {
                 Ok(a) if a.starts_with("COMMITTED") => {

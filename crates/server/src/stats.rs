@@ -295,6 +295,7 @@ pub fn render(group: &str, p: &ProcessInfo, snaps: &mut [WorkerSnapshot], sink: 
                 sink.stat("migrations_refused", &c.migrations_refused);
                 sink.stat("migrated_in_bytes", &c.migrated_in_bytes);
                 sink.stat("fenced_keys", &c.fenced_keys);
+                sink.stat("moving_errors", &c.moving_errors);
             }
             sink.stat("hot_replications", &c.hot_replications);
             sink.stat("hot_hints", &c.hot_hints);

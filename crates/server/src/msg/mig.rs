@@ -17,6 +17,9 @@ pub(crate) enum MigMsg {
     Delta { cachelet: u32, freeze: bool, reply: Sender<MigReply> },
     /// The move failed: stop noting writes, serve the cachelet again.
     Abort { cachelet: u32 },
+    /// The commit's answer was lost: until the move ends, the frozen cachelet's requests on
+    /// this worker's own connections are answered with an error (`Tables::unsure`).
+    Unsure { cachelet: u32 },
 }
 
 /// The owning worker's answers.

@@ -520,7 +520,15 @@ impl Worker {
                     }
                 }
                 Parsed::Req { ref req, consumed } => {
-                    if rt.tables.frozen.is_some_and(|c| dispatch::touches(&self.shared.layout, req, c)) {
+                    if let Some(c) = rt.tables.frozen.filter(|&c| dispatch::touches(&self.shared.layout, req, c)) {
+                        if rt.tables.unsure && fresh {
+                            // Its move's outcome is not known yet: an error now, not a wait.
+                            dispatch::moving_reply(req, c, output.buf());
+                            rt.counters.moving_errors += 1;
+                            pos += consumed;
+                            done += 1;
+                            continue;
+                        }
                         // Its cachelet is on its way to another server: wait, input unread.
                         *line = line_before;
                         frozen_stop = true;

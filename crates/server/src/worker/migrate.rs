@@ -122,6 +122,16 @@ impl Worker {
                     self.end_outgoing();
                 }
             }
+            MigMsg::Unsure { cachelet } => {
+                if self.shard.tables.frozen == Some(cachelet) {
+                    self.shard.tables.unsure = true;
+                    // The connections stopped at it run again: they get the error now.
+                    let conns = self.outgoing.as_mut().map(|o| std::mem::take(&mut o.frozen_conns)).unwrap_or_default();
+                    for ci in conns {
+                        self.requeue(ci);
+                    }
+                }
+            }
         }
     }
 
@@ -133,6 +143,7 @@ impl Worker {
             self.shard.store.stop_moving();
         }
         self.shard.tables.frozen = None;
+        self.shard.tables.unsure = false;
         for (req, bytes) in o.frozen_reqs {
             self.exec_forwarded(&req, &bytes);
         }

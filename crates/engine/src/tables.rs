@@ -167,11 +167,16 @@ impl<P> Tables<P> {
     /// would drop the items that arrived. It still counts as a change (the `Some` holds the
     /// parked requests to send again, as `reassign`'s), so that every worker, whichever order
     /// its two notices came in, numbers `c`'s owner alike. `None`: follow it. `reset`: the
-    /// map of a reset (this server was declared dead) is followed whatever its epoch (a
-    /// coordinator that lost its state numbers from 1 again).
+    /// map of a reset (this server was declared dead) is followed whatever its epoch, and every
+    /// cachelet's number starts again from it (a coordinator that lost its state numbers from
+    /// 1 again).
     pub fn stale(&mut self, c: u32, epoch: u64, reset: bool) -> Option<Option<VecDeque<P>>> {
+        if reset {
+            // Numbers from the reset's map on, for every cachelet (once per reset in effect).
+            self.epochs.iter_mut().filter(|e| **e > epoch).for_each(|e| *e = 0);
+        }
         let last = &mut self.epochs[c as usize];
-        if epoch < *last && !reset {
+        if epoch < *last {
             self.owner[c as usize].ver += 1;
             return Some(self.settle(c));
         }
@@ -397,8 +402,9 @@ mod tests {
         // A later map of the same epoch or newer is followed.
         assert!(t1.stale(0, 7, false).is_none() && t1.stale(0, 9, false).is_none());
         assert!(t1.executes(0, v0) && !t1.executes(0, v1));
-        // A reset's map is followed even if older.
+        // A reset's map is followed even if older, and numbers every cachelet from there.
+        assert!(t1.stale(1, 9, false).is_none());
         assert!(t1.stale(0, 2, false).is_some() && t1.stale(0, 2, true).is_none());
-        assert!(t1.stale(0, 3, false).is_none(), "and numbers from there");
+        assert!(t1.stale(0, 3, false).is_none() && t1.stale(1, 3, false).is_none());
     }
 }

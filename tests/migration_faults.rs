@@ -349,10 +349,15 @@ fn with_the_coordinator_gone_at_the_commit_the_frozen_cachelet_answers_errors_no
     let _resume = Resume(up);
     signal(c.servers[1].1, libc::SIGSTOP);
     let _resume_dst = Resume(c.servers[1].1);
+    // The move's begin answered by the coordinator: its mover then dials the destination
+    // (paused, so the connection waits there, its hello unanswered).
+    let (pid, port) = (c.servers[0].1, c.servers[1].0.port());
+    let before = connections_to(pid, port);
     let mut mv = start_move(src, cl);
     let until = Instant::now() + Duration::from_secs(20);
-    while Conn::new(c.coordinator).stat("migrations_begun") == "0" {
-        assert!(Instant::now() < until, "the coordinator never recorded the move");
+    while connections_to(pid, port) <= before {
+        assert!(Instant::now() < until, "the mover never dialed the destination");
+        std::thread::sleep(Duration::from_millis(5));
     }
     signal(c.coordinator_pid, libc::SIGKILL);
     signal(c.servers[1].1, libc::SIGCONT);
@@ -398,4 +403,24 @@ fn with_the_coordinator_gone_at_the_commit_the_frozen_cachelet_answers_errors_no
         assert_eq!(version(k, &v), 1, "{k}");
     }
     assert_eq!(owner.stat("migrations_failed"), "1");
+}
+
+/// The established TCP connections process `pid` holds to port `port` of 127.0.0.1 (from
+/// /proc: its socket inodes, and /proc/net/tcp's remote address and state).
+fn connections_to(pid: i32, port: u16) -> usize {
+    let inodes: std::collections::HashSet<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| {
+            d.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+                .filter_map(|l| l.to_str()?.strip_prefix("socket:[")?.strip_suffix(']').map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default();
+    let remote = format!("0100007F:{port:04X}");
+    std::fs::read_to_string("/proc/net/tcp")
+        .unwrap_or_default()
+        .lines()
+        .skip(1)
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .filter(|f| f.len() > 9 && f[2] == remote && f[3] == "01" && inodes.contains(f[9]))
+        .count()
 }

@@ -521,7 +521,9 @@ impl Worker {
                 }
                 Parsed::Req { ref req, consumed } => {
                     if let Some(c) = rt.tables.frozen.filter(|&c| dispatch::touches(&self.shared.layout, req, c)) {
-                        if rt.tables.unsure && fresh {
+                        // (Only a whole request: the rest of a long get line, parsed in
+                        // pieces, would be answered after the error.)
+                        if rt.tables.unsure && fresh && matches!(line, LineState::Start) {
                             // Its move's outcome is not known yet: an error now, not a wait.
                             dispatch::moving_reply(req, c, output.buf());
                             rt.counters.moving_errors += 1;

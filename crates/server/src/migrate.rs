@@ -293,8 +293,14 @@ impl Mover<'_> {
         let line = format!("mbal migrate commit {} {} {}", self.id, moved.items, moved.bytes);
         // The epoch at which the map gives the cachelet to the destination: it keeps the
         // cachelet against any older map that reaches it later.
+        // `held`: the beat thread holds new maps back for this commit (its answer came), until
+        // `Report::Committed`; a commit whose answer was lost took no hold.
+        let mut held = false;
         let epoch = match self.call_as(&line, true) {
-            Ok(a) if a.starts_with("OK ") => a[3..].trim().parse::<u64>().unwrap_or(0),
+            Ok(a) if a.starts_with("OK ") => {
+                held = true;
+                a[3..].trim().parse::<u64>().unwrap_or(0)
+            }
             Ok(a) => {
                 self.abort(Some(&mut dest));
                 return Err(format!("the coordinator refused the commit: {a}"));
@@ -318,7 +324,8 @@ impl Mover<'_> {
             // The map gives it to the destination anyway (it adopts it then).
             tracing::warn!(cachelet = self.order.cachelet, "the destination did not confirm the move: {e}");
         }
-        let _ = self.coord.send(Report::Committed);
+        // (Not `Committed` without a hold: it would end another move's hold early.)
+        let _ = self.coord.send(if held { Report::Committed } else { Report::BeatNow });
         self.wait_installed(epoch);
         Ok(moved)
     }

@@ -175,10 +175,16 @@ impl Worker {
     /// The map gives `c` to this worker: the staged copy if it is complete (the move
     /// committed before its `mbal import commit` arrived), else nothing (it starts empty).
     pub(super) fn take_staged(&mut self, c: u32) -> Option<Box<mbal_store::Cachelet>> {
+        self.take_staged_as(c, false)
+    }
+
+    /// `take_staged`; `committed`: the mover says the move committed (`mbal import commit`),
+    /// so a copy past its wait is still this move's (its mover waited for a coordinator).
+    fn take_staged_as(&mut self, c: u32, committed: bool) -> Option<Box<mbal_store::Cachelet>> {
         let s = self.staged.remove(&c)?;
         // A reset (this server was declared dead) starts from nothing; a copy past its wait
         // belongs to a move that did not commit (`STAGED_TTL_NS`).
-        let fresh = self.shared.clock_ns().saturating_sub(s.complete_ns) <= STAGED_TTL_NS;
+        let fresh = committed || self.shared.clock_ns().saturating_sub(s.complete_ns) <= STAGED_TTL_NS;
         if s.complete && fresh && !self.shared.resetting.load(Ordering::Acquire) {
             self.shard.counters.migrations_in += 1;
             if self.arrived.len() == 16 {
@@ -335,7 +341,10 @@ impl Worker {
         if !s.complete {
             return Err(format!("SERVER_ERROR move {id} has not sent its last frame"));
         }
-        let cachelet = self.take_staged(c).expect("complete");
+        // (None in a reset: this server starts from nothing.)
+        let Some(cachelet) = self.take_staged_as(c, true) else {
+            return Err(format!("SERVER_ERROR move {id} arrived during a reset: dropped"));
+        };
         self.adopt_moved(c, cachelet, epoch);
         Ok(())
     }

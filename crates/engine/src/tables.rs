@@ -156,9 +156,14 @@ impl<P> Tables<P> {
         (ver, self.settle(c))
     }
 
-    /// The map epoch of the newest notice this worker followed for `c`.
-    pub fn epoch(&self, c: u32) -> u64 {
-        self.epochs[c as usize]
+    /// `c` arrived at this worker from another server, its move committed at map `epoch` (0:
+    /// not known): every older map's notice of `c` is stale from now on. Returns the epoch the
+    /// adoption's notice to the other workers carries (the newer of `epoch` and the last one
+    /// this worker followed).
+    pub fn arrived(&mut self, c: u32, epoch: u64) -> u64 {
+        let last = &mut self.epochs[c as usize];
+        *last = (*last).max(epoch);
+        *last
     }
 
     /// Before a [`Tables::reassign`] from map `epoch`: `Some` if this worker already followed
@@ -389,7 +394,7 @@ mod tests {
         // answer to an older map (epoch 5, the cachelet on server 2) reaches worker 0 before
         // the adoption's notice and worker 1 after it.
         let (mut t0, mut t1) = (tables(0), tables(1));
-        assert!(t1.stale(0, 7, false).is_none());
+        assert_eq!(t1.arrived(0, 7), 7, "as adopt_moved records it");
         let (v1, _) = t1.reassign(0, 0, 1);
         assert!(t1.stale(0, 5, false).is_some(), "older than what worker 1 followed");
         assert!(t0.stale(0, 5, false).is_none());

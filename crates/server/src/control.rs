@@ -104,8 +104,9 @@ pub(crate) struct Controller {
     /// The heartbeat thread (`--coordinator`): moves to report.
     reports: Option<Sender<crate::beat::Report>>,
     /// Cachelets that arrived from other servers (`mbal import commit`) that no installed map
-    /// shows yet: at which worker, and the map epoch of their commit.
-    arrived: std::collections::HashMap<u32, (u16, u64)>,
+    /// shows yet, with the map epoch of their commit (the core's map has them here at once:
+    /// `Event::Arrived`).
+    arrived: std::collections::HashMap<u32, u64>,
     /// Maps from the coordinator applied so far (`OwnMsg::Applied`), and the one a reset
     /// waits for with the workers that have not yet applied it.
     applied_seq: u64,
@@ -214,7 +215,7 @@ impl Controller {
             CtlMsg::Moved { token, cachelet, worker } => Event::Moved { token, cachelet, worker: worker as u16 },
             CtlMsg::Arrived { cachelet, worker, epoch } => {
                 // Until a map at least as new as its commit comes, no older one takes it away.
-                self.arrived.insert(cachelet, (worker, epoch));
+                self.arrived.insert(cachelet, epoch);
                 if let Some(tx) = &self.reports {
                     let _ = tx.send(crate::beat::Report::BeatNow);
                 }
@@ -258,14 +259,15 @@ impl Controller {
                 if reset {
                     self.arrived.clear();
                 }
-                for (&c, &(w, commit)) in &self.arrived {
-                    if commit > map.epoch() && c < map.cachelet_count() && map.has_worker((me, w)) {
-                        map.set_owner_local(c, (me, w));
+                for (&c, &commit) in &self.arrived {
+                    let at = self.core.map().owner(c);
+                    if commit > map.epoch() && at.0 == me && c < map.cachelet_count() && map.has_worker(at) {
+                        map.set_owner_local(c, at);
                     }
                 }
                 let epoch = map.epoch();
                 self.step(Event::Map { map: *map, reset });
-                self.arrived.retain(|_, &mut (_, commit)| commit > epoch);
+                self.arrived.retain(|_, &mut commit| commit > epoch);
                 let addrs = crate::shared::members_of(self.core.map());
                 *self.shared.members.write().unwrap_or_else(|p| p.into_inner()) = addrs;
                 if let Some(f) = &self.shared.forward {
@@ -323,9 +325,9 @@ impl Controller {
         if c >= map.cachelet_count() || server == me {
             return self.answer(reply, b"CLIENT_ERROR no such cachelet, or the destination is this server\r\n");
         }
-        let w = match (map.owner(c), self.arrived.get(&c)) {
-            ((s, w), _) if s == me => w,
-            (_, Some(&(w, _))) => w,
+        // (A cachelet that arrived is in the core's map at once: `Event::Arrived`.)
+        let w = match map.owner(c) {
+            (s, w) if s == me => w,
             _ => return self.answer(reply, b"CLIENT_ERROR cachelet is not on this server\r\n"),
         };
         let order = crate::migrate::Order { cachelet: c, worker: usize::from(w), to: (server, worker), to_addr, reply };

@@ -360,10 +360,7 @@ impl Worker {
             return;
         }
         self.shard.store.insert_cachelet(cachelet);
-        // The newest news of `c` here, whatever its number (0: a mover that did not send it):
-        // every older map's notice is stale from now on, at every worker.
-        let epoch = epoch.max(self.shard.tables.epoch(c));
-        let _ = self.shard.tables.stale(c, epoch, false);
+        let epoch = self.shard.tables.arrived(c, epoch);
         let (ver, q) = self.shard.tables.reassign(c, server, worker);
         let q = self.shard.tables.adopted(c, ver).or(q);
         if let Some(q) = q {

@@ -88,7 +88,7 @@ impl Client {
             let Some(src) = self.health.map_source(self.router.map(), failed, Instant::now()) else { break };
             self.stats.map_refreshes += 1;
             let fetched = match self.take_conn(src, 0) {
-                Ok(mut c) => match fetch_map(&mut c) {
+                Ok(mut c) => match fetch_map(&mut c, Some(self.router.map().epoch())) {
                     Ok(m) => {
                         self.put_conn(c);
                         Ok(m)
@@ -99,7 +99,9 @@ impl Client {
             };
             match fetched {
                 Ok(m) => {
-                    let _ = self.install_map(m);
+                    if let Some(m) = m {
+                        let _ = self.install_map(m);
+                    }
                     break;
                 }
                 Err(e) => {

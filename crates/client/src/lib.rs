@@ -396,14 +396,21 @@ impl Client {
     pub(crate) fn map_from_coordinators(&mut self) -> bool {
         let Some((c, link)) = self.coordinators.as_mut() else { return false };
         self.stats.map_coordinator_fetches += 1;
-        let fetched =
-            c.fetch_with(link).ok().and_then(|json| ClusterMap::from_json(&String::from_utf8_lossy(&json)).ok());
+        let have = self.router.map().epoch();
+        // An empty answer: the coordinator's map is no newer than this one.
+        let fetched = match c.fetch_with(link, Some(have)) {
+            Ok(json) if json.is_empty() => Ok(None),
+            Ok(json) => ClusterMap::from_json(&String::from_utf8_lossy(&json)).map(Some).map_err(drop),
+            Err(_) => Err(()),
+        };
         match fetched {
-            Some(m) => {
-                let _ = self.install_map(m);
+            Ok(m) => {
+                if let Some(m) = m {
+                    let _ = self.install_map(m);
+                }
                 true
             }
-            None => {
+            Err(()) => {
                 self.stats.map_coordinator_failures += 1;
                 false
             }
@@ -435,7 +442,7 @@ impl Client {
     pub fn connect(any_server: SocketAddr, cfg: Config) -> Result<Client> {
         let mut c = Conn::open(any_server, Peer::Unknown, cfg.connect_timeout, cfg.io_timeout, cfg.tls.as_ref())?;
         c.login(cfg.login.as_ref())?;
-        let map = fetch_map(&mut c)?;
+        let map = fetch_map(&mut c, None)?.expect("a whole map is asked for");
         Ok(Client::from_map(map, cfg))
     }
 
@@ -676,16 +683,18 @@ impl Client {
                     continue;
                 }
                 let mut c = self.take_conn(s, w)?;
-                let map = match fetch_map(&mut c) {
+                let map = match fetch_map(&mut c, Some(self.router.map().epoch())) {
                     Ok(m) => m,
                     Err(e) => return Err(self.conn_failed(c, e)),
                 };
                 self.put_conn(c);
-                self.install_map(map).map_err(|detail| Error::Protocol {
-                    addr: self.router.map().worker_addr(s, w),
-                    peer: Peer::Worker { server: s, worker: w },
-                    detail,
-                })?;
+                if let Some(map) = map {
+                    self.install_map(map).map_err(|detail| Error::Protocol {
+                        addr: self.router.map().worker_addr(s, w),
+                        peer: Peer::Worker { server: s, worker: w },
+                        detail,
+                    })?;
+                }
             }
         }
         Ok(())
@@ -935,11 +944,14 @@ fn store_request(req: &mut Vec<u8>, cmd: &str, key: &[u8], data: &[u8], flags: u
 }
 
 /// `mbal map` on a connection.
-fn fetch_map(c: &mut Conn) -> Result<ClusterMap> {
-    match c.call(b"mbal map\r\n", Expect::Line)? {
+/// `mbal map [<have>]`: the server's map; `None` if `have` is given and the server's map is
+/// no newer (it sends no JSON then).
+fn fetch_map(c: &mut Conn, have: Option<u64>) -> Result<Option<ClusterMap>> {
+    match c.call(&mbal_proto::ext::map_request(have), Expect::Line)? {
+        Reply::Map { json, .. } if have.is_some() && json.is_empty() => Ok(None),
         Reply::Map { json, .. } => {
             let text = String::from_utf8_lossy(&json);
-            ClusterMap::from_json(&text).map_err(|e| Error::Protocol {
+            ClusterMap::from_json(&text).map(Some).map_err(|e| Error::Protocol {
                 addr: c.addr,
                 peer: c.peer,
                 detail: format!("bad cluster map: {e}"),

@@ -198,6 +198,21 @@ fn a_silent_server_goes_down_its_cachelets_move_and_the_map_survives_a_restart()
     assert_eq!(m.line(&format!("mbal moved 0 {cl} 1")), "OK 4");
     assert!(m.line(&format!("mbal moved 2 {cl} 1")).starts_with("CLIENT_ERROR cachelet"));
     assert_eq!(m.line("mbal leave 2"), "OK 5");
+    // A refresh asks with the epoch it has: no JSON unless the map is newer.
+    m.r.get_mut().write_all(b"mbal map 5\r\nmbal map 6\r\nmbal map x\r\nmbal map 4\r\n").unwrap();
+    let mut next = || {
+        let mut l = String::new();
+        m.r.read_line(&mut l).unwrap();
+        l.trim_end().to_string()
+    };
+    assert_eq!([next(), next(), next(), next()], ["MAP 5 0", "", "MAP 5 0", ""]);
+    assert_eq!(next(), "CLIENT_ERROR usage: mbal map [<epoch you have>]");
+    let head = next();
+    assert!(head.starts_with("MAP 5 ") && head != "MAP 5 0", "{head}: the map of epoch 5 for epoch 4");
+    let n: usize = head.split_whitespace().nth(2).unwrap().parse().unwrap();
+    let mut body = vec![0; n + 2];
+    m.r.read_exact(&mut body).unwrap();
+    assert_eq!(m.line("mbal beat 9 1"), "CLIENT_ERROR no server 9", "the stream is in step");
     assert_eq!(m.line("mbal leave 0"), "SERVER_ERROR no other server to take its cachelets");
     assert!(m.map().owners().iter().all(|&(s, _)| s == 0));
     // An oversized line: refused, then the connection is closed.

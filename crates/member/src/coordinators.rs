@@ -29,9 +29,10 @@ pub struct Link {
 }
 
 impl Coordinators {
-    /// `mbal map` from the coordinators, starting with `link.at` and trying each once:
-    /// the answer's JSON. A connection that fails is dropped and the next one tried.
-    pub fn fetch_with(&self, link: &mut Link) -> io::Result<Vec<u8>> {
+    /// `mbal map [<have>]` from the coordinators, starting with `link.at` and trying each
+    /// once: the answer's JSON, empty if `have` is given and the map is no newer than that.
+    /// A connection that fails is dropped and the next one tried.
+    pub fn fetch_with(&self, link: &mut Link, have: Option<u64>) -> io::Result<Vec<u8>> {
         let n = self.addrs.len();
         let mut last = io::Error::new(io::ErrorKind::NotFound, "no coordinator is named");
         for k in 0..n {
@@ -40,7 +41,7 @@ impl Coordinators {
                 link.conn = None;
             }
             link.at = i;
-            match self.ask(link) {
+            match self.ask(link, have) {
                 Ok(json) => return Ok(json),
                 Err(e) => {
                     tracing::debug!(coordinator = %self.addrs[i], "mbal map from a coordinator: {e}");
@@ -52,13 +53,13 @@ impl Coordinators {
         Err(last)
     }
 
-    fn ask(&self, link: &mut Link) -> io::Result<Vec<u8>> {
+    fn ask(&self, link: &mut Link, have: Option<u64>) -> io::Result<Vec<u8>> {
         if link.conn.is_none() {
             let s = mbal_tls::dial_timeouts(self.addrs[link.at], self.tls.as_ref(), self.timeout, self.timeout)?;
             link.conn = Some(MemberConn::over(s));
         }
         let c = link.conn.as_mut().expect("connected above");
-        match c.call(b"mbal map\r\n")? {
+        match c.call(&mbal_proto::ext::map_request(have))? {
             Reply::Map { json, .. } => Ok(json),
             other => {
                 Err(io::Error::new(io::ErrorKind::InvalidData, format!("unexpected answer to mbal map: {other:?}")))
@@ -68,6 +69,6 @@ impl Coordinators {
 
     /// The map's JSON, once, from the first coordinator that answers (a start).
     pub fn fetch(&self) -> io::Result<Vec<u8>> {
-        self.fetch_with(&mut Link::default())
+        self.fetch_with(&mut Link::default(), None)
     }
 }

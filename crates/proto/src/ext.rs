@@ -76,6 +76,25 @@ pub fn write_map(out: &mut Vec<u8>, epoch: u64, json: &[u8]) {
     blob(out, b"MAP", epoch, json);
 }
 
+/// The answer to `mbal map <have>`: the map if its epoch is above `have`, else
+/// `MAP <epoch> 0` with no JSON (the asker's map is as new: nothing to send or parse).
+pub fn write_map_since(out: &mut Vec<u8>, epoch: u64, have: Option<u64>, json: impl FnOnce() -> Vec<u8>) {
+    if have.is_some_and(|h| h >= epoch) {
+        write_map(out, epoch, b"");
+    } else {
+        write_map(out, epoch, &json());
+    }
+}
+
+/// `mbal map [<have>]`: with the epoch of the map the asker has, the map comes only if newer
+/// (a refresh while a server is down asks every 200 ms; docs/protocol.md).
+pub fn map_request(have: Option<u64>) -> Vec<u8> {
+    match have {
+        Some(e) => format!("mbal map {e}\r\n").into_bytes(),
+        None => b"mbal map\r\n".to_vec(),
+    }
+}
+
 /// `LOAD <seq> <bytes>` and an epoch snapshot's JSON: the answer to
 /// `mbal load`.
 pub fn write_load(out: &mut Vec<u8>, seq: u64, json: &[u8]) {
@@ -125,5 +144,22 @@ mod tests {
         r.feed(b"MBAL 3 1 42\r\nMBAL 3 1 42 x\r\n");
         assert_eq!(r.next(Expect::Line).unwrap(), Some(Reply::Hello { server: 3, worker: 1, epoch: 42, threads: 0 }));
         assert!(r.next(Expect::Line).is_err(), "a thread count that is not a number");
+    }
+
+    #[test]
+    fn a_map_asked_since_an_epoch_comes_only_if_newer() {
+        let json = || b"{\"m\":1}".to_vec();
+        let mut out = Vec::new();
+        write_map_since(&mut out, 5, Some(5), json);
+        write_map_since(&mut out, 5, Some(9), json);
+        write_map_since(&mut out, 5, Some(4), json);
+        write_map_since(&mut out, 5, None, json);
+        let mut r = ReplyReader::new();
+        r.feed(&out);
+        for want in [&b""[..], b"", b"{\"m\":1}", b"{\"m\":1}"] {
+            assert_eq!(r.next(Expect::Line).unwrap(), Some(Reply::Map { epoch: 5, json: want.to_vec() }));
+        }
+        assert_eq!(map_request(Some(7)), b"mbal map 7\r\n");
+        assert_eq!(map_request(None), b"mbal map\r\n");
     }
 }

@@ -18,21 +18,22 @@ use std::sync::Arc;
 
 /// A proxy thread's helper that fetches the map from the coordinators: one request at a
 /// time (the thread has at most one fetch in flight), answered on `answers` (`None`: no
-/// coordinator answered), then the event loop's waker.
+/// coordinator answered; empty: the coordinator's map is no newer than the thread's), then
+/// the event loop's waker.
 pub(crate) struct Fetcher {
-    asks: Sender<()>,
+    asks: Sender<u64>,
     pub(crate) answers: Receiver<Option<Vec<u8>>>,
 }
 
 impl Fetcher {
     pub(crate) fn start(thread: usize, coords: Coordinators, waker: Arc<mio::Waker>) -> io::Result<Fetcher> {
-        let (asks, asked) = std::sync::mpsc::channel::<()>();
+        let (asks, asked) = std::sync::mpsc::channel::<u64>();
         let (answer, answers) = std::sync::mpsc::channel();
         std::thread::Builder::new().name(format!("mbal-proxy-map-{thread}")).spawn(move || {
             let mut link = Link::default();
             // Ends when the event loop (the sender) is gone.
-            while asked.recv().is_ok() {
-                let got = coords.fetch_with(&mut link).ok();
+            while let Ok(have) = asked.recv() {
+                let got = coords.fetch_with(&mut link, Some(have)).ok();
                 if answer.send(got).is_err() {
                     return;
                 }
@@ -42,8 +43,8 @@ impl Fetcher {
         Ok(Fetcher { asks, answers })
     }
 
-    /// Ask for the map; false if the helper is gone.
-    pub(crate) fn ask(&self) -> bool {
-        self.asks.send(()).is_ok()
+    /// Ask for the map if newer than epoch `have` (the thread's); false if the helper is gone.
+    pub(crate) fn ask(&self, have: u64) -> bool {
+        self.asks.send(have).is_ok()
     }
 }

@@ -224,11 +224,10 @@ impl Controller {
             CtlMsg::Migrate { cachelet, server, worker, addr, reply } => {
                 return self.migrate(cachelet, (server, worker), addr, reply)
             }
-            CtlMsg::Map { reply } => {
+            CtlMsg::Map { have, reply } => {
                 let map = self.core.map();
-                let json = map.to_json();
-                let mut b = Vec::with_capacity(json.len() + 32);
-                ext::write_map(&mut b, map.epoch(), json.as_bytes());
+                let mut b = Vec::new();
+                ext::write_map_since(&mut b, map.epoch(), have, || map.to_json().into_bytes());
                 return self.answer(reply, &b);
             }
             CtlMsg::Load { after, reply } => {

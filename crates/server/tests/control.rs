@@ -168,6 +168,18 @@ fn concurrent_moves_of_one_cachelet_are_serialised_by_the_controller() {
     let body = a.exact(n + 2);
     let map = mbal_cluster::ClusterMap::from_json(std::str::from_utf8(&body[..n]).unwrap()).unwrap();
     assert_eq!(map.epoch(), *epochs.iter().max().unwrap(), "the last answer carries the map's epoch");
+    // Asked with the epoch one has (a refresh): no JSON unless the map is newer.
+    let e = map.epoch();
+    a.send(format!("mbal map {e}\r\nmbal map {}\r\n", e + 7).as_bytes());
+    assert_eq!(a.line(), format!("MAP {e} 0\r\n"));
+    assert_eq!(a.line(), "\r\n");
+    assert_eq!(a.line(), format!("MAP {e} 0\r\n"));
+    assert_eq!(a.line(), "\r\n");
+    a.send(format!("mbal map {}\r\n", e - 1).as_bytes());
+    assert_eq!(a.line(), head, "an older epoch gets the whole map");
+    assert_eq!(a.exact(n + 2), body);
+    a.send(b"mbal map x\r\n");
+    assert!(a.line().starts_with("CLIENT_ERROR usage: mbal map"));
     let owner = map.owner(0).1;
     a.send(b"stats cachelets\r\n");
     let lines = a.until_end();

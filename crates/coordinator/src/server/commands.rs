@@ -48,25 +48,13 @@ pub(super) fn command(sh: &Shared, session: &mut Session, line: &[u8], out: &mut
                 }
             }
         },
-        ["mbal", "map"] => {
-            // Serialised once per epoch (every server fetches each new map: at 100 servers x 16
-            // workers that is ~0.6 MB each, docs/benchmarks.md).
-            let c = sh.lock();
-            let epoch = c.epoch();
-            let mut cache = sh.map_cache.lock().unwrap_or_else(|p| p.into_inner());
-            let bytes = match &*cache {
-                Some((e, b)) if *e == epoch => b.clone(),
-                _ => {
-                    let mut b = Vec::new();
-                    mbal_proto::ext::write_map(&mut b, epoch, c.map().to_json().as_bytes());
-                    let b = Arc::new(b);
-                    *cache = Some((epoch, b.clone()));
-                    b
-                }
-            };
-            drop((cache, c));
-            out.extend_from_slice(&bytes);
-        }
+        ["mbal", "map", have] => match have.parse::<u64>() {
+            // A refresh (a client or proxy thread that saw a server fail asks every 200 ms):
+            // the map only if it is newer than the asker's.
+            Ok(have) => map_reply(sh, Some(have), out),
+            Err(_) => client_error(out, "usage: mbal map [<epoch you have>]"),
+        },
+        ["mbal", "map"] => map_reply(sh, None, out),
         ["mbal", "members"] => {
             let rows = sh.lock().member_rows(Instant::now());
             for r in rows {
@@ -456,4 +444,29 @@ pub(super) fn stats(sh: &Shared, out: &mut Vec<u8>) {
     line_out(out, format_args!("STAT failure_timeout_ms {}", c.timing().failure_timeout.as_millis()));
     line_out(out, format_args!("STAT leader {leader}"));
     out.extend_from_slice(b"END\r\n");
+}
+
+/// `mbal map [<have>]`: the map, serialised once per epoch (every server fetches each new map:
+/// at 100 servers x 16 workers that is ~0.6 MB each, docs/benchmarks.md); with `have`, only if
+/// it is newer than that (else `MAP <epoch> 0`).
+fn map_reply(sh: &Shared, have: Option<u64>, out: &mut Vec<u8>) {
+    let c = sh.lock();
+    let epoch = c.epoch();
+    if have.is_some_and(|h| h >= epoch) {
+        drop(c);
+        return mbal_proto::ext::write_map(out, epoch, b"");
+    }
+    let mut cache = sh.map_cache.lock().unwrap_or_else(|p| p.into_inner());
+    let bytes = match &*cache {
+        Some((e, b)) if *e == epoch => b.clone(),
+        _ => {
+            let mut b = Vec::new();
+            mbal_proto::ext::write_map(&mut b, epoch, c.map().to_json().as_bytes());
+            let b = Arc::new(b);
+            *cache = Some((epoch, b.clone()));
+            b
+        }
+    };
+    drop((cache, c));
+    out.extend_from_slice(&bytes);
 }

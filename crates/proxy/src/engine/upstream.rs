@@ -395,7 +395,8 @@ impl Engine {
         let Some(src) = self.health.map_source(self.router.map(), failed, self.now) else { return false };
         self.fetching_map = true;
         self.counters.map_fetches += 1;
-        let inf = self.inflight(usize::MAX, 0, 0, b"mbal map\r\n".to_vec(), What::Map, false);
+        let req = mbal_proto::ext::map_request(Some(self.router.map().epoch()));
+        let inf = self.inflight(usize::MAX, 0, 0, req, What::Map, false);
         self.send((src, 0), inf);
         true
     }
@@ -403,7 +404,8 @@ impl Engine {
     /// Ask the coordinators for the map (`crate::coord`): the cluster's newest, which a server
     /// may hear of only at its next heartbeat. If the helper is gone, the fallback now.
     fn fetch_from_coordinators(&mut self, fallback: MapFallback) {
-        if self.coord.as_ref().is_some_and(|c| c.ask()) {
+        let have = self.router.map().epoch();
+        if self.coord.as_ref().is_some_and(|c| c.ask(have)) {
             self.fetching_map = true;
             self.counters.map_fetches += 1;
             self.counters.map_coordinator_fetches += 1;
@@ -450,7 +452,11 @@ impl Engine {
     }
 
     /// Install a fetched map's JSON if it is newer than the router's (`from`: for the log).
+    /// Empty: the answer to `mbal map <epoch>` when the map there is no newer.
     fn install_map_json(&mut self, json: &[u8], from: &str) {
+        if json.is_empty() {
+            return;
+        }
         match ClusterMap::from_json(&String::from_utf8_lossy(json)) {
             Ok(m) => {
                 let old = self.router.map().servers().to_vec();
@@ -807,7 +813,8 @@ impl Engine {
     fn fetch_from_owner(&mut self, owner: Owner) {
         self.fetching_map = true;
         self.counters.map_fetches += 1;
-        let inf = self.inflight(usize::MAX, 0, 0, b"mbal map\r\n".to_vec(), What::Map, false);
+        let req = mbal_proto::ext::map_request(Some(self.router.map().epoch()));
+        let inf = self.inflight(usize::MAX, 0, 0, req, What::Map, false);
         self.send(owner, inf);
     }
 }

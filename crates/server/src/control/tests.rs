@@ -216,7 +216,7 @@ fn asks_the_core_refuses_are_answered_with_memcached_style_errors() {
 #[test]
 fn a_map_ask_is_answered_with_the_cores_map() {
     let mut r = rig(|_| {}, map(2));
-    r.ctl.handle(CtlMsg::Map { reply: reply_to(1, 4) });
+    r.ctl.handle(CtlMsg::Map { have: None, reply: reply_to(1, 4) });
     let out = r.got(1);
     let [Envelope::Replies(b)] = &out[..] else { panic!("one reply") };
     let (_, bytes) = b.iter().next().unwrap();
@@ -226,6 +226,19 @@ fn a_map_ask_is_answered_with_the_cores_map() {
     assert!(head.starts_with(&format!("MAP {epoch} ")), "{head}");
     let back = ClusterMap::from_json(json.trim_end()).unwrap();
     assert_eq!(back.owners(), r.ctl.core.map().owners());
+    // Asked with the epoch the asker has: no JSON unless the map is newer.
+    for (have, whole) in [(epoch, false), (epoch + 1, false), (epoch - 1, true)] {
+        r.ctl.handle(CtlMsg::Map { have: Some(have), reply: reply_to(1, 4) });
+        let out = r.got(1);
+        let [Envelope::Replies(b)] = &out[..] else { panic!("one reply") };
+        let (_, bytes) = b.iter().next().unwrap();
+        let text = String::from_utf8_lossy(bytes);
+        if whole {
+            assert_eq!(text.len(), head.len() + json.len() + 2, "have {have}: the whole map");
+        } else {
+            assert_eq!(text, format!("MAP {epoch} 0\r\n\r\n"), "have {have}");
+        }
+    }
 }
 
 #[test]

@@ -58,8 +58,16 @@ pub(super) fn admin(shared: &Shared, rt: &mut Route, output: &mut Output, args: 
             hello(shared, rt.server, rt.worker, by_thread, output.buf());
             Action::Routed { by_thread }
         }
-        (Some("map"), None, ..) => {
-            rt.ask_controller(shared, output, |reply| CtlMsg::Map { reply });
+        (Some("map"), have, None, ..) => {
+            let have = match have.map(str::parse::<u64>) {
+                None => None,
+                Some(Ok(e)) => Some(e),
+                Some(Err(_)) => {
+                    output.buf().extend_from_slice(b"CLIENT_ERROR usage: mbal map [<epoch you have>]\r\n");
+                    return Action::None;
+                }
+            };
+            rt.ask_controller(shared, output, |reply| CtlMsg::Map { have, reply });
             Action::None
         }
         (Some("slots"), Some("held"), Some(from), None) => {

@@ -32,8 +32,9 @@ pub(crate) enum CtlMsg {
     Migrate { cachelet: u32, server: u16, worker: u16, addr: Option<std::net::SocketAddr>, reply: ReplyTo },
     /// Move `token` finished: `worker` owns `cachelet` now.
     Moved { token: u64, cachelet: u32, worker: usize },
-    /// `mbal map`: `MAP <epoch> <len>` and the map as JSON.
-    Map { reply: ReplyTo },
+    /// `mbal map [<have>]`: `MAP <epoch> <len>` and the map as JSON (with `have`, only if
+    /// the map is newer than that epoch: else `MAP <epoch> 0`).
+    Map { have: Option<u64>, reply: ReplyTo },
     /// `mbal load [<after>]`: the oldest epoch snapshot kept that is
     /// numbered above `after` (the next one, for a caller that keeps up),
     /// as JSON, as soon as there is one.

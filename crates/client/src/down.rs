@@ -26,6 +26,8 @@ impl Client {
         let reason = e.to_string();
         let addr = self.router.map().worker_addr(s, w); // (before a refresh changes the map)
         self.stats.unreachable += 1;
+        // A redirect to it from a server behind the map is done with (`Router`'s doc).
+        self.router.forget_stale_redirects_to(s);
         let f = self.health.failed(s, Instant::now());
         if f.new_backoff {
             // Every pooled connection to that server's workers is as dead as this one: a
@@ -98,7 +100,9 @@ impl Client {
                 Err(e) => Err(e),
             };
             match fetched {
-                Ok(m) => {
+                Ok((epoch, m)) => {
+                    // The same epoch confirmed drops what servers behind it redirected to.
+                    self.router.confirm_epoch(epoch);
                     if let Some(m) = m {
                         let _ = self.install_map(m);
                     }

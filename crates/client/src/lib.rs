@@ -399,8 +399,12 @@ impl Client {
         let have = self.router.map().epoch();
         // An empty answer: the coordinator's map is no newer than this one.
         let fetched = match c.fetch_with(link, Some(have)) {
-            Ok(json) if json.is_empty() => Ok(None),
-            Ok(json) => ClusterMap::from_json(&String::from_utf8_lossy(&json)).map(Some).map_err(drop),
+            Ok((epoch, json)) if json.is_empty() => {
+                // (the coordinator's epoch is this map's: what servers behind it said is old)
+                self.router.confirm_epoch(epoch);
+                Ok(None)
+            }
+            Ok((_, json)) => ClusterMap::from_json(&String::from_utf8_lossy(&json)).map(Some).map_err(drop),
             Err(_) => Err(()),
         };
         match fetched {
@@ -442,7 +446,7 @@ impl Client {
     pub fn connect(any_server: SocketAddr, cfg: Config) -> Result<Client> {
         let mut c = Conn::open(any_server, Peer::Unknown, cfg.connect_timeout, cfg.io_timeout, cfg.tls.as_ref())?;
         c.login(cfg.login.as_ref())?;
-        let map = fetch_map(&mut c, None)?.expect("a whole map is asked for");
+        let map = fetch_map(&mut c, None)?.1.expect("a whole map is asked for");
         Ok(Client::from_map(map, cfg))
     }
 
@@ -683,11 +687,12 @@ impl Client {
                     continue;
                 }
                 let mut c = self.take_conn(s, w)?;
-                let map = match fetch_map(&mut c, Some(self.router.map().epoch())) {
+                let (epoch, map) = match fetch_map(&mut c, Some(self.router.map().epoch())) {
                     Ok(m) => m,
                     Err(e) => return Err(self.conn_failed(c, e)),
                 };
                 self.put_conn(c);
+                self.router.confirm_epoch(epoch);
                 if let Some(map) = map {
                     self.install_map(map).map_err(|detail| Error::Protocol {
                         addr: self.router.map().worker_addr(s, w),
@@ -944,14 +949,14 @@ fn store_request(req: &mut Vec<u8>, cmd: &str, key: &[u8], data: &[u8], flags: u
 }
 
 /// `mbal map` on a connection.
-/// `mbal map [<have>]`: the server's map; `None` if `have` is given and the server's map is
-/// no newer (it sends no JSON then).
-fn fetch_map(c: &mut Conn, have: Option<u64>) -> Result<Option<ClusterMap>> {
+/// `mbal map [<have>]`: the server's map's epoch, and the map; `None` if `have` is given and
+/// the server's map is no newer (it sends no JSON then).
+fn fetch_map(c: &mut Conn, have: Option<u64>) -> Result<(u64, Option<ClusterMap>)> {
     match c.call(&mbal_proto::ext::map_request(have), Expect::Line)? {
-        Reply::Map { json, .. } if have.is_some() && json.is_empty() => Ok(None),
-        Reply::Map { json, .. } => {
+        Reply::Map { epoch, json } if have.is_some() && json.is_empty() => Ok((epoch, None)),
+        Reply::Map { epoch, json } => {
             let text = String::from_utf8_lossy(&json);
-            ClusterMap::from_json(&text).map(Some).map_err(|e| Error::Protocol {
+            ClusterMap::from_json(&text).map(|m| (epoch, Some(m))).map_err(|e| Error::Protocol {
                 addr: c.addr,
                 peer: c.peer,
                 detail: format!("bad cluster map: {e}"),

@@ -359,6 +359,36 @@ impl Router {
         Ok(Learned { cachelet, fetch_map_from, threads_stale })
     }
 
+    /// A server's map is of epoch `epoch` (its answer to `mbal map <epoch>`, or the same map
+    /// again): if that is this map's epoch, the redirects older than it are forgotten (their
+    /// senders were behind the map, and the map is current).
+    pub fn confirm_epoch(&mut self, epoch: u64) {
+        if epoch != self.map.epoch() {
+            return;
+        }
+        for o in &mut self.overrides {
+            if o.is_some_and(|o| o.epoch < epoch) {
+                *o = None;
+            }
+        }
+    }
+
+    /// Server `server` could not be reached: forget the redirects to it that are older than
+    /// the map (how many). Such a redirect came from a server whose map was behind this one's
+    /// (say the dead server's cachelets were given to it and it had not heard yet): it named
+    /// the old owner, and would send the cachelet there until the next map.
+    pub fn forget_stale_redirects_to(&mut self, server: u16) -> usize {
+        let e = self.map.epoch();
+        let mut n = 0;
+        for o in &mut self.overrides {
+            if o.is_some_and(|o| o.owner.0 == server && o.epoch < e) {
+                *o = None;
+                n += 1;
+            }
+        }
+        n
+    }
+
     /// Replace the map by a newer one (of the same key space). Overrides
     /// not newer than it are forgotten. Returns whether the map was
     /// replaced (an older or equal map is ignored). The same epoch again (a
@@ -370,14 +400,7 @@ impl Router {
         if map.keyspace() != self.map.keyspace() {
             return Err("the new map has another key space (a map of another cluster)".into());
         }
-        if map.epoch() == self.map.epoch() {
-            let e = map.epoch();
-            for o in &mut self.overrides {
-                if o.is_some_and(|o| o.epoch < e) {
-                    *o = None;
-                }
-            }
-        }
+        self.confirm_epoch(map.epoch());
         if map.epoch() <= self.map.epoch() {
             return Ok(false);
         }
@@ -490,6 +513,20 @@ mod tests {
         // an older map changes nothing
         assert!(!r.install_map(map(2, 1)).unwrap());
         assert_eq!(r.overrides().count(), 1);
+        // the same epoch confirmed without the map (`mbal map <epoch>`) does as the same map
+        r.learn((0, 0), Redirect { epoch: 1, to: (1, 0) }, [a]).unwrap();
+        r.confirm_epoch(1);
+        assert_eq!(r.owner_of(ca), (1, 0), "an older epoch confirms nothing");
+        r.confirm_epoch(2);
+        assert_eq!(r.overrides().map(|(c, ..)| c).collect::<Vec<_>>(), vec![cb]);
+        // the old owner failed: its redirects older than the map go at once, newer ones stay
+        r.learn((0, 0), Redirect { epoch: 1, to: (1, 0) }, [a]).unwrap();
+        assert_eq!(r.forget_stale_redirects_to(0), 0);
+        assert_eq!(r.forget_stale_redirects_to(1), 1);
+        assert_eq!(r.owner_of(ca), m.owner(ca));
+        r.learn((0, 0), Redirect { epoch: 2, to: (1, 0) }, [a]).unwrap();
+        assert_eq!(r.forget_stale_redirects_to(1), 0, "a redirect of the map's epoch is not stale");
+        assert_eq!(r.owner_of(ca), (1, 0));
     }
 
     #[test]

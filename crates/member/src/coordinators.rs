@@ -30,9 +30,9 @@ pub struct Link {
 
 impl Coordinators {
     /// `mbal map [<have>]` from the coordinators, starting with `link.at` and trying each
-    /// once: the answer's JSON, empty if `have` is given and the map is no newer than that.
-    /// A connection that fails is dropped and the next one tried.
-    pub fn fetch_with(&self, link: &mut Link, have: Option<u64>) -> io::Result<Vec<u8>> {
+    /// once: the answer's epoch and JSON, empty if `have` is given and the map is no newer
+    /// than that. A connection that fails is dropped and the next one tried.
+    pub fn fetch_with(&self, link: &mut Link, have: Option<u64>) -> io::Result<(u64, Vec<u8>)> {
         let n = self.addrs.len();
         let mut last = io::Error::new(io::ErrorKind::NotFound, "no coordinator is named");
         for k in 0..n {
@@ -53,14 +53,14 @@ impl Coordinators {
         Err(last)
     }
 
-    fn ask(&self, link: &mut Link, have: Option<u64>) -> io::Result<Vec<u8>> {
+    fn ask(&self, link: &mut Link, have: Option<u64>) -> io::Result<(u64, Vec<u8>)> {
         if link.conn.is_none() {
             let s = mbal_tls::dial_timeouts(self.addrs[link.at], self.tls.as_ref(), self.timeout, self.timeout)?;
             link.conn = Some(MemberConn::over(s));
         }
         let c = link.conn.as_mut().expect("connected above");
         match c.call(&mbal_proto::ext::map_request(have))? {
-            Reply::Map { json, .. } => Ok(json),
+            Reply::Map { epoch, json } => Ok((epoch, json)),
             other => {
                 Err(io::Error::new(io::ErrorKind::InvalidData, format!("unexpected answer to mbal map: {other:?}")))
             }
@@ -69,6 +69,6 @@ impl Coordinators {
 
     /// The map's JSON, once, from the first coordinator that answers (a start).
     pub fn fetch(&self) -> io::Result<Vec<u8>> {
-        self.fetch_with(&mut Link::default(), None)
+        self.fetch_with(&mut Link::default(), None).map(|(_, json)| json)
     }
 }

@@ -192,8 +192,13 @@ struct UpExtra {
 /// A thing to do once the current upstream's replies are read.
 enum After {
     Resend(Inflight),
-    Done { client: usize, cid: u64, seq: u64 },
-    InstallMap(Vec<u8>),
+    Done {
+        client: usize,
+        cid: u64,
+        seq: u64,
+    },
+    /// `mbal map <epoch>`'s answer: its epoch and JSON (empty: no newer than the router's).
+    InstallMap(u64, Vec<u8>),
     UpstreamBroken(&'static str),
 }
 

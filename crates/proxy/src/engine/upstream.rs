@@ -186,6 +186,8 @@ impl Engine {
         // the server's backoff decides when it is dialed again, not this upstream's
         self.ups[ui].state = State::Idle;
         self.counters.unreachable += 1;
+        // A redirect to it from a server behind the map is done with (`Router`'s doc).
+        self.router.forget_stale_redirects_to(owner.0);
         let f = self.health.failed(owner.0, self.now);
         if lost.iter().any(|i| i.copy.is_some()) {
             self.copy_failed(owner, self.now);
@@ -429,13 +431,13 @@ impl Engine {
     /// it); none answered: the map is fetched from a server instead.
     pub(super) fn take_coordinator_map(&mut self) {
         let Some(c) = &self.coord else { return };
-        let answers: Vec<Option<Vec<u8>>> = c.answers.try_iter().collect();
+        let answers: Vec<Option<(u64, Vec<u8>)>> = c.answers.try_iter().collect();
         for got in answers {
             self.fetching_map = false;
             let fallback = self.coord_fallback.take();
             match got {
-                Some(json) => {
-                    self.install_map_json(&json, "the coordinator");
+                Some((epoch, json)) => {
+                    self.install_map_json(epoch, &json, "the coordinator");
                     self.resume_waiting_map();
                 }
                 None => {
@@ -452,9 +454,12 @@ impl Engine {
     }
 
     /// Install a fetched map's JSON if it is newer than the router's (`from`: for the log).
-    /// Empty: the answer to `mbal map <epoch>` when the map there is no newer.
-    fn install_map_json(&mut self, json: &[u8], from: &str) {
+    /// Empty: the answer to `mbal map <epoch>` when the map there (of `epoch`) is no newer;
+    /// if it is the router's epoch, redirects from servers behind it are forgotten, as when
+    /// the same map comes again.
+    fn install_map_json(&mut self, epoch: u64, json: &[u8], from: &str) {
         if json.is_empty() {
+            self.router.confirm_epoch(epoch);
             return;
         }
         match ClusterMap::from_json(&String::from_utf8_lossy(json)) {
@@ -614,8 +619,8 @@ impl Engine {
                     u.backoff = BACKOFF_MIN;
                     self.health.reachable(owner.0);
                 }
-                Frame::Map { json, .. } if matches!(front.what, What::Map) => {
-                    after.push(After::InstallMap(json.to_vec()));
+                Frame::Map { epoch, json } if matches!(front.what, What::Map) => {
+                    after.push(After::InstallMap(epoch, json.to_vec()));
                 }
                 _ if matches!(front.what, What::Hello | What::Map) => {
                     after.push(After::UpstreamBroken("unexpected reply to mbal hello or mbal map"));
@@ -683,10 +688,10 @@ impl Engine {
             match a {
                 After::Done { client, cid, seq } => self.part_done(client, cid, seq),
                 After::Resend(inf) => self.redirected(owner, inf),
-                After::InstallMap(json) => {
+                After::InstallMap(epoch, json) => {
                     self.fetching_map = false;
                     let from = self.ups[ui].extra.addr_s.clone();
-                    self.install_map_json(&json, &from);
+                    self.install_map_json(epoch, &json, &from);
                     self.resume_waiting_map();
                 }
                 After::UpstreamBroken(why) => {

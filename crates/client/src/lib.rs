@@ -948,7 +948,6 @@ fn store_request(req: &mut Vec<u8>, cmd: &str, key: &[u8], data: &[u8], flags: u
     req.extend_from_slice(b"\r\n");
 }
 
-/// `mbal map` on a connection.
 /// `mbal map [<have>]`: the server's map's epoch, and the map; `None` if `have` is given and
 /// the server's map is no newer (it sends no JSON then).
 fn fetch_map(c: &mut Conn, have: Option<u64>) -> Result<(u64, Option<ClusterMap>)> {

@@ -36,7 +36,7 @@ mod router;
 
 pub use health::{closed_kind, unreachable_kind, Failed, Health, UNREACHABLE_BACKOFF_MAX, UNREACHABLE_BACKOFF_MIN};
 pub use leases::{Lease, Leases, COPY_RETRY, DEFAULT_MAX_LEASES};
-pub use map::{ClusterMap, MapDiff, ServerInfo};
+pub use map::{parse_u32_array, ClusterMap, MapDiff, ServerInfo};
 pub use owners::{Owners, CHUNK};
 pub use replica::{most_replicas, replica_location};
 pub use router::{BadRedirect, Group, Learned, Redirect, Router, Split};

@@ -14,7 +14,7 @@ else
     export RUSTC_BOOTSTRAP=1
     fuzz=(cargo fuzz run --sanitizer none)
 fi
-for t in fuzz_text fuzz_meta fuzz_binary fuzz_client fuzz_auth fuzz_migrate; do
+for t in fuzz_text fuzz_meta fuzz_binary fuzz_client fuzz_auth fuzz_migrate fuzz_map; do
     echo "== $t (${secs}s)"
     mkdir -p "fuzz/corpus/$t"
     "${fuzz[@]}" "$t" "fuzz/corpus/$t" -- -max_total_time="$secs" -rss_limit_mb=2048

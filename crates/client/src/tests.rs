@@ -192,7 +192,7 @@ fn a_redirect_to_a_dead_server_from_a_server_behind_the_map_is_forgotten_when_it
             "MBAL 0 0 1\r\n".into()
         } else if l.starts_with("mbal map") {
             "MAP 1 0\r\n\r\n".into() // its map is older than the client's: nothing sent
-        } else if n.fetch_add(1, Ordering::SeqCst) % 2 == 0 {
+        } else if n.fetch_add(1, Ordering::SeqCst).is_multiple_of(2) {
             "RD 1 1 0\r\n".into() // epoch 1: the dead server owned the key
         } else {
             "STORED\r\n".into()

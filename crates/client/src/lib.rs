@@ -570,7 +570,7 @@ impl Client {
     fn take_conn(&mut self, s: u16, w: u16) -> Result<Conn> {
         if self.health.any_down() && self.health.is_down(s, Instant::now()) {
             // A redirect to it from a server behind the map, learned during its backoff, is
-            // done with (`Router`'s doc): the caller sees the key's route change and resends.
+            // done with (`Router`'s doc): the next request goes where the map says.
             self.router.forget_stale_redirects_to(s);
             if self.health.refresh_due(Instant::now()) {
                 self.refresh_map(s);
@@ -725,9 +725,8 @@ impl Client {
     /// the key (read-your-writes).
     ///
     /// A server that cannot be reached gives [`Error::Unreachable`] (counted as an error for
-    /// a write; the caller of a read makes it a miss), unless the map refresh it caused (or a
-    /// stale redirect to it, forgotten) moved the key to another server: then the request goes
-    /// there (at most `max_redirects`
+    /// a write; the caller of a read makes it a miss), unless the map refresh it caused moved
+    /// the key to another server: then the request goes there (at most `max_redirects`
     /// times). A pooled connection the server closed is replaced and a read resent on the new
     /// one, once.
     fn keyed(&mut self, key: &[u8], req: &[u8], expect: Expect) -> Result<(Reply, SocketAddr, Peer)> {
@@ -742,6 +741,7 @@ impl Client {
             // are known).
             let (_, owner) = self.router.route_hash(hash);
             let (s, w) = self.router.conn_of(owner);
+            let epoch = self.router.map().epoch();
             let called = match self.take_conn(s, w) {
                 Ok(mut conn) => match conn.call(req, expect) {
                     Ok(reply) => Ok((conn, reply)),
@@ -752,10 +752,12 @@ impl Client {
             let (mut conn, reply) = match called {
                 Ok(x) => x,
                 Err(e @ Error::Unreachable { .. }) => {
-                    // (a refreshed map, or a stale redirect forgotten, moved the key)
-                    let moved = self.router.conn_of(self.router.route_hash(hash).1) != (s, w);
+                    // Only a newer map: a stale redirect forgotten sends the key back to the
+                    // redirect's sender, which would send it here again (until it hears).
+                    let moved = self.router.map().epoch() != epoch
+                        && self.router.conn_of(self.router.route_hash(hash).1) != (s, w);
                     if moved && followed < self.cfg.max_redirects {
-                        followed += 1; // try its new owner
+                        followed += 1; // the refreshed map moved the key: try its new owner
                         continue;
                     }
                     if expect != Expect::Values {

@@ -44,10 +44,9 @@ impl Engine {
         }
         if self.health.any_down() && self.health.is_down(owner.0, self.now) {
             // A redirect to it from a server behind the map (learned during its backoff) is
-            // done with: the request goes where the map says (`Router`'s doc).
-            if inf.copy.is_none() && self.router.forget_stale_redirects_to(owner.0) > 0 {
-                return self.reroute(inf);
-            }
+            // done with (`Router`'s doc): the next request goes where the map says. Not this
+            // one: the map says the redirect's sender, which would redirect it here again.
+            self.router.forget_stale_redirects_to(owner.0);
             // the server could not be reached: its keys are answered here during its backoff
             if self.health.refresh_due(self.now) {
                 self.refresh_map(owner.0);

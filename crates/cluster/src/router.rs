@@ -210,12 +210,16 @@ pub struct Router {
     redirects: u64,
     /// Per server: how many threads run its workers (0: not known, route per worker).
     threads: Vec<u16>,
+    /// Whether an override may be older than the map (learned from a server behind it): if
+    /// not, [`Router::forget_stale_redirects_to`] has nothing to look for (it is asked on
+    /// every request to a server in its backoff).
+    maybe_stale: bool,
 }
 
 impl Router {
     pub fn new(map: ClusterMap) -> Router {
         let n = map.cachelet_count() as usize;
-        Router { map, overrides: vec![None; n], redirects: 0, threads: Vec::new() }
+        Router { map, overrides: vec![None; n], redirects: 0, threads: Vec::new(), maybe_stale: false }
     }
 
     /// The map as last installed (without the overrides).
@@ -355,6 +359,7 @@ impl Router {
                 threads_stale = Some(rd.to.0);
             }
             self.overrides[c as usize] = Some(Override { owner: rd.to, epoch: rd.epoch });
+            self.maybe_stale |= rd.epoch < self.map.epoch();
         }
         Ok(Learned { cachelet, fetch_map_from, threads_stale })
     }
@@ -363,7 +368,7 @@ impl Router {
     /// again): if that is this map's epoch, the redirects older than it are forgotten (their
     /// senders were behind the map, and the map is current).
     pub fn confirm_epoch(&mut self, epoch: u64) {
-        if epoch != self.map.epoch() {
+        if epoch != self.map.epoch() || !self.maybe_stale {
             return;
         }
         for o in &mut self.overrides {
@@ -371,6 +376,7 @@ impl Router {
                 *o = None;
             }
         }
+        self.maybe_stale = false;
     }
 
     /// Server `server` could not be reached: forget the redirects to it that are older than
@@ -378,14 +384,22 @@ impl Router {
     /// (say the dead server's cachelets were given to it and it had not heard yet): it named
     /// the old owner, and would send the cachelet there until the next map.
     pub fn forget_stale_redirects_to(&mut self, server: u16) -> usize {
+        if !self.maybe_stale {
+            return 0;
+        }
         let e = self.map.epoch();
-        let mut n = 0;
+        let (mut n, mut left) = (0, false);
         for o in &mut self.overrides {
-            if o.is_some_and(|o| o.owner.0 == server && o.epoch < e) {
-                *o = None;
-                n += 1;
+            match *o {
+                Some(x) if x.epoch < e && x.owner.0 == server => {
+                    *o = None;
+                    n += 1;
+                }
+                Some(x) if x.epoch < e => left = true,
+                _ => {}
             }
         }
+        self.maybe_stale = left;
         n
     }
 
@@ -411,6 +425,7 @@ impl Router {
                 *o = None;
             }
         }
+        self.maybe_stale = false; // (what is left is newer than the map)
         Ok(true)
     }
 }

@@ -101,11 +101,7 @@ impl Client {
             };
             match fetched {
                 Ok((epoch, m)) => {
-                    // The same epoch confirmed drops what servers behind it redirected to.
-                    self.router.confirm_epoch(epoch);
-                    if let Some(m) = m {
-                        let _ = self.install_map(m);
-                    }
+                    let _ = self.take_map(epoch, m);
                     break;
                 }
                 Err(e) => {
@@ -116,6 +112,14 @@ impl Client {
             }
         }
         self.refreshing = false;
+    }
+
+    /// An answer to `mbal map <epoch>`: its epoch, and the map if it was newer. The same
+    /// epoch confirms the router's map (redirects from servers behind it are dropped); a map
+    /// is installed ([`Client::install_map`]). Whether one was.
+    pub(super) fn take_map(&mut self, epoch: u64, map: Option<ClusterMap>) -> std::result::Result<bool, String> {
+        self.router.confirm_epoch(epoch);
+        map.map_or(Ok(false), |m| self.install_map(m))
     }
 
     /// Install a map if it is newer than the router's (forgetting the failures of servers it

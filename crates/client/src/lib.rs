@@ -399,22 +399,16 @@ impl Client {
         let have = self.router.map().epoch();
         // An empty answer: the coordinator's map is no newer than this one.
         let fetched = match c.fetch_with(link, Some(have)) {
-            Ok((epoch, json)) if json.is_empty() => {
-                // (the coordinator's epoch is this map's: what servers behind it said is old)
-                self.router.confirm_epoch(epoch);
-                Ok(None)
-            }
-            Ok((_, json)) => ClusterMap::from_json(&String::from_utf8_lossy(&json)).map(Some).map_err(drop),
-            Err(_) => Err(()),
+            Ok((epoch, json)) if json.is_empty() => Ok((epoch, None)),
+            Ok((epoch, json)) => ClusterMap::from_json(&String::from_utf8_lossy(&json)).map(|m| (epoch, Some(m))),
+            Err(e) => Err(e.to_string()),
         };
         match fetched {
-            Ok(m) => {
-                if let Some(m) = m {
-                    let _ = self.install_map(m);
-                }
+            Ok((epoch, m)) => {
+                let _ = self.take_map(epoch, m);
                 true
             }
-            Err(()) => {
+            Err(_) => {
                 self.stats.map_coordinator_failures += 1;
                 false
             }
@@ -695,14 +689,11 @@ impl Client {
                     Err(e) => return Err(self.conn_failed(c, e)),
                 };
                 self.put_conn(c);
-                self.router.confirm_epoch(epoch);
-                if let Some(map) = map {
-                    self.install_map(map).map_err(|detail| Error::Protocol {
-                        addr: self.router.map().worker_addr(s, w),
-                        peer: Peer::Worker { server: s, worker: w },
-                        detail,
-                    })?;
-                }
+                self.take_map(epoch, map).map_err(|detail| Error::Protocol {
+                    addr: self.router.map().worker_addr(s, w),
+                    peer: Peer::Worker { server: s, worker: w },
+                    detail,
+                })?;
             }
         }
         Ok(())

@@ -19,8 +19,7 @@ use std::sync::Arc;
 /// A proxy thread's helper that fetches the map from the coordinators: one request at a
 /// time (the thread has at most one fetch in flight), answered on `answers` (`None`: no
 /// coordinator answered; else the epoch and the JSON, empty if the coordinator's map is no
-/// newer than the thread's), then
-/// the event loop's waker.
+/// newer than the thread's), then the event loop's waker.
 pub(crate) struct Fetcher {
     asks: Sender<u64>,
     pub(crate) answers: Receiver<Option<(u64, Vec<u8>)>>,
